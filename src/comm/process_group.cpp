@@ -1,0 +1,562 @@
+// dtrain::ProcessGroup over c10d: store set-up, the start-up rendezvous, Gloo (and NCCL in a CUDA build)
+// backends, collectives with timeouts, and errors that name the ranks that never arrived.
+#include "common/compat.h"  // first: it sets the macros c10d's backend headers need
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef DTRAIN_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <thread>
+#include <mutex>
+#include <sstream>
+
+#include "comm/progress.h"
+#include "common/log.h"
+#include "dtrain/comm.h"
+
+namespace dtrain {
+namespace detail {
+
+// Everything a group needs; ProcessGroup is its public face.
+struct GroupState {
+  std::string name;
+  int rank = 0;
+  int size = 1;
+  std::vector<int> global_ranks;  // group rank -> job rank, for messages
+  int world_size = 1;             // the job's size, for the "rank R/N" prefix
+  std::string master_addr;        // picks Gloo's network interface (loopback for a one-machine job)
+  std::chrono::milliseconds timeout{kDefaultTimeout};
+  c10::intrusive_ptr<c10d::Store> root_store;  // unprefixed; sub-groups prefix it again
+  c10::intrusive_ptr<c10d::Store> store;       // this group's keys
+  c10::intrusive_ptr<compat::Backend> gloo;
+#ifdef DTRAIN_WITH_CUDA
+  std::once_flag nccl_once;
+  c10::intrusive_ptr<compat::Backend> nccl;
+#endif
+  std::unique_ptr<ProgressTracker> progress;
+  uint64_t p2p_seq = 0;
+  int subgroups_created = 0;
+  // The first failure; later calls fail fast with it instead of hanging on a broken transport.
+  std::mutex failure_mutex;
+  std::string failure;
+
+  ~GroupState() {
+    progress.reset();
+    if (!failure.empty()) {
+      // After a timeout a Gloo worker thread may still be blocked inside the transport, and the backend's
+      // destructor would join it, stalling exit for another full timeout. The process is going down with an
+      // error anyway: leave the backend to the OS.
+      (void)gloo.release();
+#ifdef DTRAIN_WITH_CUDA
+      (void)nccl.release();
+#endif
+    }
+  }
+
+  std::string who() const {
+    return "rank " + std::to_string(global_ranks[rank]) + "/" + std::to_string(world_size);
+  }
+  std::string group_label() const { return "group '" + name + "'"; }
+};
+
+struct WorkState {
+  GroupState* group = nullptr;
+  c10::intrusive_ptr<c10d::Work> work;
+  const char* op = "";
+  uint64_t seq = 0;       // collective sequence number; 0 for point to point
+  int peer = -1;          // point to point: the other group rank
+  std::chrono::milliseconds timeout{0};
+  std::function<void()> finish;  // runs after a successful wait (e.g. divide for an average)
+  bool done = false;
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::GroupState;
+using detail::WorkState;
+using Clock = std::chrono::steady_clock;
+
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
+  if (requested.count() > 0) return requested;
+  if (const char* text = std::getenv("DTRAIN_TIMEOUT_S")) {
+    char* end = nullptr;
+    double seconds = std::strtod(text, &end);
+    if (*text == '\0' || *end != '\0' || !(seconds > 0)) {
+      throw UsageError(std::string("environment variable DTRAIN_TIMEOUT_S='") + text +
+                       "': expected a positive number of seconds");
+    }
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+  return kDefaultTimeout;
+}
+
+std::string seconds_text(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << ms.count() / 1000.0 << " s";
+  return out.str();
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+// memory://NAME stores: shared by name among the threads of this process, freed with their last group.
+c10::intrusive_ptr<c10d::Store> memory_store(const std::string& name) {
+  static std::mutex mutex;
+  static std::map<std::string, c10::weak_intrusive_ptr<c10d::HashStore>> stores;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = stores.find(name);
+  if (found != stores.end()) {
+    if (auto existing = found->second.lock()) return existing;
+    stores.erase(found);
+  }
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  stores.emplace(name, c10::weak_intrusive_ptr<c10d::HashStore>(store));
+  return store;
+}
+
+struct Endpoint {
+  std::string host;
+  int port = 0;
+};
+
+Endpoint parse_tcp(const std::string& where, const std::string& what) {
+  auto colon = where.rfind(':');
+  Endpoint endpoint;
+  if (colon != std::string::npos) {
+    endpoint.host = where.substr(0, colon);
+    endpoint.port = std::atoi(where.substr(colon + 1).c_str());
+  }
+  if (endpoint.host.empty() || endpoint.port <= 0 || endpoint.port > 65535) {
+    throw UsageError(what + "='" + where + "': expected HOST:PORT with a port in 1..65535");
+  }
+  return endpoint;
+}
+
+c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const LaunchInfo& launch, int rank,
+                                           int world_size, std::chrono::milliseconds timeout) {
+  const std::string& method = options.init_method;
+  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world_size);
+  if (method.rfind("memory://", 0) == 0) return memory_store(method.substr(9));
+  if (method.rfind("file://", 0) == 0) {
+    return c10::make_intrusive<c10d::FileStore>(method.substr(7), world_size);
+  }
+  Endpoint endpoint;
+  if (method.rfind("tcp://", 0) == 0) {
+    endpoint = parse_tcp(method.substr(6), "init_method");
+  } else if (method == "env://" || method.empty()) {
+    if (world_size == 1 && launch.master_addr.empty()) {
+      return c10::make_intrusive<c10d::HashStore>();  // a world of one needs no network
+    }
+    if (launch.master_addr.empty()) {
+      throw UsageError(who + ": environment variable MASTER_ADDR is not set; expected the host of rank 0. "
+                             "Launch with `dtrain run` (it sets it) or export MASTER_ADDR.");
+    }
+    if (launch.master_port == 0) {
+      throw UsageError(who + ": environment variable MASTER_PORT is not set; expected a TCP port in "
+                             "1..65535. Launch with `dtrain run` (it sets it) or export MASTER_PORT.");
+    }
+    endpoint = {launch.master_addr, launch.master_port};
+  } else {
+    throw UsageError("init_method='" + method +
+                     "': expected env://, tcp://HOST:PORT, file:///PATH or memory://NAME");
+  }
+
+  c10d::TCPStoreOptions tcp;
+  tcp.port = static_cast<uint16_t>(endpoint.port);
+  tcp.isServer = rank == 0;
+  tcp.numWorkers = world_size;
+  tcp.waitWorkers = false;  // dtrain's own rendezvous below names the ranks that never came
+  tcp.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(endpoint.host, tcp);
+  } catch (const std::exception& e) {
+    std::string where = endpoint.host + ":" + std::to_string(endpoint.port);
+    if (rank == 0) {
+      throw UsageError(who + ": cannot host the store on " + where + " (MASTER_ADDR:MASTER_PORT): " +
+                       e.what() + ". Pick a free port (`dtrain run` picks one when --master-port is 0).");
+    }
+    throw TimeoutError(who + ": cannot reach the store at " + where + " (MASTER_ADDR:MASTER_PORT) within " +
+                       seconds_text(timeout) + ": " + e.what() +
+                       ". Likely cause: rank 0 has not started or died, or the address is wrong.");
+  }
+}
+
+// Every member announces itself, then waits for the others; on timeout the missing ones are named.
+void meet(GroupState& group) {
+  group.store->set("join/" + std::to_string(group.rank), bytes_of(std::to_string(::getpid())));
+  std::vector<std::string> keys;
+  for (int r = 0; r < group.size; ++r) keys.push_back("join/" + std::to_string(r));
+  auto deadline = Clock::now() + group.timeout;
+  while (!group.store->check(keys)) {
+    if (Clock::now() > deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < group.size; ++r) {
+        if (!group.store->check({keys[r]})) missing.push_back(group.global_ranks[r]);
+      }
+      std::ostringstream list;
+      for (size_t i = 0; i < missing.size(); ++i) list << (i ? "," : "") << missing[i];
+      throw TimeoutError(group.who() + ": creating " + group.group_label() + " of " +
+                         std::to_string(group.size) + " ranks timed out after " + seconds_text(group.timeout) +
+                         "; ranks {" + list.str() +
+                         "} never joined. Likely cause: they failed before init_process_group, or were "
+                         "started with a different WORLD_SIZE, MASTER_ADDR or MASTER_PORT.");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  // A job on one machine talks over loopback; this also spares machines whose hostname does not resolve.
+  if (master_addr.empty() || master_addr == "localhost" || master_addr.rfind("127.", 0) == 0) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
+  meet(*group);
+  auto options = c10d::ProcessGroupGloo::Options::create(group->timeout);
+  options->devices.push_back(gloo_device(group->master_addr));
+  // Two threads let two buckets' all-reduces proceed at once (DDP overlaps them with backward).
+  options->threads = 2;
+  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", group->store);
+  group->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, group->rank, group->size, options);
+  group->progress = std::make_unique<detail::ProgressTracker>(group->store, group->rank, group->size);
+  return group;
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // Gloo has no average: sum, then divide (see finish_average)
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build.
+compat::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
+  if (tensor.is_cuda()) {
+#ifdef DTRAIN_WITH_CUDA
+    std::call_once(group.nccl_once, [&] {
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = group.timeout;
+      auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl", group.store);
+      group.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, group.rank, group.size, options);
+    });
+    return *group.nccl;
+#else
+    throw UsageError(group.who() + ": a CUDA tensor was passed to a collective, but this dtrain was built "
+                                   "against a LibTorch without CUDA. Rebuild with a CUDA LibTorch.");
+#endif
+  }
+  return *group.gloo;
+}
+
+void check_usable(GroupState& group) {
+  std::lock_guard<std::mutex> lock(group.failure_mutex);
+  if (!group.failure.empty()) {
+    throw CommError(group.who() + ": " + group.group_label() +
+                    " cannot be used after an earlier failure: " + group.failure);
+  }
+}
+
+bool looks_like_timeout(const std::string& what) {
+  return what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+}
+
+// Turns a failed or late wait into dtrain's error, naming who did not arrive, and marks the group broken.
+[[noreturn]] void fail(WorkState& work, const std::string& cause, bool timed_out) {
+  GroupState& group = *work.group;
+  std::ostringstream message;
+  message << group.who() << ": " << work.op;
+  std::string missing;
+  if (work.seq > 0) {
+    message << " #" << work.seq << " on " << group.group_label();
+    missing = group.progress->describe_missing(work.seq, group.global_ranks);
+  } else {
+    message << " with rank " << group.global_ranks[work.peer] << " on " << group.group_label();
+  }
+  if (timed_out) {
+    message << " timed out after " << seconds_text(work.timeout);
+  } else {
+    message << " failed (" << cause << ")";
+  }
+  if (work.seq > 0) {
+    message << "; " << missing << ".";
+  } else {
+    message << "; rank " << group.global_ranks[work.peer] << " did not post the matching "
+            << (std::string(work.op) == "send" ? "recv" : "send") << ".";
+  }
+  message << " Likely cause: a rank took a different code path, is stuck or died";
+  if (!timed_out) message << " (a peer's connection closed)";
+  message << ". Set DTRAIN_DEBUG=detail to log every collective.";
+  {
+    std::lock_guard<std::mutex> lock(group.failure_mutex);
+    if (group.failure.empty()) group.failure = message.str();
+  }
+  if (timed_out) throw TimeoutError(message.str());
+  throw PeerLostError(message.str());
+}
+
+std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collective, int peer,
+                                 const CollectiveOptions& options,
+                                 const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+  check_usable(group);
+  auto work = std::make_shared<WorkState>();
+  work->group = &group;
+  work->op = op;
+  work->peer = peer;
+  work->timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+  if (collective) work->seq = group.progress->begin(op);
+  if (log::detail()) {
+    DTRAIN_LOG(kDebug, op << (collective ? " #" + std::to_string(work->seq) : "") << " on "
+                          << group.group_label());
+  }
+  try {
+    work->work = launch();
+  } catch (const c10::Error& e) {
+    fail(*work, e.what_without_backtrace(), false);
+  }
+  return work;
+}
+
+void wait_for(WorkState& work) {
+  if (work.done) return;
+  try {
+    work.work->wait(work.timeout);
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    fail(work, what, looks_like_timeout(what));
+  } catch (const std::exception& e) {
+    fail(work, e.what(), looks_like_timeout(e.what()));
+  }
+  work.done = true;
+  if (work.finish) work.finish();
+}
+
+void check_rank(const GroupState& group, int r, const char* what) {
+  if (r < 0 || r >= group.size) {
+    throw UsageError(group.who() + ": " + what + "=" + std::to_string(r) + " is not a rank of " +
+                     group.group_label() + "; expected 0.." + std::to_string(group.size - 1));
+  }
+}
+
+void check_average(const GroupState& group, const at::Tensor& tensor, ReduceOp op) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+    throw UsageError(group.who() + ": ReduceOp::kAvg needs a floating-point tensor, got " +
+                     std::string(c10::toString(tensor.scalar_type())) + "; use kSum and divide yourself.");
+  }
+}
+
+}  // namespace
+
+// ---- Work ----
+
+void Work::wait() {
+  if (!state_) throw UsageError("Work::wait() on an empty Work (default-constructed or moved from)");
+  wait_for(*state_);
+}
+
+bool Work::is_completed() const { return !state_ || state_->done || state_->work->isCompleted(); }
+
+// ---- ProcessGroup ----
+
+ProcessGroup::ProcessGroup(std::unique_ptr<detail::GroupState> state) : state_(std::move(state)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+int ProcessGroup::rank() const { return state_->rank; }
+int ProcessGroup::size() const { return state_->size; }
+const std::string& ProcessGroup::name() const { return state_->name; }
+int ProcessGroup::global_rank() const { return state_->global_ranks[state_->rank]; }
+int ProcessGroup::global_rank_of(int group_rank) const {
+  check_rank(*state_, group_rank, "group_rank");
+  return state_->global_ranks[group_rank];
+}
+std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
+
+Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  check_average(group, tensor, op);
+  auto work = start(group, "all_reduce", true, -1, options, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    return backend_for(group, tensor).allreduce(tensors, opts);
+  });
+  if (op == ReduceOp::kAvg) {
+    at::Tensor result = tensor;  // shares storage with the caller's tensor
+    int size = group.size;
+    work->finish = [result, size]() mutable { result.div_(size); };
+  }
+  return Work(work);
+}
+
+void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
+  all_reduce_async(tensor, op, options).wait();
+}
+
+Work ProcessGroup::broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  check_rank(group, root, "root");
+  return Work(start(group, "broadcast", true, -1, options, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    return backend_for(group, tensor).broadcast(tensors, opts);
+  }));
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root, const CollectiveOptions& options) {
+  broadcast_async(tensor, root, options).wait();
+}
+
+void ProcessGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                              const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  if (static_cast<int>(outputs.size()) != group.size) {
+    throw UsageError(group.who() + ": all_gather needs one output tensor per rank (" +
+                     std::to_string(group.size) + "), got " + std::to_string(outputs.size()));
+  }
+  auto work = start(group, "all_gather", true, -1, options, [&] {
+    std::vector<std::vector<at::Tensor>> out{outputs};
+    std::vector<at::Tensor> in{input};
+    c10d::AllgatherOptions opts;
+    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    return backend_for(group, input).allgather(out, in, opts);
+  });
+  wait_for(*work);
+}
+
+void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                  const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  if (static_cast<int>(inputs.size()) != group.size) {
+    throw UsageError(group.who() + ": reduce_scatter needs one input tensor per rank (" +
+                     std::to_string(group.size) + "), got " + std::to_string(inputs.size()));
+  }
+  check_average(group, output, op);
+  // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep this rank's
+  // slice. It moves size() times the data an optimal ring would, which is fine for the small tensors it
+  // serves on CPU; NCCL uses its native reduce-scatter.
+  at::Tensor stacked = at::stack(inputs);
+  auto work = start(group, "reduce_scatter", true, -1, options, [&] {
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    std::vector<at::Tensor> tensors{stacked};
+    return backend_for(group, output).allreduce(tensors, opts);
+  });
+  wait_for(*work);
+  output.copy_(stacked[group.rank]);
+  if (op == ReduceOp::kAvg) output.div_(group.size);
+}
+
+void ProcessGroup::barrier(const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  auto work = start(group, "barrier", true, -1, options, [&] {
+    c10d::BarrierOptions opts;
+    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    return group.gloo->barrier(opts);
+  });
+  wait_for(*work);
+}
+
+void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  check_rank(group, dst, "dst");
+  auto work = start(group, "send", false, dst, options, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_for(group, tensor).send(tensors, dst, tag);
+  });
+  wait_for(*work);
+}
+
+void ProcessGroup::recv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
+  GroupState& group = *state_;
+  check_rank(group, src, "src");
+  auto work = start(group, "recv", false, src, options, [&] {
+    std::vector<at::Tensor> tensors{tensor};
+    return backend_for(group, tensor).recv(tensors, src, tag);
+  });
+  wait_for(*work);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks, std::string name) {
+  GroupState& parent = *state_;
+  int index = parent.subgroups_created++;
+  if (name.empty()) name = parent.name + "." + std::to_string(index);
+  if (ranks.empty()) throw UsageError(parent.who() + ": new_group('" + name + "') needs at least one rank");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    check_rank(parent, ranks[i], "new_group rank");
+    if (i > 0 && ranks[i] <= ranks[i - 1]) {
+      throw UsageError(parent.who() + ": new_group('" + name +
+                       "'): ranks must be ascending without repeats");
+    }
+  }
+  auto self = std::find(ranks.begin(), ranks.end(), parent.rank);
+  if (self == ranks.end()) return nullptr;
+
+  auto group = std::make_unique<GroupState>();
+  group->name = name;
+  group->rank = static_cast<int>(self - ranks.begin());
+  group->size = static_cast<int>(ranks.size());
+  for (int r : ranks) group->global_ranks.push_back(parent.global_ranks[r]);
+  group->world_size = parent.world_size;
+  group->timeout = parent.timeout;
+  group->master_addr = parent.master_addr;
+  group->root_store = parent.root_store;
+  group->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + name, parent.root_store);
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(connect_group(std::move(group))));
+}
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+  LaunchInfo launch = launch_info_from_env();
+  int world_size = options.world_size > 0 ? options.world_size : launch.world_size;
+  int rank = options.rank >= 0 ? options.rank : launch.rank;
+  if (rank >= world_size) {
+    throw UsageError("rank " + std::to_string(rank) + " is not below world size " +
+                     std::to_string(world_size) + "; expected 0 <= rank < world_size");
+  }
+  auto timeout = resolve_timeout(options.timeout);
+  log::set_rank(rank, world_size);
+
+  auto group = std::make_unique<GroupState>();
+  group->name = options.group_name;
+  group->rank = rank;
+  group->size = world_size;
+  for (int r = 0; r < world_size; ++r) group->global_ranks.push_back(r);
+  group->world_size = world_size;
+  group->timeout = timeout;
+  group->master_addr = launch.master_addr;
+  if (options.init_method.rfind("tcp://", 0) == 0) {
+    group->master_addr = parse_tcp(options.init_method.substr(6), "init_method").host;
+  }
+  group->root_store = open_store(options, launch, rank, world_size, timeout);
+  group->root_store->setTimeout(timeout);
+  group->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + options.group_name, group->root_store);
+  DTRAIN_LOG(kInfo, "joining " << group->group_label() << " of " << world_size << " ranks via "
+                               << options.init_method << " (launch environment: " << launch.source << ")");
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(connect_group(std::move(group))));
+}
+
+}  // namespace dtrain

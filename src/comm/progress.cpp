@@ -1,0 +1,97 @@
+// Progress records for naming missing ranks; see Note [Progress publishing off the hot path].
+#include "comm/progress.h"
+
+#include <sstream>
+
+#include "common/log.h"
+
+namespace dtrain::detail {
+namespace {
+
+std::string key_for(int rank) { return "progress/" + std::to_string(rank); }
+
+std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+}  // namespace
+
+ProgressTracker::ProgressTracker(c10::intrusive_ptr<c10d::Store> store, int group_rank, int group_size)
+    : store_(std::move(store)), rank_(group_rank), size_(group_size) {
+  publish_now();
+  publisher_ = std::thread([this] { publish_loop(); });
+}
+
+ProgressTracker::~ProgressTracker() {
+  {
+    std::lock_guard<std::mutex> lock(wake_mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  publisher_.join();
+}
+
+uint64_t ProgressTracker::begin(const char* op) {
+  op_.store(op, std::memory_order_relaxed);
+  return seq_.fetch_add(1, std::memory_order_release) + 1;
+}
+
+void ProgressTracker::publish_now() {
+  std::lock_guard<std::mutex> lock(publish_mutex_);
+  uint64_t seq = seq_.load(std::memory_order_acquire);
+  if (seq == published_seq_) return;
+  std::string record = std::to_string(seq) + " " + op_.load(std::memory_order_relaxed);
+  try {
+    store_->set(key_for(rank_), to_bytes(record));
+    published_seq_ = seq;
+  } catch (const std::exception& e) {
+    // The store's host (rank 0) may be gone; the collective itself will report the failure.
+    DTRAIN_LOG(kDebug, "could not publish progress: " << e.what());
+  }
+}
+
+void ProgressTracker::publish_loop() {
+  std::unique_lock<std::mutex> lock(wake_mutex_);
+  while (!stop_) {
+    wake_.wait_for(lock, kPublishInterval);
+    if (stop_) break;
+    lock.unlock();
+    publish_now();
+    lock.lock();
+  }
+}
+
+std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<int>& to_global) {
+  publish_now();
+  std::vector<int> missing;
+  std::ostringstream where;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    uint64_t seen = 0;
+    std::string op = "nothing";
+    try {
+      if (store_->check({key_for(r)})) {
+        auto bytes = store_->get(key_for(r));
+        std::istringstream record(std::string(bytes.begin(), bytes.end()));
+        record >> seen >> op;
+      }
+    } catch (const std::exception& e) {
+      return "the store could not be read to find the missing ranks (" + std::string(e.what()) +
+             "); rank 0 hosts it and may have died";
+    }
+    if (seen >= seq) continue;
+    missing.push_back(r);
+    if (missing.size() <= 4) {  // enough to act on; the set of ranks below names them all
+      where << (missing.size() > 1 ? ", " : "") << "rank " << to_global[r] << " last seen at "
+            << (seen == 0 ? std::string("start-up") : op + " #" + std::to_string(seen));
+    }
+  }
+  if (missing.empty()) {
+    return "every rank reached it, so the transport itself stalled or a peer died inside it";
+  }
+  std::ostringstream out;
+  out << "ranks {";
+  for (size_t i = 0; i < missing.size(); ++i) out << (i ? "," : "") << to_global[missing[i]];
+  out << "} never joined (" << where.str() << ")";
+  return out.str();
+}
+
+}  // namespace dtrain::detail

@@ -1,0 +1,198 @@
+// Tier-1 tests of dtrain's collectives: ranks as threads over one in-memory store, world sizes 1..5, buffer
+// sizes that do not divide evenly by the world size.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "support/thread_ranks.h"
+
+namespace dtrain {
+namespace {
+
+using testing::run_group;
+
+// World sizes and element counts swept by every collective test (1 and primes catch remainder bugs).
+const std::vector<int> kWorldSizes = {1, 2, 3, 4, 5};
+const std::vector<int64_t> kCounts = {1, 7, 1000, 12347};
+
+// The value rank r contributes at element i: distinct per rank and element, exact in float32.
+at::Tensor contribution(int rank, int64_t count) {
+  return torch::arange(count, torch::kFloat32) + 1000.0f * static_cast<float>(rank + 1);
+}
+
+TEST(Collectives, AllReduceSumAverageMinMax) {
+  for (int world : kWorldSizes) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      for (int64_t count : kCounts) {
+        at::Tensor expected_sum = torch::zeros({count});
+        for (int r = 0; r < world; ++r) expected_sum += contribution(r, count);
+
+        at::Tensor sum = contribution(rank, count);
+        group.all_reduce(sum);
+        EXPECT_TRUE(torch::equal(sum, expected_sum)) << "sum, count " << count;
+
+        at::Tensor average = contribution(rank, count);
+        group.all_reduce(average, ReduceOp::kAvg);
+        EXPECT_TRUE(torch::allclose(average, expected_sum / world)) << "average, count " << count;
+
+        at::Tensor max = contribution(rank, count);
+        group.all_reduce(max, ReduceOp::kMax);
+        EXPECT_TRUE(torch::equal(max, contribution(world - 1, count)));
+
+        at::Tensor min = contribution(rank, count);
+        group.all_reduce(min, ReduceOp::kMin);
+        EXPECT_TRUE(torch::equal(min, contribution(0, count)));
+      }
+    });
+  }
+}
+
+TEST(Collectives, AsyncAllReducesOverlapAndComplete) {
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    std::vector<at::Tensor> buckets;
+    std::vector<Work> works;
+    for (int b = 0; b < 4; ++b) {
+      buckets.push_back(torch::full({1001 + b}, static_cast<float>(rank + b)));
+      works.push_back(group.all_reduce_async(buckets.back()));
+    }
+    for (int b = 0; b < 4; ++b) {
+      works[b].wait();
+      EXPECT_TRUE(works[b].is_completed());
+      // ranks 0,1,2 contribute b, b+1, b+2.
+      EXPECT_TRUE(torch::equal(buckets[b], torch::full({1001 + b}, static_cast<float>(3 * b + 3))));
+    }
+  });
+}
+
+TEST(Collectives, BroadcastFromEveryRoot) {
+  for (int world : kWorldSizes) {
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      for (int root = 0; root < world; ++root) {
+        at::Tensor tensor = contribution(rank, 12347);
+        group.broadcast(tensor, root);
+        EXPECT_TRUE(torch::equal(tensor, contribution(root, 12347))) << "world " << world << " root " << root;
+      }
+    });
+  }
+}
+
+TEST(Collectives, AllGatherAndReduceScatter) {
+  for (int world : kWorldSizes) {
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      for (int64_t count : kCounts) {
+        std::vector<at::Tensor> gathered(world);
+        for (auto& t : gathered) t = torch::empty({count});
+        group.all_gather(gathered, contribution(rank, count));
+        for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(gathered[r], contribution(r, count)));
+
+        // inputs[j] on rank r is contribution(r * world + j): rank j receives the sum over r.
+        std::vector<at::Tensor> inputs;
+        for (int j = 0; j < world; ++j) inputs.push_back(contribution(rank * world + j, count));
+        at::Tensor output = torch::empty({count});
+        group.reduce_scatter(output, inputs);
+        at::Tensor expected = torch::zeros({count});
+        for (int r = 0; r < world; ++r) expected += contribution(r * world + rank, count);
+        EXPECT_TRUE(torch::equal(output, expected)) << "world " << world << " count " << count;
+      }
+    });
+  }
+}
+
+TEST(Collectives, SendRecvAroundARing) {
+  for (int world : {2, 3, 5}) {
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      int right = (rank + 1) % world;
+      int left = (rank + world - 1) % world;
+      at::Tensor received = torch::empty({777});
+      // Even ranks send first, odd ranks receive first: no cycle of blocked sends on odd rings either,
+      // because Gloo's send completes once the data is handed to the transport.
+      if (rank % 2 == 0) {
+        group.send(contribution(rank, 777), right, /*tag=*/5);
+        group.recv(received, left, /*tag=*/5);
+      } else {
+        group.recv(received, left, /*tag=*/5);
+        group.send(contribution(rank, 777), right, /*tag=*/5);
+      }
+      EXPECT_TRUE(torch::equal(received, contribution(left, 777)));
+      group.barrier();
+    });
+  }
+}
+
+TEST(Collectives, IntegerAndDoubleTensors) {
+  run_group(4, [&](int rank, ProcessGroup& group) {
+    at::Tensor ints = torch::full({33}, rank + 1, torch::kInt64);
+    group.all_reduce(ints);
+    EXPECT_EQ(ints[32].item<int64_t>(), 10);
+    at::Tensor doubles = torch::full({5}, 0.1 * (rank + 1), torch::kFloat64);
+    group.all_reduce(doubles, ReduceOp::kAvg);
+    EXPECT_NEAR(doubles[0].item<double>(), 0.25, 1e-15);
+    EXPECT_THROW(group.all_reduce(ints, ReduceOp::kAvg), UsageError);
+  });
+}
+
+TEST(SubGroups, NewGroupRunsItsOwnCollectives) {
+  run_group(5, [&](int rank, ProcessGroup& group) {
+    auto odd = group.new_group({1, 3});
+    auto even = group.new_group({0, 2, 4});
+    if (rank % 2 == 1) {
+      ASSERT_TRUE(odd);
+      EXPECT_FALSE(even);
+      EXPECT_EQ(odd->size(), 2);
+      EXPECT_EQ(odd->global_rank(), rank);
+      at::Tensor t = torch::full({3}, static_cast<float>(rank));
+      odd->all_reduce(t);
+      EXPECT_EQ(t[0].item<float>(), 4.0f);
+    } else {
+      ASSERT_TRUE(even);
+      EXPECT_FALSE(odd);
+      EXPECT_EQ(even->rank(), rank / 2);
+      at::Tensor t = torch::full({3}, static_cast<float>(rank));
+      even->all_reduce(t);
+      EXPECT_EQ(t[0].item<float>(), 6.0f);
+    }
+    group.barrier();
+  });
+}
+
+TEST(SubGroups, RankMeshSplitsDataAndPipeline) {
+  // 6 ranks as 3 replicas x 2 stages: rank = data_index * 2 + stage.
+  run_group(6, [&](int rank, ProcessGroup& group) {
+    RankMesh mesh = make_rank_mesh(group, 2);
+    EXPECT_EQ(mesh.data_size, 3);
+    EXPECT_EQ(mesh.data_index, rank / 2);
+    EXPECT_EQ(mesh.pipeline_index, rank % 2);
+    ASSERT_TRUE(mesh.data_group);
+    ASSERT_TRUE(mesh.pipeline_group);
+    EXPECT_EQ(mesh.data_group->size(), 3);
+    EXPECT_EQ(mesh.pipeline_group->size(), 2);
+
+    at::Tensor same_stage = torch::full({1}, static_cast<float>(rank));
+    mesh.data_group->all_reduce(same_stage);
+    float stage = static_cast<float>(rank % 2);
+    EXPECT_EQ(same_stage.item<float>(), 3 * stage + 6);  // ranks stage, stage+2, stage+4
+
+    at::Tensor same_replica = torch::full({1}, static_cast<float>(rank));
+    mesh.pipeline_group->all_reduce(same_replica);
+    EXPECT_EQ(same_replica.item<float>(), 4.0f * (rank / 2) + 1);  // ranks 2d and 2d+1
+  });
+  EXPECT_THROW(run_group(4, [&](int, ProcessGroup& group) { make_rank_mesh(group, 3); }), UsageError);
+}
+
+TEST(Collectives, BadArgumentsAreUsageErrors) {
+  run_group(2, [&](int rank, ProcessGroup& group) {
+    at::Tensor t = torch::zeros({2});
+    EXPECT_THROW(group.broadcast(t, 2), UsageError);
+    std::vector<at::Tensor> too_few{torch::zeros({2})};
+    EXPECT_THROW(group.all_gather(too_few, t), UsageError);
+    EXPECT_THROW(group.send(t, -1), UsageError);
+    try {
+      group.broadcast(t, 7);
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("root=7 is not a rank"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace dtrain
