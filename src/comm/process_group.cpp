@@ -333,7 +333,10 @@ std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collect
   try {
     work->work = launch();
   } catch (const c10::Error& e) {
-    fail(*work, e.what_without_backtrace(), false);
+    // Rejected before anything was sent (a dtype or layout the backend cannot reduce): the caller's
+    // mistake, and the group stays usable.
+    throw UsageError(group.who() + ": " + op + " on " + group.group_label() + " rejected its arguments: " +
+                     e.what_without_backtrace());
   }
   return work;
 }

@@ -1,0 +1,108 @@
+// All-reduce bandwidth through dtrain's process group (c10d Gloo on CPU), per message size.
+//   dtrain run --nproc-per-node 3 -- build/bin/bench_allreduce [--min-bytes N] [--max-bytes N] [--max-iters N]
+// Rank 0 prints one row per size: time per all-reduce (the slowest rank's), algorithm bandwidth
+// (bytes / time) and bus bandwidth (algbw * 2(n-1)/n, the bytes each rank's links carry in a ring, as
+// nccl-tests reports it), beside this machine's memcpy bandwidth for the same size.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Enough repetitions that each size runs ~0.1-0.3 s on loopback, few enough that 64 MiB stays quick.
+int iterations_for(int64_t bytes, int64_t max_iterations) {
+  int64_t n = (int64_t{64} << 20) / std::max<int64_t>(bytes, 1);
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 5), max_iterations));
+}
+
+double memcpy_gbps(int64_t bytes, int iterations) {
+  std::vector<char> from(bytes, 1), to(bytes);
+  std::memcpy(to.data(), from.data(), bytes);  // fault the pages in
+  auto start = Clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    std::memcpy(to.data(), from.data(), bytes);
+    from[i % bytes] = to[(i + 1) % bytes];  // keep the copy from being optimized away
+  }
+  return bytes * static_cast<double>(iterations) / seconds_since(start) / 1e9;
+}
+
+int64_t parse_count(const std::string& flag, const char* text, int64_t min) {
+  char* end = nullptr;
+  long long value = std::strtoll(text, &end, 10);
+  if (*text == '\0' || *end != '\0' || value < min) {
+    throw dtrain::UsageError("bench_allreduce: " + flag + " '" + text + "': expected an integer of at least " +
+                             std::to_string(min));
+  }
+  return value;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    int64_t min_bytes = 4, max_bytes = int64_t{64} << 20, max_iterations = 1000;
+    for (int i = 1; i < argc; ++i) {
+      std::string flag = argv[i];
+      if (flag == "--min-bytes" && i + 1 < argc) {
+        min_bytes = parse_count(flag, argv[++i], 4);
+      } else if (flag == "--max-bytes" && i + 1 < argc) {
+        max_bytes = parse_count(flag, argv[++i], 4);
+      } else if (flag == "--max-iters" && i + 1 < argc) {
+        max_iterations = parse_count(flag, argv[++i], 5);
+      } else {
+        throw dtrain::UsageError("bench_allreduce: unknown argument '" + flag +
+                                 "' (or missing value); accepted: --min-bytes N, --max-bytes N, --max-iters N");
+      }
+    }
+    torch::set_num_threads(1);
+    auto pg = dtrain::init_process_group();
+    const int n = pg->size();
+    if (pg->rank() == 0) {
+      std::printf("# all_reduce (sum, float32), %d ranks, algorithm: Gloo ring all-reduce via c10d "
+                  "ProcessGroupGloo (2 threads)\n", n);
+      std::printf("%12s %8s %12s %12s %12s %14s\n", "bytes", "iters", "time_us", "algbw_GB/s", "busbw_GB/s",
+                  "memcpy_GB/s");
+    }
+    for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+      at::Tensor buffer = torch::ones({bytes / 4});
+      int iterations = iterations_for(bytes, max_iterations);
+      for (int i = 0; i < 3; ++i) pg->all_reduce(buffer);  // warm-up: connections, caches
+      pg->barrier();
+      auto start = Clock::now();
+      for (int i = 0; i < iterations; ++i) pg->all_reduce(buffer);
+      at::Tensor elapsed = torch::full({1}, seconds_since(start) / iterations, torch::kFloat64);
+      pg->all_reduce(elapsed, dtrain::ReduceOp::kMax);  // a collective is as slow as its slowest rank
+      double seconds = elapsed.item<double>();
+      double memcpy = 0;
+      if (pg->rank() == 0) memcpy = memcpy_gbps(bytes, iterations);
+      pg->barrier();  // keep rank 0's memcpy out of the next size's timing
+      if (pg->rank() == 0) {
+        double algbw = bytes / seconds / 1e9;
+        double busbw = n > 1 ? algbw * 2.0 * (n - 1) / n : 0.0;
+        std::printf("%12lld %8d %12.1f %12.3f %12.3f %14.2f\n", static_cast<long long>(bytes), iterations,
+                    seconds * 1e6, algbw, busbw, memcpy);
+        std::fflush(stdout);
+      }
+    }
+    return 0;
+  } catch (const dtrain::UsageError& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,145 @@
+// dtrain::DistributedDataParallel: one process per device, each with a full replica of the model; after
+// every backward the replicas' gradients are averaged, so identical optimizer steps keep them identical.
+//
+//   auto pg = dtrain::init_process_group();
+//   auto net = std::make_shared<Net>();
+//   dtrain::DistributedDataParallel ddp(net, pg);  // broadcasts rank 0's parameters and buffers
+//   auto loss = loss_fn(ddp.forward(x), y);         // x: this rank's share of the batch
+//   loss.backward();                                // gradient all-reduces overlap with backward
+//   optimizer.step();
+//
+// Note [DDP gradient buckets]
+// Parameters are grouped into flat buckets (in reverse registration order, roughly the order backward
+// produces gradients; a small first bucket so communication starts early). A hook on each parameter's
+// gradient accumulator copies the gradient, already divided by the world size, into its bucket; when a
+// bucket's last gradient arrives its asynchronous all-reduce starts while backward continues on earlier
+// layers. Buckets are launched strictly in index order so every rank issues the same collectives in the
+// same order. At the end of backward (an autograd engine callback) dtrain waits for the buckets and writes
+// the averaged gradients back, or, with gradient_as_bucket_view, the gradients already are the buckets.
+//
+// Unequal local batches: the averaged gradient is the mean of the ranks' gradients. To get the gradient of
+// the whole batch when ranks hold different numbers of samples, scale each rank's summed loss by
+// world_size / global_batch (see examples/train_fashion_mnist.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/comm.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtrain {
+
+// One bucket's gradients as a communication hook sees them.
+struct GradBucket {
+  int index = 0;        // 0 = the bucket launched first (the last layers' gradients)
+  at::Tensor* buffer;   // flat gradients of this rank, already divided by the world size; the hook must
+                        // leave the sum over ranks in it
+};
+
+// Replaces the plain all-reduce of each bucket, e.g. to compress it. start() is called from backward as
+// soon as the bucket is ready and must not block; finish() is called at the end of backward, in bucket
+// order, and must leave the reduced gradients in bucket.buffer.
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  virtual void start(ProcessGroup& group, GradBucket& bucket) = 0;
+  virtual void finish(ProcessGroup& group, GradBucket& bucket) = 0;
+};
+
+// Built-in compression hooks: all-reduce the bucket in half precision (fp16) or bfloat16, halving the bytes
+// on the wire at the cost of rounding each gradient to ~3 (fp16) or ~2 (bf16) significant digits.
+std::shared_ptr<CommHook> fp16_compress_hook();
+std::shared_ptr<CommHook> bf16_compress_hook();
+
+struct DistributedDataParallelOptions {
+  // Bucket size cap. Larger buckets mean fewer, more efficient all-reduces but later overlap. PyTorch's
+  // default, 25 MiB.
+  int64_t bucket_cap_bytes = int64_t{25} << 20;
+  // Cap of the first bucket launched (the last layers' gradients): small, so the first all-reduce starts
+  // as early as possible in backward (PyTorch uses 1 MiB too).
+  int64_t first_bucket_cap_bytes = int64_t{1} << 20;
+  // Allow parameters that get no gradient in a step (unused branches). Costs one small extra all-reduce
+  // per step and the overlap of buckets that wait for such parameters.
+  bool find_unused_parameters = false;
+  // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) before every forward.
+  bool broadcast_buffers = true;
+  // Make each parameter's .grad a view into its bucket: saves a copy each way and the memory of a second
+  // gradient copy. The optimizer must zero gradients in place (LibTorch 1.13's zero_grad() does); a
+  // gradient set to undefined is re-pointed at the bucket on the next backward.
+  bool gradient_as_bucket_view = false;
+  // Start each bucket's all-reduce during backward (true) or all of them after backward (false, only for
+  // measuring what overlap buys).
+  bool overlap = true;
+  // Replaces the plain all-reduce of each bucket (nullptr: all-reduce in the gradients' own precision).
+  std::shared_ptr<CommHook> comm_hook;
+};
+
+namespace detail {
+class Reducer;
+}
+
+// The type-independent part of DDP; DistributedDataParallel<M> adds a typed forward().
+class DistributedDataParallelBase {
+ public:
+  // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same parameters
+  // (names, shapes, dtypes); a mismatch is a UsageError naming the first differing parameter and the
+  // ranks that differ. Blocks until every rank of `group` has constructed its DDP (up to the timeout).
+  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                              DistributedDataParallelOptions options = {});
+  ~DistributedDataParallelBase();
+  DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
+  DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) = delete;
+
+  // While the returned guard lives, forward/backward passes only accumulate local gradients (gradient
+  // accumulation); the first backward after it ends averages everything accumulated.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallelBase& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallelBase& ddp_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  ProcessGroup& group() const;
+  // The buckets as built: for each bucket, the indices of its parameters in module->parameters() order.
+  std::vector<std::vector<size_t>> bucket_layout() const;
+
+  // Call before running the module's forward yourself (DistributedDataParallel::forward does it).
+  void prepare_forward();
+
+ protected:
+  std::unique_ptr<detail::Reducer> reducer_;
+};
+
+template <typename ModuleType>
+class DistributedDataParallel : public DistributedDataParallelBase {
+ public:
+  DistributedDataParallel(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
+                          DistributedDataParallelOptions options = {})
+      : DistributedDataParallelBase(module, std::move(group), std::move(options)), module_(std::move(module)) {}
+
+  // Runs the wrapped module's forward on this rank's inputs (see prepare_forward()).
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    prepare_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+};
+
+}  // namespace dtrain

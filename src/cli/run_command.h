@@ -1,0 +1,30 @@
+// `dtrain run`: checks the flags against the machine (program, interpreter, port, log folder), then
+// runs the local worker group, restarting it after failures, and turns the outcome into an exit
+// code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cli/run_options.h"
+
+namespace dtrain::cli {
+
+// What the checks against the machine resolved.
+struct LaunchPlan {
+  // argv of every worker, with the Python interpreter in front for a .py program.
+  std::vector<std::string> command;
+  // Whether a fresh free port is picked for every attempt (no --master-port on a single node).
+  bool auto_port = false;
+};
+
+// Checks what parse_run_options cannot: the program (or interpreter) exists and is executable, the
+// log folder can be created, and an explicit master port can be bound when this node hosts the
+// master. Throws dtrain::UsageError with a one-line message.
+LaunchPlan prepare_launch(const RunOptions& options);
+
+// Entry point of `dtrain run ARGS...`: returns the process exit code (see run_usage()). Prints the
+// usage for --help, one line and 2 for bad input; blocks until the workers are done.
+int run_main(const std::vector<std::string>& args);
+
+}  // namespace dtrain::cli

@@ -1,0 +1,358 @@
+// DistributedDataParallel's gradient reducer; see Note [DDP gradient buckets] in dtrain/ddp.h.
+#include "ddp/reducer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <sstream>
+
+namespace dtrain::detail {
+namespace {
+
+// Calls back into the reducer after AccumulateGrad wrote a parameter's gradient.
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    on_ready_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> on_ready_;
+};
+
+std::string describe(const std::string& name, const at::Tensor& t) {
+  std::ostringstream out;
+  out << "'" << name << "' " << t.sizes() << " " << t.scalar_type();
+  return out.str();
+}
+
+// FNV-1a: a stable 64-bit fingerprint of a parameter's name, dtype and shape, compared across ranks.
+int64_t fingerprint(const std::string& name, const at::Tensor& t) {
+  std::ostringstream text;
+  text << name << '|' << t.scalar_type() << '|' << t.sizes();
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(hash >> 1);
+}
+
+}  // namespace
+
+Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                 DistributedDataParallelOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
+  if (!module_) throw UsageError(who() + ": DistributedDataParallel: the module is null");
+  if (!group_) throw UsageError("DistributedDataParallel: the process group is null");
+  if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0) {
+    throw UsageError(who() + ": DistributedDataParallel: bucket_cap_bytes and first_bucket_cap_bytes must "
+                             "be positive");
+  }
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    Param p;
+    p.tensor = item.value();
+    p.name = item.key();
+    params_.push_back(std::move(p));
+  }
+  check_same_parameters_everywhere();
+
+  std::vector<at::Tensor> state;
+  for (auto& p : params_) state.push_back(p.tensor);
+  for (auto& buffer : module_->buffers(/*recurse=*/true)) state.push_back(buffer);
+  broadcast_from_rank0(state);
+
+  inverse_world_size_ = at::scalar_tensor(1.0 / group_->size(), at::kDouble);
+  build_buckets();
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+    p.hook_key = p.accumulator->add_post_hook(
+        std::make_unique<GradientReadyHook>([this, i] { on_gradient_ready(i); }));
+  }
+}
+
+Reducer::~Reducer() {
+  // The hooks point at this reducer; the accumulators may outlive it (the module keeps them).
+  for (auto& p : params_) p.accumulator->del_post_hook(p.hook_key);
+}
+
+std::string Reducer::who() const {
+  if (!group_) return "rank ?";
+  return "rank " + std::to_string(group_->global_rank()) + "/" + std::to_string(group_->size());
+}
+
+void Reducer::check_same_parameters_everywhere() {
+  const int n = group_->size();
+  if (n == 1) return;
+  // First the counts, so the fingerprints below can be gathered in equal-sized tensors.
+  at::Tensor count = at::full({1}, static_cast<int64_t>(params_.size()), at::kLong);
+  std::vector<at::Tensor> counts(n);
+  for (auto& c : counts) c = at::empty({1}, at::kLong);
+  group_->all_gather(counts, count);
+  std::vector<int> differing;
+  for (int r = 0; r < n; ++r) {
+    if (counts[r].item<int64_t>() != counts[0].item<int64_t>()) differing.push_back(r);
+  }
+  auto ranks_text = [&](const std::vector<int>& ranks) {
+    std::ostringstream out;
+    out << "{";
+    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << group_->global_rank_of(ranks[i]);
+    out << "}";
+    return out.str();
+  };
+  const std::string fix =
+      " Likely cause: the model is built differently on some ranks (constructor arguments, flags, "
+      "randomness in its structure). Build the same model on every rank.";
+  if (!differing.empty()) {
+    throw UsageError(who() + ": DistributedDataParallel: rank 0 has " + std::to_string(counts[0].item<int64_t>()) +
+                     " trainable parameters but ranks " + ranks_text(differing) +
+                     " have a different count (this rank: " + std::to_string(params_.size()) + ")." + fix);
+  }
+  at::Tensor mine = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
+  for (size_t i = 0; i < params_.size(); ++i) mine[i] = fingerprint(params_[i].name, params_[i].tensor);
+  std::vector<at::Tensor> all(n);
+  for (auto& t : all) t = at::empty_like(mine);
+  group_->all_gather(all, mine);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (int r = 1; r < n; ++r) {
+      if (!at::equal(all[r][i], all[0][i])) differing.push_back(r);
+    }
+    if (!differing.empty()) {
+      throw UsageError(who() + ": DistributedDataParallel: parameter #" + std::to_string(i) +
+                       " differs between ranks: ranks " + ranks_text(differing) +
+                       " do not match rank 0 in name, shape or dtype (here it is " +
+                       describe(params_[i].name, params_[i].tensor) + ")." + fix);
+    }
+  }
+}
+
+void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
+  if (group_->size() == 1) return;
+  torch::autograd::AutoGradMode no_grad(false);
+  // One broadcast per dtype: many small tensors cost one round trip, not one each.
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const auto& t : tensors) by_dtype[t.scalar_type()].push_back(t);
+  for (auto& entry : by_dtype) {
+    std::vector<at::Tensor> flat;
+    for (auto& t : entry.second) flat.push_back(t.reshape({-1}));
+    at::Tensor packed = at::cat(flat);
+    group_->broadcast(packed, 0);
+    int64_t offset = 0;
+    for (auto& t : entry.second) {
+      t.copy_(packed.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+void Reducer::build_buckets() {
+  // Reverse registration order approximates the order in which backward produces gradients.
+  // Buckets hold one dtype (and device) each.
+  std::map<std::pair<at::ScalarType, std::string>, size_t> open;  // (dtype, device) -> open bucket
+  std::vector<int64_t> bucket_bytes;
+  for (size_t k = params_.size(); k-- > 0;) {
+    Param& p = params_[k];
+    auto key = std::make_pair(p.tensor.scalar_type(), p.tensor.device().str());
+    int64_t bytes = p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    auto it = open.find(key);
+    bool fits = false;
+    if (it != open.end()) {
+      int64_t cap = it->second == 0 ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
+      fits = bucket_bytes[it->second] + bytes <= cap || buckets_[it->second].params.empty();
+    }
+    if (!fits) {
+      buckets_.emplace_back();
+      bucket_bytes.push_back(0);
+      open[key] = buckets_.size() - 1;
+      it = open.find(key);
+    }
+    buckets_[it->second].params.push_back(k);
+    bucket_bytes[it->second] += bytes;
+    p.bucket = it->second;
+  }
+  for (auto& bucket : buckets_) {
+    int64_t numel = 0;
+    for (size_t k : bucket.params) numel += params_[k].tensor.numel();
+    const at::Tensor& first = params_[bucket.params.front()].tensor;
+    bucket.buffer = at::zeros({numel}, first.options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t k : bucket.params) {
+      Param& p = params_[k];
+      // An alias of the bucket's memory that autograd does not track as a view: LibTorch's zero_grad()
+      // calls detach_() on gradients, which a view would refuse.
+      std::vector<int64_t> strides(p.tensor.dim(), 1);
+      for (int64_t d = p.tensor.dim() - 1; d > 0; --d) strides[d - 1] = strides[d] * p.tensor.size(d);
+      p.slot = at::empty({0}, bucket.buffer.options());
+      p.slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.tensor.sizes(), strides);
+      offset += p.tensor.numel();
+      if (options_.gradient_as_bucket_view) {
+        if (p.tensor.grad().defined()) p.slot.copy_(p.tensor.grad());
+        p.tensor.mutable_grad() = p.slot;
+      }
+    }
+    bucket.pending = bucket.params.size();
+  }
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_layout() const {
+  std::vector<std::vector<size_t>> layout;
+  for (const auto& bucket : buckets_) layout.push_back(bucket.params);
+  return layout;
+}
+
+void Reducer::prepare_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (backward_started_) {
+    // The previous backward failed before its end-of-backward callback: start clean.
+    reset_iteration();
+  }
+  sync_this_iteration_ = no_sync_depth_.load() == 0;
+  if (options_.broadcast_buffers && group_->size() > 1) {
+    auto buffers = module_->buffers(/*recurse=*/true);
+    if (!buffers.empty()) broadcast_from_rank0(buffers);
+  }
+}
+
+void Reducer::on_gradient_ready(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sync_this_iteration_) return;  // inside no_sync(): gradients just accumulate locally
+  if (!backward_started_) {
+    backward_started_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  }
+  if (params_[index].ready) {
+    throw UsageError(who() + ": DistributedDataParallel: parameter '" + params_[index].name +
+                     "' received its gradient twice in one backward. Likely cause: reentrant activation "
+                     "checkpointing or a second backward through the same graph; DDP supports one "
+                     "gradient per parameter per backward.");
+  }
+  mark_ready(index);
+  if (options_.overlap) launch_ready_buckets();
+}
+
+void Reducer::mark_ready(size_t index) {
+  Param& p = params_[index];
+  const at::Tensor& grad = p.tensor.grad();
+  if (options_.gradient_as_bucket_view) {
+    // The gradient normally already is the slot; re-point it if the optimizer replaced or reset it.
+    if (!grad.defined()) {
+      p.slot.zero_();
+    } else if (!grad.is_same(p.slot)) {
+      p.slot.copy_(grad);
+    }
+    if (!grad.is_same(p.slot)) p.tensor.mutable_grad() = p.slot;
+  } else if (grad.defined()) {
+    at::mul_out(p.slot, grad, inverse_world_size_);  // copy and pre-divide in one pass
+  } else {
+    p.slot.zero_();
+  }
+  p.ready = true;
+  --buckets_[p.bucket].pending;
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    launch(next_to_launch_++);
+  }
+}
+
+void Reducer::launch(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
+  bucket.launched = true;
+  if (options_.comm_hook) {
+    GradBucket view{static_cast<int>(bucket_index), &bucket.buffer};
+    options_.comm_hook->start(*group_, view);
+  } else {
+    bucket.work = group_->all_reduce_async(bucket.buffer);
+  }
+}
+
+void Reducer::finalize_backward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Whatever happens below, the next iteration starts clean.
+  struct ResetOnExit {
+    Reducer* reducer;
+    ~ResetOnExit() { reducer->reset_iteration(); }
+  } reset{this};
+
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].ready) missing.push_back(i);
+  }
+  at::Tensor used;
+  if (!missing.empty()) {
+    if (!options_.find_unused_parameters) {
+      // Let the plain all-reduces already in flight finish: their buffers must outlive them.
+      if (!options_.comm_hook) {
+        for (size_t b = 0; b < next_to_launch_; ++b) {
+          try {
+            buckets_[b].work.wait();
+          } catch (const std::exception&) {
+            // The unused-parameter error below is the one to report.
+          }
+        }
+      }
+      std::ostringstream names;
+      for (size_t i = 0; i < missing.size() && i < 10; ++i) names << (i ? ", " : "") << params_[missing[i]].name;
+      if (missing.size() > 10) names << ", ... (" << missing.size() << " in all)";
+      throw UsageError(
+          who() + ": DistributedDataParallel: these parameters received no gradient in this backward: " +
+          names.str() +
+          ". Every parameter must take part in computing the loss, or DDP cannot know when its gradients "
+          "are complete. Fix: construct DDP with options.find_unused_parameters = true, or remove the "
+          "unused parameters from the module (or set requires_grad(false) on them).");
+    }
+    for (size_t i : missing) mark_ready(i);
+  }
+  if (options_.find_unused_parameters) {
+    // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it was.
+    used = at::ones({static_cast<int64_t>(params_.size())}, at::kInt);
+    auto flags = used.accessor<int, 1>();
+    for (size_t i : missing) flags[static_cast<int64_t>(i)] = 0;
+  }
+  launch_ready_buckets();
+  if (used.defined()) group_->all_reduce(used);
+
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (options_.comm_hook) {
+      GradBucket view{static_cast<int>(b), &buckets_[b].buffer};
+      options_.comm_hook->finish(*group_, view);
+    } else {
+      buckets_[b].work.wait();
+    }
+  }
+  torch::autograd::AutoGradMode no_grad(false);
+  const int* used_anywhere = used.defined() ? used.data_ptr<int>() : nullptr;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    if (used_anywhere && used_anywhere[i] == 0) continue;
+    if (options_.gradient_as_bucket_view) continue;  // the gradient is the slot
+    if (p.tensor.grad().defined()) {
+      p.tensor.mutable_grad().copy_(p.slot);
+    } else {
+      p.tensor.mutable_grad() = p.slot.clone();
+    }
+  }
+}
+
+void Reducer::reset_iteration() {
+  for (auto& p : params_) p.ready = false;
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.params.size();
+    bucket.launched = false;
+    bucket.work = Work();
+  }
+  next_to_launch_ = 0;
+  backward_started_ = false;
+}
+
+}  // namespace dtrain::detail

@@ -1,0 +1,73 @@
+// The gradient reducer behind DistributedDataParallel: buckets, autograd hooks, the end-of-backward
+// finalization. See Note [DDP gradient buckets] in dtrain/ddp.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dtrain/ddp.h"
+
+namespace dtrain::detail {
+
+class Reducer {
+ public:
+  Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+          DistributedDataParallelOptions options);
+  ~Reducer();
+
+  void prepare_forward();
+  void enter_no_sync() { ++no_sync_depth_; }
+  void leave_no_sync() { --no_sync_depth_; }
+  ProcessGroup& group() const { return *group_; }
+  std::vector<std::vector<size_t>> bucket_layout() const;
+
+ private:
+  struct Bucket {
+    at::Tensor buffer;            // flat gradients of the bucket's parameters
+    std::vector<size_t> params;   // indices into params_
+    size_t pending = 0;           // parameters whose gradient has not arrived in this backward
+    bool launched = false;
+    Work work;                    // the plain all-reduce (no comm hook)
+  };
+  struct Param {
+    at::Tensor tensor;
+    std::string name;                                      // module path, for error messages
+    std::shared_ptr<torch::autograd::Node> accumulator;    // kept alive: the hook lives on it
+    uintptr_t hook_key = 0;
+    size_t bucket = 0;
+    at::Tensor slot;                                       // this parameter's view into its bucket
+    bool ready = false;                                    // its gradient arrived in this backward
+  };
+
+  void check_same_parameters_everywhere();
+  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
+  void build_buckets();
+  void on_gradient_ready(size_t index);
+  void mark_ready(size_t index);
+  void launch_ready_buckets();
+  void launch(size_t bucket_index);
+  void finalize_backward();
+  void reset_iteration();
+  std::string who() const;
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  DistributedDataParallelOptions options_;
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+  at::Tensor inverse_world_size_;  // 0-dim, multiplies gradients on their way into the buckets
+
+  std::mutex mutex_;               // hooks of a CUDA backward may run on several device threads
+  std::atomic<int> no_sync_depth_{0};
+  bool sync_this_iteration_ = true;
+  bool backward_started_ = false;
+  size_t next_to_launch_ = 0;
+};
+
+}  // namespace dtrain::detail

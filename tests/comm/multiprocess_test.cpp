@@ -1,0 +1,59 @@
+// Tier-2 tests of the communication layer: real processes started by `dtrain run`.
+#include <gtest/gtest.h>
+
+#include "support/subprocess.h"
+
+namespace dtrain {
+namespace {
+
+using testing::bin;
+using testing::run_command;
+
+TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " sum");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " sum 6"),
+              std::string::npos)
+        << result.output;
+  }
+}
+
+TEST(MultiProcess, RankThatNeverJoinsIsNamedAndTheJobStops) {
+  // Rank 2 skips the second all-reduce; ranks 0 and 1 time out after 2 s and name it.
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 --grace-period 2 -- " + bin("comm_worker") +
+                            " skip 2 2");
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("all_reduce #2 on group 'default' timed out after 2 s; ranks {2} never joined "
+                               "(rank 2 last seen at all_reduce #1)"),
+            std::string::npos)
+      << result.output;
+}
+
+TEST(MultiProcess, BadRankVariableIsOneLineAndExitCode2) {
+  auto result = run_command("env RANK=5 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 " +
+                            bin("comm_worker") + " sum");
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("environment variable RANK='5': expected an integer in 0..1 (WORLD_SIZE=2)"),
+            std::string::npos)
+      << result.output;
+}
+
+TEST(MultiProcess, PyTorchDdpScriptRunsUnmodified) {
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- /usr/bin/python3 " +
+                            std::string(DTRAIN_SOURCE_DIR) + "/tests/python/ddp_smoke.py");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("ddp rank=0 world=2 in_sync=True"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("ddp rank=1 world=2 in_sync=True"), std::string::npos) << result.output;
+}
+
+TEST(MultiProcess, AllReduceBenchmarkRunsUnderTheLauncher) {
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("bench_allreduce") +
+                            " --max-bytes 65536 --max-iters 10");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("busbw_GB/s"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("       65536 "), std::string::npos) << result.output;
+}
+
+}  // namespace
+}  // namespace dtrain

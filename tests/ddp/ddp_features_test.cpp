@@ -1,0 +1,219 @@
+// DistributedDataParallel's features beyond the plain step: gradient accumulation with no_sync(), unused
+// parameters (the error and find_unused_parameters), the parameter check across ranks, compression hooks,
+// and buffer broadcasting.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dtrain/ddp.h"
+#include "support/thread_ranks.h"
+
+namespace dtrain {
+namespace {
+
+using testing::run_group;
+
+std::shared_ptr<ProcessGroup> borrow(ProcessGroup& group) {
+  return std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+}
+
+struct Branchy : torch::nn::Module {
+  explicit Branchy(int64_t out = 4) {
+    torch::manual_seed(3);
+    used = register_module("used", torch::nn::Linear(6, out));
+    unused = register_module("unused", torch::nn::Linear(6, out));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return used->forward(x); }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+};
+
+double relative_error(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    double scale = want[i].abs().max().item<double>() + 1e-12;
+    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(10, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+}
+
+class DdpFeatures : public ::testing::Test {
+ protected:
+  void SetUp() override { torch::set_num_threads(1); }
+};
+
+TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
+  const int world = 2, micro = 3;
+  const int64_t per_rank = 4;  // each micro-batch: 4 samples per rank, 8 in all
+  torch::manual_seed(5);
+  auto x = torch::randn({micro, world * per_rank, 10});
+  auto y = torch::randint(3, {micro, world * per_rank});
+
+  // One step on all 24 samples in one process.
+  auto single = make_mlp();
+  torch::optim::SGD single_opt(single->parameters(), 0.5);
+  single_opt.zero_grad();
+  torch::nn::functional::cross_entropy(single->forward(x.reshape({-1, 10})), y.reshape({-1})).backward();
+  single_opt.step();
+  auto want = snapshot(*single);
+
+  auto initial = make_mlp();
+  std::vector<std::vector<torch::Tensor>> got(world);
+  run_group(world, [&](int rank, ProcessGroup& group) {
+    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    DistributedDataParallel ddp(net, borrow(group));
+    torch::optim::SGD opt(net->parameters(), 0.5);
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto xs = x[m].narrow(0, rank * per_rank, per_rank);
+      auto ys = y[m].narrow(0, rank * per_rank, per_rank);
+      auto step = [&] { (torch::nn::functional::cross_entropy(ddp.forward(xs), ys) / micro).backward(); };
+      if (m + 1 < micro) {
+        auto guard = ddp.no_sync();
+        step();
+      } else {
+        step();
+      }
+    }
+    opt.step();
+    got[rank] = snapshot(*net);
+  });
+  for (int rank = 0; rank < world; ++rank) EXPECT_LT(relative_error(got[rank], want), 1e-5) << rank;
+}
+
+TEST_F(DdpFeatures, UnusedParameterErrorNamesItAndTheFix) {
+  run_group(2, [&](int rank, ProcessGroup& group) {
+    auto net = std::make_shared<Branchy>();
+    DistributedDataParallel ddp(net, borrow(group));
+    try {
+      ddp.forward(torch::randn({3, 6})).sum().backward();
+      ADD_FAILURE() << "backward with an unused parameter did not fail";
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      EXPECT_NE(what.find("received no gradient in this backward: unused.weight, unused.bias"), std::string::npos)
+          << what;
+      EXPECT_NE(what.find("find_unused_parameters = true"), std::string::npos) << what;
+    }
+  });
+}
+
+TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
+  torch::manual_seed(9);
+  auto x = torch::randn({6, 6});
+  Branchy single;
+  torch::optim::SGD single_opt(single.parameters(), 0.3);
+  for (int step = 0; step < 2; ++step) {
+    single_opt.zero_grad();
+    single.forward(x).pow(2).mean().backward();
+    single_opt.step();
+  }
+  auto want = snapshot(single);
+
+  // Built here, not in the rank threads: the global generator is not for concurrent use.
+  std::vector<std::shared_ptr<Branchy>> nets;
+  for (int rank = 0; rank < 3; ++rank) nets.push_back(std::make_shared<Branchy>());
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    auto net = nets[rank];
+    DistributedDataParallelOptions options;
+    options.find_unused_parameters = true;
+    DistributedDataParallel ddp(net, borrow(group), options);
+    torch::optim::SGD opt(net->parameters(), 0.3);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      ddp.forward(x.narrow(0, rank * 2, 2)).pow(2).mean().backward();
+      opt.step();
+    }
+    EXPECT_LT(relative_error(snapshot(*net), want), 1e-5);
+    EXPECT_FALSE(net->unused->weight.grad().defined()) << "a parameter unused everywhere keeps no gradient";
+  });
+}
+
+TEST_F(DdpFeatures, DifferentModelsAreNamed) {
+  std::vector<std::shared_ptr<Branchy>> nets;
+  for (int rank = 0; rank < 3; ++rank) nets.push_back(std::make_shared<Branchy>(rank == 1 ? 5 : 4));
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    auto net = nets[rank];
+    try {
+      DistributedDataParallel ddp(net, borrow(group));
+      ADD_FAILURE() << "mismatched models were accepted";
+    } catch (const UsageError& e) {
+      std::string what = e.what();
+      EXPECT_NE(what.find("parameter #0 differs between ranks: ranks {1} do not match rank 0"), std::string::npos)
+          << what;
+      EXPECT_NE(what.find("'used.weight' [" + std::to_string(rank == 1 ? 5 : 4) + ", 6] Float"),
+                std::string::npos)
+          << what;
+    }
+  });
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    std::shared_ptr<torch::nn::Module> net = std::make_shared<Branchy>();
+    if (rank == 2) net->register_module("extra", torch::nn::Linear(2, 2));
+    EXPECT_THROW(DistributedDataParallelBase(net, borrow(group)), UsageError);
+  });
+}
+
+void expect_compression_within(std::shared_ptr<CommHook> (*make_hook)(), double max_error) {
+  torch::manual_seed(21);
+  auto x = torch::randn({3, 8, 10});
+  auto y = torch::randint(3, {3, 8});
+  auto single = make_mlp();
+  torch::optim::SGD single_opt(single->parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    single_opt.zero_grad();
+    torch::nn::functional::cross_entropy(single->forward(x[step]), y[step]).backward();
+    single_opt.step();
+  }
+  auto want = snapshot(*single);
+  auto initial = make_mlp();
+  std::vector<double> errors(2);
+  run_group(2, [&](int rank, ProcessGroup& group) {
+    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    DistributedDataParallelOptions options;
+    options.comm_hook = make_hook();
+    DistributedDataParallel ddp(net, borrow(group), options);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      auto xs = x[step].narrow(0, rank * 4, 4);
+      auto ys = y[step].narrow(0, rank * 4, 4);
+      torch::nn::functional::cross_entropy(ddp.forward(xs), ys).backward();
+      opt.step();
+    }
+    errors[rank] = relative_error(snapshot(*net), want);
+  });
+  for (double error : errors) {
+    EXPECT_LT(error, max_error);
+    EXPECT_GT(error, 0.0) << "no rounding at all: the hook did not run";
+  }
+}
+
+TEST_F(DdpFeatures, Fp16CompressionStaysWithinItsRounding) { expect_compression_within(fp16_compress_hook, 2e-3); }
+
+TEST_F(DdpFeatures, Bf16CompressionStaysWithinItsRounding) { expect_compression_within(bf16_compress_hook, 2e-2); }
+
+TEST_F(DdpFeatures, BuffersFollowRankZero) {
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    torch::manual_seed(1);
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+    DistributedDataParallel ddp(net.ptr(), borrow(group));
+    auto bn = net[1]->as<torch::nn::BatchNorm1dImpl>();
+    ddp.forward(torch::randn({5, 4}) + rank).sum().backward();  // running stats now differ by rank
+    ddp.prepare_forward();                                       // the next forward starts from rank 0's
+    std::vector<torch::Tensor> all(3);
+    for (auto& t : all) t = torch::empty({4});
+    group.all_gather(all, bn->running_mean);
+    EXPECT_TRUE(torch::equal(all[rank], all[0]));
+  });
+}
+
+}  // namespace
+}  // namespace dtrain
