@@ -1,0 +1,373 @@
+// Data-parallel training on Fashion-MNIST: dtrain's main job and an example of a user's program.
+//   dtrain run --nproc-per-node 2 -- build/bin/train_fashion_mnist --epochs 1
+// Rank 0 shows progress and test accuracy per epoch; the last line of output is one JSON object.
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "dtrain/comm.h"
+#include "dtrain/data.h"
+#include "dtrain/ddp.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const char* kUsage =
+    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp] [--epochs N] [--batch-size N (global)]\n"
+    "                           [--lr X] [--seed N] [--data DIR] [--checkpoint-dir DIR] [--resume]\n"
+    "                           [--checkpoint-every STEPS] [--max-steps N]";
+
+struct Flags {
+  std::string model = "mlp";
+  std::string strategy = "ddp";
+  int64_t epochs = 1;
+  int64_t batch_size = 64;  // global: split evenly over the ranks
+  double lr = 0.02;
+  int64_t seed = 0;
+  std::string data = dtrain::kDefaultFashionMnistDir;
+  std::string checkpoint_dir;   // empty: no checkpoints
+  bool resume = false;          // continue from checkpoint_dir's checkpoint
+  int64_t checkpoint_every = 0; // also checkpoint every N steps (0: only at the end of each epoch)
+  int64_t max_steps = 0;        // stop after N steps in all (0: no limit); for tests of resumption
+};
+
+[[noreturn]] void bad_flag(const std::string& flag, const std::string& value, const std::string& accepted) {
+  throw dtrain::UsageError("train_fashion_mnist: " + flag + " '" + value + "': expected " + accepted);
+}
+
+int64_t parse_int(const std::string& flag, const std::string& value, int64_t min) {
+  char* end = nullptr;
+  long long parsed = std::strtoll(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || parsed < min) {
+    bad_flag(flag, value, "an integer of at least " + std::to_string(min));
+  }
+  return parsed;
+}
+
+Flags parse_flags(int argc, char** argv) {
+  Flags flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::cout << kUsage << std::endl;
+      std::exit(0);
+    }
+    if (flag == "--resume") {
+      flags.resume = true;
+      continue;
+    }
+    if (i + 1 >= argc) bad_flag(flag, "", "a value after it (or an unknown flag). " + std::string(kUsage));
+    std::string value = argv[++i];
+    if (flag == "--model") {
+      if (value != "mlp" && value != "cnn") bad_flag(flag, value, "mlp or cnn");
+      flags.model = value;
+    } else if (flag == "--strategy") {
+      if (value != "ddp") bad_flag(flag, value, "ddp (dp and pipeline arrive with their issues)");
+      flags.strategy = value;
+    } else if (flag == "--epochs") {
+      flags.epochs = parse_int(flag, value, 1);
+    } else if (flag == "--batch-size") {
+      flags.batch_size = parse_int(flag, value, 1);
+    } else if (flag == "--lr") {
+      char* end = nullptr;
+      flags.lr = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !(flags.lr > 0)) bad_flag(flag, value, "a positive number");
+    } else if (flag == "--seed") {
+      flags.seed = parse_int(flag, value, 0);
+    } else if (flag == "--data") {
+      flags.data = value;
+    } else if (flag == "--checkpoint-dir") {
+      flags.checkpoint_dir = value;
+    } else if (flag == "--checkpoint-every") {
+      flags.checkpoint_every = parse_int(flag, value, 0);
+    } else if (flag == "--max-steps") {
+      flags.max_steps = parse_int(flag, value, 0);
+    } else {
+      bad_flag(flag, value, "a known flag. " + std::string(kUsage));
+    }
+  }
+  if (flags.resume && flags.checkpoint_dir.empty()) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume needs --checkpoint-dir DIR (where to resume from)");
+  }
+  return flags;
+}
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(784, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 128));
+    fc3 = register_module("fc3", torch::nn::Linear(128, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    x = torch::relu(fc2->forward(x));
+    return fc3->forward(x);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+
+struct CnnImpl : torch::nn::Module {
+  CnnImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5).padding(2)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5).padding(2)));
+    fc = register_module("fc", torch::nn::Linear(32 * 7 * 7, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
+    return fc->forward(x.flatten(1));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+
+// One forward signature for both models, so the rest of the program is model-agnostic.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(const std::string& kind) {
+    if (kind == "cnn") {
+      body = register_module("cnn", std::make_shared<CnnImpl>());
+    } else {
+      body = register_module("mlp", std::make_shared<MlpImpl>());
+    }
+    cnn = kind == "cnn";
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return cnn ? std::static_pointer_cast<CnnImpl>(body)->forward(x)
+               : std::static_pointer_cast<MlpImpl>(body)->forward(x);
+  }
+  std::shared_ptr<torch::nn::Module> body;
+  bool cnn = false;
+};
+
+// Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
+class Progress {
+ public:
+  Progress(int64_t epoch, int64_t epochs, int64_t total_steps)
+      : epoch_(epoch), epochs_(epochs), total_(total_steps), tty_(isatty(STDOUT_FILENO)), start_(Clock::now()) {}
+
+  void update(int64_t step, int64_t samples, double loss) {
+    double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+    double rate = samples / std::max(elapsed, 1e-9);
+    double eta = step > 0 ? elapsed / step * (total_ - step) : 0.0;
+    int percent = static_cast<int>(100 * step / std::max<int64_t>(total_, 1));
+    char line[200];
+    if (tty_) {
+      int filled = percent / 4;
+      std::snprintf(line, sizeof line, "\repoch %lld/%lld [%-25s] %3d%% %8.0f samples/s loss %.4f ETA %5.1fs",
+                    static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_),
+                    std::string(filled, '#').c_str(), percent, rate, loss, eta);
+      std::cout << line << std::flush;
+    } else if (percent >= next_percent_ || step == total_) {
+      std::snprintf(line, sizeof line, "epoch %lld/%lld %3d%% step %lld/%lld %.0f samples/s loss %.4f ETA %.1fs",
+                    static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_), percent,
+                    static_cast<long long>(step), static_cast<long long>(total_), rate, loss, eta);
+      std::cout << line << std::endl;
+      next_percent_ = percent / 10 * 10 + 10;
+    }
+  }
+  void done() {
+    if (tty_) std::cout << std::endl;
+  }
+
+ private:
+  int64_t epoch_, epochs_, total_;
+  bool tty_;
+  Clock::time_point start_;
+  int next_percent_ = 10;
+};
+
+// Accuracy on the test split, each rank evaluating a contiguous share and the counts summed.
+double test_accuracy(NetImpl& net, const dtrain::MnistSplit& test, dtrain::ProcessGroup& pg) {
+  torch::NoGradGuard no_grad;
+  net.eval();
+  int64_t n = test.labels.size(0);
+  int64_t begin = n * pg.rank() / pg.size(), end = n * (pg.rank() + 1) / pg.size();
+  int64_t correct = 0;
+  for (int64_t i = begin; i < end; i += 1000) {
+    int64_t count = std::min<int64_t>(1000, end - i);
+    auto logits = net.forward(test.images.narrow(0, i, count));
+    correct += logits.argmax(1).eq(test.labels.narrow(0, i, count)).sum().item<int64_t>();
+  }
+  net.train();
+  at::Tensor counts = torch::tensor({correct, end - begin}, torch::kInt64);
+  pg.all_reduce(counts);
+  return static_cast<double>(counts[0].item<int64_t>()) / counts[1].item<int64_t>();
+}
+
+// Checkpoints: written by rank 0 to a temporary file, then renamed over the old one, so the file on disk
+// is always a complete checkpoint whatever is killed and when.
+struct Position {
+  int64_t epoch = 0;
+  int64_t samples_consumed = 0;  // in this epoch, over all ranks
+  int64_t steps = 0;             // optimizer steps taken in all
+};
+
+std::string checkpoint_path(const Flags& flags) { return flags.checkpoint_dir + "/checkpoint.pt"; }
+
+void save_checkpoint(const Flags& flags, NetImpl& net, torch::optim::Optimizer& optimizer, const Position& at) {
+  std::filesystem::create_directories(flags.checkpoint_dir);
+  torch::serialize::OutputArchive archive;
+  net.save(archive);
+  torch::serialize::OutputArchive optimizer_archive;
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("epoch", torch::tensor(at.epoch));
+  archive.write("samples_consumed", torch::tensor(at.samples_consumed));
+  archive.write("steps", torch::tensor(at.steps));
+  archive.write("model_kind", torch::tensor(flags.model == "cnn" ? 1 : 0));
+  std::string final_path = checkpoint_path(flags);
+  std::string temporary = final_path + ".tmp";
+  archive.save_to(temporary);
+  std::filesystem::rename(temporary, final_path);
+}
+
+Position load_checkpoint(const Flags& flags, NetImpl& net, torch::optim::Optimizer& optimizer) {
+  std::string path = checkpoint_path(flags);
+  if (!std::filesystem::exists(path)) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint at " + path +
+                             "; run once with --checkpoint-dir " + flags.checkpoint_dir + " first, or drop --resume");
+  }
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " is not a readable checkpoint (" +
+                             e.what_without_backtrace() + ")");
+  }
+  torch::Tensor kind;
+  archive.read("model_kind", kind);
+  if (kind.item<int64_t>() != (flags.model == "cnn" ? 1 : 0)) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " holds a " +
+                             (kind.item<int64_t>() ? "cnn" : "mlp") + " model but --model is " + flags.model);
+  }
+  net.load(archive);
+  torch::serialize::InputArchive optimizer_archive;
+  archive.read("optimizer", optimizer_archive);
+  optimizer.load(optimizer_archive);
+  Position at;
+  torch::Tensor value;
+  archive.read("epoch", value);
+  at.epoch = value.item<int64_t>();
+  archive.read("samples_consumed", value);
+  at.samples_consumed = value.item<int64_t>();
+  archive.read("steps", value);
+  at.steps = value.item<int64_t>();
+  return at;
+}
+
+int run(int argc, char** argv) {
+  Flags flags = parse_flags(argc, argv);
+  auto pg = dtrain::init_process_group();
+  const int world = pg->size(), rank = pg->rank();
+  const bool leader = rank == 0;
+  if (flags.batch_size % world != 0) {
+    throw dtrain::UsageError("train_fashion_mnist: --batch-size " + std::to_string(flags.batch_size) +
+                             " does not split evenly over " + std::to_string(world) +
+                             " ranks; use a multiple of " + std::to_string(world));
+  }
+  const int64_t local_batch = flags.batch_size / world;
+  torch::set_num_threads(1);  // one core per rank; `dtrain run` sets OMP_NUM_THREADS=1 for the same reason
+
+  auto train = dtrain::load_fashion_mnist(flags.data, /*train=*/true);
+  auto test = dtrain::load_fashion_mnist(flags.data, /*train=*/false);
+
+  torch::manual_seed(flags.seed);
+  auto net = std::make_shared<NetImpl>(flags.model);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(flags.lr).momentum(0.9));
+  Position at;
+  if (flags.resume) at = load_checkpoint(flags, *net, optimizer);
+  // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the same
+  // optimizer state.
+  dtrain::DistributedDataParallel ddp(net, pg);
+
+  dtrain::DistributedSamplerOptions sampler_options;
+  sampler_options.seed = static_cast<uint64_t>(flags.seed);
+  dtrain::DistributedSampler sampler(train.labels.size(0), world, rank, sampler_options);
+  sampler.load_state({at.epoch, at.samples_consumed});
+  if (leader && flags.resume) {
+    std::cout << "resumed from " << checkpoint_path(flags) << " at epoch " << at.epoch + 1 << ", "
+              << at.samples_consumed << " samples into it, step " << at.steps << std::endl;
+  }
+
+  int64_t samples_processed = 0;  // this run, over all ranks
+  double train_seconds = 0, accuracy = 0, last_loss = 0;
+  bool stopped_early = false;
+  for (int64_t epoch = at.epoch; epoch < flags.epochs && !stopped_early; ++epoch) {
+    if (epoch != at.epoch) sampler.set_epoch(epoch);
+    std::vector<int64_t> indices = sampler.indices();
+    at::Tensor order = torch::from_blob(indices.data(), {static_cast<int64_t>(indices.size())}, torch::kInt64);
+    int64_t steps = (static_cast<int64_t>(indices.size()) + local_batch - 1) / local_batch;
+    Progress progress(epoch, flags.epochs, steps);
+    auto start = Clock::now();
+    for (int64_t step = 0; step < steps; ++step) {
+      int64_t count = std::min<int64_t>(local_batch, static_cast<int64_t>(indices.size()) - step * local_batch);
+      at::Tensor rows = order.narrow(0, step * local_batch, count);
+      at::Tensor x = train.images.index_select(0, rows), y = train.labels.index_select(0, rows);
+      optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(ddp.forward(x), y);
+      loss.backward();
+      optimizer.step();
+      sampler.advance(count * world);
+      samples_processed += count * world;
+      ++at.steps;
+      if (leader) {
+        last_loss = loss.item<double>();
+        progress.update(step + 1, (step + 1) * local_batch * world, last_loss);
+      }
+      if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && leader) {
+        save_checkpoint(flags, *net, optimizer, {epoch, sampler.state().samples_consumed, at.steps});
+      }
+      if (flags.max_steps > 0 && at.steps >= flags.max_steps) {
+        stopped_early = true;
+        break;
+      }
+    }
+    train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    if (leader) progress.done();
+    accuracy = test_accuracy(*net, test, *pg);
+    if (leader) {
+      char line[120];
+      std::snprintf(line, sizeof line, "epoch %lld: test accuracy %.4f", static_cast<long long>(epoch + 1), accuracy);
+      std::cout << line << std::endl;
+    }
+    if (!flags.checkpoint_dir.empty() && leader) {
+      Position saved = stopped_early ? Position{epoch, sampler.state().samples_consumed, at.steps}
+                                     : Position{epoch + 1, 0, at.steps};
+      save_checkpoint(flags, *net, optimizer, saved);
+    }
+  }
+  pg->barrier();  // rank 0's checkpoint is on disk before anyone reports success
+  if (leader) {
+    std::ostringstream json;
+    json.precision(6);
+    json << "{\"test_accuracy\": " << accuracy << ", \"epochs\": " << flags.epochs << ", \"world_size\": " << world
+         << ", \"strategy\": \"" << flags.strategy << "\", \"model\": \"" << flags.model
+         << "\", \"global_batch\": " << flags.batch_size << ", \"train_samples\": " << samples_processed
+         << ", \"train_time_s\": " << train_seconds
+         << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)
+         << ", \"final_loss\": " << last_loss << ", \"steps\": " << at.steps << "}";
+    std::cout << json.str() << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const dtrain::UsageError& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}
