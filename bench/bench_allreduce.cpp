@@ -1,4 +1,5 @@
-// All-reduce bandwidth through dtrain's process group (c10d Gloo on CPU), per message size.
+// All-reduce bandwidth through dtrain's process group, per message size: shared memory when every rank is on
+// one host, c10d Gloo otherwise (DTRAIN_SHM=0 forces Gloo, for comparison).
 //   dtrain run --nproc-per-node 3 -- build/bin/bench_allreduce [--min-bytes N] [--max-bytes N] [--max-iters N]
 // Rank 0 prints one row per size: time per all-reduce (the slowest rank's), algorithm bandwidth
 // (bytes / time) and bus bandwidth (algbw * 2(n-1)/n, the bytes each rank's links carry in a ring, as
@@ -71,8 +72,10 @@ int main(int argc, char** argv) {
     auto pg = dtrain::init_process_group();
     const int n = pg->size();
     if (pg->rank() == 0) {
-      std::printf("# all_reduce (sum, float32), %d ranks, algorithm: Gloo ring all-reduce via c10d "
-                  "ProcessGroupGloo (2 threads)\n", n);
+      std::printf("# all_reduce (sum, float32), %d ranks, algorithm: %s\n", n,
+                  pg->uses_shared_memory()
+                      ? "dtrain shared-memory reduce-scatter + all-gather (all ranks on one host)"
+                      : "Gloo ring all-reduce via c10d ProcessGroupGloo (2 threads)");
       std::printf("%12s %8s %12s %12s %12s %14s\n", "bytes", "iters", "time_us", "algbw_GB/s", "busbw_GB/s",
                   "memcpy_GB/s");
     }

@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <future>
 #include <cstdlib>
 #include <map>
 #include <thread>
@@ -21,6 +23,7 @@
 #include <sstream>
 
 #include "comm/progress.h"
+#include "comm/shm_transport.h"
 #include "common/log.h"
 #include "dtrain/comm.h"
 
@@ -44,6 +47,8 @@ struct GroupState {
   c10::intrusive_ptr<compat::Backend> nccl;
 #endif
   std::unique_ptr<ProgressTracker> progress;
+  bool shared_memory_allowed = true;    // InitOptions::shared_memory and DTRAIN_SHM
+  std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
   uint64_t p2p_seq = 0;
   int subgroups_created = 0;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
@@ -71,7 +76,8 @@ struct GroupState {
 
 struct WorkState {
   GroupState* group = nullptr;
-  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10d::Work> work;   // a Gloo/NCCL operation, or
+  std::shared_future<void> shm_done;     // a shared-memory all-reduce
   const char* op = "";
   uint64_t seq = 0;       // collective sequence number; 0 for point to point
   int peer = -1;          // point to point: the other group rank
@@ -85,6 +91,7 @@ struct WorkState {
 namespace {
 
 using detail::GroupState;
+using detail::ShmFailure;
 using detail::WorkState;
 using Clock = std::chrono::steady_clock;
 
@@ -193,7 +200,21 @@ c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const Lau
 }
 
 // Every member announces itself, then waits for the others; on timeout the missing ones are named.
+// Which machine this is: the hostname alone can repeat across containers, the boot id does not.
+std::string host_identity() {
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  std::string identity = name;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char boot[64] = {0};
+    if (std::fgets(boot, sizeof boot, f)) identity += std::string("/") + boot;
+    std::fclose(f);
+  }
+  return identity;
+}
+
 void meet(GroupState& group) {
+  group.store->set("host/" + std::to_string(group.rank), bytes_of(host_identity()));
   group.store->set("join/" + std::to_string(group.rank), bytes_of(std::to_string(::getpid())));
   std::vector<std::string> keys;
   for (int r = 0; r < group.size; ++r) keys.push_back("join/" + std::to_string(r));
@@ -227,6 +248,19 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+bool all_on_one_host(GroupState& group) {
+  auto mine = group.store->get("host/" + std::to_string(group.rank));
+  for (int r = 0; r < group.size; ++r) {
+    if (group.store->get("host/" + std::to_string(r)) != mine) return false;
+  }
+  return true;
+}
+
+bool shared_memory_enabled_by_env() {
+  const char* value = std::getenv("DTRAIN_SHM");
+  return !(value && std::string(value) == "0");
+}
+
 std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   meet(*group);
   auto options = c10d::ProcessGroupGloo::Options::create(group->timeout);
@@ -236,6 +270,10 @@ std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", group->store);
   group->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, group->rank, group->size, options);
   group->progress = std::make_unique<detail::ProgressTracker>(group->store, group->rank, group->size);
+  if (group->size > 1 && group->shared_memory_allowed && all_on_one_host(*group)) {
+    auto shm_store = c10::make_intrusive<c10d::PrefixStore>("shm", group->store);
+    group->shm = detail::ShmTransport::create(*shm_store, group->rank, group->size, group->timeout);
+  }
   return group;
 }
 
@@ -318,7 +356,7 @@ bool looks_like_timeout(const std::string& what) {
 
 std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collective, int peer,
                                  const CollectiveOptions& options,
-                                 const std::function<c10::intrusive_ptr<c10d::Work>()>& launch) {
+                                 const std::function<void(WorkState&)>& launch) {
   check_usable(group);
   auto work = std::make_shared<WorkState>();
   work->group = &group;
@@ -331,7 +369,7 @@ std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collect
                           << group.group_label());
   }
   try {
-    work->work = launch();
+    launch(*work);
   } catch (const c10::Error& e) {
     // Rejected before anything was sent (a dtype or layout the backend cannot reduce): the caller's
     // mistake, and the group stays usable.
@@ -344,7 +382,17 @@ std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collect
 void wait_for(WorkState& work) {
   if (work.done) return;
   try {
-    work.work->wait(work.timeout);
+    if (work.shm_done.valid()) {
+      // The transport's thread enforces the timeout itself; this bound only guards against a stuck thread.
+      if (work.shm_done.wait_for(2 * work.timeout + std::chrono::seconds(10)) != std::future_status::ready) {
+        throw ShmFailure("timed out", true);
+      }
+      work.shm_done.get();
+    } else {
+      work.work->wait(work.timeout);
+    }
+  } catch (const ShmFailure& e) {
+    fail(work, e.what(), e.timed_out);
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     fail(work, what, looks_like_timeout(what));
@@ -378,7 +426,13 @@ void Work::wait() {
   wait_for(*state_);
 }
 
-bool Work::is_completed() const { return !state_ || state_->done || state_->work->isCompleted(); }
+bool Work::is_completed() const {
+  if (!state_ || state_->done) return true;
+  if (state_->shm_done.valid()) {
+    return state_->shm_done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+  return state_->work->isCompleted();
+}
 
 // ---- ProcessGroup ----
 
@@ -394,16 +448,21 @@ int ProcessGroup::global_rank_of(int group_rank) const {
   return state_->global_ranks[group_rank];
 }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
+bool ProcessGroup::uses_shared_memory() const { return state_->shm != nullptr; }
 
 Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_average(group, tensor, op);
-  auto work = start(group, "all_reduce", true, -1, options, [&] {
+  auto work = start(group, "all_reduce", true, -1, options, [&](WorkState& w) {
+    if (group.shm && detail::ShmTransport::supports(tensor, op)) {
+      w.shm_done = group.shm->all_reduce_async(tensor, op, w.timeout);
+      return;
+    }
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
-    return backend_for(group, tensor).allreduce(tensors, opts);
+    opts.timeout = w.timeout;
+    w.work = backend_for(group, tensor).allreduce(tensors, opts);
   });
   if (op == ReduceOp::kAvg) {
     at::Tensor result = tensor;  // shares storage with the caller's tensor
@@ -420,12 +479,12 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op, const CollectiveO
 Work ProcessGroup::broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, root, "root");
-  return Work(start(group, "broadcast", true, -1, options, [&] {
+  return Work(start(group, "broadcast", true, -1, options, [&](WorkState& w) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
-    return backend_for(group, tensor).broadcast(tensors, opts);
+    opts.timeout = w.timeout;
+    w.work = backend_for(group, tensor).broadcast(tensors, opts);
   }));
 }
 
@@ -440,12 +499,12 @@ void ProcessGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor
     throw UsageError(group.who() + ": all_gather needs one output tensor per rank (" +
                      std::to_string(group.size) + "), got " + std::to_string(outputs.size()));
   }
-  auto work = start(group, "all_gather", true, -1, options, [&] {
+  auto work = start(group, "all_gather", true, -1, options, [&](WorkState& w) {
     std::vector<std::vector<at::Tensor>> out{outputs};
     std::vector<at::Tensor> in{input};
     c10d::AllgatherOptions opts;
-    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
-    return backend_for(group, input).allgather(out, in, opts);
+    opts.timeout = w.timeout;
+    w.work = backend_for(group, input).allgather(out, in, opts);
   });
   wait_for(*work);
 }
@@ -462,12 +521,16 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
   // slice. It moves size() times the data an optimal ring would, which is fine for the small tensors it
   // serves on CPU; NCCL uses its native reduce-scatter.
   at::Tensor stacked = at::stack(inputs);
-  auto work = start(group, "reduce_scatter", true, -1, options, [&] {
+  auto work = start(group, "reduce_scatter", true, -1, options, [&](WorkState& w) {
+    if (group.shm && detail::ShmTransport::supports(stacked, op)) {
+      w.shm_done = group.shm->all_reduce_async(stacked, op, w.timeout);
+      return;
+    }
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
-    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
+    opts.timeout = w.timeout;
     std::vector<at::Tensor> tensors{stacked};
-    return backend_for(group, output).allreduce(tensors, opts);
+    w.work = backend_for(group, output).allreduce(tensors, opts);
   });
   wait_for(*work);
   output.copy_(stacked[group.rank]);
@@ -476,10 +539,10 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
 
 void ProcessGroup::barrier(const CollectiveOptions& options) {
   GroupState& group = *state_;
-  auto work = start(group, "barrier", true, -1, options, [&] {
+  auto work = start(group, "barrier", true, -1, options, [&](WorkState& w) {
     c10d::BarrierOptions opts;
-    opts.timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
-    return group.gloo->barrier(opts);
+    opts.timeout = w.timeout;
+    w.work = group.gloo->barrier(opts);
   });
   wait_for(*work);
 }
@@ -487,9 +550,9 @@ void ProcessGroup::barrier(const CollectiveOptions& options) {
 void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, dst, "dst");
-  auto work = start(group, "send", false, dst, options, [&] {
+  auto work = start(group, "send", false, dst, options, [&](WorkState& w) {
     std::vector<at::Tensor> tensors{tensor};
-    return backend_for(group, tensor).send(tensors, dst, tag);
+    w.work = backend_for(group, tensor).send(tensors, dst, tag);
   });
   wait_for(*work);
 }
@@ -497,9 +560,9 @@ void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const Collec
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, src, "src");
-  auto work = start(group, "recv", false, src, options, [&] {
+  auto work = start(group, "recv", false, src, options, [&](WorkState& w) {
     std::vector<at::Tensor> tensors{tensor};
-    return backend_for(group, tensor).recv(tensors, src, tag);
+    w.work = backend_for(group, tensor).recv(tensors, src, tag);
   });
   wait_for(*work);
 }
@@ -527,6 +590,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   group->world_size = parent.world_size;
   group->timeout = parent.timeout;
   group->master_addr = parent.master_addr;
+  group->shared_memory_allowed = parent.shared_memory_allowed;
   group->root_store = parent.root_store;
   group->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + name, parent.root_store);
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(connect_group(std::move(group))));
@@ -550,6 +614,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   for (int r = 0; r < world_size; ++r) group->global_ranks.push_back(r);
   group->world_size = world_size;
   group->timeout = timeout;
+  group->shared_memory_allowed = options.shared_memory && shared_memory_enabled_by_env();
   group->master_addr = launch.master_addr;
   if (options.init_method.rfind("tcp://", 0) == 0) {
     group->master_addr = parse_tcp(options.init_method.substr(6), "init_method").host;

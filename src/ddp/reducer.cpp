@@ -69,7 +69,8 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
   broadcast_from_rank0(state);
 
   inverse_world_size_ = at::scalar_tensor(1.0 / group_->size(), at::kDouble);
-  build_buckets();
+  local_only_ = group_->size() == 1;
+  if (!local_only_) build_buckets();
 
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
@@ -240,6 +241,10 @@ void Reducer::on_gradient_ready(size_t index) {
 
 void Reducer::mark_ready(size_t index) {
   Param& p = params_[index];
+  if (local_only_) {
+    p.ready = true;
+    return;
+  }
   const at::Tensor& grad = p.tensor.grad();
   if (options_.gradient_as_bucket_view) {
     // The gradient normally already is the slot; re-point it if the optimizer replaced or reset it.
@@ -259,7 +264,7 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch_ready_buckets() {
-  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+  while (!local_only_ && next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     launch(next_to_launch_++);
   }
 }
@@ -313,6 +318,7 @@ void Reducer::finalize_backward() {
     }
     for (size_t i : missing) mark_ready(i);
   }
+  if (local_only_) return;
   if (options_.find_unused_parameters) {
     // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it was.
     used = at::ones({static_cast<int64_t>(params_.size())}, at::kInt);

@@ -62,6 +62,9 @@ class Reducer {
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
   at::Tensor inverse_world_size_;  // 0-dim, multiplies gradients on their way into the buckets
+  // World size 1: the local gradients already are the average. The hooks only track which parameters got
+  // a gradient (for the unused-parameter error); no buckets, no copies, no collectives.
+  bool local_only_ = false;
 
   std::mutex mutex_;               // hooks of a CUDA backward may run on several device threads
   std::atomic<int> no_sync_depth_{0};

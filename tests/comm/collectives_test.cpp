@@ -19,7 +19,10 @@ at::Tensor contribution(int rank, int64_t count) {
   return torch::arange(count, torch::kFloat32) + 1000.0f * static_cast<float>(rank + 1);
 }
 
-TEST(Collectives, AllReduceSumAverageMinMax) {
+// Both all-reduce transports: shared memory (ranks on one host, the default) and Gloo.
+class AllReduceTransports : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AllReduceTransports, SumAverageMinMax) {
   for (int world : kWorldSizes) {
     SCOPED_TRACE("world " + std::to_string(world));
     run_group(world, [&](int rank, ProcessGroup& group) {
@@ -43,9 +46,36 @@ TEST(Collectives, AllReduceSumAverageMinMax) {
         group.all_reduce(min, ReduceOp::kMin);
         EXPECT_TRUE(torch::equal(min, contribution(0, count)));
       }
-    });
+    }, std::chrono::seconds(60), GetParam());
   }
 }
+
+TEST_P(AllReduceTransports, LargerThanOneChunkAndEveryRankBitIdentical) {
+  // 2.5 shared-memory chunks of float32 plus an odd tail; doubles and int64 too.
+  const int64_t count = (int64_t{5} << 20) / 2 / 4 * 2 + 3;
+  run_group(3, [&](int rank, ProcessGroup& group) {
+    at::Tensor mine = torch::linspace(-1, 1, count) * (rank + 1) / 7.0;
+    at::Tensor sum = mine.clone();
+    group.all_reduce(sum);
+    at::Tensor expected = torch::linspace(-1, 1, count) * 6 / 7.0;
+    EXPECT_TRUE(torch::allclose(sum, expected, 1e-5, 1e-6));
+    std::vector<at::Tensor> everyone(3);
+    for (auto& t : everyone) t = torch::empty_like(sum);
+    group.all_gather(everyone, sum);
+    for (auto& t : everyone) EXPECT_TRUE(torch::equal(t, sum)) << "ranks disagree bit for bit";
+    at::Tensor longs = torch::full({1000003}, int64_t{rank + 1}, torch::kInt64);
+    group.all_reduce(longs, ReduceOp::kProduct);
+    EXPECT_EQ(longs[1000002].item<int64_t>(), 6);
+    at::Tensor doubles = torch::full({777}, 0.5 * (rank + 1), torch::kFloat64);
+    group.all_reduce(doubles, ReduceOp::kAvg);
+    EXPECT_DOUBLE_EQ(doubles[776].item<double>(), 1.0);
+  }, std::chrono::seconds(60), GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(SharedMemoryAndGloo, AllReduceTransports, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "SharedMemory" : "Gloo";
+                         });
 
 TEST(Collectives, AsyncAllReducesOverlapAndComplete) {
   run_group(3, [&](int rank, ProcessGroup& group) {

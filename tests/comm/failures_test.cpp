@@ -13,7 +13,9 @@ namespace {
 using testing::run_ranks;
 using testing::unique_store_name;
 
-TEST(Timeouts, CollectiveNamesTheRankThatNeverJoined) {
+class TimeoutTransports : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TimeoutTransports, CollectiveNamesTheRankThatNeverJoined) {
   const int world = 3;
   const int absent = 2;
   std::string method = unique_store_name("timeout");
@@ -25,6 +27,7 @@ TEST(Timeouts, CollectiveNamesTheRankThatNeverJoined) {
     options.rank = rank;
     options.world_size = world;
     options.timeout = std::chrono::milliseconds(1500);
+    options.shared_memory = GetParam();
     auto group = init_process_group(options);
     at::Tensor t = torch::ones({10});
     group->all_reduce(t);  // #1: everyone
@@ -54,6 +57,11 @@ TEST(Timeouts, CollectiveNamesTheRankThatNeverJoined) {
     EXPECT_NE(e.find("DTRAIN_DEBUG=detail"), std::string::npos);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(SharedMemoryAndGloo, TimeoutTransports, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "SharedMemory" : "Gloo";
+                         });
 
 TEST(Timeouts, StartupNamesTheRanksThatNeverCame) {
   std::string method = unique_store_name("startup");

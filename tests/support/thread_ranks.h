@@ -40,9 +40,10 @@ inline void run_ranks(int world_size, const std::function<void(int rank)>& body)
 }
 
 // Runs `body(rank, group)` on `world_size` thread-ranks, each with a group from init_process_group.
+// shared_memory=false forces every all-reduce through Gloo, so both transports get tested.
 inline void run_group(int world_size,
                       const std::function<void(int rank, ProcessGroup& group)>& body,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60), bool shared_memory = true) {
   std::string method = unique_store_name("group");
   run_ranks(world_size, [&](int rank) {
     InitOptions options;
@@ -50,6 +51,7 @@ inline void run_group(int world_size,
     options.rank = rank;
     options.world_size = world_size;
     options.timeout = timeout;
+    options.shared_memory = shared_memory;
     auto group = init_process_group(options);
     body(rank, *group);
   });

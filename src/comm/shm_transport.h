@@ -1,0 +1,93 @@
+// All-reduce through shared memory among the ranks of a group that all run on one host.
+//
+// Note [Shared-memory all-reduce]
+// On one machine, Gloo moves every byte through TCP over loopback: a few kernel copies per byte and a
+// wake-up per message, about 1 GB/s here against ~35 GB/s for memcpy. Ranks on one host can instead meet in
+// one shared segment. For each chunk of the tensor:
+//   1. every rank copies its chunk into its own slot;                    barrier
+//   2. rank r sums share r of the chunk over all slots, in place in slot r; barrier
+//   3. every rank copies the reduced shares back out of their owners' slots.
+// Two sets of slots alternate between chunks, so step 1 of chunk k+2 (same set as chunk k) cannot overwrite
+// a slot someone still reads in step 3 of chunk k: every rank finished it before reaching chunk k+1's first
+// barrier. Each rank's bytes cross memory three times, and every rank sums the same operands in the same
+// order, so all ranks get bit-identical results.
+//
+// A barrier is a counter per rank in the segment: a rank bumps its own and waits until every counter has
+// caught up, so a late rank is known by name, and a rank whose process is gone (its pid no longer exists)
+// is reported at once instead of after the timeout. Waiters spin briefly, then sleep on a futex, because
+// ranks usually outnumber idle cores.
+//
+// Operations run in order on one thread per group, so all_reduce_async overlaps with the caller's work
+// (DDP's backward) just as Gloo's does.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm.h"
+
+namespace dtrain::detail {
+
+// Raised on the transport's thread; ProcessGroup turns it into dtrain's TimeoutError / PeerLostError with
+// the full message.
+struct ShmFailure : std::runtime_error {
+  ShmFailure(const std::string& what, bool timed_out) : std::runtime_error(what), timed_out(timed_out) {}
+  bool timed_out;
+};
+
+class ShmTransport {
+ public:
+  // Bytes of each rank's slot in each of the two slot sets: big enough that the barriers (two per chunk)
+  // are a small cost against the copies, small enough that 8 ranks need only 64 MiB of /dev/shm.
+  static constexpr int64_t kChunkBytes = int64_t{4} << 20;
+
+  // Collective over the group's store: group rank 0 creates the segment, the others map it, then rank 0
+  // unlinks its name so nothing is left in /dev/shm whatever happens later. Returns nullptr (and the group
+  // keeps using Gloo) when shared memory is unavailable.
+  static std::unique_ptr<ShmTransport> create(c10d::Store& store, int rank, int size,
+                                              std::chrono::milliseconds timeout);
+  ~ShmTransport();
+
+  // Whether this transport can reduce `tensor` with `op`: a contiguous CPU tensor of a type it sums.
+  static bool supports(const at::Tensor& tensor, ReduceOp op);
+
+  // Queues the all-reduce; the future completes when `tensor` holds the result, or carries a ShmFailure.
+  std::shared_future<void> all_reduce_async(const at::Tensor& tensor, ReduceOp op,
+                                            std::chrono::milliseconds timeout);
+
+ private:
+  struct Segment;
+  ShmTransport(int rank, int size, void* base, size_t bytes);
+  void run_queue();
+  void all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout);
+  void barrier(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout);
+  char* slot(int set, int rank) const;
+
+  const int rank_;
+  const int size_;
+  void* base_;
+  size_t bytes_;
+  Segment* control_;
+  uint64_t phase_ = 0;  // barriers this rank has passed
+  uint64_t chunks_ = 0; // chunks processed, selects the slot set
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace dtrain::detail
