@@ -4,6 +4,8 @@
 //   dtrain run --nproc-per-node 2 -- build/bin/bench_ddp --hidden 1024 --batch 32 --steps 100
 // Knobs for the wrapper's own costs: --no-ddp (plain training, world size 1 only), --no-overlap (all
 // bucket all-reduces after backward), --bucket-mb X (bucket cap), --grad-views (gradient_as_bucket_view).
+// In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica),
+// --threads N (intra-op threads of a plain or DDP process).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -12,6 +14,7 @@
 
 #include "dtrain/comm.h"
 #include "dtrain/ddp.h"
+#include "dtrain/dp.h"
 
 namespace {
 
@@ -31,6 +34,7 @@ int main(int argc, char** argv) {
     int64_t hidden = 1024, batch = 32, steps = 100;
     double bucket_mb = 25;
     bool use_ddp = true, overlap = true, grad_views = false;
+    int64_t dp_replicas = 0, threads = 1;
     for (int i = 1; i < argc; ++i) {
       std::string flag = argv[i];
       bool has_value = i + 1 < argc;
@@ -43,6 +47,11 @@ int main(int argc, char** argv) {
       } else if (flag == "--bucket-mb" && has_value) {
         bucket_mb = std::atof(argv[++i]);
         if (!(bucket_mb > 0)) throw dtrain::UsageError("bench_ddp: --bucket-mb: expected a positive number");
+      } else if (flag == "--dp" && has_value) {
+        dp_replicas = parse_int(flag, argv[++i]);
+        use_ddp = false;
+      } else if (flag == "--threads" && has_value) {
+        threads = parse_int(flag, argv[++i]);
       } else if (flag == "--no-ddp") {
         use_ddp = false;
       } else if (flag == "--no-overlap") {
@@ -52,13 +61,13 @@ int main(int argc, char** argv) {
       } else {
         throw dtrain::UsageError("bench_ddp: unknown argument '" + flag +
                                  "' (or missing value); accepted: --hidden N --batch N --steps N --bucket-mb X "
-                                 "--no-ddp --no-overlap --grad-views");
+                                 "--no-ddp --no-overlap --grad-views --dp N --threads N");
       }
     }
-    torch::set_num_threads(1);
+    torch::set_num_threads(static_cast<int>(threads));
     auto pg = dtrain::init_process_group();
     if (!use_ddp && pg->size() != 1) {
-      throw dtrain::UsageError("bench_ddp: --no-ddp measures plain training and needs world size 1, got " +
+      throw dtrain::UsageError("bench_ddp: --no-ddp and --dp measure one process and need world size 1, got " +
                                std::to_string(pg->size()));
     }
     torch::manual_seed(0);
@@ -70,14 +79,27 @@ int main(int argc, char** argv) {
     options.gradient_as_bucket_view = grad_views;
     std::unique_ptr<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
     if (use_ddp) ddp = std::make_unique<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>>(model.ptr(), pg, options);
+    std::unique_ptr<dtrain::DataParallel<torch::nn::SequentialImpl>> dp;
+    if (dp_replicas > 0) {
+      dtrain::DataParallelOptions dp_options;
+      dp_options.num_replicas = static_cast<int>(dp_replicas);
+      dp = std::make_unique<dtrain::DataParallel<torch::nn::SequentialImpl>>(model.ptr(), dp_options);
+    }
     torch::optim::SGD optimizer(model->parameters(), 0.01);
-    at::Tensor x = torch::randn({batch, 784});
-    at::Tensor y = torch::randint(0, 10, {batch});
+    const int64_t rows = dp ? batch * dp_replicas : batch;  // B per replica, like B per rank
+    at::Tensor x = torch::randn({rows, 784});
+    at::Tensor y = torch::randint(0, 10, {rows});
+    auto mean_loss = [](const at::Tensor& logits, const at::Tensor& target) {
+      return torch::nn::functional::cross_entropy(logits, target);
+    };
 
     auto step = [&] {
       optimizer.zero_grad();
-      at::Tensor logits = ddp ? ddp->forward(x) : model->forward(x);
-      torch::nn::functional::cross_entropy(logits, y).backward();
+      if (dp) {
+        dp->forward_backward(x, y, mean_loss);
+      } else {
+        mean_loss(ddp ? ddp->forward(x) : model->forward(x), y).backward();
+      }
       optimizer.step();
     };
     for (int i = 0; i < 5; ++i) step();
@@ -89,8 +111,12 @@ int main(int argc, char** argv) {
     if (pg->rank() == 0) {
       int64_t params = 0;
       for (auto& p : model->parameters()) params += p.numel();
-      std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s%s\n", pg->size(), static_cast<long long>(params), ms,
-                  use_ddp ? "" : " (no wrapper)", overlap ? "" : " (no overlap)");
+      std::string mode = dp ? " (DataParallel, " + std::to_string(dp_replicas) + " replicas)"
+                            : use_ddp ? "" : " (no wrapper)";
+      if (!overlap) mode += " (no overlap)";
+      if (threads > 1) mode += " (" + std::to_string(threads) + " intra-op threads)";
+      std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s\n", pg->size(), static_cast<long long>(params), ms,
+                  mode.c_str());
     }
     return 0;
   } catch (const dtrain::UsageError& e) {

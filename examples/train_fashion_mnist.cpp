@@ -14,19 +14,22 @@
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/ddp.h"
+#include "dtrain/dp.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp] [--epochs N] [--batch-size N (global)]\n"
+    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp|dp] [--devices N (dp)] [--epochs N]\n"
+    "                           [--batch-size N (global)]\n"
     "                           [--lr X] [--seed N] [--data DIR] [--checkpoint-dir DIR] [--resume]\n"
     "                           [--checkpoint-every STEPS] [--max-steps N]";
 
 struct Flags {
   std::string model = "mlp";
-  std::string strategy = "ddp";
+  std::string strategy = "ddp";  // ddp: one process per rank (under `dtrain run`); dp: one process
+  int64_t devices = 2;           // dp: replicas (CPU threads) in this process
   int64_t epochs = 1;
   int64_t batch_size = 64;  // global: split evenly over the ranks
   double lr = 0.02;
@@ -69,8 +72,10 @@ Flags parse_flags(int argc, char** argv) {
       if (value != "mlp" && value != "cnn") bad_flag(flag, value, "mlp or cnn");
       flags.model = value;
     } else if (flag == "--strategy") {
-      if (value != "ddp") bad_flag(flag, value, "ddp (dp and pipeline arrive with their issues)");
+      if (value != "ddp" && value != "dp") bad_flag(flag, value, "ddp or dp");
       flags.strategy = value;
+    } else if (flag == "--devices") {
+      flags.devices = parse_int(flag, value, 1);
     } else if (flag == "--epochs") {
       flags.epochs = parse_int(flag, value, 1);
     } else if (flag == "--batch-size") {
@@ -99,51 +104,34 @@ Flags parse_flags(int argc, char** argv) {
   return flags;
 }
 
-struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(784, 256));
-    fc2 = register_module("fc2", torch::nn::Linear(256, 128));
-    fc3 = register_module("fc3", torch::nn::Linear(128, 10));
+// The two models, in one Cloneable module so that DataParallel can make replicas of either.
+//   mlp: 784-256-128-10 with ReLU.   cnn: two 5x5 conv+pool stages (16, 32 channels), then 10 outputs.
+struct NetImpl : torch::nn::Cloneable<NetImpl> {
+  explicit NetImpl(std::string kind) : kind(std::move(kind)) { reset(); }
+  void reset() override {
+    if (kind == "cnn") {
+      conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5).padding(2)));
+      conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5).padding(2)));
+      fc1 = register_module("fc", torch::nn::Linear(32 * 7 * 7, 10));
+    } else {
+      fc1 = register_module("fc1", torch::nn::Linear(784, 256));
+      fc2 = register_module("fc2", torch::nn::Linear(256, 128));
+      fc3 = register_module("fc3", torch::nn::Linear(128, 10));
+    }
   }
   torch::Tensor forward(torch::Tensor x) {
+    if (kind == "cnn") {
+      x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
+      x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
+      return fc1->forward(x.flatten(1));
+    }
     x = torch::relu(fc1->forward(x.flatten(1)));
     x = torch::relu(fc2->forward(x));
     return fc3->forward(x);
   }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-};
-
-struct CnnImpl : torch::nn::Module {
-  CnnImpl() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5).padding(2)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5).padding(2)));
-    fc = register_module("fc", torch::nn::Linear(32 * 7 * 7, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
-    return fc->forward(x.flatten(1));
-  }
+  std::string kind;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Linear fc{nullptr};
-};
-
-// One forward signature for both models, so the rest of the program is model-agnostic.
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(const std::string& kind) {
-    if (kind == "cnn") {
-      body = register_module("cnn", std::make_shared<CnnImpl>());
-    } else {
-      body = register_module("mlp", std::make_shared<MlpImpl>());
-    }
-    cnn = kind == "cnn";
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return cnn ? std::static_pointer_cast<CnnImpl>(body)->forward(x)
-               : std::static_pointer_cast<MlpImpl>(body)->forward(x);
-  }
-  std::shared_ptr<torch::nn::Module> body;
-  bool cnn = false;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
 };
 
 // Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
@@ -285,7 +273,22 @@ int run(int argc, char** argv) {
   if (flags.resume) at = load_checkpoint(flags, *net, optimizer);
   // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the same
   // optimizer state.
-  dtrain::DistributedDataParallel ddp(net, pg);
+  std::unique_ptr<dtrain::DistributedDataParallel<NetImpl>> ddp;
+  std::unique_ptr<dtrain::DataParallel<NetImpl>> dp;
+  if (flags.strategy == "dp") {
+    if (world != 1) {
+      throw dtrain::UsageError("train_fashion_mnist: --strategy dp runs in one process (it drives --devices "
+                               "replicas itself); start it without `dtrain run` or with --nproc-per-node 1");
+    }
+    dtrain::DataParallelOptions options;
+    options.num_replicas = static_cast<int>(flags.devices);
+    dp = std::make_unique<dtrain::DataParallel<NetImpl>>(net, options);
+  } else {
+    ddp = std::make_unique<dtrain::DistributedDataParallel<NetImpl>>(net, pg);
+  }
+  auto mean_loss = [](const torch::Tensor& logits, const torch::Tensor& y) {
+    return torch::nn::functional::cross_entropy(logits, y);
+  };
 
   dtrain::DistributedSamplerOptions sampler_options;
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
@@ -311,8 +314,13 @@ int run(int argc, char** argv) {
       at::Tensor rows = order.narrow(0, step * local_batch, count);
       at::Tensor x = train.images.index_select(0, rows), y = train.labels.index_select(0, rows);
       optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(ddp.forward(x), y);
-      loss.backward();
+      torch::Tensor loss;
+      if (dp) {
+        loss = dp->forward_backward(x, y, mean_loss);
+      } else {
+        loss = mean_loss(ddp->forward(x), y);
+        loss.backward();
+      }
       optimizer.step();
       sampler.advance(count * world);
       samples_processed += count * world;
@@ -348,7 +356,8 @@ int run(int argc, char** argv) {
     std::ostringstream json;
     json.precision(6);
     json << "{\"test_accuracy\": " << accuracy << ", \"epochs\": " << flags.epochs << ", \"world_size\": " << world
-         << ", \"strategy\": \"" << flags.strategy << "\", \"model\": \"" << flags.model
+         << ", \"strategy\": \"" << flags.strategy << "\", \"replicas\": " << (dp ? flags.devices : world)
+         << ", \"model\": \"" << flags.model
          << "\", \"global_batch\": " << flags.batch_size << ", \"train_samples\": " << samples_processed
          << ", \"train_time_s\": " << train_seconds
          << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)

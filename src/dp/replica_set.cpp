@@ -1,0 +1,277 @@
+// DataParallel's machinery: persistent replicas, one worker thread each, the scatter of a batch, and the
+// reduction of the replicas' gradients into the module's. See dtrain/dp.h for the contract.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/module.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "dtrain/dp.h"
+
+namespace dtrain {
+namespace detail {
+
+class ReplicaSet {
+ public:
+  ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBase::Forward forward,
+             DataParallelOptions options);
+  ~ReplicaSet();
+
+  at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target,
+                              const DataParallelBase::LossFn& loss_fn);
+  at::Tensor forward(const at::Tensor& input);
+  int size() const { return static_cast<int>(replicas_.size()); }
+  const std::vector<c10::Device>& devices() const { return devices_; }
+
+ private:
+  // One thread per replica, fed one task at a time by the caller's thread.
+  struct Worker {
+    std::thread thread;
+    std::function<void()> task;  // set by the caller, cleared by the worker when done
+    std::exception_ptr error;
+  };
+
+  void worker_loop(int index);
+  // Runs fn(i) on workers 0..count-1 and waits for all of them; then rethrows the first failure, naming
+  // its replica. Every worker finishes its task before anything is rethrown, so none is left running.
+  void run_on_workers(int count, const std::function<void(int)>& fn);
+  void refresh_replica(int r);
+  void reduce_gradients(int active);
+  std::pair<int64_t, int64_t> slice(int64_t total, int active, int r) const;
+
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas_;  // [0] is the user's module
+  std::vector<std::vector<at::Tensor>> params_;               // per replica, in parameters() order
+  std::vector<std::vector<at::Tensor>> buffers_;
+  std::vector<c10::Device> devices_;
+  DataParallelBase::Forward forward_;
+  int intra_op_threads_;
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable work_done_;
+  std::vector<Worker> workers_;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBase::Forward forward,
+                       DataParallelOptions options)
+    : forward_(std::move(forward)), intra_op_threads_(options.intra_op_threads) {
+  if (!module) throw UsageError("DataParallel: the module is null");
+  devices_ = options.devices;
+  if (devices_.empty()) {
+    if (options.num_replicas < 1) {
+      throw UsageError("DataParallel: num_replicas=" + std::to_string(options.num_replicas) +
+                       ": expected at least 1 (or a list of devices)");
+    }
+    devices_.assign(options.num_replicas, c10::Device(c10::kCPU));
+  }
+  if (options.intra_op_threads < 1) {
+    throw UsageError("DataParallel: intra_op_threads=" + std::to_string(options.intra_op_threads) +
+                     ": expected at least 1");
+  }
+  for (const auto& p : module->parameters()) {
+    if (p.device() != devices_[0]) {
+      throw UsageError("DataParallel: the module's parameters are on " + p.device().str() +
+                       " but the first device is " + devices_[0].str() +
+                       "; move the module there first (it is replica 0)");
+    }
+  }
+  replicas_.push_back(module);
+  for (size_t r = 1; r < devices_.size(); ++r) {
+    try {
+      replicas_.push_back(module->clone(devices_[r]));
+    } catch (const c10::Error& e) {
+      throw UsageError(std::string("DataParallel: the module cannot be cloned into replicas (") +
+                       e.what_without_backtrace() +
+                       "). Derive it from torch::nn::Cloneable<YourModule> and build its layers in reset(), "
+                       "as LibTorch's own data_parallel requires.");
+    }
+  }
+  for (auto& replica : replicas_) {
+    params_.push_back(replica->parameters());
+    buffers_.push_back(replica->buffers());
+  }
+  workers_.resize(replicas_.size());
+  for (int i = 0; i < size(); ++i) workers_[i].thread = std::thread([this, i] { worker_loop(i); });
+}
+
+ReplicaSet::~ReplicaSet() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_ready_.notify_all();
+  for (auto& w : workers_) w.thread.join();
+}
+
+void ReplicaSet::worker_loop(int index) {
+  // Per-thread with OpenMP: this replica's kernels use this many threads, whatever the caller uses.
+  at::set_num_threads(intra_op_threads_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    work_ready_.wait(lock, [&] { return stop_ || workers_[index].task; });
+    if (stop_) return;
+    auto task = std::move(workers_[index].task);
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      task();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    workers_[index].task = nullptr;
+    workers_[index].error = error;
+    if (--pending_ == 0) work_done_.notify_all();
+  }
+}
+
+void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
+  const bool grad_mode = at::GradMode::is_enabled();  // thread-local: carry the caller's into the workers
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = count;
+    for (int i = 0; i < count; ++i) {
+      workers_[i].error = nullptr;
+      workers_[i].task = [&fn, i, grad_mode] {
+        at::AutoGradMode mode(grad_mode);
+        fn(i);
+      };
+    }
+  }
+  work_ready_.notify_all();
+  std::unique_lock<std::mutex> lock(mutex_);
+  work_done_.wait(lock, [&] { return pending_ == 0; });
+  for (int i = 0; i < count; ++i) {
+    if (!workers_[i].error) continue;
+    std::string where = "DataParallel replica " + std::to_string(i) + " (" + devices_[i].str() + "): ";
+    try {
+      std::rethrow_exception(workers_[i].error);
+    } catch (const UsageError& e) {
+      throw UsageError(where + e.what());
+    } catch (const c10::Error& e) {
+      throw Error(where + e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw Error(where + e.what());
+    }
+  }
+}
+
+void ReplicaSet::refresh_replica(int r) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_[r].size(); ++i) {
+    params_[r][i].copy_(params_[0][i], /*non_blocking=*/true);
+    params_[r][i].mutable_grad() = at::Tensor();  // a fresh gradient each step: nothing to zero
+  }
+  for (size_t i = 0; i < buffers_[r].size(); ++i) buffers_[r][i].copy_(buffers_[0][i], /*non_blocking=*/true);
+}
+
+std::pair<int64_t, int64_t> ReplicaSet::slice(int64_t total, int active, int r) const {
+  int64_t base = total / active, extra = total % active;
+  return {r * base + std::min<int64_t>(r, extra), base + (r < extra ? 1 : 0)};
+}
+
+void ReplicaSet::reduce_gradients(int active) {
+  if (active <= 1) return;
+  std::vector<at::Tensor>& module_params = params_[0];
+  // A parameter that got no gradient on replica 0 but did elsewhere starts from zeros.
+  for (size_t i = 0; i < module_params.size(); ++i) {
+    if (module_params[i].grad().defined()) continue;
+    for (int r = 1; r < active; ++r) {
+      if (params_[r][i].grad().defined()) {
+        module_params[i].mutable_grad() = at::zeros_like(module_params[i]);
+        break;
+      }
+    }
+  }
+  // Every worker sums its share of every gradient's elements: balanced even when one layer dominates.
+  const int parts = size();
+  run_on_workers(parts, [&](int part) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < module_params.size(); ++i) {
+      at::Tensor destination = module_params[i].grad();
+      if (!destination.defined()) continue;
+      at::Tensor flat = destination.view({-1});  // gradients of dense parameters are contiguous
+      int64_t n = flat.numel(), lo = n * part / parts, hi = n * (part + 1) / parts;
+      if (hi == lo) continue;
+      at::Tensor share = flat.narrow(0, lo, hi - lo);
+      for (int r = 1; r < active; ++r) {
+        const at::Tensor& g = params_[r][i].grad();
+        if (g.defined()) share.add_(g.reshape({-1}).narrow(0, lo, hi - lo).to(share.device()));
+      }
+    }
+  });
+}
+
+at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tensor& target,
+                                        const DataParallelBase::LossFn& loss_fn) {
+  const int64_t total = input.size(0);
+  if (target.size(0) != total) {
+    throw UsageError("DataParallel::forward_backward: input has " + std::to_string(total) +
+                     " rows but target has " + std::to_string(target.size(0)));
+  }
+  const int active = static_cast<int>(std::min<int64_t>(size(), total));
+  std::vector<double> losses(active);
+  run_on_workers(active, [&](int r) {
+    if (r > 0) refresh_replica(r);
+    auto [begin, count] = slice(total, active, r);
+    at::Tensor x = input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
+    at::Tensor y = target.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
+    // Weighting each slice's mean loss by its share makes the sum the whole batch's mean loss, so the
+    // gradients simply add up, uneven slices included.
+    at::Tensor loss = loss_fn(forward_(*replicas_[r], x), y) * (static_cast<double>(count) / total);
+    loss.backward();
+    losses[r] = loss.item<double>();
+  });
+  reduce_gradients(active);
+  double sum = 0;
+  for (double l : losses) sum += l;
+  return at::scalar_tensor(sum, at::kDouble);
+}
+
+at::Tensor ReplicaSet::forward(const at::Tensor& input) {
+  const int64_t total = input.size(0);
+  const int active = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(size(), total)));
+  std::vector<at::Tensor> outputs(active);
+  run_on_workers(active, [&](int r) {
+    if (r > 0) refresh_replica(r);
+    auto [begin, count] = slice(total, active, r);
+    outputs[r] = forward_(*replicas_[r], input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
+  });
+  for (auto& out : outputs) out = out.to(devices_[0]);
+  at::Tensor gathered = at::cat(outputs);
+  if (active > 1 && gathered.requires_grad()) {
+    // At the start of the backward through the outputs, schedule the gradient reduction for its end.
+    gathered.register_hook([this, active](const at::Tensor& grad) {
+      torch::autograd::Engine::get_default_engine().queue_callback([this, active] { reduce_gradients(active); });
+      return grad;
+    });
+  }
+  return gathered;
+}
+
+}  // namespace detail
+
+DataParallelBase::DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward,
+                                   DataParallelOptions options)
+    : replicas_(std::make_unique<detail::ReplicaSet>(std::move(module), std::move(forward), std::move(options))) {}
+
+DataParallelBase::~DataParallelBase() = default;
+
+at::Tensor DataParallelBase::forward_backward(const at::Tensor& input, const at::Tensor& target,
+                                              const LossFn& loss_fn) {
+  return replicas_->forward_backward(input, target, loss_fn);
+}
+
+at::Tensor DataParallelBase::forward(const at::Tensor& input) { return replicas_->forward(input); }
+
+int DataParallelBase::num_replicas() const { return replicas_->size(); }
+
+const std::vector<c10::Device>& DataParallelBase::devices() const { return replicas_->devices(); }
+
+}  // namespace dtrain

@@ -1,0 +1,79 @@
+// Tier-2 tests of the Fashion-MNIST trainer (examples/train_fashion_mnist): a run stopped mid-epoch and
+// resumed at another world size processes every remaining training sample exactly once, and bad flags or
+// data get one clear line and exit code 2.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <regex>
+
+#include "support/subprocess.h"
+
+namespace dtrain {
+namespace {
+
+using testing::bin;
+using testing::run_command;
+
+std::string temp_dir(const std::string& stem) {
+  auto dir = std::filesystem::temp_directory_path() / (stem + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+int64_t json_int(const std::string& output, const std::string& key) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9]+)"))) return -1;
+  return std::stoll(match[1]);
+}
+
+TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
+  std::string dir = temp_dir("dtrain-trainer");
+  // 40 steps of 60 samples on 2 ranks, then the rest of the epoch on 3 ranks.
+  auto first = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_fashion_mnist") +
+                           " --batch-size 60 --max-steps 40 --checkpoint-dir " + dir);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(json_int(first.output, "train_samples"), 40 * 60) << first.output;
+
+  auto second = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("train_fashion_mnist") +
+                            " --batch-size 60 --resume --checkpoint-dir " + dir);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from " + dir + "/checkpoint.pt at epoch 1, 2400 samples into it, step 40"),
+            std::string::npos)
+      << second.output;
+  EXPECT_EQ(json_int(second.output, "train_samples"), 60000 - 40 * 60) << second.output;
+  EXPECT_EQ(json_int(second.output, "steps"), 40 + (60000 - 2400) / 60) << second.output;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, DataParallelStrategyTrains) {
+  auto result = run_command(bin("train_fashion_mnist") + " --strategy dp --devices 3 --batch-size 60 --max-steps 30");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("\"strategy\": \"dp\", \"replicas\": 3"), std::string::npos) << result.output;
+  EXPECT_EQ(json_int(result.output, "train_samples"), 30 * 60) << result.output;
+}
+
+TEST(Trainer, BadInputIsOneLineAndExitCode2) {
+  auto bad_model = run_command(bin("train_fashion_mnist") + " --model resnet");
+  EXPECT_EQ(bad_model.exit_code, 2);
+  EXPECT_EQ(bad_model.output, "train_fashion_mnist: --model 'resnet': expected mlp or cnn\n");
+
+  auto no_data = run_command(bin("train_fashion_mnist") + " --data /nonexistent/fmnist");
+  EXPECT_EQ(no_data.exit_code, 2);
+  EXPECT_NE(no_data.output.find("apt-get install dataset-fashion-mnist"), std::string::npos) << no_data.output;
+
+  auto uneven = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("train_fashion_mnist") +
+                            " --batch-size 64");
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE(uneven.output.find("--batch-size 64 does not split evenly over 3 ranks; use a multiple of 3"),
+            std::string::npos)
+      << uneven.output;
+
+  auto no_checkpoint = run_command(bin("train_fashion_mnist") + " --resume --checkpoint-dir /nonexistent/ckpt");
+  EXPECT_EQ(no_checkpoint.exit_code, 2);
+  EXPECT_NE(no_checkpoint.output.find("no checkpoint at /nonexistent/ckpt/checkpoint.pt"), std::string::npos)
+      << no_checkpoint.output;
+}
+
+}  // namespace
+}  // namespace dtrain
