@@ -137,8 +137,8 @@ class ProcessGroup {
 
  private:
   friend std::shared_ptr<ProcessGroup> init_process_group(const InitOptions&);
-  explicit ProcessGroup(std::unique_ptr<detail::GroupState> state);
-  std::unique_ptr<detail::GroupState> state_;
+  explicit ProcessGroup(std::shared_ptr<detail::GroupState> state);
+  std::shared_ptr<detail::GroupState> state_;  // shared with the Works in flight
 };
 
 // Creates the job's default group: meets every rank (throws TimeoutError naming the ranks that never came),

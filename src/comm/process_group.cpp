@@ -75,11 +75,12 @@ struct GroupState {
 };
 
 struct WorkState {
-  GroupState* group = nullptr;
+  std::shared_ptr<GroupState> group;  // kept alive: a Work may outlive its ProcessGroup
   c10::intrusive_ptr<c10d::Work> work;   // a Gloo/NCCL operation, or
   std::shared_future<void> shm_done;     // a shared-memory all-reduce
   const char* op = "";
   uint64_t seq = 0;       // collective sequence number; 0 for point to point
+  int late_rank = -1;     // group rank the transport saw missing, when it knows
   int peer = -1;          // point to point: the other group rank
   std::chrono::milliseconds timeout{0};
   std::function<void()> finish;  // runs after a successful wait (e.g. divide for an average)
@@ -214,7 +215,9 @@ std::string host_identity() {
 }
 
 void meet(GroupState& group) {
-  group.store->set("host/" + std::to_string(group.rank), bytes_of(host_identity()));
+  // The shared-memory switch travels with the host: ranks that disagree on it all fall back to Gloo.
+  group.store->set("host/" + std::to_string(group.rank),
+                   bytes_of(host_identity() + (group.shared_memory_allowed ? "|shm" : "|no-shm")));
   group.store->set("join/" + std::to_string(group.rank), bytes_of(std::to_string(::getpid())));
   std::vector<std::string> keys;
   for (int r = 0; r < group.size; ++r) keys.push_back("join/" + std::to_string(r));
@@ -329,6 +332,11 @@ bool looks_like_timeout(const std::string& what) {
   if (work.seq > 0) {
     message << " #" << work.seq << " on " << group.group_label();
     missing = group.progress->describe_missing(work.seq, group.global_ranks);
+    if (work.late_rank >= 0 && missing.rfind("every rank reached it", 0) == 0) {
+      // Queued asynchronous operations: every rank issued it, but rank `late_rank` never got to run it.
+      missing = "rank " + std::to_string(group.global_ranks[work.late_rank]) +
+                " issued it but never arrived in the shared-memory exchange";
+    }
   } else {
     message << " with rank " << group.global_ranks[work.peer] << " on " << group.group_label();
   }
@@ -354,12 +362,32 @@ bool looks_like_timeout(const std::string& what) {
   throw PeerLostError(message.str());
 }
 
-std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collective, int peer,
-                                 const CollectiveOptions& options,
+// The dtypes c10d's Gloo backend reduces and moves; anything else is the caller's mistake, reported as such
+// before anything is sent (other failures at launch are communication failures).
+void check_gloo_dtype(const GroupState& group, const char* op, const at::Tensor& tensor) {
+  if (tensor.is_cuda()) return;
+  switch (tensor.scalar_type()) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt:
+    case at::kLong:
+      return;
+#if TORCH_VERSION_MAJOR >= 2
+    case at::kBFloat16: case at::kBool:
+      return;
+#endif
+    default:
+      throw UsageError(group.who() + ": " + op + " on " + group.group_label() + ": Gloo cannot carry " +
+                       std::string(c10::toString(tensor.scalar_type())) +
+                       " tensors; convert to float32 (or another supported dtype) first.");
+  }
+}
+
+std::shared_ptr<WorkState> start(const std::shared_ptr<GroupState>& group_ptr, const char* op, bool collective,
+                                 int peer, const CollectiveOptions& options,
                                  const std::function<void(WorkState&)>& launch) {
+  GroupState& group = *group_ptr;
   check_usable(group);
   auto work = std::make_shared<WorkState>();
-  work->group = &group;
+  work->group = group_ptr;
   work->op = op;
   work->peer = peer;
   work->timeout = options.timeout.count() > 0 ? options.timeout : group.timeout;
@@ -370,11 +398,11 @@ std::shared_ptr<WorkState> start(GroupState& group, const char* op, bool collect
   }
   try {
     launch(*work);
+  } catch (const UsageError&) {
+    throw;
   } catch (const c10::Error& e) {
-    // Rejected before anything was sent (a dtype or layout the backend cannot reduce): the caller's
-    // mistake, and the group stays usable.
-    throw UsageError(group.who() + ": " + op + " on " + group.group_label() + " rejected its arguments: " +
-                     e.what_without_backtrace());
+    std::string what = e.what_without_backtrace();
+    fail(*work, what, looks_like_timeout(what));
   }
   return work;
 }
@@ -385,14 +413,26 @@ void wait_for(WorkState& work) {
     if (work.shm_done.valid()) {
       // The transport's thread enforces the timeout itself; this bound only guards against a stuck thread.
       if (work.shm_done.wait_for(2 * work.timeout + std::chrono::seconds(10)) != std::future_status::ready) {
-        throw ShmFailure("timed out", true);
+        throw ShmFailure("timed out", ShmFailure::Kind::kTimeout);
       }
       work.shm_done.get();
     } else {
       work.work->wait(work.timeout);
     }
   } catch (const ShmFailure& e) {
-    fail(work, e.what(), e.timed_out);
+    work.late_rank = e.late_rank;
+    if (e.kind == ShmFailure::Kind::kMismatch || e.kind == ShmFailure::Kind::kDestroyed) {
+      std::string message = work.group->who() + ": " + work.op + " #" + std::to_string(work.seq) + " on " +
+                            work.group->group_label() + ": " + e.what();
+      {
+        std::lock_guard<std::mutex> lock(work.group->failure_mutex);
+        if (work.group->failure.empty()) work.group->failure = message;
+      }
+      throw UsageError(message + (e.kind == ShmFailure::Kind::kMismatch
+                                      ? ". Every rank must pass the same shape, dtype and op."
+                                      : ". Wait for asynchronous work before destroying its group."));
+    }
+    fail(work, e.what(), e.kind == ShmFailure::Kind::kTimeout);
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     fail(work, what, looks_like_timeout(what));
@@ -436,7 +476,7 @@ bool Work::is_completed() const {
 
 // ---- ProcessGroup ----
 
-ProcessGroup::ProcessGroup(std::unique_ptr<detail::GroupState> state) : state_(std::move(state)) {}
+ProcessGroup::ProcessGroup(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}
 ProcessGroup::~ProcessGroup() = default;
 
 int ProcessGroup::rank() const { return state_->rank; }
@@ -453,11 +493,12 @@ bool ProcessGroup::uses_shared_memory() const { return state_->shm != nullptr; }
 Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_average(group, tensor, op);
-  auto work = start(group, "all_reduce", true, -1, options, [&](WorkState& w) {
-    if (group.shm && detail::ShmTransport::supports(tensor, op)) {
+  auto work = start(state_, "all_reduce", true, -1, options, [&](WorkState& w) {
+    if (group.shm && detail::ShmTransport::supports(tensor)) {
       w.shm_done = group.shm->all_reduce_async(tensor, op, w.timeout);
       return;
     }
+    check_gloo_dtype(group, "all_reduce", tensor);
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
@@ -479,7 +520,8 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op, const CollectiveO
 Work ProcessGroup::broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, root, "root");
-  return Work(start(group, "broadcast", true, -1, options, [&](WorkState& w) {
+  return Work(start(state_, "broadcast", true, -1, options, [&](WorkState& w) {
+    check_gloo_dtype(group, "broadcast", tensor);
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -499,7 +541,8 @@ void ProcessGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor
     throw UsageError(group.who() + ": all_gather needs one output tensor per rank (" +
                      std::to_string(group.size) + "), got " + std::to_string(outputs.size()));
   }
-  auto work = start(group, "all_gather", true, -1, options, [&](WorkState& w) {
+  auto work = start(state_, "all_gather", true, -1, options, [&](WorkState& w) {
+    check_gloo_dtype(group, "all_gather", input);
     std::vector<std::vector<at::Tensor>> out{outputs};
     std::vector<at::Tensor> in{input};
     c10d::AllgatherOptions opts;
@@ -521,11 +564,12 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
   // slice. It moves size() times the data an optimal ring would, which is fine for the small tensors it
   // serves on CPU; NCCL uses its native reduce-scatter.
   at::Tensor stacked = at::stack(inputs);
-  auto work = start(group, "reduce_scatter", true, -1, options, [&](WorkState& w) {
-    if (group.shm && detail::ShmTransport::supports(stacked, op)) {
+  auto work = start(state_, "reduce_scatter", true, -1, options, [&](WorkState& w) {
+    if (group.shm && detail::ShmTransport::supports(stacked)) {
       w.shm_done = group.shm->all_reduce_async(stacked, op, w.timeout);
       return;
     }
+    check_gloo_dtype(group, "reduce_scatter", stacked);
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     opts.timeout = w.timeout;
@@ -539,7 +583,12 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
 
 void ProcessGroup::barrier(const CollectiveOptions& options) {
   GroupState& group = *state_;
-  auto work = start(group, "barrier", true, -1, options, [&](WorkState& w) {
+  if (group.shm) {
+    // Asynchronous shared-memory all-reduces issued before the barrier complete before it, as Gloo's do.
+    auto flushed = group.shm->flush();
+    flushed.wait();
+  }
+  auto work = start(state_, "barrier", true, -1, options, [&](WorkState& w) {
     c10d::BarrierOptions opts;
     opts.timeout = w.timeout;
     w.work = group.gloo->barrier(opts);
@@ -550,7 +599,8 @@ void ProcessGroup::barrier(const CollectiveOptions& options) {
 void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, dst, "dst");
-  auto work = start(group, "send", false, dst, options, [&](WorkState& w) {
+  auto work = start(state_, "send", false, dst, options, [&](WorkState& w) {
+    check_gloo_dtype(group, "send", tensor);
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).send(tensors, dst, tag);
   });
@@ -560,7 +610,8 @@ void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const Collec
 void ProcessGroup::recv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, src, "src");
-  auto work = start(group, "recv", false, src, options, [&](WorkState& w) {
+  auto work = start(state_, "recv", false, src, options, [&](WorkState& w) {
+    check_gloo_dtype(group, "recv", tensor);
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).recv(tensors, src, tag);
   });

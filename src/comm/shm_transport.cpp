@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -27,11 +28,22 @@ constexpr size_t kLine = 64;  // one cache line per rank's record: no false shar
 // The segment starts with this header, then one RankRecord per rank, then the slots at a page boundary.
 struct Header {
   std::atomic<uint32_t> wake_word;  // bumped at every barrier arrival; waiters sleep on it (futex)
+  std::atomic<int32_t> aborted_by;  // 1 + the group rank that failed first; 0 while healthy
+  std::atomic<int32_t> aborted_kind;  // its ShmFailure::Kind, so peers report the same cause
 };
 struct alignas(kLine) RankRecord {
-  std::atomic<uint64_t> phase;  // barriers this rank has reached
-  std::atomic<int32_t> pid;     // to tell a dead peer from a slow one
+  std::atomic<uint64_t> phase;      // barriers this rank has reached
+  std::atomic<int32_t> pid;         // to tell a dead peer from a slow one...
+  std::atomic<uint64_t> pid_ns;     // ...when it lives in our pid namespace (containers sharing /dev/shm)
+  std::atomic<uint64_t> signature;  // numel and dtype of this rank's current operation
 };
+
+uint64_t own_pid_namespace() {
+  struct stat info {};
+  return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
+}
+
+RankRecord* records_of(void* base) { return reinterpret_cast<RankRecord*>(static_cast<char*>(base) + kLine); }
 
 size_t slots_offset(int size) {
   size_t raw = kLine + kLine * static_cast<size_t>(size);
@@ -91,15 +103,27 @@ std::unique_ptr<ShmTransport> ShmTransport::create(c10d::Store& store, int rank,
                                                    std::chrono::milliseconds timeout) {
   const size_t bytes = slots_offset(size) + 2 * static_cast<size_t>(size) * kChunkBytes;
   std::string name;
-  int fd = -1;
   std::string problem;
+  int fd = -1;
+  auto give_up_fd = [&](const char* what) {
+    problem = std::string(what) + ": " + std::strerror(errno);
+    if (fd >= 0) close(fd);
+    fd = -1;
+  };
   if (rank == 0) {
     std::random_device random;
     name = "/dtrain-" + std::to_string(::getpid()) + "-" + std::to_string(random());
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      problem = std::strerror(errno);
-      if (fd >= 0) shm_unlink(name.c_str());
+    if (fd < 0) {
+      give_up_fd("shm_open");
+    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      // Reserve the pages now: a /dev/shm too small for the segment must mean "use Gloo", not a SIGBUS
+      // at the first copy into a page tmpfs cannot back.
+      errno = err;
+      give_up_fd("reserving the segment in /dev/shm");
+    }
+    if (fd < 0) {
+      shm_unlink(name.c_str());
       name.clear();
     }
     store.set("shm/name", bytes_of(name));  // empty: no shared memory for this group
@@ -108,26 +132,37 @@ std::unique_ptr<ShmTransport> ShmTransport::create(c10d::Store& store, int rank,
     name.assign(value.begin(), value.end());
     if (!name.empty()) {
       fd = shm_open(name.c_str(), O_RDWR, 0600);
-      if (fd < 0) problem = std::strerror(errno);
+      if (fd < 0) give_up_fd("shm_open");
     }
   }
   void* base = MAP_FAILED;
   if (fd >= 0) {
     base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) problem = std::strerror(errno);
+    if (base == MAP_FAILED) problem = std::string("mmap: ") + std::strerror(errno);
     close(fd);
   }
   bool attached = base != MAP_FAILED;
+  if (attached) {
+    // Before anyone can wait on this rank: a rank that dies from here on is recognized as dead.
+    records_of(base)[rank].pid_ns.store(own_pid_namespace());
+    records_of(base)[rank].pid.store(static_cast<int32_t>(::getpid()));
+  }
   store.set("shm/attached/" + std::to_string(rank), bytes_of(attached ? "1" : "0"));
 
   // Everyone learns whether everyone attached: the group uses shared memory only if all ranks can.
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back("shm/attached/" + std::to_string(r));
-  store.wait(keys, timeout);
   bool all_attached = true;
-  for (const auto& key : keys) {
-    auto value = store.get(key);
-    all_attached = all_attached && value.size() == 1 && value[0] == '1';
+  try {
+    store.wait(keys, timeout);
+    for (const auto& key : keys) {
+      auto value = store.get(key);
+      all_attached = all_attached && value.size() == 1 && value[0] == '1';
+    }
+  } catch (...) {
+    if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
+    if (attached) munmap(base, bytes);
+    throw;
   }
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
   if (!all_attached) {
@@ -142,8 +177,6 @@ std::unique_ptr<ShmTransport> ShmTransport::create(c10d::Store& store, int rank,
 
 ShmTransport::ShmTransport(int rank, int size, void* base, size_t bytes)
     : rank_(rank), size_(size), base_(base), bytes_(bytes), control_(static_cast<Segment*>(base)) {
-  auto* record = reinterpret_cast<RankRecord*>(static_cast<char*>(base_) + kLine) + rank_;
-  record->pid.store(static_cast<int32_t>(::getpid()));
   worker_ = std::thread([this] { run_queue(); });
 }
 
@@ -157,10 +190,10 @@ ShmTransport::~ShmTransport() {
   munmap(base_, bytes_);
 }
 
-bool ShmTransport::supports(const at::Tensor& tensor, ReduceOp op) {
+bool ShmTransport::supports(const at::Tensor& tensor) {
   auto type = tensor.scalar_type();
   bool type_ok = type == at::kFloat || type == at::kDouble || type == at::kInt || type == at::kLong;
-  return tensor.device().is_cpu() && tensor.is_contiguous() && !tensor.is_sparse() && type_ok;
+  return tensor.device().is_cpu() && !tensor.is_sparse() && type_ok;
 }
 
 char* ShmTransport::slot(int set, int rank) const {
@@ -168,24 +201,45 @@ char* ShmTransport::slot(int set, int rank) const {
          (static_cast<size_t>(set) * size_ + rank) * static_cast<size_t>(kChunkBytes);
 }
 
-std::shared_future<void> ShmTransport::all_reduce_async(const at::Tensor& tensor, ReduceOp op,
-                                                        std::chrono::milliseconds timeout) {
+std::shared_future<void> ShmTransport::enqueue(std::function<void()> job) {
   auto promise = std::make_shared<std::promise<void>>();
   std::shared_future<void> done = promise->get_future().share();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back([this, tensor, op, timeout, promise] {
-      try {
-        all_reduce(tensor, op, timeout);
-        promise->set_value();
-      } catch (...) {
-        promise->set_exception(std::current_exception());
+    queue_.push_back([this, job = std::move(job), promise] {
+      std::exception_ptr failure;
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        if (stop_) {
+          failure = std::make_exception_ptr(
+              ShmFailure("the group was destroyed before the operation ran", ShmFailure::Kind::kDestroyed));
+        }
+        if (broken_) failure = broken_;
       }
+      if (!failure) {
+        try {
+          job();
+          promise->set_value();
+          return;
+        } catch (...) {
+          failure = std::current_exception();
+          std::lock_guard<std::mutex> guard(mutex_);
+          if (!broken_) broken_ = failure;
+        }
+      }
+      promise->set_exception(failure);
     });
   }
   wake_.notify_one();
   return done;
 }
+
+std::shared_future<void> ShmTransport::all_reduce_async(const at::Tensor& tensor, ReduceOp op,
+                                                        std::chrono::milliseconds timeout) {
+  return enqueue([this, tensor, op, timeout] { all_reduce(tensor, op, timeout); });
+}
+
+std::shared_future<void> ShmTransport::flush() { return enqueue([] {}); }
 
 void ShmTransport::run_queue() {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -195,59 +249,111 @@ void ShmTransport::run_queue() {
     auto job = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
-    job();
+    job();  // fails at once, without touching the segment, once stopping or broken
     lock.lock();
   }
 }
 
-void ShmTransport::barrier(Clock::time_point deadline, std::chrono::milliseconds timeout) {
-  auto* records = reinterpret_cast<RankRecord*>(static_cast<char*>(base_) + kLine);
+void ShmTransport::abort(const ShmFailure& failure) {
+  int32_t healthy = 0;
+  control_->header.aborted_kind.store(static_cast<int32_t>(failure.kind));
+  control_->header.aborted_by.compare_exchange_strong(healthy, rank_ + 1);
+  control_->header.wake_word.fetch_add(1, std::memory_order_release);
+  futex_wake_all(&control_->header.wake_word);
+  throw failure;
+}
+
+void ShmTransport::barrier(Clock::time_point deadline) {
+  RankRecord* records = records_of(base_);
   std::atomic<uint32_t>* wake_word = &control_->header.wake_word;
   const uint64_t target = ++phase_;
   records[rank_].phase.store(target, std::memory_order_release);
   wake_word->fetch_add(1, std::memory_order_release);
   futex_wake_all(wake_word);
 
+  const uint64_t my_namespace = own_pid_namespace();
   auto next_liveness_check = Clock::now() + std::chrono::milliseconds(200);
   for (int spins = 0;; ++spins) {
     uint32_t seen = wake_word->load(std::memory_order_acquire);
+    // Checked on every pass, also right before returning: never pass a barrier against a failed peer's
+    // stale counter.
     int late = -1;
     for (int r = 0; r < size_ && late < 0; ++r) {
       if (records[r].phase.load(std::memory_order_acquire) < target) late = r;
     }
+    if (int32_t failed = control_->header.aborted_by.load(std::memory_order_acquire); failed > 0) {
+      // A peer gave up first (usually on the same late rank): report the same cause, naming who is missing
+      // here, or the peer that gave up.
+      auto kind = static_cast<ShmFailure::Kind>(control_->header.aborted_kind.load());
+      if (kind == ShmFailure::Kind::kDestroyed) kind = ShmFailure::Kind::kPeerLost;
+      throw ShmFailure("group rank " + std::to_string(failed - 1) + " gave up on this all-reduce (" +
+                           (kind == ShmFailure::Kind::kTimeout ? "timed out" : "peer lost") + ")",
+                       kind, late >= 0 ? late : failed - 1);
+    }
     if (late < 0) return;
     if (spins < 100) continue;  // the peer is usually microseconds away
     auto now = Clock::now();
-    if (now > deadline) throw ShmFailure("timed out", true);
+    if (now > deadline) abort(ShmFailure("timed out waiting for group rank " + std::to_string(late),
+                                         ShmFailure::Kind::kTimeout, late));
     if (now > next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(200);
       for (int r = 0; r < size_; ++r) {
         int32_t pid = records[r].pid.load();
-        if (records[r].phase.load() < target && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
-          throw ShmFailure("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited", false);
+        bool same_namespace = records[r].pid_ns.load() == my_namespace;
+        if (records[r].phase.load() < target && pid > 0 && same_namespace && kill(pid, 0) != 0 &&
+            errno == ESRCH) {
+          abort(ShmFailure("group rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited",
+                           ShmFailure::Kind::kPeerLost, r));
         }
       }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stop_) throw ShmFailure("the group was destroyed during the operation", false);
+      if (stop_) {
+        abort(ShmFailure("the group was destroyed during the operation", ShmFailure::Kind::kDestroyed));
+      }
     }
     futex_wait(wake_word, seen, std::chrono::microseconds(1000));
   }
 }
 
 void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
+  if (!tensor.is_contiguous()) {
+    at::Tensor packed = tensor.contiguous();
+    all_reduce(packed, op, timeout);
+    tensor.copy_(packed);
+    return;
+  }
   const auto deadline = Clock::now() + timeout;
   const int64_t element = static_cast<int64_t>(tensor.element_size());
   const int64_t per_chunk = kChunkBytes / element;
   const int64_t numel = tensor.numel();
   char* data = static_cast<char*>(tensor.data_ptr());
+
+  // Agree on the operation before moving any data: a rank with another size or dtype would process a
+  // different number of chunks and pair its barriers with the wrong operation.
+  RankRecord* records = records_of(base_);
+  const uint64_t signature = (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()) ^
+                             (static_cast<uint64_t>(op) << 4);
+  records[rank_].signature.store(signature, std::memory_order_relaxed);
+  barrier(deadline);
+  for (int r = 0; r < size_; ++r) {
+    if (records[r].signature.load(std::memory_order_relaxed) != signature) {
+      abort(ShmFailure("group ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                           " passed different tensors (numel, dtype) or ops to the same all-reduce (this rank: " +
+                           std::to_string(numel) + " elements of " + c10::toString(tensor.scalar_type()) + ")",
+                       ShmFailure::Kind::kMismatch, r));
+    }
+  }
+  // With no chunk barriers to follow, a fast rank could publish its next signature while a slow one still
+  // compares this one.
+  if (numel == 0) barrier(deadline);
   for (int64_t offset = 0; offset < numel; offset += per_chunk) {
     const int64_t n = std::min(per_chunk, numel - offset);
     const int set = static_cast<int>(chunks_++ % 2);
     char* chunk = data + offset * element;
     std::memcpy(slot(set, rank_), chunk, n * element);
-    barrier(deadline, timeout);
+    barrier(deadline);
     // Share r of the chunk is [n*r/size, n*(r+1)/size): rank r reduces it into its own slot.
     const int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
     for (int r = 0; r < size_; ++r) {
@@ -255,7 +361,7 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono
       reduce_into(tensor.scalar_type(), slot(set, rank_) + begin * element, slot(set, r) + begin * element,
                   end - begin, op);
     }
-    barrier(deadline, timeout);
+    barrier(deadline);
     for (int r = 0; r < size_; ++r) {
       const int64_t lo = n * r / size_, hi = n * (r + 1) / size_;
       std::memcpy(chunk + lo * element, slot(set, r) + lo * element, (hi - lo) * element);

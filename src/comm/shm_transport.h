@@ -15,7 +15,10 @@
 // A barrier is a counter per rank in the segment: a rank bumps its own and waits until every counter has
 // caught up, so a late rank is known by name, and a rank whose process is gone (its pid no longer exists)
 // is reported at once instead of after the timeout. Waiters spin briefly, then sleep on a futex, because
-// ranks usually outnumber idle cores.
+// ranks usually outnumber idle cores. A rank that fails marks the segment aborted, so no peer can pass a
+// later barrier against its stale counter and take half-reduced data for a result; every queued operation
+// then fails too. Before its first barrier each operation also publishes its size and dtype, and ranks that
+// disagree are named instead of silently pairing different chunks.
 //
 // Operations run in order on one thread per group, so all_reduce_async overlaps with the caller's work
 // (DDP's backward) just as Gloo's does.
@@ -43,8 +46,11 @@ namespace dtrain::detail {
 // Raised on the transport's thread; ProcessGroup turns it into dtrain's TimeoutError / PeerLostError with
 // the full message.
 struct ShmFailure : std::runtime_error {
-  ShmFailure(const std::string& what, bool timed_out) : std::runtime_error(what), timed_out(timed_out) {}
-  bool timed_out;
+  enum class Kind { kTimeout, kPeerLost, kMismatch, kDestroyed };
+  ShmFailure(const std::string& what, Kind kind, int late_rank = -1)
+      : std::runtime_error(what), kind(kind), late_rank(late_rank) {}
+  Kind kind;
+  int late_rank;  // group rank that had not arrived, when known
 };
 
 class ShmTransport {
@@ -60,19 +66,24 @@ class ShmTransport {
                                               std::chrono::milliseconds timeout);
   ~ShmTransport();
 
-  // Whether this transport can reduce `tensor` with `op`: a contiguous CPU tensor of a type it sums.
-  static bool supports(const at::Tensor& tensor, ReduceOp op);
+  // Whether this transport can reduce `tensor`: a dense CPU tensor of a type it sums. Depends only on
+  // what every rank must agree on anyway (device, dtype), so all ranks pick the same transport.
+  static bool supports(const at::Tensor& tensor);
 
   // Queues the all-reduce; the future completes when `tensor` holds the result, or carries a ShmFailure.
   std::shared_future<void> all_reduce_async(const at::Tensor& tensor, ReduceOp op,
                                             std::chrono::milliseconds timeout);
+  // Completes once every operation queued before it has finished (for ProcessGroup::barrier).
+  std::shared_future<void> flush();
 
  private:
   struct Segment;
   ShmTransport(int rank, int size, void* base, size_t bytes);
   void run_queue();
   void all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout);
-  void barrier(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout);
+  void barrier(std::chrono::steady_clock::time_point deadline);
+  [[noreturn]] void abort(const ShmFailure& failure);
+  std::shared_future<void> enqueue(std::function<void()> job);
   char* slot(int set, int rank) const;
 
   const int rank_;
@@ -87,6 +98,7 @@ class ShmTransport {
   std::condition_variable wake_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
+  std::exception_ptr broken_;  // the first failure: later operations fail with it, untouched
   std::thread worker_;
 };
 

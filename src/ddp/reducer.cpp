@@ -138,9 +138,9 @@ void Reducer::check_same_parameters_everywhere() {
 void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
   if (group_->size() == 1) return;
   torch::autograd::AutoGradMode no_grad(false);
-  // One broadcast per dtype: many small tensors cost one round trip, not one each.
-  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
-  for (const auto& t : tensors) by_dtype[t.scalar_type()].push_back(t);
+  // One broadcast per dtype and device: many small tensors cost one round trip, not one each.
+  std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> by_dtype;
+  for (const auto& t : tensors) by_dtype[{t.scalar_type(), t.device().str()}].push_back(t);
   for (auto& entry : by_dtype) {
     std::vector<at::Tensor> flat;
     for (auto& t : entry.second) flat.push_back(t.reshape({-1}));

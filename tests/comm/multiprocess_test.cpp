@@ -30,6 +30,17 @@ TEST(MultiProcess, RankThatNeverJoinsIsNamedAndTheJobStops) {
       << result.output;
 }
 
+TEST(MultiProcess, RankThatDiesIsNamedWithoutWaitingForTheTimeout) {
+  // The all-reduce timeout is 100 s; the command's limit of 60 s fails the test unless the death is seen
+  // at once (shared memory: the peer's pid is gone).
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " vanish 1 100",
+                            /*time_limit_s=*/60);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n" << result.output;
+  EXPECT_NE(result.output.find("all_reduce #2 on group 'default' failed (group rank 1 (pid "), std::string::npos)
+      << result.output;
+}
+
 TEST(MultiProcess, BadRankVariableIsOneLineAndExitCode2) {
   auto result = run_command("env RANK=5 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 " +
                             bin("comm_worker") + " sum");
