@@ -72,12 +72,14 @@ struct DistributedDataParallelOptions {
   bool broadcast_buffers = true;
   // Make each parameter's .grad a view into its bucket: saves a copy each way and the memory of a second
   // gradient copy. The optimizer must zero gradients in place (LibTorch 1.13's zero_grad() does); a
-  // gradient set to undefined is re-pointed at the bucket on the next backward.
+  // gradient set to undefined is re-pointed at the bucket on the next backward. With
+  // find_unused_parameters, a parameter unused on every rank then gets a zero gradient (not none).
   bool gradient_as_bucket_view = false;
   // Start each bucket's all-reduce during backward (true) or all of them after backward (false, only for
   // measuring what overlap buys).
   bool overlap = true;
   // Replaces the plain all-reduce of each bucket (nullptr: all-reduce in the gradients' own precision).
+  // A hook keeps per-bucket state: give each DDP instance its own.
   std::shared_ptr<CommHook> comm_hook;
 };
 

@@ -212,8 +212,26 @@ std::vector<std::vector<size_t>> Reducer::bucket_layout() const {
 void Reducer::prepare_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (backward_started_) {
-    // The previous backward failed before its end-of-backward callback: start clean.
+    // The previous backward stopped (an exception) before its end-of-backward callback.
+    size_t launched = next_to_launch_;
+    if (launched > 0 && !options_.comm_hook) {
+      for (size_t b = 0; b < launched; ++b) {
+        try {
+          buckets_[b].work.wait();  // their buffers must outlive them
+        } catch (const std::exception&) {
+        }
+      }
+    }
     reset_iteration();
+    if (launched > 0) {
+      // This rank already started some of its buckets' all-reduces; the other ranks may have started
+      // others. Going on would pair different buckets across ranks.
+      throw CommError(who() + ": DistributedDataParallel: the previous backward failed after starting " +
+                      std::to_string(launched) + " of " + std::to_string(buckets_.size()) +
+                      " bucket all-reduces, so the ranks are out of step. Catching an exception from "
+                      "backward() and going on is not supported; restart the job (an elastic restart "
+                      "does this) or skip a batch only before backward().");
+    }
   }
   sync_this_iteration_ = no_sync_depth_.load() == 0;
   if (options_.broadcast_buffers && group_->size() > 1) {
