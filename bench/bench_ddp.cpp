@@ -4,7 +4,8 @@
 //   dtrain run --nproc-per-node 2 -- build/bin/bench_ddp --hidden 1024 --batch 32 --steps 100
 // Knobs for the wrapper's own costs: --no-ddp (plain training, world size 1 only), --no-overlap (all
 // bucket all-reduces after backward), --bucket-mb X (bucket cap), --grad-views (gradient_as_bucket_view).
-// In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica),
+// In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica;
+// --dp-gather: outputs gathered for one loss instead of a loss per replica),
 // --threads N (intra-op threads of a plain or DDP process).
 #include <torch/torch.h>
 
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
     double bucket_mb = 25;
     bool use_ddp = true, overlap = true, grad_views = false;
     int64_t dp_replicas = 0, threads = 1;
+    bool dp_gather = false;
     for (int i = 1; i < argc; ++i) {
       std::string flag = argv[i];
       bool has_value = i + 1 < argc;
@@ -50,6 +52,8 @@ int main(int argc, char** argv) {
       } else if (flag == "--dp" && has_value) {
         dp_replicas = parse_int(flag, argv[++i]);
         use_ddp = false;
+      } else if (flag == "--dp-gather") {
+        dp_gather = true;
       } else if (flag == "--threads" && has_value) {
         threads = parse_int(flag, argv[++i]);
       } else if (flag == "--no-ddp") {
@@ -61,7 +65,7 @@ int main(int argc, char** argv) {
       } else {
         throw dtrain::UsageError("bench_ddp: unknown argument '" + flag +
                                  "' (or missing value); accepted: --hidden N --batch N --steps N --bucket-mb X "
-                                 "--no-ddp --no-overlap --grad-views --dp N --threads N");
+                                 "--no-ddp --no-overlap --grad-views --dp N --dp-gather --threads N");
       }
     }
     torch::set_num_threads(static_cast<int>(threads));
@@ -95,7 +99,9 @@ int main(int argc, char** argv) {
 
     auto step = [&] {
       optimizer.zero_grad();
-      if (dp) {
+      if (dp && dp_gather) {
+        mean_loss(dp->forward(x), y).backward();
+      } else if (dp) {
         dp->forward_backward(x, y, mean_loss);
       } else {
         mean_loss(ddp ? ddp->forward(x) : model->forward(x), y).backward();
@@ -111,7 +117,8 @@ int main(int argc, char** argv) {
     if (pg->rank() == 0) {
       int64_t params = 0;
       for (auto& p : model->parameters()) params += p.numel();
-      std::string mode = dp ? " (DataParallel, " + std::to_string(dp_replicas) + " replicas)"
+      std::string mode = dp ? " (DataParallel, " + std::to_string(dp_replicas) + " replicas" +
+                                  (dp_gather ? ", gathered outputs)" : ")")
                             : use_ddp ? "" : " (no wrapper)";
       if (!overlap) mode += " (no overlap)";
       if (threads > 1) mode += " (" + std::to_string(threads) + " intra-op threads)";

@@ -47,6 +47,7 @@ echo "### Two workers in one step: DataParallel vs DDP vs intra-op threads (64 s
 echo "| configuration | ms/step |"
 echo "|---|---:|"
 point "DataParallel, 2 CPU replicas, 1 process" 1 --hidden 1024 --batch 32 --steps 60 --dp 2
+point "DataParallel, 2 CPU replicas, outputs gathered for one loss" 1 --hidden 1024 --batch 32 --steps 60 --dp 2 --dp-gather
 point "DDP, 2 processes" 2 --hidden 1024 --batch 32 --steps 60
 point "1 process, 2 intra-op threads, no wrapper" 1 --hidden 1024 --batch 64 --steps 60 --no-ddp --threads 2
 point "1 process, 1 thread, no wrapper (reference)" 1 --hidden 1024 --batch 64 --steps 60 --no-ddp

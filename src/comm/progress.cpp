@@ -30,15 +30,22 @@ ProgressTracker::~ProgressTracker() {
 }
 
 uint64_t ProgressTracker::begin(const char* op) {
-  op_.store(op, std::memory_order_relaxed);
-  return seq_.fetch_add(1, std::memory_order_release) + 1;
+  std::lock_guard<std::mutex> lock(latest_mutex_);
+  op_ = op;
+  return ++seq_;
 }
 
 void ProgressTracker::publish_now() {
   std::lock_guard<std::mutex> lock(publish_mutex_);
-  uint64_t seq = seq_.load(std::memory_order_acquire);
+  uint64_t seq;
+  const char* op;
+  {
+    std::lock_guard<std::mutex> latest(latest_mutex_);
+    seq = seq_;
+    op = op_;
+  }
   if (seq == published_seq_) return;
-  std::string record = std::to_string(seq) + " " + op_.load(std::memory_order_relaxed);
+  std::string record = std::to_string(seq) + " " + op;
   try {
     store_->set(key_for(rank_), to_bytes(record));
     published_seq_ = seq;

@@ -46,8 +46,11 @@ class ProgressTracker {
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_;
   const int size_;
-  std::atomic<uint64_t> seq_{0};
-  std::atomic<const char*> op_{"init"};
+  // The latest collective's number and name, read together by the publisher (a tiny lock, never held
+  // across the store's I/O, so a collective never waits for a publication).
+  std::mutex latest_mutex_;
+  uint64_t seq_ = 0;
+  const char* op_ = "init";
   uint64_t published_seq_ = UINT64_MAX;  // touched under publish_mutex_ only
   std::mutex publish_mutex_;
   std::mutex wake_mutex_;
