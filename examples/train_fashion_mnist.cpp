@@ -147,6 +147,10 @@ class Progress {
     int percent = static_cast<int>(100 * step / std::max<int64_t>(total_, 1));
     char line[200];
     if (tty_) {
+      // Redraw at most ten times a second: a step can take well under a millisecond.
+      auto now = Clock::now();
+      if (step != total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+      last_draw_ = now;
       int filled = percent / 4;
       std::snprintf(line, sizeof line, "\repoch %lld/%lld [%-25s] %3d%% %8.0f samples/s loss %.4f ETA %5.1fs",
                     static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_),
@@ -168,6 +172,7 @@ class Progress {
   int64_t epoch_, epochs_, total_;
   bool tty_;
   Clock::time_point start_;
+  Clock::time_point last_draw_{};
   int next_percent_ = 10;
 };
 
