@@ -53,7 +53,7 @@ int64_t parse_count(const std::string& flag, const char* text, int64_t min) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return dtrain::run_main([&] {
     int64_t min_bytes = 4, max_bytes = int64_t{64} << 20, max_iterations = 1000;
     for (int i = 1; i < argc; ++i) {
       std::string flag = argv[i];
@@ -101,11 +101,5 @@ int main(int argc, char** argv) {
       }
     }
     return 0;
-  } catch (const dtrain::UsageError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << std::endl;
-    return 1;
-  }
+  });
 }

@@ -31,7 +31,7 @@ int64_t parse_int(const std::string& flag, const char* text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return dtrain::run_main([&] {
     int64_t hidden = 1024, batch = 32, steps = 100;
     double bucket_mb = 25;
     bool use_ddp = true, overlap = true, grad_views = false;
@@ -126,11 +126,5 @@ int main(int argc, char** argv) {
                   mode.c_str());
     }
     return 0;
-  } catch (const dtrain::UsageError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << std::endl;
-    return 1;
-  }
+  });
 }

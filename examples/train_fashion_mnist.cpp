@@ -375,13 +375,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const dtrain::UsageError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << std::endl;
-    return 1;
-  }
+  return dtrain::run_main([&] { return run(argc, argv); });
 }

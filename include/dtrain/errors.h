@@ -5,6 +5,7 @@
 // Messages follow one shape: "rank R/N: <operation>: <what happened>. <likely cause>. <the fix>".
 #pragma once
 
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -41,5 +42,10 @@ class InternalError : public Error {
  public:
   using Error::Error;
 };
+
+// The body of a program's main(), with dtrain's exit-code convention: a UsageError prints its one line and
+// returns 2 (fix the command and run again), any other exception prints its message and returns 1.
+//   int main(int argc, char** argv) { return dtrain::run_main([&] { return train(argc, argv); }); }
+int run_main(const std::function<int()>& body);
 
 }  // namespace dtrain

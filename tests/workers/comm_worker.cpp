@@ -15,7 +15,7 @@
 
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "sum";
-  try {
+  return dtrain::run_main([&] {
     dtrain::InitOptions options;
     if (mode == "skip" || mode == "vanish") options.timeout = std::chrono::milliseconds(static_cast<int>(std::stod(argv[3]) * 1000));
     auto pg = dtrain::init_process_group(options);
@@ -39,11 +39,5 @@ int main(int argc, char** argv) {
     }
     std::cout << "rank " << pg->rank() << " sum " << expected << std::endl;
     return 0;
-  } catch (const dtrain::UsageError& e) {
-    std::cerr << e.what() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << std::endl;
-    return 1;
-  }
+  });
 }
