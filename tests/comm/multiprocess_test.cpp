@@ -1,5 +1,8 @@
 // Tier-2 tests of the communication layer: real processes started by `dtrain run`.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "support/subprocess.h"
 
@@ -14,6 +17,35 @@ TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " sum 6"),
+              std::string::npos)
+        << result.output;
+  }
+}
+
+// A port nobody listens on right now (the kernel's pick for port 0).
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+  socklen_t length = sizeof address;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {
+  // Two launchers as two "nodes" of 2 workers each: ranks 0-1 on node 0, ranks 2-3 on node 1.
+  std::string port = std::to_string(free_port());
+  auto node = [&](int rank) {
+    return bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(rank) + " --nproc-per-node 2 " +
+           "--master-addr 127.0.0.1 --master-port " + port + " -- " + bin("comm_worker") + " sum";
+  };
+  auto result = run_command("sh -c '" + node(1) + " & " + node(0) + "; status=$?; wait $! && exit $status'");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " sum 10"),
               std::string::npos)
         << result.output;
   }
