@@ -25,6 +25,14 @@
 // Buffers (e.g. BatchNorm running statistics) follow the module: before every step the replicas copy the
 // module's parameters and buffers; the module itself is replica 0, so its buffers are updated from the first
 // slice of the batch, and the other replicas' updates are discarded (PyTorch's DataParallel rule too).
+// The replicas also follow the module's train()/eval() mode and each parameter's requires_grad.
+//
+// forward() details: parameters are copied at the first forward() after each backward, so several
+// forwards feeding one loss (a siamese step) share one copy, and a backward repeated with retain_graph adds
+// only its own gradients. The other replicas' gradients reach the module through DataParallel's reduction
+// when backward() ends, so torch::autograd::grad() with respect to the module's parameters sees only
+// replica 0's share. Keep the DataParallel alive until backward() returns. Not for concurrent use from
+// several threads (a second concurrent call is a UsageError).
 #pragma once
 
 #include <ATen/core/Tensor.h>

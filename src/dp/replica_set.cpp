@@ -36,16 +36,26 @@ class ReplicaSet {
   };
 
   void worker_loop(int index);
+  void stop_workers();
   // Runs fn(i) on workers 0..count-1 and waits for all of them; then rethrows the first failure, naming
   // its replica. Every worker finishes its task before anything is rethrown, so none is left running.
   void run_on_workers(int count, const std::function<void(int)>& fn);
-  void refresh_replica(int r);
+  // On the caller's thread, before the workers start: what must not race with replica 0's forward (its
+  // buffers, which that forward updates) and what is cheap (training mode, requires_grad).
+  void refresh_replica_state(int active);
+  // On replica r's own thread: its parameters from the module's (unless `copy` is false: same step).
+  void refresh_replica_parameters(int r, bool copy);
   void reduce_gradients(int active);
   std::pair<int64_t, int64_t> slice(int64_t total, int active, int r) const;
 
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;  // [0] is the user's module
   std::vector<std::vector<at::Tensor>> params_;               // per replica, in parameters() order
   std::vector<std::vector<at::Tensor>> buffers_;
+  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> submodules_;  // per replica, pre-order
+  // Set by a gathered forward() whose backward has not run yet. Further forwards before that backward
+  // (two inputs, one loss) belong to the same step: they must not copy over parameters the pending graph
+  // holds, and the module's parameters cannot have changed in between anyway.
+  bool awaiting_backward_ = false;
   std::vector<c10::Device> devices_;
   DataParallelBase::Forward forward_;
   int intra_op_threads_;
@@ -56,6 +66,10 @@ class ReplicaSet {
   std::vector<Worker> workers_;
   int pending_ = 0;
   bool stop_ = false;
+  bool busy_ = false;  // a call is in progress: DataParallel is not for concurrent use
+  // Outlives nothing it should not: the gathered-output hook holds a weak reference and refuses to run
+  // against a destroyed DataParallel.
+  std::shared_ptr<ReplicaSet*> self_ = std::make_shared<ReplicaSet*>(this);
 };
 
 ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBase::Forward forward,
@@ -95,18 +109,28 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
   for (auto& replica : replicas_) {
     params_.push_back(replica->parameters());
     buffers_.push_back(replica->buffers());
+    submodules_.push_back(replica->modules(/*include_self=*/true));
   }
   workers_.resize(replicas_.size());
-  for (int i = 0; i < size(); ++i) workers_[i].thread = std::thread([this, i] { worker_loop(i); });
+  try {
+    for (int i = 0; i < size(); ++i) workers_[i].thread = std::thread([this, i] { worker_loop(i); });
+  } catch (...) {
+    stop_workers();  // the threads already started must not be destroyed joinable
+    throw;
+  }
 }
 
-ReplicaSet::~ReplicaSet() {
+ReplicaSet::~ReplicaSet() { stop_workers(); }
+
+void ReplicaSet::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   work_ready_.notify_all();
-  for (auto& w : workers_) w.thread.join();
+  for (auto& w : workers_) {
+    if (w.thread.joinable()) w.thread.join();
+  }
 }
 
 void ReplicaSet::worker_loop(int index) {
@@ -135,6 +159,11 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   const bool grad_mode = at::GradMode::is_enabled();  // thread-local: carry the caller's into the workers
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (busy_) {
+      throw UsageError("DataParallel: called while another call on it is still running; it is not for "
+                       "concurrent use from several threads");
+    }
+    busy_ = true;
     pending_ = count;
     for (int i = 0; i < count; ++i) {
       workers_[i].error = nullptr;
@@ -147,6 +176,7 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   work_ready_.notify_all();
   std::unique_lock<std::mutex> lock(mutex_);
   work_done_.wait(lock, [&] { return pending_ == 0; });
+  busy_ = false;
   for (int i = 0; i < count; ++i) {
     if (!workers_[i].error) continue;
     std::string where = "DataParallel replica " + std::to_string(i) + " (" + devices_[i].str() + "): ";
@@ -158,17 +188,32 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
       throw Error(where + e.what_without_backtrace());
     } catch (const std::exception& e) {
       throw Error(where + e.what());
+    } catch (...) {
+      throw Error(where + "an exception that is not a std::exception");
     }
   }
 }
 
-void ReplicaSet::refresh_replica(int r) {
+void ReplicaSet::refresh_replica_state(int active) {
+  at::NoGradGuard no_grad;
+  for (int r = 1; r < active; ++r) {
+    for (size_t m = 0; m < submodules_[0].size(); ++m) {
+      submodules_[r][m]->train(submodules_[0][m]->is_training());  // eval() reaches every replica
+    }
+    for (size_t i = 0; i < params_[r].size(); ++i) {
+      params_[r][i].requires_grad_(params_[0][i].requires_grad());  // so does freezing a parameter
+    }
+    for (size_t i = 0; i < buffers_[r].size(); ++i) buffers_[r][i].copy_(buffers_[0][i]);
+  }
+}
+
+void ReplicaSet::refresh_replica_parameters(int r, bool copy) {
+  if (!copy) return;
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_[r].size(); ++i) {
     params_[r][i].copy_(params_[0][i], /*non_blocking=*/true);
     params_[r][i].mutable_grad() = at::Tensor();  // a fresh gradient each step: nothing to zero
   }
-  for (size_t i = 0; i < buffers_[r].size(); ++i) buffers_[r][i].copy_(buffers_[0][i], /*non_blocking=*/true);
 }
 
 std::pair<int64_t, int64_t> ReplicaSet::slice(int64_t total, int active, int r) const {
@@ -181,7 +226,7 @@ void ReplicaSet::reduce_gradients(int active) {
   std::vector<at::Tensor>& module_params = params_[0];
   // A parameter that got no gradient on replica 0 but did elsewhere starts from zeros.
   for (size_t i = 0; i < module_params.size(); ++i) {
-    if (module_params[i].grad().defined()) continue;
+    if (module_params[i].grad().defined() || !module_params[i].requires_grad()) continue;
     for (int r = 1; r < active; ++r) {
       if (params_[r][i].grad().defined()) {
         module_params[i].mutable_grad() = at::zeros_like(module_params[i]);
@@ -206,6 +251,11 @@ void ReplicaSet::reduce_gradients(int active) {
       }
     }
   });
+  // Consumed: a second backward through the same graph (retain_graph) must add only its own gradients.
+  for (int r = 1; r < active; ++r) {
+    for (auto& p : params_[r]) p.mutable_grad() = at::Tensor();
+  }
+  awaiting_backward_ = false;
 }
 
 at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tensor& target,
@@ -217,8 +267,10 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
   }
   const int active = static_cast<int>(std::min<int64_t>(size(), total));
   std::vector<double> losses(active);
+  refresh_replica_state(active);
+  awaiting_backward_ = false;  // this call runs its own backward
   run_on_workers(active, [&](int r) {
-    if (r > 0) refresh_replica(r);
+    if (r > 0) refresh_replica_parameters(r, true);
     auto [begin, count] = slice(total, active, r);
     at::Tensor x = input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
     at::Tensor y = target.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
@@ -238,17 +290,28 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
   const int64_t total = input.size(0);
   const int active = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(size(), total)));
   std::vector<at::Tensor> outputs(active);
+  refresh_replica_state(active);
+  const bool copy = !awaiting_backward_;
   run_on_workers(active, [&](int r) {
-    if (r > 0) refresh_replica(r);
+    if (r > 0) refresh_replica_parameters(r, copy);
     auto [begin, count] = slice(total, active, r);
     outputs[r] = forward_(*replicas_[r], input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
   });
   for (auto& out : outputs) out = out.to(devices_[0]);
   at::Tensor gathered = at::cat(outputs);
   if (active > 1 && gathered.requires_grad()) {
+    awaiting_backward_ = true;
     // At the start of the backward through the outputs, schedule the gradient reduction for its end.
-    gathered.register_hook([this, active](const at::Tensor& grad) {
-      torch::autograd::Engine::get_default_engine().queue_callback([this, active] { reduce_gradients(active); });
+    std::weak_ptr<ReplicaSet*> self = self_;
+    gathered.register_hook([self, active](const at::Tensor& grad) {
+      torch::autograd::Engine::get_default_engine().queue_callback([self, active] {
+        auto alive = self.lock();
+        if (!alive) {
+          throw UsageError("DataParallel: backward() ran through an output of a DataParallel that no longer "
+                           "exists; keep it alive until backward() has returned");
+        }
+        (*alive)->reduce_gradients(active);
+      });
       return grad;
     });
   }

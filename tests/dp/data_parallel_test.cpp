@@ -109,6 +109,50 @@ TEST(DataParallel, BuffersFollowTheModuleAndItsSlice) {
   EXPECT_TRUE(torch::allclose(bn->running_var, bn_ref->running_var));
 }
 
+TEST(DataParallel, ReplicasFollowEvalModeAndFrozenParameters) {
+  torch::manual_seed(3);
+  auto net = torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Dropout(0.5), torch::nn::Linear(6, 2));
+  DataParallelOptions options;
+  options.num_replicas = 3;
+  DataParallel dp(net.ptr(), options);
+  torch::Tensor x = torch::randn({9, 6});
+  net->eval();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(dp.forward(x), net->forward(x))) << "a replica still runs dropout";
+  }
+  net->train();
+  net[0]->as<torch::nn::LinearImpl>()->weight.requires_grad_(false);
+  dp.forward_backward(x, torch::randn({9, 2}),
+                      [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); });
+  EXPECT_FALSE(net[0]->as<torch::nn::LinearImpl>()->weight.grad().defined()) << "a frozen parameter got a gradient";
+  EXPECT_TRUE(net[2]->as<torch::nn::LinearImpl>()->weight.grad().defined());
+}
+
+TEST(DataParallel, TwoForwardsThenOneBackwardAndRetainedGraphs) {
+  // A siamese step (two gathered forwards, one loss) and a second backward through a retained graph must
+  // give the single process's gradients.
+  auto single = make_mlp();
+  auto net = make_mlp();
+  DataParallelOptions options;
+  options.num_replicas = 3;
+  DataParallel dp(net.ptr(), options);
+  torch::manual_seed(4);
+  torch::Tensor a = torch::randn({7, 12}), b = torch::randn({7, 12});
+  auto loss_of = [](const torch::Tensor& fa, const torch::Tensor& fb) { return (fa - fb).pow(2).mean(); };
+
+  auto single_loss = loss_of(single->forward(a), single->forward(b));
+  single_loss.backward({}, /*retain_graph=*/true);
+  single_loss.backward();
+  auto dp_loss = loss_of(dp.forward(a), dp.forward(b));
+  dp_loss.backward({}, /*retain_graph=*/true);
+  dp_loss.backward();
+  auto got = net->parameters(), want = single->parameters();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(got[i].grad(), want[i].grad(), 1e-5, 1e-6)) << "parameter " << i;
+  }
+}
+
 struct FailsOnThreeRows : torch::nn::Cloneable<FailsOnThreeRows> {
   FailsOnThreeRows() { reset(); }
   void reset() override { linear = register_module("linear", torch::nn::Linear(2, 1)); }
