@@ -4,7 +4,12 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstring>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -45,14 +50,19 @@ struct Flags {
   throw dtrain::UsageError("train_fashion_mnist: " + flag + " '" + value + "': expected " + accepted);
 }
 
-int64_t parse_int(const std::string& flag, const std::string& value, int64_t min) {
+int64_t parse_int(const std::string& flag, const std::string& value, int64_t min,
+                  int64_t max = int64_t{1} << 40) {
   char* end = nullptr;
+  errno = 0;
   long long parsed = std::strtoll(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || parsed < min) {
-    bad_flag(flag, value, "an integer of at least " + std::to_string(min));
+  if (value.empty() || *end != '\0' || errno == ERANGE || parsed < min || parsed > max) {
+    bad_flag(flag, value, "an integer in " + std::to_string(min) + ".." + std::to_string(max));
   }
   return parsed;
 }
+
+const char* const kValueFlags[] = {"--model", "--strategy", "--devices", "--epochs", "--batch-size", "--lr",
+                                   "--seed", "--data", "--checkpoint-dir", "--checkpoint-every", "--max-steps"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -66,7 +76,10 @@ Flags parse_flags(int argc, char** argv) {
       flags.resume = true;
       continue;
     }
-    if (i + 1 >= argc) bad_flag(flag, "", "a value after it (or an unknown flag). " + std::string(kUsage));
+    if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
+      throw dtrain::UsageError("train_fashion_mnist: unknown flag '" + flag + "'; see --help");
+    }
+    if (i + 1 >= argc) throw dtrain::UsageError("train_fashion_mnist: " + flag + ": missing its value; see --help");
     std::string value = argv[++i];
     if (flag == "--model") {
       if (value != "mlp" && value != "cnn") bad_flag(flag, value, "mlp or cnn");
@@ -75,7 +88,7 @@ Flags parse_flags(int argc, char** argv) {
       if (value != "ddp" && value != "dp") bad_flag(flag, value, "ddp or dp");
       flags.strategy = value;
     } else if (flag == "--devices") {
-      flags.devices = parse_int(flag, value, 1);
+      flags.devices = parse_int(flag, value, 1, 1024);
     } else if (flag == "--epochs") {
       flags.epochs = parse_int(flag, value, 1);
     } else if (flag == "--batch-size") {
@@ -83,7 +96,9 @@ Flags parse_flags(int argc, char** argv) {
     } else if (flag == "--lr") {
       char* end = nullptr;
       flags.lr = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(flags.lr > 0)) bad_flag(flag, value, "a positive number");
+      if (value.empty() || *end != '\0' || !(flags.lr > 0) || !std::isfinite(flags.lr)) {
+        bad_flag(flag, value, "a positive finite number");
+      }
     } else if (flag == "--seed") {
       flags.seed = parse_int(flag, value, 0);
     } else if (flag == "--data") {
@@ -204,6 +219,39 @@ struct Position {
 
 std::string checkpoint_path(const Flags& flags) { return flags.checkpoint_dir + "/checkpoint.pt"; }
 
+// Checked on every rank before anything starts, so that all ranks fail the same way, at once, and an
+// existing checkpoint is never overwritten by a run that did not ask to continue from it.
+void check_checkpoint_dir(const Flags& flags, int rank) {
+  if (flags.checkpoint_dir.empty()) return;
+  namespace fs = std::filesystem;
+  const std::string& dir = flags.checkpoint_dir;
+  std::error_code error;
+  if (flags.resume && !fs::exists(checkpoint_path(flags))) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint at " + checkpoint_path(flags) +
+                             "; run once with --checkpoint-dir " + dir + " first, or drop --resume");
+  }
+  fs::create_directories(dir, error);
+  if (error || !fs::is_directory(dir)) {
+    throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir + "': cannot be used as a folder (" +
+                             (error ? error.message() : "it is a file") + "); pass a writable folder");
+  }
+  std::string probe = dir + "/.write-test-" + std::to_string(rank) + "-" + std::to_string(::getpid());
+  if (FILE* f = std::fopen(probe.c_str(), "w")) {
+    std::fclose(f);
+    fs::remove(probe, error);
+  } else {
+    throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir + "': cannot write there (" +
+                             std::strerror(errno) + ")");
+  }
+  if (fs::exists(checkpoint_path(flags)) && !flags.resume) {
+    throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir + "' already holds a checkpoint; "
+                             "pass --resume to continue from it, or choose another folder");
+  }
+  if (fs::is_directory(checkpoint_path(flags))) {
+    throw dtrain::UsageError("train_fashion_mnist: " + checkpoint_path(flags) + " is a folder, not a checkpoint");
+  }
+}
+
 void save_checkpoint(const Flags& flags, NetImpl& net, torch::optim::Optimizer& optimizer, const Position& at) {
   std::filesystem::create_directories(flags.checkpoint_dir);
   torch::serialize::OutputArchive archive;
@@ -215,6 +263,7 @@ void save_checkpoint(const Flags& flags, NetImpl& net, torch::optim::Optimizer& 
   archive.write("samples_consumed", torch::tensor(at.samples_consumed));
   archive.write("steps", torch::tensor(at.steps));
   archive.write("model_kind", torch::tensor(flags.model == "cnn" ? 1 : 0));
+  archive.write("seed", torch::tensor(flags.seed));  // the shuffle order the position refers to
   std::string final_path = checkpoint_path(flags);
   std::string temporary = final_path + ".tmp";
   archive.save_to(temporary);
@@ -227,36 +276,51 @@ Position load_checkpoint(const Flags& flags, NetImpl& net, torch::optim::Optimiz
     throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint at " + path +
                              "; run once with --checkpoint-dir " + flags.checkpoint_dir + " first, or drop --resume");
   }
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path);
-  } catch (const c10::Error& e) {
-    throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " is not a readable checkpoint (" +
-                             e.what_without_backtrace() + ")");
-  }
-  torch::Tensor kind;
-  archive.read("model_kind", kind);
-  if (kind.item<int64_t>() != (flags.model == "cnn" ? 1 : 0)) {
-    throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " holds a " +
-                             (kind.item<int64_t>() ? "cnn" : "mlp") + " model but --model is " + flags.model);
-  }
-  net.load(archive);
-  torch::serialize::InputArchive optimizer_archive;
-  archive.read("optimizer", optimizer_archive);
-  optimizer.load(optimizer_archive);
+  // Everything read from the file is checked before the model or optimizer is trusted with it.
+  auto unreadable = [&](const std::string& why) {
+    return dtrain::UsageError("train_fashion_mnist: --resume: " + path + " is not a usable checkpoint (" + why +
+                              "); it was left as it is");
+  };
   Position at;
-  torch::Tensor value;
-  archive.read("epoch", value);
-  at.epoch = value.item<int64_t>();
-  archive.read("samples_consumed", value);
-  at.samples_consumed = value.item<int64_t>();
-  archive.read("steps", value);
-  at.steps = value.item<int64_t>();
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from(path);
+    torch::Tensor value;
+    archive.read("model_kind", value);
+    if (value.item<int64_t>() != (flags.model == "cnn" ? 1 : 0)) {
+      throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " holds a " +
+                               (value.item<int64_t>() ? "cnn" : "mlp") + " model but --model is " + flags.model);
+    }
+    archive.read("seed", value);
+    if (value.item<int64_t>() != flags.seed) {
+      throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " was trained with --seed " +
+                               std::to_string(value.item<int64_t>()) + " but this run has --seed " +
+                               std::to_string(flags.seed) + "; the saved position only means something in the "
+                               "same shuffle order: pass --seed " + std::to_string(value.item<int64_t>()));
+    }
+    archive.read("epoch", value);
+    at.epoch = value.item<int64_t>();
+    archive.read("samples_consumed", value);
+    at.samples_consumed = value.item<int64_t>();
+    archive.read("steps", value);
+    at.steps = value.item<int64_t>();
+    net.load(archive);
+    torch::serialize::InputArchive optimizer_archive;
+    archive.read("optimizer", optimizer_archive);
+    optimizer.load(optimizer_archive);
+  } catch (const dtrain::UsageError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw unreadable(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw unreadable(e.what());
+  }
   return at;
 }
 
 int run(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
+  check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank);
   auto pg = dtrain::init_process_group();
   const int world = pg->size(), rank = pg->rank();
   const bool leader = rank == 0;
@@ -357,6 +421,16 @@ int run(int argc, char** argv) {
     }
   }
   pg->barrier();  // rank 0's checkpoint is on disk before anyone reports success
+  if (at.epoch >= flags.epochs && samples_processed == 0) {
+    // Resumed from a checkpoint that already finished --epochs: nothing to train, but report the model.
+    if (leader) {
+      std::cout << "nothing to train: the checkpoint has finished " << at.epoch << " epoch(s) and --epochs is "
+                << flags.epochs << std::endl;
+    }
+    accuracy = test_accuracy(*net, test, *pg);
+  }
+  // JSON has no NaN or infinity: a diverged loss is reported as null.
+  auto number = [](double x) { return std::isfinite(x) ? std::to_string(x) : std::string("null"); };
   if (leader) {
     std::ostringstream json;
     json.precision(6);
@@ -366,7 +440,7 @@ int run(int argc, char** argv) {
          << "\", \"global_batch\": " << flags.batch_size << ", \"train_samples\": " << samples_processed
          << ", \"train_time_s\": " << train_seconds
          << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)
-         << ", \"final_loss\": " << last_loss << ", \"steps\": " << at.steps << "}";
+         << ", \"final_loss\": " << number(last_loss) << ", \"steps\": " << at.steps << "}";
     std::cout << json.str() << std::endl;
   }
   return 0;
