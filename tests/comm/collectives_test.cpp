@@ -218,6 +218,7 @@ TEST(Collectives, BadArgumentsAreUsageErrors) {
     EXPECT_THROW(group.send(t, -1), UsageError);
     try {
       group.broadcast(t, 7);
+      ADD_FAILURE() << "broadcast from rank 7 of 2 was accepted";
     } catch (const UsageError& e) {
       EXPECT_NE(std::string(e.what()).find("root=7 is not a rank"), std::string::npos) << e.what();
     }

@@ -77,11 +77,22 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
       auto xs = x[m].narrow(0, rank * per_rank, per_rank);
       auto ys = y[m].narrow(0, rank * per_rank, per_rank);
       auto step = [&] { (torch::nn::functional::cross_entropy(ddp.forward(xs), ys) / micro).backward(); };
+      // Whether the ranks' gradients agree right now: they must not under no_sync (their data differs),
+      // and must after the synchronizing step. Averaging is linear, so only this shows no_sync did anything.
+      auto ranks_agree = [&] {
+        at::Tensor grad = net->parameters()[0].grad().clone();
+        std::vector<at::Tensor> all(world);
+        for (auto& t : all) t = torch::empty_like(grad);
+        group.all_gather(all, grad);
+        return torch::equal(all[0], all[1]);
+      };
       if (m + 1 < micro) {
         auto guard = ddp.no_sync();
         step();
+        EXPECT_FALSE(ranks_agree()) << "no_sync() still averaged the gradients";
       } else {
         step();
+        EXPECT_TRUE(ranks_agree());
       }
     }
     opt.step();
