@@ -242,7 +242,13 @@ void meet(GroupState& group) {
 
 std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    try {
+      return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+    } catch (const std::exception& e) {  // Gloo's own enforce error, not a c10::Error
+      throw UsageError(std::string("environment variable GLOO_SOCKET_IFNAME='") + ifname +
+                       "': not a usable network interface here (" + e.what() +
+                       "); name one `ip link` lists, or unset it");
+    }
   }
   // A job on one machine talks over loopback; this also spares machines whose hostname does not resolve.
   if (master_addr.empty() || master_addr == "localhost" || master_addr.rfind("127.", 0) == 0) {
@@ -261,7 +267,10 @@ bool all_on_one_host(GroupState& group) {
 
 bool shared_memory_enabled_by_env() {
   const char* value = std::getenv("DTRAIN_SHM");
-  return !(value && std::string(value) == "0");
+  if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
+  if (std::string(value) == "0") return false;
+  throw UsageError(std::string("environment variable DTRAIN_SHM='") + value +
+                   "': expected 0 (all-reduce through Gloo) or 1 (shared memory among ranks on one host)");
 }
 
 std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {

@@ -18,6 +18,11 @@ Level level_from_env() {
   if (!std::strcmp(value, "error")) return Level::kError;
   if (!std::strcmp(value, "info")) return Level::kInfo;
   if (!std::strcmp(value, "debug")) return Level::kDebug;
+  if (std::strcmp(value, "warn") != 0) {
+    // Not an error worth stopping a job for, but never silent.
+    std::fprintf(stderr, "[dtrain] warning: environment variable DTRAIN_LOG='%s': expected error, warn, info or "
+                         "debug; using warn\n", value);
+  }
   return Level::kWarn;
 }
 

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <tuple>
 
 #include "support/thread_ranks.h"
 
@@ -207,6 +208,26 @@ TEST(LaunchEnv, BadValuesNameTheVariable) {
             std::string::npos);
   EXPECT_NE(usage_error({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "x"}}).find("SLURM_NTASKS='x'"),
             std::string::npos);
+}
+
+TEST(LaunchEnv, BadDtrainVariablesAreUsageErrors) {
+  InitOptions options;
+  options.init_method = unique_store_name("env");
+  options.rank = 0;
+  options.world_size = 1;
+  for (auto [name, value, expected] : {std::tuple<const char*, const char*, const char*>{
+                                           "DTRAIN_SHM", "yes", "DTRAIN_SHM='yes': expected 0"},
+                                       {"DTRAIN_TIMEOUT_S", "soon", "DTRAIN_TIMEOUT_S='soon': expected a positive"},
+                                       {"GLOO_SOCKET_IFNAME", "no-such-if0", "GLOO_SOCKET_IFNAME='no-such-if0'"}}) {
+    setenv(name, value, 1);
+    try {
+      init_process_group(options);
+      ADD_FAILURE() << name << "=" << value << " was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    unsetenv(name);
+  }
 }
 
 TEST(LaunchEnv, MissingMasterAddressIsAUsageError) {
