@@ -104,6 +104,7 @@ class ProcessGroup {
   int size() const;               // number of ranks in the group
   const std::string& name() const;
   int global_rank() const;        // this process's rank in the job (as RANK)
+  int global_size() const;        // processes in the job (as WORLD_SIZE)
   int global_rank_of(int group_rank) const;
   std::chrono::milliseconds timeout() const;
   // True when all-reduces of contiguous CPU float/double/int tensors go through shared memory (every rank

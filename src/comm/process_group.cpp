@@ -492,6 +492,7 @@ int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::size() const { return state_->size; }
 const std::string& ProcessGroup::name() const { return state_->name; }
 int ProcessGroup::global_rank() const { return state_->global_ranks[state_->rank]; }
+int ProcessGroup::global_size() const { return state_->world_size; }
 int ProcessGroup::global_rank_of(int group_rank) const {
   check_rank(*state_, group_rank, "group_rank");
   return state_->global_ranks[group_rank];

@@ -87,7 +87,7 @@ Reducer::~Reducer() {
 
 std::string Reducer::who() const {
   if (!group_) return "rank ?";
-  return "rank " + std::to_string(group_->global_rank()) + "/" + std::to_string(group_->size());
+  return "rank " + std::to_string(group_->global_rank()) + "/" + std::to_string(group_->global_size());
 }
 
 void Reducer::check_same_parameters_everywhere() {

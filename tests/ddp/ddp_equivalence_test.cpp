@@ -6,10 +6,13 @@
 #include <torch/torch.h>
 
 #include "dtrain/ddp.h"
+#include "support/equivalence.h"
 #include "support/thread_ranks.h"
 
 namespace dtrain {
 namespace {
+
+using testing::relative_error;
 
 using testing::run_group;
 
@@ -71,15 +74,6 @@ std::vector<torch::Tensor> train_single(Optim kind, int steps = kSteps) {
   std::vector<torch::Tensor> result;
   for (auto& p : net->parameters()) result.push_back(p.detach().clone());
   return result;
-}
-
-double relative_error(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
-  double worst = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    double scale = want[i].abs().max().item<double>() + 1e-12;
-    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>() / scale);
-  }
-  return worst;
 }
 
 // Trains on `world` thread-ranks and returns each rank's final parameters.

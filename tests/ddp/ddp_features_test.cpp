@@ -5,10 +5,13 @@
 #include <torch/torch.h>
 
 #include "dtrain/ddp.h"
+#include "support/equivalence.h"
 #include "support/thread_ranks.h"
 
 namespace dtrain {
 namespace {
+
+using testing::relative_error;
 
 using testing::run_group;
 
@@ -25,15 +28,6 @@ struct Branchy : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return used->forward(x); }
   torch::nn::Linear used{nullptr}, unused{nullptr};
 };
-
-double relative_error(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
-  double worst = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    double scale = want[i].abs().max().item<double>() + 1e-12;
-    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>() / scale);
-  }
-  return worst;
-}
 
 std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
   std::vector<torch::Tensor> out;

@@ -5,9 +5,12 @@
 #include <torch/torch.h>
 
 #include "dtrain/dp.h"
+#include "support/equivalence.h"
 
 namespace dtrain {
 namespace {
+
+using testing::relative_error;
 
 constexpr int64_t kBatch = 13;  // prime: uneven slices for every replica count > 1
 constexpr int kSteps = 3;
@@ -32,16 +35,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam, std::vector<t
 
 torch::Tensor mean_loss(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
-}
-
-double relative_error(torch::nn::Module& got, torch::nn::Module& want) {
-  double worst = 0;
-  auto a = got.parameters(), b = want.parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    double scale = b[i].abs().max().item<double>() + 1e-12;
-    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
-  }
-  return worst;
 }
 
 enum class Mode { kLossPerReplica, kGatheredOutputs };
