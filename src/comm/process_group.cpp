@@ -273,6 +273,10 @@ bool shared_memory_enabled_by_env() {
                    "': expected 0 (all-reduce through Gloo) or 1 (shared memory among ranks on one host)");
 }
 
+bool looks_like_timeout(const std::string& what) {
+  return what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+}
+
 std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   meet(*group);
   auto options = c10d::ProcessGroupGloo::Options::create(group->timeout);
@@ -280,11 +284,24 @@ std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   // Two threads let two buckets' all-reduces proceed at once (DDP overlaps them with backward).
   options->threads = 2;
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", group->store);
-  group->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, group->rank, group->size, options);
-  group->progress = std::make_unique<detail::ProgressTracker>(group->store, group->rank, group->size);
-  if (group->size > 1 && group->shared_memory_allowed && all_on_one_host(*group)) {
-    auto shm_store = c10::make_intrusive<c10d::PrefixStore>("shm", group->store);
-    group->shm = detail::ShmTransport::create(*shm_store, group->rank, group->size, group->timeout);
+  try {
+    group->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, group->rank, group->size, options);
+    group->progress = std::make_unique<detail::ProgressTracker>(group->store, group->rank, group->size);
+    if (group->size > 1 && group->shared_memory_allowed && all_on_one_host(*group)) {
+      auto shm_store = c10::make_intrusive<c10d::PrefixStore>("shm", group->store);
+      group->shm = detail::ShmTransport::create(*shm_store, group->rank, group->size, group->timeout);
+    }
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Every rank had joined (meet() above), so a failure here is a peer that died or stalled while the
+    // connections were made.
+    std::string what = e.what();
+    std::string message = group->who() + ": connecting " + group->group_label() + " of " +
+                          std::to_string(group->size) + " ranks failed after every rank had joined: " + what +
+                          ". Likely cause: a rank died or stalled during start-up; see its log.";
+    if (looks_like_timeout(what)) throw TimeoutError(message);
+    throw PeerLostError(message);
   }
   return group;
 }
@@ -292,7 +309,7 @@ std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg:  // Gloo has no average: sum, then divide (see finish_average)
+    case ReduceOp::kAvg:  // Gloo has no average: sum, then the Work's finish step divides
       return c10d::ReduceOp::SUM;
     case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
     case ReduceOp::kMin: return c10d::ReduceOp::MIN;
@@ -328,9 +345,6 @@ void check_usable(GroupState& group) {
   }
 }
 
-bool looks_like_timeout(const std::string& what) {
-  return what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
-}
 
 // Turns a failed or late wait into dtrain's error, naming who did not arrive, and marks the group broken.
 [[noreturn]] void fail(WorkState& work, const std::string& cause, bool timed_out) {
