@@ -24,6 +24,7 @@
 
 #include "comm/progress.h"
 #include "comm/shm_transport.h"
+#include "comm/store_bytes.h"
 #include "common/log.h"
 #include "dtrain/comm.h"
 
@@ -49,7 +50,6 @@ struct GroupState {
   std::unique_ptr<ProgressTracker> progress;
   bool shared_memory_allowed = true;    // InitOptions::shared_memory and DTRAIN_SHM
   std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
-  uint64_t p2p_seq = 0;
   int subgroups_created = 0;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;
@@ -94,6 +94,7 @@ namespace {
 using detail::GroupState;
 using detail::ShmFailure;
 using detail::WorkState;
+using detail::bytes_of;
 using Clock = std::chrono::steady_clock;
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
@@ -116,7 +117,6 @@ std::string seconds_text(std::chrono::milliseconds ms) {
   return out.str();
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
 // memory://NAME stores: shared by name among the threads of this process, freed with their last group.
 c10::intrusive_ptr<c10d::Store> memory_store(const std::string& name) {
@@ -586,7 +586,7 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
   check_average(group, output, op);
   // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep this rank's
   // slice. It moves size() times the data an optimal ring would, which is fine for the small tensors it
-  // serves on CPU; NCCL uses its native reduce-scatter.
+  // serves today; CUDA tensors take the same path (NCCL's native reduce-scatter is not wired up yet).
   at::Tensor stacked = at::stack(inputs);
   auto work = start(state_, "reduce_scatter", true, -1, options, [&](WorkState& w) {
     if (group.shm && detail::ShmTransport::supports(stacked)) {

@@ -3,6 +3,7 @@
 
 #include <sstream>
 
+#include "comm/store_bytes.h"
 #include "common/log.h"
 
 namespace dtrain::detail {
@@ -10,7 +11,6 @@ namespace {
 
 std::string key_for(int rank) { return "progress/" + std::to_string(rank); }
 
-std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 }  // namespace
 
@@ -47,7 +47,7 @@ void ProgressTracker::publish_now() {
   if (seq == published_seq_) return;
   std::string record = std::to_string(seq) + " " + op;
   try {
-    store_->set(key_for(rank_), to_bytes(record));
+    store_->set(key_for(rank_), bytes_of(record));
     published_seq_ = seq;
   } catch (const std::exception& e) {
     // The store's host (rank 0) may be gone; the collective itself will report the failure.

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <random>
 
+#include "comm/store_bytes.h"
 #include "common/log.h"
 
 namespace dtrain::detail {
@@ -59,7 +60,6 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
 template <typename T, typename Combine>
 void combine_into(T* dst, const T* src, int64_t n, Combine combine) {

@@ -23,12 +23,4 @@ using Backend = c10d::Backend;
 using Backend = c10d::ProcessGroup;
 #endif
 
-// Reduce-scatter into one flat output: `_reduce_scatter_base` in 1.13, `reduce_scatter_tensor_coalesced`
-// and friends arrived later; both keep `_reduce_scatter_base`.
-inline c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(Backend& backend, at::Tensor& output,
-                                                          at::Tensor& input,
-                                                          const c10d::ReduceScatterOptions& options) {
-  return backend._reduce_scatter_base(output, input, options);
-}
-
 }  // namespace dtrain::compat

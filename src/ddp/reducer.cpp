@@ -290,7 +290,6 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
-  bucket.launched = true;
   if (options_.comm_hook) {
     GradBucket view{static_cast<int>(bucket_index), &bucket.buffer};
     options_.comm_hook->start(*group_, view);
@@ -372,7 +371,6 @@ void Reducer::reset_iteration() {
   for (auto& p : params_) p.ready = false;
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.params.size();
-    bucket.launched = false;
     bucket.work = Work();
   }
   next_to_launch_ = 0;

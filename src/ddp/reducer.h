@@ -32,7 +32,6 @@ class Reducer {
     at::Tensor buffer;            // flat gradients of the bucket's parameters
     std::vector<size_t> params;   // indices into params_
     size_t pending = 0;           // parameters whose gradient has not arrived in this backward
-    bool launched = false;
     Work work;                    // the plain all-reduce (no comm hook)
   };
   struct Param {
