@@ -124,6 +124,12 @@ class ProcessGroup {
   // Point to point: blocks until the peer has posted the matching recv/send with the same tag.
   void send(const at::Tensor& tensor, int dst, int tag = 0, const CollectiveOptions& = {});
   void recv(at::Tensor& tensor, int src, int tag = 0, const CollectiveOptions& = {});
+  // Non-blocking point to point: start the transfer and return at once; Work::wait() blocks until this side
+  // is done (the tensor may then be reused) or the timeout passed, naming the peer. Messages match by (peer,
+  // tag), in order among those with the same peer and tag. A rank may isend long before the peer posts its
+  // irecv and go on with other transfers meanwhile.
+  Work isend(const at::Tensor& tensor, int dst, int tag = 0, const CollectiveOptions& = {});
+  Work irecv(at::Tensor& tensor, int src, int tag = 0, const CollectiveOptions& = {});
 
   // Asynchronous forms: start the operation and return at once. The tensors must stay alive and untouched
   // until Work::wait() returns.

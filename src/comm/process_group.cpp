@@ -620,26 +620,32 @@ void ProcessGroup::barrier(const CollectiveOptions& options) {
   wait_for(*work);
 }
 
-void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
+Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, dst, "dst");
-  auto work = start(state_, "send", false, dst, options, [&](WorkState& w) {
+  return Work(start(state_, "send", false, dst, options, [&](WorkState& w) {
     check_gloo_dtype(group, "send", tensor);
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).send(tensors, dst, tag);
-  });
-  wait_for(*work);
+  }));
 }
 
-void ProcessGroup::recv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
+Work ProcessGroup::irecv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, src, "src");
-  auto work = start(state_, "recv", false, src, options, [&](WorkState& w) {
+  return Work(start(state_, "recv", false, src, options, [&](WorkState& w) {
     check_gloo_dtype(group, "recv", tensor);
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).recv(tensors, src, tag);
-  });
-  wait_for(*work);
+  }));
+}
+
+void ProcessGroup::send(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
+  isend(tensor, dst, tag, options).wait();
+}
+
+void ProcessGroup::recv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
+  irecv(tensor, src, tag, options).wait();
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks, std::string name) {

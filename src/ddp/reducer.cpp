@@ -240,12 +240,28 @@ void Reducer::prepare_forward() {
   }
 }
 
+void Reducer::set_sync_next_backward(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_this_iteration_ = sync;
+}
+
+void Reducer::finalize() {
+  bool started;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    started = backward_started_;
+  }
+  if (started) finalize_backward();
+}
+
 void Reducer::on_gradient_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!sync_this_iteration_) return;  // inside no_sync(): gradients just accumulate locally
   if (!backward_started_) {
     backward_started_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    if (!explicit_finalize_) {
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    }
   }
   if (params_[index].ready) {
     throw UsageError(who() + ": DistributedDataParallel: parameter '" + params_[index].name +

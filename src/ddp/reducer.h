@@ -22,6 +22,14 @@ class Reducer {
   ~Reducer();
 
   void prepare_forward();
+
+  // For a pipeline stage, which runs several backwards per step (one per micro-batch) and must not stall in
+  // the last of them: gradients are averaged only in a backward announced with set_sync_next_backward(true),
+  // and that backward's wait for the all-reduces happens in finalize(), called by the owner when it has
+  // passed its own gradients on, instead of in an end-of-backward callback.
+  void set_explicit_finalize(bool on) { explicit_finalize_ = on; }
+  void set_sync_next_backward(bool sync);
+  void finalize();
   void enter_no_sync() { ++no_sync_depth_; }
   void leave_no_sync() { --no_sync_depth_; }
   ProcessGroup& group() const { return *group_; }
@@ -69,6 +77,7 @@ class Reducer {
   std::atomic<int> no_sync_depth_{0};
   bool sync_this_iteration_ = true;
   bool backward_started_ = false;
+  bool explicit_finalize_ = false;
   size_t next_to_launch_ = 0;
 };
 

@@ -1,0 +1,109 @@
+// The part of a pipeline that one stage runs, whatever carries its tensors: it walks the stage's
+// actions of a PipelineSchedule, runs its chunks' forwards and backwards, and hands activations and
+// gradients to a StageLink. The single-process pipeline links stages through in-memory mailboxes,
+// the distributed one through the comm layer's isend/irecv.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <vector>
+
+#include "dtrain/pipeline.h"
+
+namespace dtrain::detail {
+
+// Shape and dtype of a tensor that crosses stages: the receiver of a comm message allocates from
+// it.
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  bool operator==(const TensorMeta& other) const {
+    return sizes == other.sizes && dtype == other.dtype;
+  }
+};
+
+// Which message a tensor is: the activation leaving chunk `chunk` for micro-batch m, or the
+// gradient flowing back into it. Unique within a step, so stages match messages by tag whatever
+// order they arrive in.
+inline int message_tag(const PipelineSchedule& s, PipelineAction::Kind kind, int chunk,
+                       int micro_batch) {
+  return ((chunk * s.micro_batches + micro_batch) << 1) |
+         (kind == PipelineAction::Kind::kBackward ? 1 : 0);
+}
+
+// Rows of each of M micro-batches of a batch: the first `rows % M` get one more.
+std::vector<int64_t> micro_batch_rows(int64_t rows, int micro_batches);
+
+class StageLink {
+ public:
+  virtual ~StageLink() = default;
+  // Non-blocking: hands `tensor` to `to_stage`; the link keeps it alive until delivered.
+  virtual void send(const at::Tensor& tensor, int to_stage, int tag) = 0;
+  // Blocks until the tensor `from_stage` sent with `tag` arrives (the link's timeout bounds the
+  // wait). `meta` is what the sender's chunk produces, for links that must allocate the receive
+  // buffer.
+  virtual at::Tensor recv(int from_stage, int tag, const TensorMeta& meta) = 0;
+  // Blocks until every send of this step has been delivered.
+  virtual void flush() = 0;
+};
+
+// One step's data as a stage sees it.
+struct StepData {
+  std::vector<at::Tensor> inputs;  // per micro-batch, on the stage's device; stage of chunk 0 only
+  std::vector<at::Tensor>
+      targets;  // per micro-batch, on the stage's device; stage of the last chunk only
+  std::vector<int64_t> rows;  // rows of each micro-batch
+  int64_t total_rows = 0;
+  // Output meta of chunk c for micro-batch m (distributed links allocate receive buffers from it).
+  std::function<TensorMeta(int chunk, int micro_batch)> output_meta;
+  const PipelineLossFn* loss_fn = nullptr;
+};
+
+class StageRunner {
+ public:
+  // chunks[i] is chunk stage + i·stages of the model; `device` is where they live.
+  StageRunner(int stage, const PipelineSchedule& schedule,
+              std::vector<torch::nn::Sequential> chunks, c10::Device device, bool recompute);
+
+  // Called before each backward of a local chunk: local index, and whether it is that chunk's last
+  // backward of the step (where data-parallel gradient averaging starts).
+  std::function<void(size_t local_chunk, bool last)> before_backward;
+
+  // Runs this stage's actions for one step. Returns the sum of its micro-batches' weighted losses
+  // (only the stage holding the last chunk has any), as a CPU double.
+  double run(StageLink& link, const StepData& data);
+
+  // Forward only (inference), no gradients: returns the last chunk's outputs per micro-batch (last
+  // stage).
+  std::vector<at::Tensor> run_forward(StageLink& link, const StepData& data);
+
+  int stage() const { return stage_; }
+  const std::vector<torch::nn::Sequential>& chunks() const { return chunks_; }
+  c10::Device device() const { return device_; }
+  // Most micro-batches whose activations this stage held at once in the last step.
+  int peak_in_flight() const { return peak_in_flight_; }
+
+ private:
+  struct Slot {  // one micro-batch's state in one local chunk, between its forward and backward
+    at::Tensor input;   // detached, requires grad unless chunk 0
+    at::Tensor output;  // with its graph (or the weighted loss on the last chunk); undefined with
+                        // recompute
+  };
+  size_t local(int chunk) const { return static_cast<size_t>(chunk / schedule_.stages); }
+  at::Tensor forward_chunk(int chunk, int micro_batch, const at::Tensor& input,
+                           const StepData& data);
+
+  int stage_;
+  const PipelineSchedule& schedule_;
+  std::vector<torch::nn::Sequential> chunks_;
+  c10::Device device_;
+  bool recompute_;
+  std::vector<std::vector<Slot>> slots_;  // [local chunk][micro-batch]
+  std::vector<int>
+      last_backward_;  // per local chunk: index in the stage's actions of its last backward
+  int peak_in_flight_ = 0;
+};
+
+}  // namespace dtrain::detail

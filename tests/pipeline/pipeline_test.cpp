@@ -1,0 +1,411 @@
+// Pipelines against single-process training of the same model on the same data: after k optimizer
+// steps the parameters must be equal (relative error < 1e-5, float32), for every schedule, 2..4
+// stages and 1..8 micro-batches (13 rows: most counts do not divide it). Single-process pipelines
+// run stages on threads; distributed ones run ranks as threads over an in-memory store. Also the
+// pre-flight's errors, on every rank.
+#include "dtrain/pipeline.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "support/equivalence.h"
+#include "support/thread_ranks.h"
+
+namespace dtrain {
+namespace {
+
+using testing::relative_error;
+using testing::run_group;
+
+constexpr int64_t kInputs = 10;
+constexpr int64_t kClasses = 4;
+constexpr int64_t kBatch = 13;
+constexpr int kSteps = 3;
+constexpr double kTolerance = 1e-5;
+
+// Thread-ranks build their models and batches from torch's one global generator: one at a time.
+std::mutex rng_mutex;
+
+// Eight layers, so that 4 stages x 2 virtual stages still get one layer each.
+torch::nn::Sequential make_model() {
+  std::lock_guard<std::mutex> lock(rng_mutex);
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 12), torch::nn::Tanh(),
+                               torch::nn::Linear(12, 8), torch::nn::Linear(8, kClasses));
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+Batch make_batch(int step, int64_t rows = kBatch) {
+  std::lock_guard<std::mutex> lock(rng_mutex);
+  torch::manual_seed(500 + step);
+  return {torch::randn({rows, kInputs}), torch::randint(kClasses, {rows})};
+}
+
+torch::Tensor mean_loss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> copy;
+  for (auto& p : params) copy.push_back(p.detach().clone());
+  return copy;
+}
+
+std::vector<torch::Tensor> train_single(int steps = kSteps) {
+  auto model = make_model();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < steps; ++step) {
+    Batch b = make_batch(step);
+    opt.zero_grad();
+    mean_loss(model->forward(b.x), b.y).backward();
+    opt.step();
+  }
+  return snapshot(model->parameters());
+}
+
+// Boundaries that cut the 8 layers into `parts` chunks as evenly as the layer count allows.
+std::vector<int64_t> even_cut(int parts) {
+  std::vector<int64_t> cut;
+  for (int i = 1; i < parts; ++i) cut.push_back(i * 8 / parts);
+  return cut;
+}
+
+std::vector<torch::Tensor> train_pipeline(ScheduleKind kind, int stages, int micro_batches,
+                                          int virtual_stages = 1, bool recompute = false) {
+  auto model = make_model();
+  PipelineOptions options;
+  options.schedule = kind;
+  options.micro_batches = micro_batches;
+  options.virtual_stages = virtual_stages;
+  options.recompute = recompute;
+  Pipeline pipe(split_sequential(model, even_cut(stages * virtual_stages)), {}, options, stages);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    Batch b = make_batch(step);
+    opt.zero_grad();
+    auto loss = pipe.forward_backward(b.x, b.y, mean_loss);
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    opt.step();
+  }
+  return snapshot(model->parameters());
+}
+
+TEST(Pipeline, SingleProcessEqualsSingleDeviceForEverySchedule) {
+  const auto want = train_single();
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (int p = 2; p <= 4; ++p) {
+      for (int m = 1; m <= 8; ++m) {
+        SCOPED_TRACE(std::string(to_string(kind)) + " P=" + std::to_string(p) +
+                     " M=" + std::to_string(m));
+        EXPECT_LT(relative_error(train_pipeline(kind, p, m), want), kTolerance);
+      }
+    }
+  }
+  for (int p = 2; p <= 4; ++p) {
+    for (int m : {1, 3, 4, 8}) {
+      SCOPED_TRACE("interleaved P=" + std::to_string(p) + " M=" + std::to_string(m));
+      EXPECT_LT(relative_error(train_pipeline(ScheduleKind::kInterleaved1F1B, p, m, 2), want),
+                kTolerance);
+    }
+  }
+}
+
+TEST(Pipeline, RecomputeGivesTheSameGradients) {
+  const auto want = train_single();
+  EXPECT_LT(relative_error(train_pipeline(ScheduleKind::k1F1B, 3, 5, 1, true), want), kTolerance);
+  EXPECT_LT(relative_error(train_pipeline(ScheduleKind::kGPipe, 2, 4, 1, true), want), kTolerance);
+}
+
+TEST(Pipeline, TheTestCanFail) {
+  // One optimizer step fewer is far outside the tolerance: the comparison above can see a wrong
+  // step.
+  EXPECT_GT(relative_error(train_single(kSteps - 1), train_single()), 100 * kTolerance);
+}
+
+TEST(Pipeline, ForwardEqualsTheModel) {
+  auto model = make_model();
+  PipelineOptions options;
+  options.micro_batches = 3;
+  Pipeline pipe(split_sequential(model, even_cut(3)), {}, options);
+  Batch b = make_batch(0);
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(relative_error({pipe.forward(b.x)}, {model->forward(b.x)}), kTolerance);
+}
+
+TEST(Pipeline, BadInputIsAUsageErrorNamingTheStage) {
+  auto model = make_model();
+  PipelineOptions options;
+  options.micro_batches = 20;
+  Pipeline too_many(split_sequential(model, even_cut(2)), {}, options);
+  Batch b = make_batch(0);
+  EXPECT_THROW(too_many.forward_backward(b.x, b.y, mean_loss), UsageError);
+
+  options.micro_batches = 2;
+  EXPECT_THROW(Pipeline(split_sequential(model, even_cut(3)), {}, options, 2),
+               UsageError);  // 3 chunks, 2 stages
+
+  // A chunk that cannot take its predecessor's output: the error names the stage, the others stop.
+  torch::nn::Sequential a(torch::nn::Linear(kInputs, 6)), b2(torch::nn::Linear(7, kClasses));
+  Pipeline mismatched({a, b2}, {}, options);
+  try {
+    mismatched.forward_backward(b.x, b.y, mean_loss);
+    FAIL() << "a shape mismatch between stages went unnoticed";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline stage 1"), std::string::npos) << e.what();
+  }
+}
+
+// ---- Distributed: one stage per thread-rank ----
+
+struct DistributedRun {
+  ScheduleKind kind = ScheduleKind::k1F1B;
+  int stages = 2;
+  int data = 1;
+  int micro_batches = 4;
+  int virtual_stages = 1;
+  bool shared_memory = true;
+};
+
+// Each data replica takes its own contiguous half of every batch, so the replicas' mean losses
+// average to the whole batch's mean (kBatchDp divides evenly).
+constexpr int64_t kBatchDp = 12;
+
+std::vector<torch::Tensor> train_single_on(int64_t rows) {
+  auto model = make_model();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    Batch b = make_batch(step, rows);
+    opt.zero_grad();
+    mean_loss(model->forward(b.x), b.y).backward();
+    opt.step();
+  }
+  return snapshot(model->parameters());
+}
+
+// Returns every rank's final parameters in the order of the whole model's parameters (each rank
+// fills in its own stage's), gathered per data replica.
+std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& run) {
+  const int world = run.stages * run.data;
+  const int64_t rows = run.data > 1 ? kBatchDp : kBatch;
+  std::vector<std::vector<torch::Tensor>> per_replica(
+      run.data, std::vector<torch::Tensor>(make_model()->parameters().size()));
+  std::mutex mutex;
+  run_group(
+      world,
+      [&](int rank, ProcessGroup& group) {
+        auto mesh = make_rank_mesh(group, run.stages);
+        auto model = make_model();
+        // Which of the model's parameters this stage holds (by identity, before the split hands
+        // them out).
+        auto all_params = model->parameters();
+        PipelineOptions options;
+        options.schedule = run.kind;
+        options.micro_batches = run.micro_batches;
+        options.virtual_stages = run.virtual_stages;
+        DistributedPipeline pipe(split_sequential(model, even_cut(run.stages * run.virtual_stages)),
+                                 mesh, options);
+        torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        for (int step = 0; step < kSteps; ++step) {
+          Batch b = make_batch(step, rows);
+          int64_t share = rows / run.data;
+          auto x = b.x.narrow(0, mesh.data_index * share, share),
+               y = b.y.narrow(0, mesh.data_index * share, share);
+          opt.zero_grad();
+          auto loss = pipe.forward_backward(x, y, mean_loss);
+          EXPECT_TRUE(std::isfinite(loss.item<double>()));
+          opt.step();
+        }
+        auto mine = pipe.parameters();
+        std::lock_guard<std::mutex> lock(mutex);
+        for (size_t i = 0; i < all_params.size(); ++i) {
+          for (auto& p : mine) {
+            if (p.is_same(all_params[i])) per_replica[mesh.data_index][i] = p.detach().clone();
+          }
+        }
+      },
+      std::chrono::seconds(60), run.shared_memory);
+  return per_replica;
+}
+
+TEST(DistributedPipeline, EqualsSingleProcessForEveryScheduleStagesAndMicroBatches) {
+  const auto want = train_single();
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (int p = 2; p <= 4; ++p) {
+      for (int m : {1, 2, 3, 5, 8}) {
+        SCOPED_TRACE(std::string(to_string(kind)) + " P=" + std::to_string(p) +
+                     " M=" + std::to_string(m));
+        DistributedRun run;
+        run.kind = kind;
+        run.stages = p;
+        run.micro_batches = m;
+        EXPECT_LT(relative_error(train_distributed(run)[0], want), kTolerance);
+      }
+    }
+  }
+}
+
+TEST(DistributedPipeline, InterleavedEqualsSingleProcess) {
+  const auto want = train_single();
+  for (int p : {2, 3}) {
+    for (int m : {2, 4, 7}) {
+      SCOPED_TRACE("P=" + std::to_string(p) + " M=" + std::to_string(m));
+      DistributedRun run;
+      run.kind = ScheduleKind::kInterleaved1F1B;
+      run.stages = p;
+      run.micro_batches = m;
+      run.virtual_stages = 2;
+      EXPECT_LT(relative_error(train_distributed(run)[0], want), kTolerance);
+    }
+  }
+}
+
+TEST(DistributedPipeline, OverGlooWithoutSharedMemory) {
+  DistributedRun run;
+  run.stages = 3;
+  run.micro_batches = 5;
+  run.shared_memory = false;
+  EXPECT_LT(relative_error(train_distributed(run)[0], train_single()), kTolerance);
+}
+
+TEST(DistributedPipeline, TwoDataReplicasTimesTwoStagesEqualSingleProcess) {
+  const auto want = train_single_on(kBatchDp);
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    SCOPED_TRACE(to_string(kind));
+    DistributedRun run;
+    run.kind = kind;
+    run.stages = 2;
+    run.data = 2;
+    run.micro_batches = 3;
+    auto replicas = train_distributed(run);
+    EXPECT_LT(relative_error(replicas[0], want), kTolerance);
+    EXPECT_LT(relative_error(replicas[1], want), kTolerance);
+  }
+}
+
+// Runs `body` on `world` thread-ranks and expects every rank to throw a UsageError containing
+// `expected`.
+void expect_error_on_every_rank(int world, const std::string& expected,
+                                const std::function<void(int rank, ProcessGroup& group)>& body) {
+  std::atomic<int> raised{0};
+  run_group(
+      world,
+      [&](int rank, ProcessGroup& group) {
+        try {
+          body(rank, group);
+          ADD_FAILURE() << "rank " << rank << " did not throw";
+        } catch (const UsageError& e) {
+          EXPECT_NE(std::string(e.what()).find(expected), std::string::npos)
+              << "rank " << rank << ": " << e.what();
+          ++raised;
+        }
+      },
+      std::chrono::seconds(20));
+  EXPECT_EQ(raised.load(), world);
+}
+
+TEST(DistributedPipeline, PreflightShapeMismatchFailsOnEveryRank) {
+  expect_error_on_every_rank(3,
+                             "stage 2 (rank 2): chunk 2 cannot take chunk 1's output [4, 6] Float",
+                             [](int rank, ProcessGroup& group) {
+                               auto mesh = make_rank_mesh(group, 3);
+                               std::vector<torch::nn::Sequential> chunks = {
+                                   torch::nn::Sequential(torch::nn::Linear(kInputs, 8)),
+                                   torch::nn::Sequential(torch::nn::Linear(8, 6)),
+                                   torch::nn::Sequential(torch::nn::Linear(5, kClasses))};
+                               PipelineOptions options;
+                               options.micro_batches = 2;
+                               DistributedPipeline pipe(chunks, mesh, options);
+                               Batch b = make_batch(0, 8);
+                               pipe.forward_backward(b.x, b.y, mean_loss);
+                             });
+}
+
+TEST(DistributedPipeline, PreflightDtypeMismatchFailsOnEveryRank) {
+  expect_error_on_every_rank(2, "chunk 1 cannot take chunk 0's output [3, 8] Float",
+                             [](int, ProcessGroup& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               torch::nn::Sequential second(torch::nn::Linear(8, kClasses));
+                               second->to(torch::kDouble);
+                               std::vector<torch::nn::Sequential> chunks = {
+                                   torch::nn::Sequential(torch::nn::Linear(kInputs, 8)), second};
+                               PipelineOptions options;
+                               options.micro_batches = 3;
+                               DistributedPipeline pipe(chunks, mesh, options);
+                               Batch b = make_batch(0, 9);
+                               pipe.forward_backward(b.x, b.y, mean_loss);
+                             });
+}
+
+TEST(DistributedPipeline, PreflightCatchesLossThatRejectsTheOutput) {
+  expect_error_on_every_rank(
+      2, "the loss function rejects the last chunk's output", [](int, ProcessGroup& group) {
+        auto mesh = make_rank_mesh(group, 2);
+        auto model = make_model();
+        PipelineOptions options;
+        options.micro_batches = 2;
+        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, options);
+        Batch b = make_batch(0, 6);
+        pipe.forward_backward(b.x, torch::randn({6, 3, 2}), mean_loss);
+      });
+}
+
+TEST(DistributedPipeline, MoreMicroBatchesThanRowsFailsOnEveryRank) {
+  expect_error_on_every_rank(
+      2, "a batch of 3 rows cannot be cut into 4 micro-batches", [](int, ProcessGroup& group) {
+        auto mesh = make_rank_mesh(group, 2);
+        auto model = make_model();
+        PipelineOptions options;
+        options.micro_batches = 4;
+        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, options);
+        Batch b = make_batch(0, 3);
+        pipe.forward_backward(b.x, b.y, mean_loss);
+      });
+}
+
+TEST(DistributedPipeline, TargetRowsMustMatchTheBatch) {
+  expect_error_on_every_rank(2, "the last stage's target has 5 rows but stage 0's batch has 6",
+                             [](int, ProcessGroup& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               auto model = make_model();
+                               PipelineOptions options;
+                               options.micro_batches = 2;
+                               DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh,
+                                                        options);
+                               Batch b = make_batch(0, 6);
+                               pipe.forward_backward(b.x, b.y.narrow(0, 0, 5), mean_loss);
+                             });
+}
+
+TEST(DistributedPipeline, OptionsThatDifferBetweenRanksFailOnEveryRank) {
+  expect_error_on_every_rank(
+      2, "stage 1 (rank 1) runs with micro_batches=3 but stage 0 (rank 0) with 2",
+      [](int rank, ProcessGroup& group) {
+        auto mesh = make_rank_mesh(group, 2);
+        auto model = make_model();
+        PipelineOptions options;
+        options.micro_batches = 2 + rank;
+        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, options);
+      });
+}
+
+TEST(DistributedPipeline, WrongChunkCountOrDeviceFailsOnEveryRank) {
+  expect_error_on_every_rank(
+      2, "stage 0 (rank 0): was given 3 chunks", [](int, ProcessGroup& group) {
+        auto mesh = make_rank_mesh(group, 2);
+        auto model = make_model();
+        DistributedPipeline pipe(split_sequential(model, even_cut(3)), mesh, PipelineOptions{});
+      });
+  expect_error_on_every_rank(2, "is on cpu, expected cuda:0", [](int, ProcessGroup& group) {
+    auto mesh = make_rank_mesh(group, 2);
+    auto model = make_model();
+    DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, PipelineOptions{},
+                             c10::Device(c10::kCUDA, 0));
+  });
+}
+
+}  // namespace
+}  // namespace dtrain
