@@ -177,6 +177,9 @@ class Pipeline {
   int stages() const;
   const PipelineSchedule& schedule() const;
   std::vector<at::Tensor> parameters() const;  // every stage's
+  // Per stage: the most micro-batches whose activations it held at once during the last
+  // forward_backward (GPipe: all M; 1F1B: at most P - stage). A measure of activation memory.
+  std::vector<int> peak_micro_batches_held() const;
 
  private:
   std::unique_ptr<detail::SingleProcessPipeline> impl_;

@@ -163,13 +163,20 @@ class DistributedPipelineImpl {
     raise_if_any(problem);
 
     if (data_group_ && data_group_->size() > 1) {
+      // A chunk without trainable parameters (an activation alone) has nothing to average.
       for (const auto& chunk : runner_->chunks()) {
-        DistributedDataParallelOptions ddp;
-        reducers_.push_back(std::make_unique<Reducer>(chunk.ptr(), data_group_, ddp));
+        bool trainable = false;
+        for (const auto& p : chunk->parameters()) trainable = trainable || p.requires_grad();
+        if (!trainable) {
+          reducers_.push_back(nullptr);
+          continue;
+        }
+        reducers_.push_back(
+            std::make_unique<Reducer>(chunk.ptr(), data_group_, DistributedDataParallelOptions{}));
         reducers_.back()->set_explicit_finalize(true);
       }
       runner_->before_backward = [this](size_t local, bool last) {
-        reducers_[local]->set_sync_next_backward(last);
+        if (reducers_[local]) reducers_[local]->set_sync_next_backward(last);
       };
     }
   }
@@ -237,11 +244,15 @@ class DistributedPipelineImpl {
       return output_meta_.at({chunk, data.rows[m]});
     };
 
-    for (auto& reducer : reducers_) reducer->prepare_forward();
+    for (auto& reducer : reducers_) {
+      if (reducer) reducer->prepare_forward();
+    }
     GroupLink link(*group_, timeout_);
     link.set_device(device_);
     double loss = runner_->run(link, data);
-    for (auto& reducer : reducers_) reducer->finalize();
+    for (auto& reducer : reducers_) {
+      if (reducer) reducer->finalize();
+    }
 
     // Every rank reports the step's loss: the last stage's, averaged over the data-parallel
     // pipelines.

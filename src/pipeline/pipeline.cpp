@@ -189,6 +189,11 @@ class SingleProcessPipeline {
 
   int stages() const { return schedule_.stages; }
   const PipelineSchedule& schedule() const { return schedule_; }
+  std::vector<int> peak_micro_batches_held() const {
+    std::vector<int> held;
+    for (const auto& runner : runners_) held.push_back(runner->peak_in_flight());
+    return held;
+  }
   std::vector<at::Tensor> parameters() const {
     std::vector<at::Tensor> result;
     for (const auto& runner : runners_) {
@@ -326,5 +331,8 @@ at::Tensor Pipeline::forward(const at::Tensor& input) { return impl_->forward(in
 int Pipeline::stages() const { return impl_->stages(); }
 const PipelineSchedule& Pipeline::schedule() const { return impl_->schedule(); }
 std::vector<at::Tensor> Pipeline::parameters() const { return impl_->parameters(); }
+std::vector<int> Pipeline::peak_micro_batches_held() const {
+  return impl_->peak_micro_batches_held();
+}
 
 }  // namespace dtrain

@@ -13,10 +13,12 @@ using testing::bin;
 using testing::run_command;
 
 TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
-  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " sum");
+  auto result =
+      run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " sum");
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " sum 6"),
+    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " +
+                                 std::to_string(rank) + " sum 6"),
               std::string::npos)
         << result.output;
   }
@@ -39,13 +41,16 @@ TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {
   // Two launchers as two "nodes" of 2 workers each: ranks 0-1 on node 0, ranks 2-3 on node 1.
   std::string port = std::to_string(free_port());
   auto node = [&](int rank) {
-    return bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(rank) + " --nproc-per-node 2 " +
-           "--master-addr 127.0.0.1 --master-port " + port + " -- " + bin("comm_worker") + " sum";
+    return bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(rank) +
+           " --nproc-per-node 2 " + "--master-addr 127.0.0.1 --master-port " + port + " -- " +
+           bin("comm_worker") + " sum";
   };
-  auto result = run_command("sh -c '" + node(1) + " & " + node(0) + "; status=$?; wait $! && exit $status'");
+  auto result =
+      run_command("sh -c '" + node(1) + " & " + node(0) + "; status=$?; wait $! && exit $status'");
   EXPECT_EQ(result.exit_code, 0) << result.output;
   for (int rank = 0; rank < 4; ++rank) {
-    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " + std::to_string(rank) + " sum 10"),
+    EXPECT_NE(result.output.find("[rank" + std::to_string(rank) + "]: rank " +
+                                 std::to_string(rank) + " sum 10"),
               std::string::npos)
         << result.output;
   }
@@ -53,23 +58,39 @@ TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {
 
 TEST(MultiProcess, RankThatNeverJoinsIsNamedAndTheJobStops) {
   // Rank 2 skips the second all-reduce; ranks 0 and 1 time out after 2 s and name it.
-  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 --grace-period 2 -- " + bin("comm_worker") +
-                            " skip 2 2");
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 --grace-period 2 -- " +
+                            bin("comm_worker") + " skip 2 2");
   EXPECT_NE(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.output.find("all_reduce #2 on group 'default' timed out after 2 s; ranks {2} never joined "
-                               "(rank 2 last seen at all_reduce #1)"),
+  EXPECT_NE(result.output.find(
+                "all_reduce #2 on group 'default' timed out after 2 s; ranks {2} never joined "
+                "(rank 2 last seen at all_reduce #1)"),
             std::string::npos)
       << result.output;
 }
 
 TEST(MultiProcess, RankThatDiesIsNamedWithoutWaitingForTheTimeout) {
-  // The all-reduce timeout is 100 s; the command's limit of 60 s fails the test unless the death is seen
-  // at once (shared memory: the peer's pid is gone).
-  auto result = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " vanish 1 100",
-                            /*time_limit_s=*/60);
+  // The all-reduce timeout is 100 s; the command's limit of 60 s fails the test unless the death is
+  // seen at once (shared memory: the peer's pid is gone).
+  auto result = run_command(
+      bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " vanish 1 100",
+      /*time_limit_s=*/60);
   EXPECT_NE(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n" << result.output;
-  EXPECT_NE(result.output.find("all_reduce #2 on group 'default' failed (group rank 1 (pid "), std::string::npos)
+  EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n"
+                                   << result.output;
+  EXPECT_NE(result.output.find("all_reduce #2 on group 'default' failed (group rank 1 (pid "),
+            std::string::npos)
+      << result.output;
+}
+
+TEST(MultiProcess, PipelineStageThatDiesIsNamedInSeconds) {
+  // Stage 1 of 3 vanishes mid-step; the timeout is 100 s, the command's limit 60 s.
+  auto result = run_command(
+      bin("dtrain") + " run --nproc-per-node 3 -- " + bin("pipeline_worker") + " vanish 1 100",
+      /*time_limit_s=*/60);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.exit_code, 124) << "the dead stage was not noticed before the time limit\n"
+                                   << result.output;
+  EXPECT_NE(result.output.find("with rank 1 on group 'default.pipeline0'"), std::string::npos)
       << result.output;
 }
 
@@ -77,7 +98,8 @@ TEST(MultiProcess, BadRankVariableIsOneLineAndExitCode2) {
   auto result = run_command("env RANK=5 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 " +
                             bin("comm_worker") + " sum");
   EXPECT_EQ(result.exit_code, 2) << result.output;
-  EXPECT_NE(result.output.find("environment variable RANK='5': expected an integer in 0..1 (WORLD_SIZE=2)"),
+  EXPECT_NE(result.output.find(
+                "environment variable RANK='5': expected an integer in 0..1 (WORLD_SIZE=2)"),
             std::string::npos)
       << result.output;
 }
@@ -86,8 +108,10 @@ TEST(MultiProcess, PyTorchDdpScriptRunsUnmodified) {
   auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- /usr/bin/python3 " +
                             std::string(DTRAIN_SOURCE_DIR) + "/tests/python/ddp_smoke.py");
   EXPECT_EQ(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.output.find("ddp rank=0 world=2 in_sync=True"), std::string::npos) << result.output;
-  EXPECT_NE(result.output.find("ddp rank=1 world=2 in_sync=True"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("ddp rank=0 world=2 in_sync=True"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("ddp rank=1 world=2 in_sync=True"), std::string::npos)
+      << result.output;
 }
 
 TEST(MultiProcess, AllReduceBenchmarkRunsUnderTheLauncher) {

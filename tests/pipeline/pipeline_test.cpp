@@ -136,6 +136,29 @@ TEST(Pipeline, ForwardEqualsTheModel) {
   EXPECT_LT(relative_error({pipe.forward(b.x)}, {model->forward(b.x)}), kTolerance);
 }
 
+TEST(Pipeline, StagesOnCudaAndCpuEqualSingleDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  // Activations and gradients cross from the CPU to the GPU and back; a GPU has float32 matmuls
+  // within the same tolerance here (TF32 is off by default in LibTorch for matmul).
+  const auto want = train_single();
+  auto model = make_model();
+  PipelineOptions options;
+  options.micro_batches = 3;
+  std::vector<c10::Device> devices = {c10::Device(c10::kCPU), c10::Device(c10::kCUDA, 0),
+                                      c10::Device(c10::kCUDA, 0)};
+  Pipeline pipe(split_sequential(model, even_cut(3)), devices, options);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    Batch b = make_batch(step);
+    opt.zero_grad();
+    pipe.forward_backward(b.x, b.y, mean_loss);
+    opt.step();
+  }
+  std::vector<torch::Tensor> got;
+  for (auto& p : model->parameters()) got.push_back(p.detach().cpu());
+  EXPECT_LT(relative_error(got, want), kTolerance);
+}
+
 TEST(Pipeline, BadInputIsAUsageErrorNamingTheStage) {
   auto model = make_model();
   PipelineOptions options;
