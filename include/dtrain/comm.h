@@ -152,19 +152,31 @@ class ProcessGroup {
 // then connects Gloo (and, in a CUDA build, NCCL on first use of a CUDA tensor). Blocks up to the timeout.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
-// A 2-D arrangement of a group's ranks for data × pipeline parallelism: rank = data_index * pipeline_size +
-// pipeline_index. Ranks that hold the same pipeline stage form a data group (gradients are averaged there);
-// ranks of one replica form a pipeline group (activations flow there).
+// A 3-D arrangement of a group's ranks for data × pipeline × tensor parallelism:
+//   rank = (data_index * pipeline_size + pipeline_index) * tensor_size + tensor_index,
+// so the ranks of one tensor-parallel group are neighbours (on one host when a launcher numbers
+// ranks by host: tensor parallelism communicates in every layer, forward and backward, and wants
+// the fastest links). Ranks that hold the same shard of the same stage form a data group (gradients
+// are averaged there); ranks of one replica that hold the same tensor shard form a pipeline group
+// (activations flow there); ranks of one stage of one replica form a tensor group (they split each
+// layer, see dtrain/tensor_parallel.h). With tensor_size = 1 it is the 2-D data × pipeline mesh:
+// rank = data_index * pipeline_size + pipeline_index, and the tensor group is this rank alone.
 struct RankMesh {
-  int data_size = 1;       // number of model replicas
-  int pipeline_size = 1;   // stages per replica
-  int data_index = 0;      // which replica this rank belongs to
-  int pipeline_index = 0;  // which stage this rank holds
-  std::shared_ptr<ProcessGroup> data_group;      // same stage, every replica
-  std::shared_ptr<ProcessGroup> pipeline_group;  // same replica, every stage
+  int data_size = 1;                             // number of model replicas
+  int pipeline_size = 1;                         // stages per replica
+  int data_index = 0;                            // which replica this rank belongs to
+  int pipeline_index = 0;                        // which stage this rank holds
+  std::shared_ptr<ProcessGroup> data_group;      // same stage and tensor shard, every replica
+  std::shared_ptr<ProcessGroup> pipeline_group;  // same replica and tensor shard, every stage
+  int tensor_size = 1;                           // ranks that split each layer of a stage
+  int tensor_index = 0;                          // which shard of each layer this rank holds
+  std::shared_ptr<ProcessGroup> tensor_group;    // same replica and stage, every shard
 };
 
-// Every rank of `group` must call it. Throws UsageError if pipeline_size does not divide the group's size.
-RankMesh make_rank_mesh(ProcessGroup& group, int pipeline_size);
+// Every rank of `group` must call it, with the same sizes; it creates every sub-group (each rank
+// gets the three it belongs to) and blocks until their members have met (up to the group's
+// timeout). Throws UsageError if a size is below 1 or pipeline_size * tensor_size does not divide
+// the group's size.
+RankMesh make_rank_mesh(ProcessGroup& group, int pipeline_size, int tensor_size = 1);
 
 }  // namespace dtrain

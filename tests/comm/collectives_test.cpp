@@ -209,6 +209,81 @@ TEST(SubGroups, RankMeshSplitsDataAndPipeline) {
   EXPECT_THROW(run_group(4, [&](int, ProcessGroup& group) { make_rank_mesh(group, 3); }), UsageError);
 }
 
+// The members of `g`, as ranks of the job.
+std::vector<int> members(const ProcessGroup& g) {
+  std::vector<int> ranks;
+  for (int r = 0; r < g.size(); ++r) ranks.push_back(g.global_rank_of(r));
+  return ranks;
+}
+
+// data × pipeline × tensor meshes: rank = (d * pipeline + p) * tensor + t. Each rank's three groups
+// must hold exactly the ranks that share the other two indices, and each must carry its own
+// collectives.
+class RankMesh3D : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(RankMesh3D, EachGroupHoldsTheRanksThatShareTheOtherTwoIndices) {
+  auto [data, pipeline, tensor] = GetParam();
+  auto rank_of = [&](int d, int p, int t) { return (d * pipeline + p) * tensor + t; };
+  run_group(data * pipeline * tensor, [&](int rank, ProcessGroup& group) {
+    RankMesh mesh = make_rank_mesh(group, pipeline, tensor);
+    EXPECT_EQ(mesh.data_size, data);
+    EXPECT_EQ(mesh.pipeline_size, pipeline);
+    EXPECT_EQ(mesh.tensor_size, tensor);
+    EXPECT_EQ(rank_of(mesh.data_index, mesh.pipeline_index, mesh.tensor_index), rank);
+    ASSERT_TRUE(mesh.data_group && mesh.pipeline_group && mesh.tensor_group);
+
+    std::vector<int> want_data, want_pipeline, want_tensor;
+    for (int d = 0; d < data; ++d)
+      want_data.push_back(rank_of(d, mesh.pipeline_index, mesh.tensor_index));
+    for (int p = 0; p < pipeline; ++p)
+      want_pipeline.push_back(rank_of(mesh.data_index, p, mesh.tensor_index));
+    for (int t = 0; t < tensor; ++t)
+      want_tensor.push_back(rank_of(mesh.data_index, mesh.pipeline_index, t));
+    EXPECT_EQ(members(*mesh.data_group), want_data);
+    EXPECT_EQ(members(*mesh.pipeline_group), want_pipeline);
+    EXPECT_EQ(members(*mesh.tensor_group), want_tensor);
+    EXPECT_EQ(mesh.data_group->rank(), mesh.data_index);
+    EXPECT_EQ(mesh.pipeline_group->rank(), mesh.pipeline_index);
+    EXPECT_EQ(mesh.tensor_group->rank(), mesh.tensor_index);
+
+    // The groups really are separate: each sum covers its own members only.
+    auto sum_of = [](const std::vector<int>& ranks) {
+      float s = 0;
+      for (int r : ranks) s += static_cast<float>(r);
+      return s;
+    };
+    for (auto [g, want] : {std::pair{mesh.data_group.get(), &want_data},
+                           std::pair{mesh.pipeline_group.get(), &want_pipeline},
+                           std::pair{mesh.tensor_group.get(), &want_tensor}}) {
+      at::Tensor t = torch::full({3}, static_cast<float>(rank));
+      g->all_reduce(t);
+      EXPECT_EQ(t[2].item<float>(), sum_of(*want)) << g->name();
+    }
+  });
+}
+
+// (data, pipeline, tensor): 2x2x2, 3x2x2, tensor only, data x tensor, and the 2-D mesh.
+INSTANTIATE_TEST_SUITE_P(Shapes, RankMesh3D,
+                         ::testing::Values(std::tuple{2, 2, 2}, std::tuple{3, 2, 2},
+                                           std::tuple{1, 1, 4}, std::tuple{2, 1, 3},
+                                           std::tuple{3, 2, 1}));
+
+TEST(SubGroups, RankMeshRejectsSizesThatDoNotDivideTheGroup) {
+  for (auto [pipeline, tensor] :
+       {std::pair{3, 2}, std::pair{2, 3}, std::pair{1, 0}, std::pair{0, 2}, std::pair{1, 16}}) {
+    SCOPED_TRACE("pipeline " + std::to_string(pipeline) + " tensor " + std::to_string(tensor));
+    try {
+      run_group(8, [&](int, ProcessGroup& group) { make_rank_mesh(group, pipeline, tensor); });
+      ADD_FAILURE() << "expected a UsageError";
+    } catch (const UsageError& e) {
+      std::string what = e.what();
+      EXPECT_NE(what.find("make_rank_mesh"), std::string::npos) << what;
+      EXPECT_NE(what.find("tensor_size=" + std::to_string(tensor)), std::string::npos) << what;
+      EXPECT_NE(what.find("group size 8"), std::string::npos) << what;
+    }
+  }
+}
+
 TEST(Collectives, BadArgumentsAreUsageErrors) {
   run_group(2, [&](int rank, ProcessGroup& group) {
     at::Tensor t = torch::zeros({2});

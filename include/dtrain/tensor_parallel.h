@@ -1,0 +1,206 @@
+// Megatron-style tensor parallelism: linear layers whose weight is split over the ranks of a
+// process group, so a layer too large for one device (or too slow on one) is computed by several at
+// once. Each rank holds one shard of each such layer and sees the same input batch; the layers are
+// ordinary torch::nn modules and fit in a torch::nn::Sequential, a pipeline stage, or a
+// DistributedDataParallel over the data group.
+//
+//   auto mesh = dtrain::make_rank_mesh(*pg, /*pipeline_size=*/1, /*tensor_size=*/2);
+//   torch::manual_seed(0);  // the same seed on every rank
+//   torch::nn::Sequential mlp(
+//       dtrain::ColumnParallelLinear(1024, 4096, mesh.tensor_group),  // out: this rank's features
+//       torch::nn::GELU(),                                            // elementwise: on the slice
+//       dtrain::RowParallelLinear(4096, 1024, mesh.tensor_group));    // out: full, on every rank
+//   dtrain::DistributedDataParallel ddp(mlp.ptr(), mesh.data_group);  // optional: data x tensor
+//
+// Shards: a layer of F features split over n ranks gives rank r the features [begin, begin + size)
+// with size = F / n, plus one for the first F % n ranks (local_begin(), local_size()). Every rank
+// must hold at least one feature, so F >= n.
+//
+// Initialization: a layer built from sizes draws, under a given torch::manual_seed, exactly what an
+// unsplit torch::nn::Linear(in, out) would draw, and keeps its shard. So a model built under the
+// same seed on every rank holds, in total, the unsplit model's weights, and the unsplit model is a
+// reference to test against. The full layer exists on each rank for a moment during construction
+// (on the CPU, in the default dtype); build large layers from an existing, sharded checkpoint
+// instead when that is too much. To split a layer that already exists (trained, or loaded), use
+// column_parallel_from / row_parallel_from.
+//
+// Collectives: the layers communicate only through their group (all_reduce, all_gather), on the
+// device of the tensors they get: Gloo for CPU tensors, NCCL for CUDA tensors in a CUDA build.
+// Every rank of the group must run the same layers in the same order with inputs of the same shape,
+// as for any collective; a rank that skips a layer leaves the others waiting until the group's
+// timeout. The backward's collectives run on the thread that runs backward (LibTorch's autograd
+// engine: the caller's thread for CPU tensors, the device's engine thread for CUDA tensors); none
+// run at construction.
+//
+// Note [Tensor-parallel MLP: one all-reduce each way]
+// Y = act(X A) B with A split by columns (A = [A_1 .. A_n]) and B by rows (B = [B_1; ..; B_n]) is
+// Y = sum_r act(X A_r) B_r: rank r computes its columns of the hidden layer, H_r = act(X A_r),
+// needing only the replicated X and its own A_r, because an elementwise activation of a column
+// slice is the column slice of the activation (a non-elementwise function, e.g. softmax or layer
+// norm over the hidden features, is not, and needs gather_output). Rank r then multiplies its slice
+// H_r by its rows B_r, a partial sum of Y with Y's full shape, and one all-reduce (sum) gives Y on
+// every rank. Backward mirrors it: dY is replicated, so each rank gets dH_r = dY B_r^T and the
+// gradients of A_r and B_r locally, without communication (the row-parallel all-reduce's backward
+// is the identity); only dX = sum_r (dH_r * act'(X A_r)) A_r^T is a sum over ranks, the one
+// all-reduce of the column-parallel layer's backward (its forward is the identity). So a Column ->
+// elementwise -> Row pair costs exactly one all-reduce of Y's size forward and one of X's size
+// backward, and none when X needs no gradient (the model's first layer). gather_output and
+// input_is_parallel = false break this pairing and cost an all-gather each (forward, resp.
+// backward); they are for layers that stand alone.
+#pragma once
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+
+#include "dtrain/comm.h"
+
+namespace dtrain {
+
+struct ColumnParallelLinearOptions {
+  // Learn an additive bias; it is split with the output features, like the weight's rows.
+  bool bias = true;
+  // All-gather the output slices, so every rank gets the full [.., out_features] output (costs an
+  // all-gather forward; backward takes this rank's slice of the gradient without communication).
+  // Leave it off when a RowParallelLinear with input_is_parallel follows (see the Note above).
+  bool gather_output = false;
+};
+
+struct RowParallelLinearOptions {
+  // Learn an additive bias. It is not split: every rank holds all of it and adds it once, after the
+  // all-reduce (adding a split bias before the sum would add it n times).
+  bool bias = true;
+  // The input is already this rank's slice [.., local_size()] of the in features, e.g. the output
+  // of a ColumnParallelLinear without gather_output over the same group. false: the input is the
+  // full [.., in_features] on every rank and each rank takes its slice (backward then all-gathers
+  // the input's gradient).
+  bool input_is_parallel = true;
+};
+
+class ColumnParallelLinear;  // module holders, defined by TORCH_MODULE below
+class RowParallelLinear;
+
+// Split an existing layer (trained, or loaded from a checkpoint): this rank keeps a copy of its
+// shard, on the layer's device and in its dtype. Every rank must pass the same layer (nothing
+// checks it: a layer initialized under different seeds gives a model that matches no unsplit one).
+// The bias follows the layer: options.bias is ignored. No communication. Throws UsageError for an
+// empty layer or group, or fewer features than ranks along the split dimension.
+ColumnParallelLinear column_parallel_from(const torch::nn::Linear& linear,
+                                          std::shared_ptr<ProcessGroup> group,
+                                          ColumnParallelLinearOptions options = {});
+RowParallelLinear row_parallel_from(const torch::nn::Linear& linear,
+                                    std::shared_ptr<ProcessGroup> group,
+                                    RowParallelLinearOptions options = {});
+
+// y = x W^T + b with W [out_features, in_features] split by rows (the output features) over
+// `group`: the input x [.., in_features] is the same on every rank, the output is this rank's slice
+// [.., local_size()] (or the full output with gather_output). Backward all-reduces (sums) the
+// input's gradient over the group.
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+ public:
+  // Initialized as torch::nn::Linear(in_features, out_features) would be under the current seed;
+  // this rank keeps its rows. No communication. Throws UsageError for a null group, a size below 1,
+  // or fewer output features than ranks.
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features,
+                           std::shared_ptr<ProcessGroup> group,
+                           ColumnParallelLinearOptions options = {});
+
+  // Registers fresh parameters and initializes them (clone() calls it; as for torch::nn::Linear,
+  // calling it again on a live layer fails: use reset_parameters()).
+  void reset() override;
+  // Re-draws the full layer's initial weights under the current seed and keeps this rank's shard.
+  void reset_parameters();
+
+  // input [.., in_features] -> [.., local_size()], or [.., out_features] with gather_output. Throws
+  // UsageError naming the rank and the layer when the input's last dimension is not in_features.
+  at::Tensor forward(const at::Tensor& input);
+
+  void pretty_print(std::ostream& stream) const override;
+
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  // This rank's output features (weight rows): [local_begin(), local_begin() + local_size()).
+  int64_t local_begin() const { return local_begin_; }
+  int64_t local_size() const { return local_size_; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  const ColumnParallelLinearOptions& options() const { return options_; }
+
+  at::Tensor weight;  // [local_size(), in_features]: rows local_begin() .. of the full weight
+  at::Tensor bias;    // [local_size()], undefined without options.bias
+
+ private:
+  friend ColumnParallelLinear column_parallel_from(const torch::nn::Linear&,
+                                                   std::shared_ptr<ProcessGroup>,
+                                                   ColumnParallelLinearOptions);
+  struct NoInit {};
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features,
+                           std::shared_ptr<ProcessGroup> group, ColumnParallelLinearOptions options,
+                           NoInit);
+  void allocate();
+
+  int64_t in_features_;
+  int64_t out_features_;
+  std::shared_ptr<ProcessGroup> group_;
+  ColumnParallelLinearOptions options_;
+  int64_t local_begin_ = 0;
+  int64_t local_size_ = 0;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// y = x W^T + b with W [out_features, in_features] split by columns (the input features) over
+// `group`: each rank multiplies its slice of x by its columns of W, and an all-reduce (sum) of
+// these partial products gives the full output [.., out_features] on every rank. Backward needs no
+// communication for the output's gradient.
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+ public:
+  // Initialized as torch::nn::Linear(in_features, out_features) would be under the current seed;
+  // this rank keeps its columns and the whole bias. No communication. Throws UsageError for a null
+  // group, a size below 1, or fewer input features than ranks.
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features,
+                        std::shared_ptr<ProcessGroup> group, RowParallelLinearOptions options = {});
+
+  void reset() override;    // as ColumnParallelLinearImpl::reset
+  void reset_parameters();  // as ColumnParallelLinearImpl::reset_parameters (keeps the whole bias)
+
+  // input [.., local_size()] (input_is_parallel) or [.., in_features] -> [.., out_features], the
+  // same on every rank. Throws UsageError naming the rank and the layer when the input's last
+  // dimension is wrong.
+  at::Tensor forward(const at::Tensor& input);
+
+  void pretty_print(std::ostream& stream) const override;
+
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  // This rank's input features (weight columns): [local_begin(), local_begin() + local_size()).
+  int64_t local_begin() const { return local_begin_; }
+  int64_t local_size() const { return local_size_; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  const RowParallelLinearOptions& options() const { return options_; }
+
+  at::Tensor weight;  // [out_features, local_size()]: columns local_begin() .. of the full weight
+  at::Tensor bias;    // [out_features], all of it on every rank; undefined without options.bias
+
+ private:
+  friend RowParallelLinear row_parallel_from(const torch::nn::Linear&,
+                                             std::shared_ptr<ProcessGroup>,
+                                             RowParallelLinearOptions);
+  struct NoInit {};
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features,
+                        std::shared_ptr<ProcessGroup> group, RowParallelLinearOptions options,
+                        NoInit);
+  void allocate();
+
+  int64_t in_features_;
+  int64_t out_features_;
+  std::shared_ptr<ProcessGroup> group_;
+  RowParallelLinearOptions options_;
+  int64_t local_begin_ = 0;
+  int64_t local_size_ = 0;
+};
+TORCH_MODULE(RowParallelLinear);
+
+}  // namespace dtrain

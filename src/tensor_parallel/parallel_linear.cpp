@@ -1,0 +1,239 @@
+// ColumnParallelLinear and RowParallelLinear (dtrain/tensor_parallel.h): shard bookkeeping, seeded
+// initialization, input checks; the communication is in parallel_ops.cpp.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <ostream>
+#include <sstream>
+#include <string>
+
+#include "dtrain/tensor_parallel.h"
+#include "tensor_parallel/parallel_ops.h"
+
+namespace dtrain {
+
+namespace {
+
+std::string who(const ProcessGroup& group) {
+  return "rank " + std::to_string(group.global_rank()) + "/" + std::to_string(group.global_size());
+}
+
+std::string layer_label(const char* kind, int64_t in_features, int64_t out_features) {
+  return std::string(kind) + "(in_features=" + std::to_string(in_features) +
+         ", out_features=" + std::to_string(out_features) + ")";
+}
+
+std::string shape_of(const at::Tensor& tensor) {
+  std::ostringstream out;
+  out << tensor.sizes();
+  return out.str();
+}
+
+// Both layers' constructor checks; `split_features` is the dimension the layer splits.
+void check_construction(const char* kind, int64_t in_features, int64_t out_features,
+                        const std::shared_ptr<ProcessGroup>& group, const char* split_name,
+                        int64_t split_features) {
+  std::string layer = layer_label(kind, in_features, out_features);
+  if (!group) {
+    throw UsageError(
+        layer +
+        ": the process group is null; pass the tensor-parallel group this rank belongs "
+        "to (e.g. make_rank_mesh(group, pipeline_size, tensor_size).tensor_group)");
+  }
+  if (in_features < 1 || out_features < 1) {
+    throw UsageError(who(*group) + ": " + layer +
+                     ": in_features and out_features must be at least 1");
+  }
+  if (split_features < group->size()) {
+    throw UsageError(who(*group) + ": " + layer + ": " + split_name + "=" +
+                     std::to_string(split_features) + " cannot be split over the " +
+                     std::to_string(group->size()) + " ranks of group '" + group->name() +
+                     "': every rank needs at least one feature. Use a smaller "
+                     "tensor-parallel group, or an unsplit torch::nn::Linear for this layer.");
+  }
+}
+
+// The input's last dimension must be `expected`; the message says what was expected and the fix.
+void check_input(const char* kind, int64_t in_features, int64_t out_features,
+                 const ProcessGroup& group, const at::Tensor& input, int64_t expected,
+                 const std::string& expected_what, const std::string& fix) {
+  if (input.defined() && input.dim() >= 1 && input.size(-1) == expected) return;
+  std::string actual = !input.defined()   ? "an undefined tensor"
+                       : input.dim() == 0 ? "a 0-dimensional tensor"
+                                          : "shape " + shape_of(input) + ", last dimension " +
+                                                std::to_string(input.size(-1));
+  throw UsageError(who(group) + ": " + layer_label(kind, in_features, out_features) +
+                   " forward on tensor rank " + std::to_string(group.rank()) + "/" +
+                   std::to_string(group.size()) + " of group '" + group.name() +
+                   "': the input has " + actual + ", expected last dimension " +
+                   std::to_string(expected) + " (" + expected_what + "). " + fix);
+}
+
+}  // namespace
+
+// ---- ColumnParallelLinear ----
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features,
+                                                   std::shared_ptr<ProcessGroup> group,
+                                                   ColumnParallelLinearOptions options)
+    : ColumnParallelLinearImpl(in_features, out_features, std::move(group), options, NoInit{}) {
+  reset_parameters();
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features,
+                                                   std::shared_ptr<ProcessGroup> group,
+                                                   ColumnParallelLinearOptions options, NoInit)
+    : in_features_(in_features),
+      out_features_(out_features),
+      group_(std::move(group)),
+      options_(options) {
+  check_construction("ColumnParallelLinear", in_features_, out_features_, group_, "out_features",
+                     out_features_);
+  detail::FeatureShard shard = detail::feature_shard(out_features_, group_->size(), group_->rank());
+  local_begin_ = shard.begin;
+  local_size_ = shard.size;
+  allocate();
+}
+
+void ColumnParallelLinearImpl::allocate() {
+  weight = register_parameter("weight", at::empty({local_size_, in_features_}));
+  bias = options_.bias ? register_parameter("bias", at::empty({local_size_})) : at::Tensor();
+}
+
+void ColumnParallelLinearImpl::reset() {
+  allocate();
+  reset_parameters();
+}
+
+void ColumnParallelLinearImpl::reset_parameters() {
+  // The whole layer, drawn exactly as an unsplit Linear draws it, then this rank's rows: every
+  // rank's shard is then a piece of the same reference layer (see "Initialization" in the header).
+  torch::NoGradGuard no_grad;
+  torch::nn::Linear full(torch::nn::LinearOptions(in_features_, out_features_).bias(options_.bias));
+  weight.copy_(full->weight.narrow(0, local_begin_, local_size_));
+  if (options_.bias) bias.copy_(full->bias.narrow(0, local_begin_, local_size_));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+  check_input(
+      "ColumnParallelLinear", in_features_, out_features_, *group_, input, in_features_,
+      "in_features",
+      "Every rank of the group must get the whole input (the same on every rank); a slice of the "
+      "features is the input of a RowParallelLinear.");
+  at::Tensor local = at::linear(detail::copy_to_tensor_parallel(input, group_), weight,
+                                bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  if (!options_.gather_output) return local;
+  return detail::gather_from_tensor_parallel(local, group_, out_features_);
+}
+
+void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "dtrain::ColumnParallelLinear(in_features=" << in_features_
+         << ", out_features=" << out_features_ << ", rows=[" << local_begin_ << ", "
+         << local_begin_ + local_size_ << ")"
+         << ", bias=" << (options_.bias ? "true" : "false")
+         << ", gather_output=" << (options_.gather_output ? "true" : "false") << ")";
+}
+
+ColumnParallelLinear column_parallel_from(const torch::nn::Linear& linear,
+                                          std::shared_ptr<ProcessGroup> group,
+                                          ColumnParallelLinearOptions options) {
+  if (linear.is_empty())
+    throw UsageError("column_parallel_from: the torch::nn::Linear is empty (null)");
+  const at::Tensor& w = linear->weight;
+  options.bias = linear->bias.defined();
+  std::shared_ptr<ColumnParallelLinearImpl> layer(new ColumnParallelLinearImpl(
+      w.size(1), w.size(0), std::move(group), options, ColumnParallelLinearImpl::NoInit{}));
+  torch::NoGradGuard no_grad;
+  // set_data, not copy_: the shard takes the layer's device and dtype, as the header promises.
+  layer->weight.set_data(w.narrow(0, layer->local_begin(), layer->local_size()).clone());
+  if (options.bias)
+    layer->bias.set_data(linear->bias.narrow(0, layer->local_begin(), layer->local_size()).clone());
+  return ColumnParallelLinear(std::move(layer));
+}
+
+// ---- RowParallelLinear ----
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features,
+                                             std::shared_ptr<ProcessGroup> group,
+                                             RowParallelLinearOptions options)
+    : RowParallelLinearImpl(in_features, out_features, std::move(group), options, NoInit{}) {
+  reset_parameters();
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_features,
+                                             std::shared_ptr<ProcessGroup> group,
+                                             RowParallelLinearOptions options, NoInit)
+    : in_features_(in_features),
+      out_features_(out_features),
+      group_(std::move(group)),
+      options_(options) {
+  check_construction("RowParallelLinear", in_features_, out_features_, group_, "in_features",
+                     in_features_);
+  detail::FeatureShard shard = detail::feature_shard(in_features_, group_->size(), group_->rank());
+  local_begin_ = shard.begin;
+  local_size_ = shard.size;
+  allocate();
+}
+
+void RowParallelLinearImpl::allocate() {
+  weight = register_parameter("weight", at::empty({out_features_, local_size_}));
+  bias = options_.bias ? register_parameter("bias", at::empty({out_features_})) : at::Tensor();
+}
+
+void RowParallelLinearImpl::reset() {
+  allocate();
+  reset_parameters();
+}
+
+void RowParallelLinearImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  torch::nn::Linear full(torch::nn::LinearOptions(in_features_, out_features_).bias(options_.bias));
+  weight.copy_(full->weight.narrow(1, local_begin_, local_size_));
+  if (options_.bias) bias.copy_(full->bias);
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
+  at::Tensor local = input;
+  if (options_.input_is_parallel) {
+    check_input("RowParallelLinear", in_features_, out_features_, *group_, input, local_size_,
+                "this rank's slice of in_features=" + std::to_string(in_features_) + ": features " +
+                    std::to_string(local_begin_) + ".." +
+                    std::to_string(local_begin_ + local_size_ - 1) + ", as input_is_parallel=true",
+                "Feed the output of a ColumnParallelLinear without gather_output over the same "
+                "group, or set input_is_parallel=false to pass the full input.");
+  } else {
+    check_input("RowParallelLinear", in_features_, out_features_, *group_, input, in_features_,
+                "in_features, as input_is_parallel=false",
+                "Pass the whole input on every rank, or set input_is_parallel=true to pass this "
+                "rank's slice.");
+    local = detail::scatter_to_tensor_parallel(input, group_, in_features_);
+  }
+  // This rank's input features' share of every output, summed over the ranks; then the bias, once.
+  at::Tensor output = detail::reduce_from_tensor_parallel(at::linear(local, weight), group_);
+  return bias.defined() ? output + bias : output;
+}
+
+void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "dtrain::RowParallelLinear(in_features=" << in_features_
+         << ", out_features=" << out_features_ << ", columns=[" << local_begin_ << ", "
+         << local_begin_ + local_size_ << ")"
+         << ", bias=" << (options_.bias ? "true" : "false")
+         << ", input_is_parallel=" << (options_.input_is_parallel ? "true" : "false") << ")";
+}
+
+RowParallelLinear row_parallel_from(const torch::nn::Linear& linear,
+                                    std::shared_ptr<ProcessGroup> group,
+                                    RowParallelLinearOptions options) {
+  if (linear.is_empty())
+    throw UsageError("row_parallel_from: the torch::nn::Linear is empty (null)");
+  const at::Tensor& w = linear->weight;
+  options.bias = linear->bias.defined();
+  std::shared_ptr<RowParallelLinearImpl> layer(new RowParallelLinearImpl(
+      w.size(1), w.size(0), std::move(group), options, RowParallelLinearImpl::NoInit{}));
+  torch::NoGradGuard no_grad;
+  layer->weight.set_data(w.narrow(1, layer->local_begin(), layer->local_size()).clone());
+  if (options.bias) layer->bias.set_data(linear->bias.clone());
+  return RowParallelLinear(std::move(layer));
+}
+
+}  // namespace dtrain
