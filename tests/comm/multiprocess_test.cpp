@@ -4,6 +4,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <regex>
+
 #include "support/subprocess.h"
 
 namespace dtrain {
@@ -54,6 +56,42 @@ TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {
               std::string::npos)
         << result.output;
   }
+}
+
+double json_number(const std::string& output, const std::string& key) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
+  return std::stod(match[1]);
+}
+
+TEST(MultiProcess, PipelineAcrossTwoNodesEqualsSingleProcessModelParallel) {
+  // Distributed model parallel: the CNN's two stages on two launchers ("nodes") of one process
+  // each, against the same two stages in one process. Same data, seed and micro-batches: the same
+  // training.
+  const std::string train =
+      bin("train_fashion_mnist") +
+      " --model cnn --micro-batches 4 --schedule 1f1b --max-steps 40 --seed 3";
+  auto single = run_command(train + " --strategy mp --devices 2");
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+
+  std::string port = std::to_string(free_port());
+  auto node = [&](int rank) {
+    return bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(rank) +
+           " --nproc-per-node 1 --master-addr 127.0.0.1 --master-port " + port + " -- " + train +
+           " --strategy pipeline --stages 2";
+  };
+  auto two_nodes =
+      run_command("sh -c '" + node(1) + " & " + node(0) + "; status=$?; wait $! && exit $status'");
+  ASSERT_EQ(two_nodes.exit_code, 0) << two_nodes.output;
+  EXPECT_NE(two_nodes.output.find("\"world_size\": 2"), std::string::npos) << two_nodes.output;
+
+  const double loss = json_number(single.output, "final_loss");
+  ASSERT_GT(loss, 0) << single.output;
+  EXPECT_NEAR(json_number(two_nodes.output, "final_loss"), loss, 1e-4 * loss)
+      << single.output << two_nodes.output;
+  EXPECT_NEAR(json_number(two_nodes.output, "test_accuracy"),
+              json_number(single.output, "test_accuracy"), 1e-3)
+      << single.output << two_nodes.output;
 }
 
 TEST(MultiProcess, RankThatNeverJoinsIsNamedAndTheJobStops) {
