@@ -5,17 +5,18 @@
 //   auto chunks = dtrain::split_sequential(net, dtrain::balance_by_parameters(net, 2));
 //   dtrain::PipelineOptions options;
 //   options.micro_batches = 4;
-//   dtrain::Pipeline pipe(chunks, {torch::kCUDA, ...}, options);  // empty devices: one CPU thread
-//   per stage torch::optim::SGD opt(net->parameters(), 0.1);                 // the stages share
-//   the model's parameters auto loss = pipe.forward_backward(x, y, loss_fn);              //
-//   loss_fn: mean loss of a micro-batch opt.step();
+//   // One device per stage; no devices: one CPU thread per stage.
+//   dtrain::Pipeline pipe(chunks, {torch::Device("cuda:0"), torch::Device("cuda:1")}, options);
+//   torch::optim::SGD opt(net->parameters(), 0.1);     // the chunks share the model's parameters
+//   auto loss = pipe.forward_backward(x, y, loss_fn);  // loss_fn: mean loss of one micro-batch
+//   opt.step();
 //
 // One process per stage (under `dtrain run`), optionally D data-parallel pipelines × P stages:
 //   auto mesh = dtrain::make_rank_mesh(*pg, /*pipeline_size=*/P);
-//   dtrain::DistributedPipeline pipe(chunks, mesh, options);     // keeps this rank's chunks only
-//   torch::optim::SGD opt(pipe.parameters(), 0.1);                // this stage's parameters
-//   auto loss = pipe.forward_backward(x, y, loss_fn);             // x used by stage 0, y by the
-//   last stage
+//   dtrain::DistributedPipeline pipe(chunks, mesh, options);  // keeps this rank's chunks only
+//   torch::optim::SGD opt(pipe.parameters(), 0.1);             // this stage's parameters
+//   // x is read on stage 0, y on the last stage; the loss comes back on every rank.
+//   auto loss = pipe.forward_backward(x, y, loss_fn);
 //
 // Note [Pipeline schedules]
 // The model is cut into C = P·V chunks; chunk c lives on stage c % P (V = 1 except for the
@@ -90,8 +91,8 @@ struct PipelineSchedule {
   int stages = 1;          // P
   int micro_batches = 1;   // M
   int virtual_stages = 1;  // V: chunks per stage
-  std::vector<std::vector<PipelineAction>>
-      actions;  // actions[stage], in the order that stage runs them
+  // actions[stage]: what that stage runs, in order.
+  std::vector<std::vector<PipelineAction>> actions;
 
   int chunks() const { return stages * virtual_stages; }
   int stage_of(int chunk) const { return chunk % stages; }
@@ -107,8 +108,8 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int micro_batches,
 struct ScheduleCost {
   double makespan = 0;         // time of the whole step
   double bubble_fraction = 0;  // idle share of stages × makespan
-  std::vector<int>
-      peak_in_flight;  // per stage: most micro-batches whose activations it held at once
+  // Per stage: the most micro-batches whose activations it held at once.
+  std::vector<int> peak_in_flight;
 };
 ScheduleCost simulate_schedule(const PipelineSchedule& schedule, double forward_time = 1,
                                double backward_time = 2);

@@ -87,9 +87,9 @@ class StageRunner {
 
  private:
   struct Slot {  // one micro-batch's state in one local chunk, between its forward and backward
-    at::Tensor input;   // detached, requires grad unless chunk 0
-    at::Tensor output;  // with its graph (or the weighted loss on the last chunk); undefined with
-                        // recompute
+    at::Tensor input;  // detached, requires grad unless chunk 0
+    // With its graph (the weighted loss on the last chunk); undefined with recompute.
+    at::Tensor output;
   };
   size_t local(int chunk) const { return static_cast<size_t>(chunk / schedule_.stages); }
   at::Tensor forward_chunk(int chunk, int micro_batch, const at::Tensor& input,

@@ -1,8 +1,7 @@
 // A worker for the multi-process pipeline tests, run under `dtrain run` with one stage per process.
-//   pipeline_worker vanish STAGE TIMEOUT_S   STAGE exits (status 0) in the middle of the third
-//   step's
-//                                            schedule; the other stages must name it long before
-//                                            the timeout
+//   pipeline_worker vanish STAGE TIMEOUT_S
+// STAGE exits (status 0) in the middle of the third step's schedule; the other stages must name it
+// long before the timeout.
 #include <torch/torch.h>
 #include <unistd.h>
 

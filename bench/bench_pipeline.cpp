@@ -1,0 +1,219 @@
+// Pipeline benchmarks; results go to doc/benchmarks.md.
+//
+// Bubble fraction with stages of controlled duration: every chunk is a "sleep" layer whose forward
+// sleeps F ms and backward B ms (per micro-batch, divided by V for interleaved chunks), so two
+// cores cannot blur the schedule. A stage is busy M·(F+B) per step; measured bubble = 1 -
+// M·(F+B)/step_time, printed beside theory.
+//   bench_pipeline --mode sleep --stages 4 --micro-batches 8 --schedule 1f1b [--virtual-stages 2]
+//   dtrain run --nproc-per-node 4 -- bench_pipeline --mode sleep --distributed --micro-batches 8
+//   (--schedule gpipe, 1f1b, or interleaved with --virtual-stages V)
+// Single-process model parallel on a real MLP (784-H-H-H-10, 4 Linear layers cut into --stages
+// chunks by parameters): pipelined with --micro-batches M against naive placement (M = 1: one stage
+// works at a time).
+//   bench_pipeline --mode mlp --stages 2 --micro-batches 4 --hidden 2048 --batch 256
+// Each prints one JSON line per measurement.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "dtrain/comm.h"
+#include "dtrain/pipeline.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Sleeps in forward and in backward: a stage of known duration that leaves the cores to the others.
+struct SleepFunction : torch::autograd::Function<SleepFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               double forward_ms, double backward_ms) {
+    ctx->saved_data["backward_ms"] = backward_ms;
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(forward_ms));
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    std::this_thread::sleep_for(
+        std::chrono::duration<double, std::milli>(ctx->saved_data["backward_ms"].toDouble()));
+    return {grads[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct SleepImpl : torch::nn::Module {
+  SleepImpl(double forward_ms, double backward_ms)
+      : forward_ms(forward_ms), backward_ms(backward_ms) {
+    weight = register_parameter("weight", torch::ones({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    // The weight makes the chunk trainable (and its gradient real); the sleep makes it slow.
+    return SleepFunction::apply(x * weight, forward_ms, backward_ms);
+  }
+  double forward_ms, backward_ms;
+  torch::Tensor weight;
+};
+TORCH_MODULE(Sleep);
+
+struct Args {
+  std::string mode = "sleep";
+  int stages = 4, micro_batches = 8, virtual_stages = 1, steps = 10;
+  std::string schedule = "1f1b";
+  double forward_ms = 10, backward_ms = 20;
+  bool distributed = false;
+  int64_t hidden = 2048, batch = 256;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "--distributed") {
+      a.distributed = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw dtrain::UsageError("bench_pipeline: " + flag + " needs a value");
+    std::string v = argv[++i];
+    if (flag == "--mode")
+      a.mode = v;
+    else if (flag == "--stages")
+      a.stages = std::stoi(v);
+    else if (flag == "--micro-batches")
+      a.micro_batches = std::stoi(v);
+    else if (flag == "--virtual-stages")
+      a.virtual_stages = std::stoi(v);
+    else if (flag == "--schedule")
+      a.schedule = v;
+    else if (flag == "--steps")
+      a.steps = std::stoi(v);
+    else if (flag == "--forward-ms")
+      a.forward_ms = std::stod(v);
+    else if (flag == "--backward-ms")
+      a.backward_ms = std::stod(v);
+    else if (flag == "--hidden")
+      a.hidden = std::stoll(v);
+    else if (flag == "--batch")
+      a.batch = std::stoll(v);
+    else
+      throw dtrain::UsageError("bench_pipeline: unknown flag '" + flag + "'");
+  }
+  return a;
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& y) {
+  return (out - y).pow(2).mean();
+}
+
+// Median of the steps after one warm-up step.
+template <typename Step>
+double median_step_ms(int steps, Step&& step) {
+  step();
+  std::vector<double> times;
+  for (int i = 0; i < steps; ++i) {
+    auto start = Clock::now();
+    step();
+    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void sleep_mode(const Args& a) {
+  std::shared_ptr<dtrain::ProcessGroup> pg;
+  dtrain::RankMesh mesh;
+  int stages = a.stages;
+  if (a.distributed) {
+    pg = dtrain::init_process_group();
+    stages = pg->size();
+    mesh = dtrain::make_rank_mesh(*pg, stages);
+  }
+  const int chunks = stages * a.virtual_stages;
+  std::vector<torch::nn::Sequential> parts;
+  for (int c = 0; c < chunks; ++c) {
+    parts.push_back(torch::nn::Sequential(
+        Sleep(a.forward_ms / a.virtual_stages, a.backward_ms / a.virtual_stages)));
+  }
+  dtrain::PipelineOptions options;
+  options.micro_batches = a.micro_batches;
+  options.schedule = dtrain::parse_schedule_kind(a.schedule);
+  options.virtual_stages = a.virtual_stages;
+  auto x = torch::randn({a.micro_batches * 4, 16}), y = torch::randn({a.micro_batches * 4, 16});
+  double ms;
+  std::vector<int> held;
+  if (a.distributed) {
+    dtrain::DistributedPipeline pipe(parts, mesh, options);
+    ms = median_step_ms(a.steps, [&] { pipe.forward_backward(x, y, mse); });
+    if (pg->rank() != 0) return;
+  } else {
+    dtrain::Pipeline pipe(parts, {}, options, stages);
+    ms = median_step_ms(a.steps, [&] { pipe.forward_backward(x, y, mse); });
+    held = pipe.peak_micro_batches_held();
+  }
+  double busy = a.micro_batches * (a.forward_ms + a.backward_ms);
+  double theory = dtrain::theoretical_bubble_fraction(options.schedule, stages, a.micro_batches,
+                                                      a.virtual_stages);
+  std::printf(
+      "{\"mode\": \"sleep\", \"distributed\": %s, \"schedule\": \"%s\", \"stages\": %d, "
+      "\"micro_batches\": %d, "
+      "\"virtual_stages\": %d, \"step_ms\": %.1f, \"ideal_ms\": %.1f, \"bubble\": %.4f, "
+      "\"bubble_theory\": %.4f",
+      a.distributed ? "true" : "false", a.schedule.c_str(), stages, a.micro_batches,
+      a.virtual_stages, ms, busy / (1 - theory), 1 - busy / ms, theory);
+  if (!held.empty()) {
+    std::printf(", \"peak_micro_batches_held\": [");
+    for (size_t s = 0; s < held.size(); ++s) std::printf("%s%d", s ? ", " : "", held[s]);
+    std::printf("]");
+  }
+  std::printf("}\n");
+}
+
+void mlp_mode(const Args& a) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(784, a.hidden), torch::nn::ReLU(),
+                              torch::nn::Linear(a.hidden, a.hidden), torch::nn::ReLU(),
+                              torch::nn::Linear(a.hidden, a.hidden), torch::nn::ReLU(),
+                              torch::nn::Linear(a.hidden, 10));
+  auto x = torch::randn({a.batch, 784}), y = torch::randint(10, {a.batch});
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  };
+  auto chunks = dtrain::split_sequential(model, dtrain::balance_by_parameters(model, a.stages));
+  torch::set_num_threads(1);
+  double single = median_step_ms(a.steps, [&] {
+    model->zero_grad();
+    loss_fn(model->forward(x), y).backward();
+  });
+  for (int m : {1, a.micro_batches}) {
+    dtrain::PipelineOptions options;
+    options.micro_batches = m;
+    options.schedule = dtrain::parse_schedule_kind(a.schedule);
+    dtrain::Pipeline pipe(chunks, {}, options, a.stages);
+    double ms = median_step_ms(a.steps, [&] {
+      model->zero_grad();
+      pipe.forward_backward(x, y, loss_fn);
+    });
+    std::printf(
+        "{\"mode\": \"mlp\", \"hidden\": %lld, \"batch\": %lld, \"stages\": %d, \"micro_batches\": "
+        "%d, "
+        "\"schedule\": \"%s\", \"step_ms\": %.2f, \"one_thread_unsplit_ms\": %.2f}\n",
+        static_cast<long long>(a.hidden), static_cast<long long>(a.batch), a.stages, m,
+        a.schedule.c_str(), ms, single);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return dtrain::run_main([&] {
+    Args a = parse(argc, argv);
+    if (a.mode == "sleep") {
+      sleep_mode(a);
+    } else if (a.mode == "mlp") {
+      mlp_mode(a);
+    } else {
+      throw dtrain::UsageError("bench_pipeline: --mode '" + a.mode + "': expected sleep or mlp");
+    }
+    return 0;
+  });
+}
