@@ -2,8 +2,10 @@
 //
 // Bubble fraction with stages of controlled duration: every chunk is a "sleep" layer whose forward
 // sleeps F ms and backward B ms (per micro-batch, divided by V for interleaved chunks), so two
-// cores cannot blur the schedule. A stage is busy M·(F+B) per step; measured bubble = 1 -
-// M·(F+B)/step_time, printed beside theory.
+// cores cannot blur the schedule. A stage is busy about M·(F+B) per step; the bubble is 1 -
+// busy/step_time with busy as measured around each sleep (a loaded machine stretches sleeps),
+// printed beside theory. In one process it also prints each stage's peak of micro-batches whose
+// activations it held at once (GPipe: M; 1F1B: at most P - stage).
 //   bench_pipeline --mode sleep --stages 4 --micro-batches 8 --schedule 1f1b [--virtual-stages 2]
 //   dtrain run --nproc-per-node 4 -- bench_pipeline --mode sleep --distributed --micro-batches 8
 //   (--schedule gpipe, 1f1b, or interleaved with --virtual-stages V)
@@ -14,6 +16,8 @@
 // Each prints one JSON line per measurement.
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -26,18 +30,28 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Time spent inside the sleep layers of this process, as measured around each sleep: on a loaded
+// machine a 10 ms sleep can last 15 ms, so the bubble is computed from what the stages really
+// spent, not from the nominal durations.
+std::atomic<int64_t> g_busy_ns{0};
+
+void timed_sleep(double ms) {
+  auto start = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+  g_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+}
+
 // Sleeps in forward and in backward: a stage of known duration that leaves the cores to the others.
 struct SleepFunction : torch::autograd::Function<SleepFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
                                double forward_ms, double backward_ms) {
     ctx->saved_data["backward_ms"] = backward_ms;
-    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(forward_ms));
+    timed_sleep(forward_ms);
     return x.clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    std::this_thread::sleep_for(
-        std::chrono::duration<double, std::milli>(ctx->saved_data["backward_ms"].toDouble()));
+    timed_sleep(ctx->saved_data["backward_ms"].toDouble());
     return {grads[0], torch::Tensor(), torch::Tensor()};
   }
 };
@@ -139,27 +153,37 @@ void sleep_mode(const Args& a) {
   options.schedule = dtrain::parse_schedule_kind(a.schedule);
   options.virtual_stages = a.virtual_stages;
   auto x = torch::randn({a.micro_batches * 4, 16}), y = torch::randn({a.micro_batches * 4, 16});
-  double ms;
+  // Mean step and mean busy time of one stage over the timed steps (after one warm-up step).
+  double step_ms = 0, busy_ms = 0;
   std::vector<int> held;
+  auto measure = [&](auto&& step, int stages_here) {
+    step();
+    g_busy_ns = 0;
+    auto start = Clock::now();
+    for (int i = 0; i < a.steps; ++i) step();
+    step_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count() / a.steps;
+    busy_ms = g_busy_ns.load() / 1e6 / a.steps / stages_here;
+  };
   if (a.distributed) {
     dtrain::DistributedPipeline pipe(parts, mesh, options);
-    ms = median_step_ms(a.steps, [&] { pipe.forward_backward(x, y, mse); });
+    measure([&] { pipe.forward_backward(x, y, mse); }, 1);
     if (pg->rank() != 0) return;
   } else {
     dtrain::Pipeline pipe(parts, {}, options, stages);
-    ms = median_step_ms(a.steps, [&] { pipe.forward_backward(x, y, mse); });
+    measure([&] { pipe.forward_backward(x, y, mse); }, stages);
     held = pipe.peak_micro_batches_held();
   }
-  double busy = a.micro_batches * (a.forward_ms + a.backward_ms);
+  double nominal_busy = a.micro_batches * (a.forward_ms + a.backward_ms);
   double theory = dtrain::theoretical_bubble_fraction(options.schedule, stages, a.micro_batches,
                                                       a.virtual_stages);
+  // bubble: the share of a step a stage sat idle, from its measured busy time (rank 0's stage in
+  // the distributed run, the mean of the stages in one process).
   std::printf(
       "{\"mode\": \"sleep\", \"distributed\": %s, \"schedule\": \"%s\", \"stages\": %d, "
-      "\"micro_batches\": %d, "
-      "\"virtual_stages\": %d, \"step_ms\": %.1f, \"ideal_ms\": %.1f, \"bubble\": %.4f, "
-      "\"bubble_theory\": %.4f",
+      "\"micro_batches\": %d, \"virtual_stages\": %d, \"step_ms\": %.1f, \"busy_ms\": %.1f, "
+      "\"nominal_busy_ms\": %.1f, \"bubble\": %.4f, \"bubble_theory\": %.4f",
       a.distributed ? "true" : "false", a.schedule.c_str(), stages, a.micro_batches,
-      a.virtual_stages, ms, busy / (1 - theory), 1 - busy / ms, theory);
+      a.virtual_stages, step_ms, busy_ms, nominal_busy, 1 - busy_ms / step_ms, theory);
   if (!held.empty()) {
     std::printf(", \"peak_micro_batches_held\": [");
     for (size_t s = 0; s < held.size(); ++s) std::printf("%s%d", s ? ", " : "", held[s]);
