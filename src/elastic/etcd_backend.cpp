@@ -230,8 +230,8 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
       curl_easy_getinfo(curl, CURLINFO_OS_ERRNO, &os_errno);
       std::string what = os_errno == ECONNREFUSED ? " refused the connection"
                                                   : " could not be reached (" + detail + ")";
-      throw CommError(at + what + " (" + operation + "); is etcd running there? (apt-get " +
-                      "install etcd-server; or start one: etcd --listen-client-urls " + base_url_ +
+      throw CommError(at + what + "; is etcd running there? (apt-get install etcd-server; or " +
+                      "start one: etcd --listen-client-urls " + base_url_ +
                       " --advertise-client-urls " + base_url_ + ")");
     }
     case CURLE_COULDNT_RESOLVE_HOST:
@@ -303,6 +303,7 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
   std::string reply_text = request("/v3/kv/txn", &body, operation);
 
   std::optional<SetResult> result;
+  uint64_t written_revision = 0;
   try {
     json reply = json::parse(reply_text);
     if (reply.value("succeeded", false)) {
@@ -310,6 +311,7 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
       uint64_t revision = json_uint64(reply.at("header"), "revision");
       if (revision == 0) throw std::invalid_argument("no revision in the header");
       result = SetResult{VersionedState{state, revision}, true};
+      written_revision = revision;
     } else {
       const json& range = reply.at("responses").at(0).at("response_range");
       if (range.contains("kvs") && !range["kvs"].empty()) {
@@ -329,7 +331,31 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
     throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key was deleted while the " +
                     "job was using it (etcdctl del?); restart the job, or give it a new --rdzv-id");
   }
+  if (written_revision != 0) maybe_compact(written_revision);
   return *result;
+}
+
+// Note [Compacting etcd's history]
+// etcd keeps every past revision of every key until the history is compacted, and Debian's etcd
+// does not compact by itself (--auto-compaction-retention is 0). The agents rewrite the state at
+// every heartbeat, so a long job would fill etcd's quota (2 GiB by default) with old copies of it,
+// after which etcd refuses all writes ("mvcc: database space exceeded") and the job stops. So the
+// agent whose write lands on a multiple of compaction_interval_ compacts the history older than
+// compaction_interval_ revisions: one agent at a time does it, about every compaction_interval_
+// writes, and the current state is never touched. Best effort: the write has already succeeded,
+// and a failed compaction is retried at the next multiple (one that someone else already did
+// fails harmlessly with "required revision has been compacted").
+void EtcdBackend::maybe_compact(uint64_t written_revision) {
+  if (compaction_interval_ == 0 || written_revision % compaction_interval_ != 0 ||
+      written_revision <= compaction_interval_) {
+    return;
+  }
+  std::string body =
+      json{{"revision", std::to_string(written_revision - compaction_interval_)}}.dump();
+  try {
+    request("/v3/kv/compaction", &body, "compact etcd's history");
+  } catch (const CommError&) {
+  }
 }
 
 void EtcdBackend::check_reachable() {

@@ -59,6 +59,13 @@ class EtcdBackend : public RendezvousBackend {
   // ..."); a launcher prints it and exits 2 before starting any worker.
   void check_reachable();
 
+  // Every `revisions` etcd revisions, the agent whose write lands on the mark compacts etcd's
+  // history older than `revisions` (Note [Compacting etcd's history] in etcd_backend.cpp): without
+  // it, heartbeats would fill an etcd that does not compact itself. 0 turns it off (for an etcd
+  // whose operator compacts it); tests set a small interval.
+  static constexpr uint64_t kDefaultCompactionInterval = 1000;
+  void set_compaction_interval(uint64_t revisions) { compaction_interval_ = revisions; }
+
   // "HOST:PORT" as the messages name it.
   const std::string& endpoint() const { return endpoint_; }
   // The etcd key holding this job's state.
@@ -72,10 +79,13 @@ class EtcdBackend : public RendezvousBackend {
   std::string request(const std::string& path, const std::string* post_body,
                       const std::string& operation);
 
+  void maybe_compact(uint64_t written_revision);
+
   std::string endpoint_;  // HOST:PORT
   std::string base_url_;  // http://HOST:PORT
   std::string key_;
   std::chrono::milliseconds timeout_;
+  uint64_t compaction_interval_ = kDefaultCompactionInterval;
   std::unique_ptr<Http> http_;
 };
 

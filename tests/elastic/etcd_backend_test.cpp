@@ -175,6 +175,28 @@ TEST_F(EtcdBackendTest, JobsWithDifferentIdsDoNotSeeEachOther) {
   EXPECT_EQ(job_b.get_state()->state, "b");
 }
 
+// The agents rewrite the state at every heartbeat; etcd keeps every old copy until its history is
+// compacted, which the backend does itself (Note [Compacting etcd's history]).
+TEST_F(EtcdBackendTest, HistoryIsCompactedAndTheStateKept) {
+  auto etcd = backend();
+  etcd.set_compaction_interval(10);
+  std::optional<uint64_t> version;
+  for (int i = 0; i < 35; ++i) {
+    auto result = etcd.set_state("state " + std::to_string(i), version);
+    ASSERT_TRUE(result.written);
+    version = result.current.version;
+  }
+  ASSERT_GE(*version, 30u);
+  // Reading the key as it was at revision 2 needs history older than the last compaction.
+  std::string old_read =
+      etcd_.post("/v3/kv/range", R"({"key":"L2R0cmFpbi9yZHp2L2pvYi9zdGF0ZQ==","revision":"2"})");
+  EXPECT_NE(old_read.find("required revision has been compacted"), std::string::npos) << old_read;
+  auto now = etcd.get_state();
+  ASSERT_TRUE(now.has_value());
+  EXPECT_EQ(now->state, "state 34");
+  EXPECT_EQ(now->version, *version);
+}
+
 TEST_F(EtcdBackendTest, EtcdsOwnErrorIsReportedWithItsMessage) {
   // etcd refuses requests over --max-request-bytes (1.5 MiB by default).
   auto etcd = backend();

@@ -91,6 +91,14 @@ class EtcdServer {
   pid_t pid() const { return pid_; }
   bool running() const { return pid_ > 0; }
 
+  // One HTTP/1.0 request to etcd's client port over a plain socket (no libcurl: the helper must not
+  // depend on the code under test), e.g. post("/v3/kv/range", R"({"key":"..."})") to look at what
+  // a test left in etcd. Returns the whole reply, status line and headers included; "" when etcd
+  // does not answer within 2 s.
+  std::string post(const std::string& path, const std::string& json_body) const {
+    return http(client_port_, "POST", path, json_body);
+  }
+
   // SIGSTOP / SIGCONT: a server that accepts connections (the kernel's backlog) and never answers.
   // pause() returns once every thread of etcd is stopped: kill() returns before that, and a thread
   // still running could answer one more request.
@@ -199,12 +207,15 @@ class EtcdServer {
     return all.size() > 2000 ? all.substr(all.size() - 2000) : all;
   }
 
-  // GET /health over a plain socket with short send/receive timeouts (no libcurl: the helper must
-  // not depend on the code under test).
   static bool healthy(int port) {
+    return http(port, "GET", "/health", "").find("\"health\":\"true\"") != std::string::npos;
+  }
+
+  static std::string http(int port, const std::string& method, const std::string& path,
+                          const std::string& body) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return false;
-    timeval limit{0, 500 * 1000};
+    if (fd < 0) return "";
+    timeval limit{2, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
     sockaddr_in address{};
@@ -213,16 +224,19 @@ class EtcdServer {
     address.sin_port = htons(static_cast<uint16_t>(port));
     std::string reply;
     if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
-      const std::string request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+      std::string request =
+          method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n" +
+          "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+          "\r\n\r\n" + body;
       if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
           static_cast<ssize_t>(request.size())) {
-        char chunk[1024];
+        char chunk[4096];
         ssize_t n;
         while ((n = recv(fd, chunk, sizeof(chunk), 0)) > 0) reply.append(chunk, n);
       }
     }
     close(fd);
-    return reply.find("\"health\":\"true\"") != std::string::npos;
+    return reply;
   }
 
   std::string dir_;
