@@ -293,10 +293,11 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
                  {"mod_revision", std::to_string(*expected_version)}}
           // A key that was never written (or was deleted) has create_revision 0.
           : json{{"key", key}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
+  json put = {{"key", key}, {"value", base64_encode(state)}};
+  if (int64_t lease = lease_for_write(); lease != 0) put["lease"] = std::to_string(lease);
   json txn = {
       {"compare", json::array({compare})},
-      {"success",
-       json::array({{{"request_put", {{"key", key}, {"value", base64_encode(state)}}}}})},
+      {"success", json::array({{{"request_put", put}}})},
       {"failure", json::array({{{"request_range", {{"key", key}}}}})},
   };
   std::string body = txn.dump();
@@ -328,11 +329,39 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
   }
   if (!result) {
     // The comparison failed and the key is gone: something outside dtrain deleted it mid-job.
-    throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key was deleted while the " +
-                    "job was using it (etcdctl del?); restart the job, or give it a new --rdzv-id");
+    std::string cause = state_ttl_.count() > 0
+                            ? "its TTL of " + std::to_string(state_ttl_.count()) +
+                                  " s expired with no write, or it was deleted (etcdctl del?)"
+                            : "it was deleted (etcdctl del?)";
+    throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key vanished while the " +
+                    "job was using it: " + cause + "; restart the job, or give it a new --rdzv-id");
   }
   if (written_revision != 0) maybe_compact(written_revision);
   return *result;
+}
+
+int64_t EtcdBackend::lease_for_write() {
+  if (state_ttl_.count() <= 0) return 0;
+  auto asked = std::chrono::steady_clock::now();
+  if (lease_id_ != 0 && asked - lease_granted_ < state_ttl_ / 2) return lease_id_;
+  const std::string operation = "grant a lease for the state's TTL";
+  std::string body = json{{"TTL", std::to_string(state_ttl_.count())}}.dump();
+  std::string reply_text = request("/v3/lease/grant", &body, operation);
+  json reply = json::parse(reply_text, nullptr, false);
+  int64_t id = 0;
+  try {
+    if (reply.is_object() && reply.value("error", std::string()) != "") {
+      throw std::invalid_argument(reply["error"].get<std::string>());
+    }
+    id = static_cast<int64_t>(json_uint64(reply, "ID"));
+    if (id == 0) throw std::invalid_argument("no lease ID");
+  } catch (const std::exception& error) {
+    throw CommError("etcd at " + endpoint_ + ": " + operation + ": " + error.what() + ": " +
+                    excerpt(reply_text));
+  }
+  lease_id_ = id;
+  lease_granted_ = asked;  // the lease started no earlier than this: its age is not underestimated
+  return id;
 }
 
 // Note [Compacting etcd's history]

@@ -66,6 +66,13 @@ class EtcdBackend : public RendezvousBackend {
   static constexpr uint64_t kDefaultCompactionInterval = 1000;
   void set_compaction_interval(uint64_t revisions) { compaction_interval_ = revisions; }
 
+  // Opt-in: every write attaches the state to an etcd lease of `ttl`, so that a state nobody writes
+  // any more (the job ended or all its agents died) disappears between ttl/2 and ttl after the last
+  // write, and a later job may reuse the run id. It must exceed the longest pause between writes
+  // of a live job (the agents' heartbeat interval, with a wide margin). 0 (the default): the state
+  // stays until deleted. etcd raises a TTL under its minimum (about 2 s) to that minimum.
+  void set_state_ttl(std::chrono::seconds ttl) { state_ttl_ = ttl; }
+
   // "HOST:PORT" as the messages name it.
   const std::string& endpoint() const { return endpoint_; }
   // The etcd key holding this job's state.
@@ -80,12 +87,18 @@ class EtcdBackend : public RendezvousBackend {
                       const std::string& operation);
 
   void maybe_compact(uint64_t written_revision);
+  // The lease to attach the next write to (0: none), granting a new one when the current one is
+  // older than half the TTL, so that a write always leaves the state at least ttl/2 to live.
+  int64_t lease_for_write();
 
   std::string endpoint_;  // HOST:PORT
   std::string base_url_;  // http://HOST:PORT
   std::string key_;
   std::chrono::milliseconds timeout_;
   uint64_t compaction_interval_ = kDefaultCompactionInterval;
+  std::chrono::seconds state_ttl_{0};
+  int64_t lease_id_ = 0;
+  std::chrono::steady_clock::time_point lease_granted_;
   std::unique_ptr<Http> http_;
 };
 

@@ -197,6 +197,41 @@ TEST_F(EtcdBackendTest, HistoryIsCompactedAndTheStateKept) {
   EXPECT_EQ(now->version, *version);
 }
 
+// With a TTL, a state that agents keep writing lives on; once nobody writes it, it disappears
+// (between ttl/2 and ttl later) and the run id is free again.
+TEST_F(EtcdBackendTest, StateWithATtlLivesWhileWrittenAndExpiresAfterwards) {
+  constexpr auto kTtl = 2s;  // etcd's minimum with its default election timeout
+  auto etcd = backend();
+  etcd.set_state_ttl(kTtl);
+  std::optional<uint64_t> version;
+  auto writing_until = std::chrono::steady_clock::now() + 3 * kTtl / 2;
+  while (std::chrono::steady_clock::now() < writing_until) {
+    auto result = etcd.set_state("alive", version);
+    ASSERT_TRUE(result.written) << "the state expired although it was written every 0.2 s";
+    version = result.current.version;
+    std::this_thread::sleep_for(200ms);
+  }
+  auto last_write = std::chrono::steady_clock::now();
+  std::optional<VersionedState> state = etcd.get_state();
+  ASSERT_TRUE(state.has_value());
+  while (state && std::chrono::steady_clock::now() - last_write < 5 * kTtl) {
+    std::this_thread::sleep_for(100ms);
+    state = etcd.get_state();
+  }
+  EXPECT_FALSE(state.has_value()) << "still stored " << 5 * kTtl.count()
+                                  << " s after the last write";
+  EXPECT_GE(std::chrono::steady_clock::now() - last_write, kTtl / 2);
+  // The run id is free again, and a stale writer is told what happened.
+  try {
+    etcd.set_state("late", version);
+    FAIL() << "a write expecting the expired state succeeded";
+  } catch (const CommError& error) {
+    EXPECT_NE(std::string(error.what()).find("TTL of 2 s expired"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_TRUE(backend().set_state("new job", std::nullopt).written);
+}
+
 TEST_F(EtcdBackendTest, EtcdsOwnErrorIsReportedWithItsMessage) {
   // etcd refuses requests over --max-request-bytes (1.5 MiB by default).
   auto etcd = backend();
