@@ -17,6 +17,9 @@
 
 #include "dtrain/errors.h"
 #include "elastic/etcd_server.h"  // tests/elastic/etcd_server.h
+#ifdef DTRAIN_HAVE_BACKEND_CONTRACT
+#include "cli/backend_contract.h"
+#endif
 
 namespace dtrain::elastic {
 namespace {
@@ -49,6 +52,13 @@ TEST_F(EtcdBackendTest, EmptyStoreHasNoState) {
   EXPECT_FALSE(etcd.get_state().has_value());
   EXPECT_NO_THROW(etcd.check_reachable());
 }
+
+#ifdef DTRAIN_HAVE_BACKEND_CONTRACT
+TEST_F(EtcdBackendTest, PassesTheBackendContract) {
+  auto etcd = backend();
+  dtrain::cli::testing_support::expect_backend_contract(etcd);
+}
+#endif
 
 TEST_F(EtcdBackendTest, FirstWriteWinsAndASecondFirstWriteLoses) {
   auto agent_a = backend();
