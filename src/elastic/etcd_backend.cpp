@@ -4,6 +4,7 @@
 
 #include <curl/curl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <mutex>
@@ -189,7 +190,10 @@ EtcdBackend::EtcdBackend(const std::string& endpoint, const std::string& run_id,
 EtcdBackend::~EtcdBackend() = default;
 
 std::string EtcdBackend::request(const std::string& path, const std::string* post_body,
-                                 const std::string& operation) {
+                                 const std::string& operation, Clock::time_point deadline) {
+  // What is left of the call's budget (at least 1 ms: curl takes 0 to mean "no limit").
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  long budget_ms = std::max<long>(1, static_cast<long>(left.count()));
   CURL* curl = http_->curl;
   std::string response;
   std::string url = base_url_ + path;
@@ -198,8 +202,8 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
   // No signals: a timeout must not longjmp out of another thread's resolver (libcurl's advice for
   // multi-threaded programs; the agent runs its rendezvous beside monitoring threads).
   curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
-  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(timeout_.count()));
+  curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, budget_ms);
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, budget_ms);
   // etcd is reached directly: an http_proxy in the environment (common on clusters, meant for the
   // internet) would otherwise receive the rendezvous traffic, loopback included.
   curl_easy_setopt(curl, CURLOPT_PROXY, "");
@@ -264,7 +268,7 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
 std::optional<VersionedState> EtcdBackend::get_state() {
   const std::string operation = "read the rendezvous state (key " + key_ + ")";
   std::string body = json{{"key", base64_encode(key_)}}.dump();
-  std::string reply_text = request("/v3/kv/range", &body, operation);
+  std::string reply_text = request("/v3/kv/range", &body, operation, Clock::now() + timeout_);
   try {
     json reply = json::parse(reply_text);
     if (!reply.contains("kvs") || reply["kvs"].empty()) return std::nullopt;
@@ -283,6 +287,8 @@ std::optional<VersionedState> EtcdBackend::get_state() {
 // key back otherwise, so a lost race costs no second round trip.
 RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
                                                     std::optional<uint64_t> expected_version) {
+  // One budget for the whole call: the lease grant (with a TTL), the transaction, the compaction.
+  Clock::time_point deadline = Clock::now() + timeout_;
   const std::string operation = "write the rendezvous state (key " + key_ + ")";
   const std::string key = base64_encode(key_);
   json compare =
@@ -294,14 +300,14 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
           // A key that was never written (or was deleted) has create_revision 0.
           : json{{"key", key}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
   json put = {{"key", key}, {"value", base64_encode(state)}};
-  if (int64_t lease = lease_for_write(); lease != 0) put["lease"] = std::to_string(lease);
+  if (int64_t lease = lease_for_write(deadline); lease != 0) put["lease"] = std::to_string(lease);
   json txn = {
       {"compare", json::array({compare})},
       {"success", json::array({{{"request_put", put}}})},
       {"failure", json::array({{{"request_range", {{"key", key}}}}})},
   };
   std::string body = txn.dump();
-  std::string reply_text = request("/v3/kv/txn", &body, operation);
+  std::string reply_text = request("/v3/kv/txn", &body, operation, deadline);
 
   std::optional<SetResult> result;
   uint64_t written_revision = 0;
@@ -328,7 +334,8 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
                     error.what() + "): " + excerpt(reply_text));
   }
   if (!result) {
-    // The comparison failed and the key is gone: something outside dtrain deleted it mid-job.
+    // The comparison failed and the key is gone: it expired, or something outside dtrain deleted
+    // it.
     std::string cause = state_ttl_.count() > 0
                             ? "its TTL of " + std::to_string(state_ttl_.count()) +
                                   " s expired with no write, or it was deleted (etcdctl del?)"
@@ -336,17 +343,17 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
     throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key vanished while the " +
                     "job was using it: " + cause + "; restart the job, or give it a new --rdzv-id");
   }
-  if (written_revision != 0) maybe_compact(written_revision);
+  if (written_revision != 0) maybe_compact(written_revision, deadline);
   return *result;
 }
 
-int64_t EtcdBackend::lease_for_write() {
+int64_t EtcdBackend::lease_for_write(Clock::time_point deadline) {
   if (state_ttl_.count() <= 0) return 0;
-  auto asked = std::chrono::steady_clock::now();
+  Clock::time_point asked = Clock::now();
   if (lease_id_ != 0 && asked - lease_granted_ < state_ttl_ / 2) return lease_id_;
   const std::string operation = "grant a lease for the state's TTL";
   std::string body = json{{"TTL", std::to_string(state_ttl_.count())}}.dump();
-  std::string reply_text = request("/v3/lease/grant", &body, operation);
+  std::string reply_text = request("/v3/lease/grant", &body, operation, deadline);
   json reply = json::parse(reply_text, nullptr, false);
   int64_t id = 0;
   try {
@@ -371,24 +378,24 @@ int64_t EtcdBackend::lease_for_write() {
 // after which etcd refuses all writes ("mvcc: database space exceeded") and the job stops. So the
 // agent whose write lands on a multiple of compaction_interval_ compacts the history older than
 // compaction_interval_ revisions: one agent at a time does it, about every compaction_interval_
-// writes, and the current state is never touched. Best effort: the write has already succeeded,
-// and a failed compaction is retried at the next multiple (one that someone else already did
-// fails harmlessly with "required revision has been compacted").
-void EtcdBackend::maybe_compact(uint64_t written_revision) {
-  if (compaction_interval_ == 0 || written_revision % compaction_interval_ != 0 ||
-      written_revision <= compaction_interval_) {
+// writes, and the current state is never touched. Best effort, within what is left of the call's
+// timeout: the write has already succeeded, and a failed compaction is retried at the next multiple
+// (one that someone else already did fails harmlessly with "required revision has been compacted").
+void EtcdBackend::maybe_compact(uint64_t written_revision, Clock::time_point deadline) {
+  if (compaction_interval_ == 0 || Clock::now() >= deadline ||
+      written_revision % compaction_interval_ != 0 || written_revision <= compaction_interval_) {
     return;
   }
   std::string body =
       json{{"revision", std::to_string(written_revision - compaction_interval_)}}.dump();
   try {
-    request("/v3/kv/compaction", &body, "compact etcd's history");
+    request("/v3/kv/compaction", &body, "compact etcd's history", deadline);
   } catch (const CommError&) {
   }
 }
 
 void EtcdBackend::check_reachable() {
-  std::string reply_text = request("/version", nullptr, "GET /version");
+  std::string reply_text = request("/version", nullptr, "GET /version", Clock::now() + timeout_);
   json reply = json::parse(reply_text, nullptr, false);
   if (!reply.is_object() || !reply.contains("etcdserver") || !reply["etcdserver"].is_string()) {
     throw CommError("the server at " + endpoint_ +

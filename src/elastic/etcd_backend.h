@@ -79,17 +79,19 @@ class EtcdBackend : public RendezvousBackend {
   const std::string& key() const { return key_; }
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Http;  // the libcurl handle, reused between calls for a kept-alive connection
 
-  // `operation` names the call in messages ("read the rendezvous state"). Returns the response body
-  // of an HTTP 200; throws as described above for anything else.
+  // One HTTP request (POST with a body, GET without), given until `deadline`. `operation` names the
+  // call in messages ("read the rendezvous state"). Returns the response body of an HTTP 200;
+  // throws as described above for anything else.
   std::string request(const std::string& path, const std::string* post_body,
-                      const std::string& operation);
+                      const std::string& operation, Clock::time_point deadline);
 
-  void maybe_compact(uint64_t written_revision);
+  void maybe_compact(uint64_t written_revision, Clock::time_point deadline);
   // The lease to attach the next write to (0: none), granting a new one when the current one is
   // older than half the TTL, so that a write always leaves the state at least ttl/2 to live.
-  int64_t lease_for_write();
+  int64_t lease_for_write(Clock::time_point deadline);
 
   std::string endpoint_;  // HOST:PORT
   std::string base_url_;  // http://HOST:PORT
@@ -98,7 +100,7 @@ class EtcdBackend : public RendezvousBackend {
   uint64_t compaction_interval_ = kDefaultCompactionInterval;
   std::chrono::seconds state_ttl_{0};
   int64_t lease_id_ = 0;
-  std::chrono::steady_clock::time_point lease_granted_;
+  Clock::time_point lease_granted_;
   std::unique_ptr<Http> http_;
 };
 
