@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -24,7 +25,12 @@ constexpr int64_t kPayloadFormat = 1;
 // training loop may change the originals), everything else by value.
 struct Snapshot {
   std::vector<std::pair<std::string, at::Tensor>> model;
-  std::string optimizer;  // LibTorch's optimizer archive, serialized
+  // The optimizer: a deep copy to serialize later (LibTorch's own optimizers, asynchronous mode),
+  // or the optimizer itself (synchronous mode), or its archive already serialized (other
+  // optimizers, asynchronous mode).
+  std::unique_ptr<torch::optim::Optimizer> optimizer_copy;
+  const torch::optim::Optimizer* optimizer = nullptr;
+  std::string optimizer_bytes;
   bool has_sampler = false;
   SamplerState sampler;
   int64_t step = 0;
@@ -44,6 +50,70 @@ std::vector<std::pair<std::string, at::Tensor>> model_tensors(torch::nn::Module&
   return tensors;
 }
 
+at::Tensor copy_of(const at::Tensor& t) { return t.defined() ? t.detach().clone() : t; }
+
+// Note [Copying an optimizer]: LibTorch's optimizers expose their state only through their
+// archive, and serializing that archive (OutputArchive::save_to, a TorchScript export) takes
+// 10-20 ms for the trainer's MLP, too long to hold the training loop for. So for the optimizers
+// LibTorch ships, an asynchronous save builds a shadow optimizer of the same type: the same
+// parameter groups (only their identities are serialized, not their values) and a copy of every
+// parameter's state with its tensors cloned; the background thread serializes the shadow. Other
+// optimizers (LBFGS, the user's own) are serialized on the caller's thread.
+template <typename Optimizer, typename ParamState, typename Options>
+std::unique_ptr<torch::optim::Optimizer> shadow_copy(
+    const torch::optim::Optimizer& live, const std::function<void(ParamState&)>& clone_tensors) {
+  auto* typed = dynamic_cast<const Optimizer*>(&live);
+  if (typed == nullptr) return nullptr;
+  auto shadow = std::make_unique<Optimizer>(typed->param_groups(),
+                                            static_cast<const Options&>(typed->defaults()));
+  for (const auto& [key, state] : typed->state()) {
+    auto copy = state->clone();
+    clone_tensors(static_cast<ParamState&>(*copy));
+    shadow->state()[key] = std::move(copy);
+  }
+  return shadow;
+}
+
+std::unique_ptr<torch::optim::Optimizer> copy_optimizer(const torch::optim::Optimizer& live) {
+  namespace optim = torch::optim;
+  if (auto copy = shadow_copy<optim::SGD, optim::SGDParamState, optim::SGDOptions>(
+          live, [](auto& s) { s.momentum_buffer(copy_of(s.momentum_buffer())); }))
+    return copy;
+  if (auto copy =
+          shadow_copy<optim::Adam, optim::AdamParamState, optim::AdamOptions>(live, [](auto& s) {
+            s.exp_avg(copy_of(s.exp_avg()));
+            s.exp_avg_sq(copy_of(s.exp_avg_sq()));
+            s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
+          }))
+    return copy;
+  if (auto copy =
+          shadow_copy<optim::AdamW, optim::AdamWParamState, optim::AdamWOptions>(live, [](auto& s) {
+            s.exp_avg(copy_of(s.exp_avg()));
+            s.exp_avg_sq(copy_of(s.exp_avg_sq()));
+            s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
+          }))
+    return copy;
+  if (auto copy = shadow_copy<optim::Adagrad, optim::AdagradParamState, optim::AdagradOptions>(
+          live, [](auto& s) { s.sum(copy_of(s.sum())); }))
+    return copy;
+  if (auto copy = shadow_copy<optim::RMSprop, optim::RMSpropParamState, optim::RMSpropOptions>(
+          live, [](auto& s) {
+            s.square_avg(copy_of(s.square_avg()));
+            s.momentum_buffer(copy_of(s.momentum_buffer()));
+            s.grad_avg(copy_of(s.grad_avg()));
+          }))
+    return copy;
+  return nullptr;
+}
+
+std::string serialize_optimizer(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return bytes.str();
+}
+
 Snapshot take_snapshot(const TrainingState& state, bool copy) {
   torch::NoGradGuard no_grad;
   // A copy lands on the CPU: the background writer then never touches a device the training loop
@@ -56,15 +126,11 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
     for (auto& [name, tensor] : model_tensors(*state.model))
       snapshot.model.emplace_back(name, keep(tensor));
   }
-  if (state.optimizer) {
-    // LibTorch's optimizers expose their state only through their archive, so it is serialized
-    // here, on the caller's thread, in both modes (for SGD with momentum: one buffer per
-    // parameter, about as much as the model).
-    torch::serialize::OutputArchive archive;
-    state.optimizer->save(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    snapshot.optimizer = bytes.str();
+  if (state.optimizer && !copy) {
+    snapshot.optimizer = state.optimizer;
+  } else if (state.optimizer) {
+    snapshot.optimizer_copy = copy_optimizer(*state.optimizer);  // Note [Copying an optimizer]
+    if (!snapshot.optimizer_copy) snapshot.optimizer_bytes = serialize_optimizer(*state.optimizer);
   }
   if (state.sampler) {
     snapshot.has_sampler = true;
@@ -107,8 +173,12 @@ std::vector<char> encode(const Snapshot& snapshot) {
   root.insert("format", kPayloadFormat);
   root.insert("step", snapshot.step);
   root.insert("model", model);
-  root.insert("has_optimizer", !snapshot.optimizer.empty());
-  root.insert("optimizer", bytes_tensor(snapshot.optimizer));
+  const torch::optim::Optimizer* optimizer =
+      snapshot.optimizer_copy ? snapshot.optimizer_copy.get() : snapshot.optimizer;
+  std::string optimizer_bytes =
+      optimizer ? serialize_optimizer(*optimizer) : snapshot.optimizer_bytes;
+  root.insert("has_optimizer", !optimizer_bytes.empty());
+  root.insert("optimizer", bytes_tensor(optimizer_bytes));
   root.insert("has_sampler", snapshot.has_sampler);
   root.insert("sampler",
               torch::tensor({snapshot.sampler.epoch, snapshot.sampler.samples_consumed}));
