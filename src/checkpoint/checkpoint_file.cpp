@@ -3,6 +3,7 @@
 #include "checkpoint/checkpoint_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -176,6 +177,23 @@ bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, s
 }
 
 void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last) {
+  // Temporaries left by a writer that was killed mid-write (.<prefix>-<step>.ckpt.tmp-<pid>): never
+  // loaded, but they take space. Only those whose process is gone on this host are removed, so a
+  // live writer's file is never pulled from under it.
+  std::error_code error;
+  const std::string head = "." + prefix + "-", marker = ".ckpt.tmp-";
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    std::string name = entry.path().filename().string();
+    auto at = name.rfind(marker);
+    if (name.compare(0, head.size(), head) != 0 || at == std::string::npos) continue;
+    char* end = nullptr;
+    long pid = std::strtol(name.c_str() + at + marker.size(), &end, 10);
+    if (*end != '\0' || pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::error_code ignored;
+      fs::remove(entry.path(), ignored);
+    }
+  }
   auto files = list_checkpoint_files(dir, prefix);
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < files.size(); ++i) {
     std::error_code error;

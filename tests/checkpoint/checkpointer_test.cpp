@@ -171,6 +171,15 @@ TEST(Checkpointer, KeepsTheNewestK) {
     state.step = step;
     checkpointer.save(state);
   }
+  // A temporary of a writer that died mid-write goes at the next save; a live writer's stays.
+  const std::string dead = options.dir + "/.checkpoint-7.ckpt.tmp-999999999";
+  const std::string live = options.dir + "/.checkpoint-7.ckpt.tmp-" + std::to_string(::getppid());
+  std::ofstream(dead) << "torn";
+  std::ofstream(live) << "in progress";
+  state.step = 100;
+  checkpointer.save(state);
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live));
   EXPECT_EQ(checkpointer.list(), (std::vector<std::string>{options.dir + "/checkpoint-20.ckpt",
                                                            options.dir + "/checkpoint-100.ckpt"}));
   fs::remove_all(options.dir);
