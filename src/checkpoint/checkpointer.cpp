@@ -137,6 +137,7 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
     snapshot.sampler = state.sampler->state();
   }
   snapshot.step = state.step;
+  // TODO(cuda): in a CUDA build also the CUDA generators' states (one per device).
   if (state.rng) {
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
