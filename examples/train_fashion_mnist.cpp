@@ -8,13 +8,23 @@
 //                                                                    (2 data-parallel pipelines of
 //                                                                    2 stages)
 // Rank 0 shows progress and test accuracy per epoch; the last line of output is one JSON object.
+//
+// Checkpoints (--checkpoint-dir, through dtrain::Checkpointer): at the end of every epoch, every
+// --checkpoint-every steps, and on SIGTERM. A run restarted by its launcher
+// (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself from the newest intact checkpoint; a first run
+// never overwrites a folder that holds checkpoints unless told --resume.
+// Preemption: on SIGTERM (what `dtrain run` and torchrun send their workers when stopping them) the
+// ranks finish the current step, agree on it, rank 0 saves a checkpoint, and every rank exits with
+// code 143 (128 + SIGTERM: the job is not finished, so no script may take it for success).
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -22,6 +32,7 @@
 #include <map>
 #include <sstream>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/ddp.h"
@@ -41,7 +52,9 @@ const char* kUsage =
     "                           [--epochs N] [--batch-size N (global)]\n"
     "                           [--lr X] [--seed N] [--data DIR] [--checkpoint-dir DIR] "
     "[--resume]\n"
-    "                           [--checkpoint-every STEPS] [--max-steps N]";
+    "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
+    "[--async-checkpoints]\n"
+    "                           [--max-steps N]";
 
 struct Flags {
   std::string model = "mlp";
@@ -59,7 +72,10 @@ struct Flags {
   std::string checkpoint_dir;    // empty: no checkpoints
   bool resume = false;           // continue from checkpoint_dir's checkpoint
   int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: only at the end of each epoch)
-  int64_t max_steps = 0;         // stop after N steps in all (0: no limit); for tests of resumption
+  int64_t keep_checkpoints = 3;  // the newest K checkpoints stay on disk
+  bool async_checkpoints =
+      false;              // write checkpoints on a background thread while training goes on
+  int64_t max_steps = 0;  // stop after N steps in all (0: no limit); for tests of resumption
 };
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
@@ -79,10 +95,14 @@ int64_t parse_int(const std::string& flag, const std::string& value, int64_t min
   return parsed;
 }
 
-const char* const kValueFlags[] = {
-    "--model",    "--strategy",       "--devices",        "--stages",           "--micro-batches",
-    "--schedule", "--virtual-stages", "--epochs",         "--batch-size",       "--lr",
-    "--seed",     "--data",           "--checkpoint-dir", "--checkpoint-every", "--max-steps"};
+const char* const kValueFlags[] = {"--model",          "--strategy",
+                                   "--devices",        "--stages",
+                                   "--micro-batches",  "--schedule",
+                                   "--virtual-stages", "--epochs",
+                                   "--batch-size",     "--lr",
+                                   "--seed",           "--data",
+                                   "--checkpoint-dir", "--checkpoint-every",
+                                   "--max-steps",      "--keep-checkpoints"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -94,6 +114,10 @@ Flags parse_flags(int argc, char** argv) {
     }
     if (flag == "--resume") {
       flags.resume = true;
+      continue;
+    }
+    if (flag == "--async-checkpoints") {
+      flags.async_checkpoints = true;
       continue;
     }
     if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
@@ -140,6 +164,8 @@ Flags parse_flags(int argc, char** argv) {
       flags.checkpoint_dir = value;
     } else if (flag == "--checkpoint-every") {
       flags.checkpoint_every = parse_int(flag, value, 0);
+    } else if (flag == "--keep-checkpoints") {
+      flags.keep_checkpoints = parse_int(flag, value, 1, 1 << 20);
     } else if (flag == "--max-steps") {
       flags.max_steps = parse_int(flag, value, 0);
     } else {
@@ -280,26 +306,52 @@ double test_accuracy(torch::nn::Module& net,
   return static_cast<double>(counts[0].item<int64_t>()) / counts[1].item<int64_t>();
 }
 
-// Checkpoints: written by rank 0 to a temporary file, then renamed over the old one, so the file on
-// disk is always a complete checkpoint whatever is killed and when.
+// Checkpoints go through dtrain::Checkpointer: rank 0 saves the replicated state (atomic,
+// checksummed files, the newest --keep-checkpoints kept); every rank loads through rank 0's
+// broadcast.
 struct Position {
   int64_t epoch = 0;
   int64_t samples_consumed = 0;  // in this epoch, over all ranks
   int64_t steps = 0;             // optimizer steps taken in all
 };
 
-std::string checkpoint_path(const Flags& flags) { return flags.checkpoint_dir + "/checkpoint.pt"; }
+dtrain::CheckpointOptions checkpoint_options(const Flags& flags) {
+  dtrain::CheckpointOptions options;
+  options.dir = flags.checkpoint_dir;
+  options.keep_last = static_cast<int>(flags.keep_checkpoints);
+  options.async = flags.async_checkpoints;
+  return options;
+}
+
+// TORCHELASTIC_RESTART_COUNT as `dtrain run` and torchrun set it: 0 in the first attempt.
+int64_t restart_count() {
+  const char* value = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  long long count = std::strtoll(value, &end, 10);
+  if (*end != '\0' || count < 0) {
+    throw dtrain::UsageError(std::string("train_fashion_mnist: TORCHELASTIC_RESTART_COUNT '") +
+                             value + "': expected a non-negative integer (set by the launcher)");
+  }
+  return count;
+}
 
 // Checked on every rank before anything starts, so that all ranks fail the same way, at once, and
-// an existing checkpoint is never overwritten by a run that did not ask to continue from it.
-void check_checkpoint_dir(const Flags& flags, int rank) {
+// existing checkpoints are never overwritten by a run that did not ask to continue from them. A
+// restart by the launcher continues from them by itself: they are its own first attempt's.
+void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
   if (flags.checkpoint_dir.empty()) return;
   namespace fs = std::filesystem;
   const std::string& dir = flags.checkpoint_dir;
   std::error_code error;
-  if (flags.resume && !fs::exists(checkpoint_path(flags))) {
-    throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint at " +
-                             checkpoint_path(flags) + "; run once with --checkpoint-dir " + dir +
+  if (fs::exists(dir) && !fs::is_directory(dir)) {
+    throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
+                             "' is a file, not a folder; pass a folder");
+  }
+  auto existing = dtrain::Checkpointer(checkpoint_options(flags)).list();
+  if (flags.resume && existing.empty()) {
+    throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint in " + dir +
+                             "; run once with --checkpoint-dir " + dir +
                              " first, or drop --resume");
   }
   fs::create_directories(dir, error);
@@ -317,87 +369,62 @@ void check_checkpoint_dir(const Flags& flags, int rank) {
     throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
                              "': cannot write there (" + std::strerror(errno) + ")");
   }
-  if (fs::exists(checkpoint_path(flags)) && !flags.resume) {
+  if (!existing.empty() && !flags.resume && !restarted) {
     throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
-                             "' already holds a checkpoint; "
-                             "pass --resume to continue from it, or choose another folder");
-  }
-  if (fs::is_directory(checkpoint_path(flags))) {
-    throw dtrain::UsageError("train_fashion_mnist: " + checkpoint_path(flags) +
-                             " is a folder, not a checkpoint");
+                             "' already holds a checkpoint (" + existing.back() +
+                             "); pass --resume to continue from it, or choose another folder");
   }
 }
 
-void save_checkpoint(const Flags& flags, torch::nn::Module& net, torch::optim::Optimizer& optimizer,
-                     const Position& at) {
-  std::filesystem::create_directories(flags.checkpoint_dir);
-  torch::serialize::OutputArchive archive;
-  net.save(archive);
-  torch::serialize::OutputArchive optimizer_archive;
-  optimizer.save(optimizer_archive);
-  archive.write("optimizer", optimizer_archive);
-  archive.write("epoch", torch::tensor(at.epoch));
-  archive.write("samples_consumed", torch::tensor(at.samples_consumed));
-  archive.write("steps", torch::tensor(at.steps));
-  archive.write("model_kind", torch::tensor(flags.model == "cnn" ? 1 : 0));
-  archive.write("seed", torch::tensor(flags.seed));  // the shuffle order the position refers to
-  std::string final_path = checkpoint_path(flags);
-  std::string temporary = final_path + ".tmp";
-  archive.save_to(temporary);
-  std::filesystem::rename(temporary, final_path);
+// Preemption. The handler only records the signal; the training loop polls it once per step.
+std::atomic<int> stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
+
+extern "C" void record_stop_signal(int signo) { stop_signal.store(signo); }
+
+void install_stop_handler() {
+  struct sigaction action {};
+  action.sa_handler = record_stop_signal;
+  sigemptyset(&action.sa_mask);
+  // Restart interrupted system calls: a collective's socket read must not fail with EINTR.
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
 }
 
-Position load_checkpoint(const Flags& flags, torch::nn::Module& net,
-                         torch::optim::Optimizer& optimizer) {
-  std::string path = checkpoint_path(flags);
-  if (!std::filesystem::exists(path)) {
-    throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint at " + path +
-                             "; run once with --checkpoint-dir " + flags.checkpoint_dir +
-                             " first, or drop --resume");
+// Note [Agreeing to stop]: SIGTERM reaches the ranks at different times (the launcher signals its
+// workers one by one; a scheduler may signal one node before another), so each rank's own flag may
+// change between any two steps. A rank that stopped on its own flag would leave the others waiting
+// in the next step's gradient all-reduce until its timeout. So after every step the ranks take the
+// maximum of their flags (one all-reduce of one integer, microseconds over shared memory): all see
+// the same answer after the same step, and all stop there together.
+bool agree_to_stop(dtrain::ProcessGroup& pg) {
+  at::Tensor flag = torch::tensor({static_cast<int64_t>(stop_signal.load() != 0)});
+  pg.all_reduce(flag, dtrain::ReduceOp::kMax);
+  return flag.item<int64_t>() != 0;
+}
+
+// Test hook for the fault-injection tests: DTRAIN_TEST_KILL_AT_STEP=RANK:STEP[:SIGNAL] makes that
+// rank send itself SIGNAL (default 9, SIGKILL) right after optimizer step STEP of the first attempt
+// (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch, or (15) preempted alone.
+struct KillAt {
+  int64_t rank = -1, step = -1;
+  int signal = SIGKILL;
+};
+
+KillAt kill_at_step_from_env() {
+  const char* value = std::getenv("DTRAIN_TEST_KILL_AT_STEP");
+  if (value == nullptr || *value == '\0') return {};
+  KillAt at;
+  long long signal = SIGKILL;
+  int used = 0;
+  long long rank = -1, step = -1;
+  int fields = std::sscanf(value, "%lld:%lld%n:%lld%n", &rank, &step, &used, &signal, &used);
+  if (fields < 2 || value[used] != '\0' || rank < 0 || step < 1 || signal < 1 || signal > 64) {
+    throw dtrain::UsageError(std::string("train_fashion_mnist: DTRAIN_TEST_KILL_AT_STEP '") +
+                             value +
+                             "': expected RANK:STEP[:SIGNAL], e.g. 1:120 (a test hook; unset it)");
   }
-  // Everything read from the file is checked before the model or optimizer is trusted with it.
-  auto unreadable = [&](const std::string& why) {
-    return dtrain::UsageError("train_fashion_mnist: --resume: " + path +
-                              " is not a usable checkpoint (" + why + "); it was left as it is");
-  };
-  Position at;
-  try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(path);
-    torch::Tensor value;
-    archive.read("model_kind", value);
-    if (value.item<int64_t>() != (flags.model == "cnn" ? 1 : 0)) {
-      throw dtrain::UsageError("train_fashion_mnist: --resume: " + path + " holds a " +
-                               (value.item<int64_t>() ? "cnn" : "mlp") + " model but --model is " +
-                               flags.model);
-    }
-    archive.read("seed", value);
-    if (value.item<int64_t>() != flags.seed) {
-      throw dtrain::UsageError("train_fashion_mnist: --resume: " + path +
-                               " was trained with --seed " + std::to_string(value.item<int64_t>()) +
-                               " but this run has --seed " + std::to_string(flags.seed) +
-                               "; the saved position only means something in the "
-                               "same shuffle order: pass --seed " +
-                               std::to_string(value.item<int64_t>()));
-    }
-    archive.read("epoch", value);
-    at.epoch = value.item<int64_t>();
-    archive.read("samples_consumed", value);
-    at.samples_consumed = value.item<int64_t>();
-    archive.read("steps", value);
-    at.steps = value.item<int64_t>();
-    net.load(archive);
-    torch::serialize::InputArchive optimizer_archive;
-    archive.read("optimizer", optimizer_archive);
-    optimizer.load(optimizer_archive);
-  } catch (const dtrain::UsageError&) {
-    throw;
-  } catch (const c10::Error& e) {
-    throw unreadable(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    throw unreadable(e.what());
-  }
-  return at;
+  return {rank, step, static_cast<int>(signal)};
 }
 
 // Before evaluating a pipeline, every rank takes each stage's trained layers from that stage (the
@@ -419,7 +446,9 @@ void gather_stages(torch::nn::Sequential& layers, const dtrain::RankMesh& mesh,
 
 int run(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
-  check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank);
+  const int64_t restarts = restart_count();
+  const auto kill_at = kill_at_step_from_env();
+  check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank, restarts > 0);
   auto pg = dtrain::init_process_group();
   const int world = pg->size(), rank = pg->rank();
   const bool leader = rank == 0;
@@ -492,8 +521,64 @@ int run(int argc, char** argv) {
     trained = pipeline->parameters();
   }
   torch::optim::SGD optimizer(trained, torch::optim::SGDOptions(flags.lr).momentum(0.9));
+
+  // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
+  // same).
+  const int data_rank = pipeline ? mesh.data_index : rank;
+  dtrain::DistributedSamplerOptions sampler_options;
+  sampler_options.seed = static_cast<uint64_t>(flags.seed);
+  dtrain::DistributedSampler sampler(train.labels.size(0), replicas, data_rank, sampler_options);
+
+  // epoch_samples[e]: training samples of epoch e whose gradients are in the model (padding repeats
+  // included), kept in the checkpoint so that work rolled back by a restart is not counted.
+  std::vector<int64_t> epoch_samples(flags.epochs, 0);
   Position at;
-  if (flags.resume) at = load_checkpoint(flags, *model, optimizer);
+  std::unique_ptr<dtrain::Checkpointer> checkpointer;
+  dtrain::TrainingState checkpoint_state{model.get(), &optimizer, &sampler};
+  std::string resumed_from;
+  if (!flags.checkpoint_dir.empty()) {
+    checkpointer = std::make_unique<dtrain::Checkpointer>(checkpoint_options(flags));
+  }
+  if (checkpointer && (flags.resume || restarts > 0)) {
+    auto loaded = checkpointer->load_latest(checkpoint_state, pg.get());
+    if (!loaded && flags.resume) {
+      throw dtrain::UsageError("train_fashion_mnist: --resume: no intact checkpoint in " +
+                               flags.checkpoint_dir +
+                               " (the damaged ones are named above); drop --resume to start over");
+    }
+    if (loaded) {
+      auto& values = checkpoint_state.values;
+      if (values["model"] != flags.model) {
+        throw dtrain::UsageError("train_fashion_mnist: --resume: " + loaded->path + " holds a " +
+                                 values["model"] + " model but --model is " + flags.model);
+      }
+      if (values["seed"] != std::to_string(flags.seed)) {
+        throw dtrain::UsageError("train_fashion_mnist: --resume: " + loaded->path +
+                                 " was trained with --seed " + values["seed"] +
+                                 " but this run has --seed " + std::to_string(flags.seed) +
+                                 "; the saved position only means something in the "
+                                 "same shuffle order: pass --seed " +
+                                 values["seed"]);
+      }
+      at = {sampler.state().epoch, sampler.state().samples_consumed, checkpoint_state.step};
+      at::Tensor saved_counts = checkpoint_state.tensors["epoch_samples"];
+      for (int64_t e = 0; e < saved_counts.numel(); ++e) {
+        if (e >= static_cast<int64_t>(epoch_samples.size())) epoch_samples.push_back(0);
+        epoch_samples[e] = saved_counts[e].item<int64_t>();
+      }
+      resumed_from = loaded->path;
+    }
+  }
+  // Saves the state after at.steps steps, with the sampler where it stands (rank 0 only: the state
+  // is replicated). Asynchronous with --async-checkpoints.
+  auto save_checkpoint = [&] {
+    if (!leader) return std::string();
+    checkpoint_state.step = at.steps;
+    checkpoint_state.tensors["epoch_samples"] = torch::tensor(epoch_samples, torch::kInt64);
+    checkpoint_state.values["model"] = flags.model;
+    checkpoint_state.values["seed"] = std::to_string(flags.seed);
+    return checkpointer->save(checkpoint_state);
+  };
   // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the
   // same optimizer state.
   std::unique_ptr<dtrain::DistributedDataParallel<NetImpl>> ddp;
@@ -509,21 +594,17 @@ int run(int argc, char** argv) {
     return torch::nn::functional::cross_entropy(logits, y);
   };
 
-  // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
-  // same).
-  const int data_rank = pipeline ? mesh.data_index : rank;
-  dtrain::DistributedSamplerOptions sampler_options;
-  sampler_options.seed = static_cast<uint64_t>(flags.seed);
-  dtrain::DistributedSampler sampler(train.labels.size(0), replicas, data_rank, sampler_options);
   sampler.load_state({at.epoch, at.samples_consumed});
-  if (leader && flags.resume) {
-    std::cout << "resumed from " << checkpoint_path(flags) << " at epoch " << at.epoch + 1 << ", "
+  if (leader && !resumed_from.empty()) {
+    std::cout << (restarts > 0 ? "restart " + std::to_string(restarts) + ": " : std::string())
+              << "resumed from " << resumed_from << " at epoch " << at.epoch + 1 << ", "
               << at.samples_consumed << " samples into it, step " << at.steps << std::endl;
   }
+  if (checkpointer) install_stop_handler();
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
-  bool stopped_early = false;
+  bool stopped_early = false, preempted = false;
   for (int64_t epoch = at.epoch; epoch < flags.epochs && !stopped_early; ++epoch) {
     if (epoch != at.epoch) sampler.set_epoch(epoch);
     std::vector<int64_t> indices = sampler.indices();
@@ -552,14 +633,21 @@ int run(int argc, char** argv) {
       optimizer.step();
       sampler.advance(count * replicas);
       samples_processed += count * replicas;
+      epoch_samples[epoch] += count * replicas;
       ++at.steps;
       if (leader) {
         last_loss = loss.item<double>();
         progress.update(step + 1, (step + 1) * local_batch * replicas, last_loss);
       }
-      if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && leader) {
-        save_checkpoint(flags, *model, optimizer,
-                        {epoch, sampler.state().samples_consumed, at.steps});
+      if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
+        std::raise(kill_at.signal);
+      }
+      if (checkpointer && agree_to_stop(*pg)) {
+        preempted = stopped_early = true;
+        break;
+      }
+      if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && checkpointer) {
+        save_checkpoint();
       }
       if (flags.max_steps > 0 && at.steps >= flags.max_steps) {
         stopped_early = true;
@@ -568,6 +656,7 @@ int run(int argc, char** argv) {
     }
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
     if (leader) progress.done();
+    if (preempted) break;
     if (pipeline) gather_stages(layers, mesh, pipeline_options.virtual_stages);
     accuracy = test_accuracy(*model, model_forward, test, *pg);
     if (leader) {
@@ -576,12 +665,23 @@ int run(int argc, char** argv) {
                     static_cast<long long>(epoch + 1), accuracy);
       std::cout << line << std::endl;
     }
-    if (!flags.checkpoint_dir.empty() && leader) {
-      Position saved = stopped_early ? Position{epoch, sampler.state().samples_consumed, at.steps}
-                                     : Position{epoch + 1, 0, at.steps};
-      save_checkpoint(flags, *model, optimizer, saved);
+    if (checkpointer) {
+      // A finished epoch is saved as the start of the next one.
+      if (!stopped_early) sampler.set_epoch(epoch + 1);
+      save_checkpoint();
     }
   }
+  if (preempted) {
+    std::string path = save_checkpoint();
+    checkpointer->wait();
+    pg->barrier();  // every rank exits once the checkpoint is on disk
+    if (leader) {
+      std::cout << "stopped by SIGTERM after step " << at.steps << ": saved " << path
+                << "; a restart by the launcher, or --resume, continues from it" << std::endl;
+    }
+    return 128 + SIGTERM;
+  }
+  if (checkpointer) checkpointer->wait();
   pg->barrier();  // rank 0's checkpoint is on disk before anyone reports success
   if (at.epoch >= flags.epochs && samples_processed == 0) {
     // Resumed from a checkpoint that already finished --epochs: nothing to train, but report the
@@ -603,7 +703,10 @@ int run(int argc, char** argv) {
          << flags.model << "\", \"global_batch\": " << flags.batch_size
          << ", \"train_samples\": " << samples_processed << ", \"train_time_s\": " << train_seconds
          << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)
-         << ", \"final_loss\": " << number(last_loss) << ", \"steps\": " << at.steps;
+         << ", \"final_loss\": " << number(last_loss) << ", \"steps\": " << at.steps
+         << ", \"restarts\": " << restarts << ", \"epoch_samples\": [";
+    for (size_t e = 0; e < epoch_samples.size(); ++e) json << (e ? ", " : "") << epoch_samples[e];
+    json << "]";
     if (mp || pipeline) {
       json << ", \"stages\": " << (mp ? mp->stages() : pipeline->stages())
            << ", \"data_parallel\": " << replicas << ", \"micro_batches\": " << flags.micro_batches

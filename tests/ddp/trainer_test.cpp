@@ -41,7 +41,7 @@ TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
                   " --batch-size 60 --resume --checkpoint-dir " + dir);
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from " + dir +
-                               "/checkpoint.pt at epoch 1, 2400 samples into it, step 40"),
+                               "/checkpoint-40.ckpt at epoch 1, 2400 samples into it, step 40"),
             std::string::npos)
       << second.output;
   EXPECT_EQ(json_int(second.output, "train_samples"), 60000 - 40 * 60) << second.output;
@@ -147,7 +147,7 @@ TEST(Trainer, BadInputIsOneLineAndExitCode2) {
   auto no_checkpoint =
       run_command(bin("train_fashion_mnist") + " --resume --checkpoint-dir /nonexistent/ckpt");
   EXPECT_EQ(no_checkpoint.exit_code, 2);
-  EXPECT_NE(no_checkpoint.output.find("no checkpoint at /nonexistent/ckpt/checkpoint.pt"),
+  EXPECT_NE(no_checkpoint.output.find("--resume: no checkpoint in /nonexistent/ckpt; run once"),
             std::string::npos)
       << no_checkpoint.output;
 }

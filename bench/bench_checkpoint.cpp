@@ -1,0 +1,137 @@
+// Checkpoint save, blocking vs asynchronous: how long the training loop is held by
+// dtrain::Checkpointer::save, for the trainer's MLP and CNN (with SGD momentum, so the optimizer
+// state is as large as the model). Between saves the loop trains --steps-between real steps on
+// batches of 64, so an asynchronous write overlaps with training as it would in a job.
+//   bench_checkpoint [--model mlp|cnn|both] [--saves 20] [--steps-between 100] [--dir DIR]
+// One JSON line per model and mode: the held time's median and 90th percentile, and for the
+// asynchronous mode the background write's time (measured through wait() after a save, separately).
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "dtrain/checkpoint.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The trainer's two models (examples/train_fashion_mnist.cpp), as Sequentials.
+torch::nn::Sequential make_model(const std::string& kind) {
+  namespace nn = torch::nn;
+  if (kind == "cnn") {
+    return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 16, 5).padding(2)), nn::ReLU(),
+                          nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(16, 32, 5).padding(2)),
+                          nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(32 * 7 * 7, 10));
+  }
+  return nn::Sequential(nn::Flatten(), nn::Linear(784, 256), nn::ReLU(), nn::Linear(256, 128),
+                        nn::ReLU(), nn::Linear(128, 10));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+double p90(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, v.size() * 9 / 10)];
+}
+
+void bench(const std::string& kind, bool async, int saves, int steps_between,
+           const std::string& dir) {
+  torch::manual_seed(0);
+  auto model = make_model(kind);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto x = torch::randn({64, 1, 28, 28});
+  auto y = torch::randint(0, 10, {64});
+  auto train_step = [&] {
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    optimizer.step();
+  };
+  train_step();  // momentum buffers exist from here on
+
+  std::filesystem::remove_all(dir);
+  dtrain::CheckpointOptions options;
+  options.dir = dir;
+  options.async = async;
+  options.keep_last = 2;
+  dtrain::Checkpointer checkpointer(options);
+  dtrain::TrainingState state{model.get(), &optimizer};
+
+  std::vector<double> held_ms, step_ms, write_ms;
+  for (int i = 0; i < saves; ++i) {
+    state.step = i;
+    auto start = Clock::now();
+    checkpointer.save(state);
+    held_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    auto train_start = Clock::now();
+    for (int s = 0; s < steps_between; ++s) train_step();
+    step_ms.push_back(
+        std::chrono::duration<double, std::milli>(Clock::now() - train_start).count() /
+        steps_between);
+  }
+  checkpointer.wait();
+  if (async) {
+    // The background write alone: save then wait at once, with no training in between.
+    for (int i = 0; i < std::max(5, saves / 4); ++i) {
+      state.step = saves + i;
+      auto start = Clock::now();
+      checkpointer.save(state);
+      checkpointer.wait();
+      write_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+  }
+  int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(checkpointer.list().back()));
+  char line[400];
+  std::snprintf(line, sizeof line,
+                "{\"model\": \"%s\", \"mode\": \"%s\", \"file_bytes\": %lld, \"saves\": %d, "
+                "\"held_ms_median\": %.3f, \"held_ms_p90\": %.3f, \"train_step_ms_median\": %.3f",
+                kind.c_str(), async ? "async" : "blocking", static_cast<long long>(bytes), saves,
+                median(held_ms), p90(held_ms), median(step_ms));
+  std::cout << line;
+  if (async) std::printf(", \"save_and_wait_ms_median\": %.3f", median(write_ms));
+  std::cout << std::flush;
+  std::printf("}\n");
+  std::fflush(stdout);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model = "both";
+  int saves = 20, steps_between = 100;
+  std::string dir =
+      (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid())))
+          .string();
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--model") {
+      model = value;
+    } else if (flag == "--saves") {
+      saves = std::max(1, std::stoi(value));
+    } else if (flag == "--steps-between") {
+      steps_between = std::max(1, std::stoi(value));
+    } else if (flag == "--dir") {
+      dir = value;
+    } else {
+      std::cerr << "bench_checkpoint: unknown flag '" << flag
+                << "'; flags: --model mlp|cnn|both --saves N --steps-between N --dir DIR\n";
+      return 2;
+    }
+  }
+  torch::set_num_threads(1);  // as one rank of the trainer
+  for (const std::string kind : {"mlp", "cnn"}) {
+    if (model != "both" && model != kind) continue;
+    bench(kind, /*async=*/false, saves, steps_between, dir);
+    bench(kind, /*async=*/true, saves, steps_between, dir);
+  }
+  return 0;
+}

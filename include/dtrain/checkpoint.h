@@ -1,0 +1,128 @@
+// dtrain's checkpoints: the state of a training run (model, optimizer, sampler position, step,
+// torch's CPU random generator, and whatever else the program adds) saved atomically into numbered
+// files of one folder, each guarded by a checksum, the newest K kept, optionally written by a
+// background thread while training goes on.
+//
+//   dtrain::CheckpointOptions options;
+//   options.dir = "ckpt";
+//   options.async = true;                       // the training loop waits only for a copy in
+//   memory dtrain::Checkpointer checkpointer(options); dtrain::TrainingState state{&net,
+//   &optimizer, &sampler}; if (auto loaded = checkpointer.load_latest(state, pg.get())) start_step
+//   = state.step; for (...) {
+//     ...; state.step = step;
+//     if (step % 100 == 0 && pg->rank() == 0) checkpointer.save(state);
+//   }
+//
+// Note [Checkpoint file]: <dir>/checkpoint-<step>.ckpt is a 24-byte header (the magic "DTRCKPT1",
+// the payload's length and its CRC-32, little-endian) followed by the payload, a torch::pickle_save
+// zip (Python's torch.load reads it after the header) of a dict: "model" (name -> tensor, as
+// named_parameters and named_buffers), "optimizer" (LibTorch's optimizer archive, as bytes),
+// "sampler", "step", "rng", "tensors", "values". A file is written as a hidden temporary, fsynced,
+// renamed into place and the folder fsynced, so a crash leaves either the old set of files or the
+// new one, never a half-written checkpoint under a checkpoint's name; the checksum catches the rest
+// (a disk that tore a write, a file truncated or edited by hand).
+//
+// Loading state saved at another world size works as long as the state is replicated (the same on
+// every rank, as in DDP): the sampler's saved position counts the samples of all ranks together and
+// redistributes over the new ranks (see DistributedSampler::load_state).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+class DistributedSampler;
+class ProcessGroup;
+
+struct CheckpointOptions {
+  // The folder of the checkpoint files; created on the first save if missing.
+  std::string dir;
+  // How many of the newest complete checkpoints to keep (>= 1); older ones are deleted after each
+  // successful save. Keep at least 2 so that a newest file found corrupt has a predecessor.
+  int keep_last = 3;
+  // save() copies the state in memory and returns; a background thread writes the file. A new save
+  // (and load, wait and the destructor) first waits for the one in flight.
+  bool async = false;
+  // Files are <dir>/<prefix>-<step>.ckpt.
+  std::string prefix = "checkpoint";
+};
+
+// What a checkpoint holds. The pointers are not owned; null ones are neither saved nor loaded.
+// Every rank that loads must describe the same model and optimizer (parameter names and shapes) as
+// the rank that saved.
+struct TrainingState {
+  torch::nn::Module* model = nullptr;
+  torch::optim::Optimizer* optimizer = nullptr;
+  DistributedSampler* sampler = nullptr;      // its position (epoch, samples consumed by all ranks)
+  int64_t step = 0;                           // the caller's step count; names the file
+  bool rng = true;                            // torch's default CPU generator (CUDA: not yet)
+  std::map<std::string, at::Tensor> tensors;  // the caller's extra tensors
+  std::map<std::string, std::string> values;  // the caller's small key/value extras
+};
+
+// What load_latest found.
+struct LoadedCheckpoint {
+  std::string path;  // the file the state came from
+  int64_t step = 0;
+  // Newer files that were skipped because they are torn or corrupt (each also named in a warning).
+  std::vector<std::string> skipped;
+};
+
+// Saves and finds checkpoints in one folder. Usually only rank 0 of a data-parallel job saves (the
+// state is replicated); every rank loads (from a shared folder, or through rank 0 with a group).
+// Not thread-safe: call it from one thread (the training loop).
+class Checkpointer {
+ public:
+  // Throws UsageError if options.dir is empty or keep_last < 1.
+  explicit Checkpointer(CheckpointOptions options);
+  // Waits for a save in flight; logs (never throws) if it failed.
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Writes state as checkpoint state.step (replacing a file of the same step) and deletes all but
+  // the newest keep_last. Synchronous: returns once the file and its folder entry are on disk.
+  // Asynchronous: first waits for the previous save (rethrowing its error), then copies the tensors
+  // and returns; the writing happens on a background thread. Returns the file's path. Throws
+  // UsageError naming the file and the cause when it cannot be written (no space, no permission).
+  std::string save(const TrainingState& state);
+
+  // Blocks until the save in flight (if any) is on disk; rethrows its error.
+  void wait();
+
+  // Loads the newest checkpoint whose checksum holds into state (the model's and optimizer's
+  // tensors in place, the sampler's position, step, the RNG, tensors and values), skipping and
+  // warning about newer corrupt ones. Returns nullopt when the folder has no intact checkpoint.
+  // With a group, only its rank 0 reads the folder and broadcasts the bytes (for nodes without a
+  // shared file system); every rank of the group must call it, and it blocks up to the group's
+  // timeout on rank 0's reading. Throws UsageError naming the file when the checkpoint does not fit
+  // the state (a parameter missing or of another shape, another optimizer).
+  std::optional<LoadedCheckpoint> load_latest(TrainingState& state, ProcessGroup* group = nullptr);
+
+  // The checkpoint files of the folder, oldest first (intact or not: only loading checks).
+  std::vector<std::string> list() const;
+
+  const CheckpointOptions& options() const { return options_; }
+
+ private:
+  struct Impl;
+  CheckpointOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain
