@@ -26,9 +26,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kLine = 64;
-constexpr uint64_t kHeaderBytes = 32;  // also the padding unit, so a header never wraps the ring
+constexpr uint64_t kHeaderBytes = 32;    // also the padding unit, so a header never wraps the ring
 constexpr uint32_t kMagic = 0x64747032;  // "dtp2": a header that lacks it means the ring is corrupt
-constexpr int kSpinPasses = 200;  // a ping-pong peer usually answers within microseconds
+constexpr int kSpinPasses = 200;         // a ping-pong peer usually answers within microseconds
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(200);
 
 std::atomic<uint64_t> messages_received{0};
@@ -38,11 +38,12 @@ std::atomic<int64_t> ring_bytes_override{0};
 enum Gone : int32_t { kPresent = 0, kClosed = 1, kFailed = 2 };
 
 struct alignas(kLine) RankRecord {
-  std::atomic<uint32_t> wake;      // bumped when there is news for this rank; its threads sleep on it
-  std::atomic<uint32_t> sleepers;  // threads of this rank asleep on `wake`: a waker skips the syscall at 0
-  std::atomic<int32_t> pid;        // to tell a dead peer from a slow one...
-  std::atomic<int32_t> gone;       // Gone
-  std::atomic<uint64_t> pid_ns;    // ...when it lives in our pid namespace
+  std::atomic<uint32_t> wake;  // bumped when there is news for this rank; its threads sleep on it
+  std::atomic<uint32_t>
+      sleepers;  // threads of this rank asleep on `wake`: a waker skips the syscall at 0
+  std::atomic<int32_t> pid;      // to tell a dead peer from a slow one...
+  std::atomic<int32_t> gone;     // Gone
+  std::atomic<uint64_t> pid_ns;  // ...when it lives in our pid namespace
 };
 
 // One directed pair sender -> receiver; head and tail on their own lines, each written by one side.
@@ -74,7 +75,9 @@ size_t segment_bytes(int size, int64_t ring_bytes) {
   return control_bytes(size) + static_cast<size_t>(size) * size * static_cast<size_t>(ring_bytes);
 }
 
-uint64_t padded(int64_t bytes) { return (static_cast<uint64_t>(bytes) + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes; }
+uint64_t padded(int64_t bytes) {
+  return (static_cast<uint64_t>(bytes) + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes;
+}
 
 uint64_t own_pid_namespace() {
   struct stat info {};
@@ -82,7 +85,8 @@ uint64_t own_pid_namespace() {
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
-  timespec ts{static_cast<time_t>(timeout.count() / 1000000), static_cast<long>(timeout.count() % 1000000 * 1000)};
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000),
+              static_cast<long>(timeout.count() % 1000000 * 1000)};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
@@ -90,8 +94,10 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// Ring copies: `position` counts bytes since the ring began; the ring wraps at `ring_bytes` (a power of two).
-void copy_into_ring(char* ring, uint64_t ring_bytes, uint64_t position, const char* from, uint64_t n) {
+// Ring copies: `position` counts bytes since the ring began; the ring wraps at `ring_bytes` (a
+// power of two).
+void copy_into_ring(char* ring, uint64_t ring_bytes, uint64_t position, const char* from,
+                    uint64_t n) {
   if (n == 0) return;
   uint64_t at = position & (ring_bytes - 1);
   uint64_t first = std::min(n, ring_bytes - at);
@@ -99,7 +105,8 @@ void copy_into_ring(char* ring, uint64_t ring_bytes, uint64_t position, const ch
   if (n > first) std::memcpy(ring, from + first, n - first);
 }
 
-void copy_out_of_ring(const char* ring, uint64_t ring_bytes, uint64_t position, char* to, uint64_t n) {
+void copy_out_of_ring(const char* ring, uint64_t ring_bytes, uint64_t position, char* to,
+                      uint64_t n) {
   if (n == 0) return;
   uint64_t at = position & (ring_bytes - 1);
   uint64_t first = std::min(n, ring_bytes - at);
@@ -134,7 +141,8 @@ struct ShmPointToPoint::Incoming {
   uint64_t tail = 0;  // this side's copy of the pair's tail
   std::map<int, std::deque<std::shared_ptr<ShmMessage>>> posted;  // recvs without a message, by tag
   size_t posted_count = 0;
-  std::map<int, std::deque<std::shared_ptr<Held>>> held;  // messages without a recv, by tag, oldest first
+  std::map<int, std::deque<std::shared_ptr<Held>>>
+      held;  // messages without a recv, by tag, oldest first
   // The message being read out of the ring, into a recv, a held buffer, or nowhere (a mismatch).
   bool reading = false;
   std::shared_ptr<ShmMessage> into;
@@ -173,7 +181,8 @@ std::unique_ptr<ShmPointToPoint> ShmPointToPoint::create(c10d::Store& store, int
       give_up_fd("shm_open");
     } else if (ftruncate(fd, static_cast<off_t>(segment_bytes(size, ring_bytes))) != 0) {
       give_up_fd("sizing the segment");  // sparse: the rings take no memory until reserved
-    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(control_bytes(size))); err != 0) {
+    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(control_bytes(size)));
+               err != 0) {
       errno = err;
       give_up_fd("reserving the control records in /dev/shm");
     }
@@ -181,7 +190,8 @@ std::unique_ptr<ShmPointToPoint> ShmPointToPoint::create(c10d::Store& store, int
       shm_unlink(name.c_str());
       name.clear();
     }
-    // Empty: no shared memory for this group. The ring size travels along, so every rank agrees on it.
+    // Empty: no shared memory for this group. The ring size travels along, so every rank agrees on
+    // it.
     store.set("p2p/name", bytes_of(name.empty() ? "" : name + "|" + std::to_string(ring_bytes)));
   } else {
     auto value = store.get("p2p/name");
@@ -223,20 +233,23 @@ std::unique_ptr<ShmPointToPoint> ShmPointToPoint::create(c10d::Store& store, int
     if (fd >= 0) close(fd);
     throw;
   }
-  if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
+  if (rank == 0 && !name.empty())
+    shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
   if (!all_attached) {
     if (attached) munmap(base, bytes);
     if (fd >= 0) close(fd);
     if (!problem.empty()) {
-      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point (" << problem
-                                                                            << "); send/recv go through Gloo");
+      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point ("
+                            << problem << "); send/recv go through Gloo");
     }
     return nullptr;
   }
-  return std::unique_ptr<ShmPointToPoint>(new ShmPointToPoint(rank, size, fd, base, bytes, ring_bytes));
+  return std::unique_ptr<ShmPointToPoint>(
+      new ShmPointToPoint(rank, size, fd, base, bytes, ring_bytes));
 }
 
-ShmPointToPoint::ShmPointToPoint(int rank, int size, int fd, void* base, size_t bytes, int64_t ring_bytes)
+ShmPointToPoint::ShmPointToPoint(int rank, int size, int fd, void* base, size_t bytes,
+                                 int64_t ring_bytes)
     : rank_(rank),
       size_(size),
       fd_(fd),
@@ -343,17 +356,18 @@ void ShmPointToPoint::push_locked(int dst) {
   Outgoing& out = outgoing_[dst];
   PairControl& pair = pair_of(base_, size_, rank_, dst);
   if (!out.ring_reserved) {
-    // First message to dst: reserve its ring now, so a full /dev/shm is an error here and not a SIGBUS
-    // in the middle of a copy.
+    // First message to dst: reserve its ring now, so a full /dev/shm is an error here and not a
+    // SIGBUS in the middle of a copy.
     off_t offset = static_cast<off_t>(ring(rank_, dst) - static_cast<char*>(base_));
     if (int err = posix_fallocate(fd_, offset, static_cast<off_t>(ring_bytes_)); err != 0) {
       pair.ring_state.store(kRingNoSpace, std::memory_order_release);
       wake(dst);
-      auto failure = std::make_exception_ptr(ShmFailure(
-          "cannot reserve " + std::to_string(ring_bytes_) + " bytes in /dev/shm for messages to group rank " +
-              std::to_string(dst) + " (" + std::strerror(err) +
-              "); free space in /dev/shm or set DTRAIN_SHM=0 to send through Gloo",
-          ShmFailure::Kind::kPeerLost, dst));
+      auto failure = std::make_exception_ptr(
+          ShmFailure("cannot reserve " + std::to_string(ring_bytes_) +
+                         " bytes in /dev/shm for messages to group rank " + std::to_string(dst) +
+                         " (" + std::strerror(err) +
+                         "); free space in /dev/shm or set DTRAIN_SHM=0 to send through Gloo",
+                     ShmFailure::Kind::kPeerLost, dst));
       for (auto& message : out.queue) complete_locked(*message, failure);
       out.queue.clear();
       return;
@@ -369,9 +383,10 @@ void ShmPointToPoint::push_locked(int dst) {
     uint64_t free = capacity - (out.head - pair.tail.load(std::memory_order_acquire));
     if (!message.header_moved) {
       if (free < kHeaderBytes) break;
-      MessageHeader header{kMagic, message.tag, static_cast<int32_t>(message.data.scalar_type()), 0,
-                           message.bytes, 0};
-      copy_into_ring(buffer, capacity, out.head, reinterpret_cast<const char*>(&header), kHeaderBytes);
+      MessageHeader header{kMagic, message.tag,   static_cast<int32_t>(message.data.scalar_type()),
+                           0,      message.bytes, 0};
+      copy_into_ring(buffer, capacity, out.head, reinterpret_cast<const char*>(&header),
+                     kHeaderBytes);
       out.head += kHeaderBytes;
       free -= kHeaderBytes;
       message.header_moved = true;
@@ -383,8 +398,8 @@ void ShmPointToPoint::push_locked(int dst) {
       // Only the payload's bytes are copied; the padding after it is skipped.
       const uint64_t payload =
           message.moved < message.bytes ? std::min<uint64_t>(n, message.bytes - message.moved) : 0;
-      copy_into_ring(buffer, capacity, out.head, static_cast<const char*>(message.data.data_ptr()) + message.moved,
-                     payload);
+      copy_into_ring(buffer, capacity, out.head,
+                     static_cast<const char*>(message.data.data_ptr()) + message.moved, payload);
       message.moved += n;
       out.head += n;
       wrote = true;
@@ -414,14 +429,17 @@ void ShmPointToPoint::pull_locked(int src) {
       MessageHeader header;
       copy_out_of_ring(buffer, capacity, in.tail, reinterpret_cast<char*>(&header), kHeaderBytes);
       if (header.magic != kMagic) {
-        throw InternalError("shared-memory point to point: corrupt message header in the ring from group rank " +
-                            std::to_string(src));
+        throw InternalError(
+            "shared-memory point to point: corrupt message header in the ring from group rank " +
+            std::to_string(src));
       }
       auto posted = in.posted.find(header.tag);
       const bool wanted = posted != in.posted.end() && !posted->second.empty();
-      // Nobody needs this message out of the ring yet: leave it there (no copy) until a recv from src is
-      // posted, or the sender needs the space.
-      if (!wanted && in.posted_count == 0 && pair.sender_waiting.load(std::memory_order_acquire) == 0) break;
+      // Nobody needs this message out of the ring yet: leave it there (no copy) until a recv from
+      // src is posted, or the sender needs the space.
+      if (!wanted && in.posted_count == 0 &&
+          pair.sender_waiting.load(std::memory_order_acquire) == 0)
+        break;
       const auto dtype = static_cast<at::ScalarType>(header.dtype);
       in.reading = true;
       in.bytes = header.bytes;
@@ -435,7 +453,8 @@ void ShmPointToPoint::pull_locked(int src) {
           // Consume the message anyway (into nowhere): the sender must not stay stuck behind it.
           complete_locked(*recv, std::make_exception_ptr(ShmFailure(
                                      "the message holds " + describe(dtype, header.bytes) +
-                                         " but this recv expects " + describe(recv->data.scalar_type(), recv->bytes),
+                                         " but this recv expects " +
+                                         describe(recv->data.scalar_type(), recv->bytes),
                                      ShmFailure::Kind::kMismatch, src)));
         } else {
           in.into = recv;
@@ -454,10 +473,12 @@ void ShmPointToPoint::pull_locked(int src) {
     const uint64_t total = padded(in.bytes);
     const uint64_t n = std::min<uint64_t>(head - in.tail, total - in.moved);
     if (n > 0) {
-      char* to = in.into ? static_cast<char*>(in.into->data.data_ptr())
-                         : in.held_into ? in.held_into->data.data() : nullptr;
+      char* to = in.into        ? static_cast<char*>(in.into->data.data_ptr())
+                 : in.held_into ? in.held_into->data.data()
+                                : nullptr;
       const uint64_t payload =
-          in.moved < in.bytes ? std::min<uint64_t>(n, static_cast<uint64_t>(in.bytes - in.moved)) : 0;
+          in.moved < in.bytes ? std::min<uint64_t>(n, static_cast<uint64_t>(in.bytes - in.moved))
+                              : 0;
       if (to) copy_out_of_ring(buffer, capacity, in.tail, to + in.moved, payload);
       in.moved += n;
       in.tail += n;
@@ -469,7 +490,8 @@ void ShmPointToPoint::pull_locked(int src) {
       in.held_into->complete = true;
       if (auto recv = in.held_into->recv) {
         // Its recv came while it streamed in; recv() already took it off the held list.
-        if (recv->bytes > 0) std::memcpy(recv->data.data_ptr(), in.held_into->data.data(), recv->bytes);
+        if (recv->bytes > 0)
+          std::memcpy(recv->data.data_ptr(), in.held_into->data.data(), recv->bytes);
         complete_locked(*recv);
       }
     }
@@ -519,20 +541,22 @@ void ShmPointToPoint::wait(ShmMessage& message, std::chrono::milliseconds timeou
     if (progress_and_done()) break;
     if (pass < kSpinPasses) continue;
     const auto now = Clock::now();
-    // The peer cannot answer any more: it failed, closed its group, or its process is gone. What it wrote
-    // before is still delivered (the progress pass above, and one more below).
+    // The peer cannot answer any more: it failed, closed its group, or its process is gone. What it
+    // wrote before is still delivered (the progress pass above, and one more below).
     std::string lost;
     if (int32_t gone = peer.gone.load(std::memory_order_acquire); gone != kPresent) {
       lost = "group rank " + std::to_string(message.peer) +
              (gone == kClosed ? " destroyed its group" : " gave up after an error of its own");
     } else if (!message.is_send &&
                pair_of(base_, size_, message.peer, rank_).ring_state.load() == kRingNoSpace) {
-      lost = "group rank " + std::to_string(message.peer) + " could not reserve its ring in /dev/shm";
+      lost =
+          "group rank " + std::to_string(message.peer) + " could not reserve its ring in /dev/shm";
     } else if (now > next_liveness_check) {
       next_liveness_check = now + kLivenessPeriod;
       int32_t pid = peer.pid.load();
       if (pid > 0 && peer.pid_ns.load() == my_namespace && kill(pid, 0) != 0 && errno == ESRCH) {
-        lost = "group rank " + std::to_string(message.peer) + " (pid " + std::to_string(pid) + ") exited";
+        lost = "group rank " + std::to_string(message.peer) + " (pid " + std::to_string(pid) +
+               ") exited";
       }
     }
     if (!lost.empty()) {
@@ -540,14 +564,16 @@ void ShmPointToPoint::wait(ShmMessage& message, std::chrono::milliseconds timeou
       give_up(message, ShmFailure(lost, ShmFailure::Kind::kPeerLost, message.peer));
     }
     if (now > deadline) {
-      give_up(message, ShmFailure("timed out waiting for group rank " + std::to_string(message.peer),
-                                  ShmFailure::Kind::kTimeout, message.peer));
+      give_up(message,
+              ShmFailure("timed out waiting for group rank " + std::to_string(message.peer),
+                         ShmFailure::Kind::kTimeout, message.peer));
     }
     me.sleepers.fetch_add(1);
     if (me.wake.load() == seen) {
       auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
       futex_wait(&me.wake, seen,
-                 std::clamp<std::chrono::microseconds>(left, std::chrono::microseconds(1), kLivenessPeriod));
+                 std::clamp<std::chrono::microseconds>(left, std::chrono::microseconds(1),
+                                                       kLivenessPeriod));
     }
     me.sleepers.fetch_sub(1);
   }
@@ -571,7 +597,8 @@ void ShmPointToPoint::run_progress_thread() {
         try {
           progress_locked();
         } catch (const std::exception& e) {
-          // A corrupt ring: the waiter of the affected message sees the same when it moves the data.
+          // A corrupt ring: the waiter of the affected message sees the same when it moves the
+          // data.
           DTRAIN_LOG(kWarn, "shared-memory point to point: " << e.what());
         }
       }
@@ -586,7 +613,8 @@ uint64_t shm_p2p_messages_received() { return messages_received.load(); }
 
 void set_shm_p2p_ring_bytes(int64_t bytes) {
   if (bytes != 0 && (bytes < 64 || (bytes & (bytes - 1)) != 0)) {
-    throw UsageError("set_shm_p2p_ring_bytes(" + std::to_string(bytes) + "): expected 0 or a power of two >= 64");
+    throw UsageError("set_shm_p2p_ring_bytes(" + std::to_string(bytes) +
+                     "): expected 0 or a power of two >= 64");
   }
   ring_bytes_override.store(bytes);
 }

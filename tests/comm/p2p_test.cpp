@@ -1,7 +1,7 @@
-// Point to point between ranks on one host: isend/irecv through shared memory (Note [Shared-memory point
-// to point]) against the contract in comm.h, and the Gloo path that DTRAIN_SHM=0 keeps. A tiny ring (256
-// bytes) makes small tensors reach the paths that large ones take: messages that stream through a full
-// ring, and messages copied out of it before their recv is posted.
+// Point to point between ranks on one host: isend/irecv through shared memory (Note [Shared-memory
+// point to point]) against the contract in comm.h, and the Gloo path that DTRAIN_SHM=0 keeps. A
+// tiny ring (256 bytes) makes small tensors reach the paths that large ones take: messages that
+// stream through a full ring, and messages copied out of it before their recv is posted.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -90,14 +90,16 @@ TEST(PointToPoint, TagsMatchOutOfOrderAndInOrderWithinATag) {
       sends.push_back(group.isend(pattern(100, at::kFloat, 1), 1, /*tag=*/1));
       sends.push_back(group.isend(pattern(5, at::kFloat, 2), 1, /*tag=*/2));
       sends.push_back(group.isend(pattern(300, at::kFloat, 3), 1, /*tag=*/3));
-      sends.push_back(group.isend(pattern(7, at::kFloat, 4), 1, /*tag=*/2));  // second message of tag 2
+      sends.push_back(
+          group.isend(pattern(7, at::kFloat, 4), 1, /*tag=*/2));  // second message of tag 2
       for (auto& w : sends) w.wait();
     } else {
       // Tag 3 first: tags 1 and 2 in front of it are set aside, not lost and not blocking.
       at::Tensor three = torch::empty({300}), two_a = torch::empty({5}), two_b = torch::empty({7}),
                  one = torch::empty({100});
       group.recv(three, 0, 3);
-      Work second_of_two = group.irecv(two_a, 0, 2);  // posted first: gets the first message of tag 2
+      Work second_of_two =
+          group.irecv(two_a, 0, 2);  // posted first: gets the first message of tag 2
       group.recv(one, 0, 1);
       group.recv(two_b, 0, 2);
       second_of_two.wait();
@@ -111,8 +113,9 @@ TEST(PointToPoint, TagsMatchOutOfOrderAndInOrderWithinATag) {
 
 TEST(PointToPoint, SendCompletesWhileTheReceiverWaitsElsewhere) {
   RingSize ring(kTinyRing);
-  // Rank 0's message is 40x the ring. If a send waited for its recv, rank 0 would block in wait() while
-  // rank 1 waits for tag 2, which rank 0 sends only afterwards; the 20 s timeout would end the test.
+  // Rank 0's message is 40x the ring. If a send waited for its recv, rank 0 would block in wait()
+  // while rank 1 waits for tag 2, which rank 0 sends only afterwards; the 20 s timeout would end
+  // the test.
   run_group(
       2,
       [&](int rank, ProcessGroup& group) {
@@ -150,14 +153,16 @@ TEST(PointToPoint, ManyMessagesInFlightEveryDirection) {
       for (int peer = 0; peer < world; ++peer) {
         if (peer == rank) continue;
         // Sizes vary with i; tags repeat (i % 4), so order within a tag matters too.
-        works.push_back(group.isend(pattern(1 + 37 * i, at::kFloat, 100 * rank + peer + i), peer, i % 4));
+        works.push_back(
+            group.isend(pattern(1 + 37 * i, at::kFloat, 100 * rank + peer + i), peer, i % 4));
         received.push_back(torch::empty({1 + 37 * i}));
         works.push_back(group.irecv(received.back(), peer, i % 4));
         expected.push_back(pattern(1 + 37 * i, at::kFloat, 100 * peer + rank + i));
       }
     }
     for (auto& w : works) w.wait();
-    for (size_t k = 0; k < received.size(); ++k) EXPECT_TRUE(torch::equal(received[k], expected[k])) << k;
+    for (size_t k = 0; k < received.size(); ++k)
+      EXPECT_TRUE(torch::equal(received[k], expected[k])) << k;
   });
 }
 
@@ -185,14 +190,18 @@ std::string recv_error(at::Tensor sent, at::Tensor into, int tag) {
 
 TEST(PointToPoint, SizeOrDtypeMismatchIsAUsageErrorNamingBothRanksAndTheTag) {
   std::string error = recv_error(torch::ones({10}), torch::empty({12}), 4);
-  EXPECT_EQ(error.find("rank 1/2: recv with rank 0 on group 'default' (tag 4): the message holds 10 elements "
-                       "of Float (40 bytes) but this recv expects 12 elements of Float (48 bytes)"),
-            0u)
+  EXPECT_EQ(
+      error.find(
+          "rank 1/2: recv with rank 0 on group 'default' (tag 4): the message holds 10 elements "
+          "of Float (40 bytes) but this recv expects 12 elements of Float (48 bytes)"),
+      0u)
       << error;
   error = recv_error(torch::ones({10}), torch::empty({10}, torch::kFloat64), 6);
-  EXPECT_NE(error.find("(tag 6): the message holds 10 elements of Float (40 bytes) but this recv expects 10 "
-                       "elements of Double (80 bytes)"),
-            std::string::npos)
+  EXPECT_NE(
+      error.find(
+          "(tag 6): the message holds 10 elements of Float (40 bytes) but this recv expects 10 "
+          "elements of Double (80 bytes)"),
+      std::string::npos)
       << error;
 }
 
@@ -209,13 +218,15 @@ TEST(PointToPoint, PeerThatDestroysItsGroupIsReportedWithoutTheTimeout) {
         } catch (const PeerLostError& e) {
           error = e.what();
         } catch (const CommError& e) {
-          error = std::string("not a PeerLostError: ") + e.what();  // a timeout would come after 60 s
+          error =
+              std::string("not a PeerLostError: ") + e.what();  // a timeout would come after 60 s
         }
       },
       std::chrono::seconds(60));
-  EXPECT_EQ(error.find("rank 0/2: recv with rank 1 on group 'default' failed (group rank 1 destroyed its "
-                       "group); rank 1 did not post the matching send (tag 8)"),
-            0u)
+  EXPECT_EQ(
+      error.find("rank 0/2: recv with rank 1 on group 'default' failed (group rank 1 destroyed its "
+                 "group); rank 1 did not post the matching send (tag 8)"),
+      0u)
       << error;
 }
 
@@ -241,8 +252,9 @@ TEST(PointToPoint, RecvTimeoutNamesThePeerAndTag) {
           done = true;
         },
         std::chrono::seconds(60), shared_memory);
-    EXPECT_EQ(error.find("rank 0/2: recv with rank 1 on group 'default' timed out after 0.3 s; rank 1 did "
-                         "not post the matching send (tag 11)"),
+    EXPECT_EQ(error.find(
+                  "rank 0/2: recv with rank 1 on group 'default' timed out after 0.3 s; rank 1 did "
+                  "not post the matching send (tag 11)"),
               0u)
         << (shared_memory ? "shared memory: " : "Gloo: ") << error;
   }
@@ -262,7 +274,8 @@ TEST(PointToPoint, WithoutSharedMemoryGoesThroughGloo) {
         EXPECT_TRUE(torch::equal(received, pattern(1000, at::kInt, peer)));
       },
       std::chrono::seconds(60), /*shared_memory=*/false);
-  EXPECT_EQ(detail::shm_p2p_messages_received(), before);  // none of them went through shared memory
+  EXPECT_EQ(detail::shm_p2p_messages_received(),
+            before);  // none of them went through shared memory
 }
 
 }  // namespace
