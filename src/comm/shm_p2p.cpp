@@ -295,7 +295,18 @@ void ShmPointToPoint::complete_locked(ShmMessage& message, std::exception_ptr er
   message.error = error;
   message.done.store(true, std::memory_order_release);
   if (!error && !message.is_send) ++messages_received;
-  wake(rank_);  // a waiter of this rank may be asleep on it
+  // A waiter of this rank may be asleep on it. Nobody waiting (an isend done in its caller, or
+  // while the caller computes): no wake-up, which would only stir the progress thread.
+  if (waiters_.load() > 0) wake(rank_);
+}
+
+bool ShmPointToPoint::has_pending_work_locked() {
+  for (int r = 0; r < size_; ++r) {
+    if (!outgoing_[r].queue.empty() || incoming_[r].reading) return true;
+    if (pair_of(base_, size_, r, rank_).sender_waiting.load(std::memory_order_acquire) != 0)
+      return true;
+  }
+  return false;
 }
 
 std::shared_ptr<ShmMessage> ShmPointToPoint::send(const at::Tensor& tensor, int dst, int tag) {
@@ -516,18 +527,29 @@ void ShmPointToPoint::give_up(ShmMessage& message, const ShmFailure& failure) {
 }
 
 void ShmPointToPoint::wait(ShmMessage& message, std::chrono::milliseconds timeout) {
+  if (message.done.load(std::memory_order_acquire)) {
+    if (message.error) rethrow_failure(message);
+    return;
+  }
   RankRecord& me = records_of(base_)[rank_];
   RankRecord& peer = records_of(base_)[message.peer];
   const auto deadline = Clock::now() + timeout;
   auto next_liveness_check = Clock::now() + kLivenessPeriod;
-  const uint64_t my_namespace = own_pid_namespace();
+  static const uint64_t my_namespace = own_pid_namespace();
   struct Waiting {
     std::atomic<int>& waiters;
     ShmPointToPoint& self;
     explicit Waiting(std::atomic<int>& w, ShmPointToPoint& s) : waiters(w), self(s) { ++waiters; }
     ~Waiting() {
-      // The progress thread rested while this thread moved the data; it takes over again now.
-      if (--waiters == 0) self.wake(self.rank_);
+      // The progress thread rested while this thread moved the data; it takes over what is left
+      // (news that came after this thread's last pass would otherwise wait for the next one).
+      if (--waiters == 0) {
+        std::unique_lock<std::mutex> lock(self.mutex_);
+        if (self.has_pending_work_locked()) {
+          lock.unlock();
+          self.wake(self.rank_);
+        }
+      }
     }
   } waiting(waiters_, *this);
 
@@ -577,12 +599,14 @@ void ShmPointToPoint::wait(ShmMessage& message, std::chrono::milliseconds timeou
     }
     me.sleepers.fetch_sub(1);
   }
-  if (message.error) {
-    try {
-      std::rethrow_exception(message.error);
-    } catch (const ShmFailure& failure) {
-      give_up(message, failure);
-    }
+  if (message.error) rethrow_failure(message);
+}
+
+void ShmPointToPoint::rethrow_failure(ShmMessage& message) {
+  try {
+    std::rethrow_exception(message.error);
+  } catch (const ShmFailure& failure) {
+    give_up(message, failure);
   }
 }
 

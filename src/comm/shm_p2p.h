@@ -105,6 +105,8 @@ class ShmPointToPoint {
   void push_locked(int dst);
   void pull_locked(int src);
   void complete_locked(ShmMessage& message, std::exception_ptr error = nullptr);
+  bool has_pending_work_locked();
+  [[noreturn]] void rethrow_failure(ShmMessage& message);
   void wake(int rank);
   void run_progress_thread();
   [[noreturn]] void give_up(ShmMessage& message, const ShmFailure& failure);
