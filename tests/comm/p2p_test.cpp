@@ -6,7 +6,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <deque>
+#include <cstdlib>
 
 #include "comm/shm_p2p.h"
 #include "support/thread_ranks.h"
@@ -261,21 +261,30 @@ TEST(PointToPoint, RecvTimeoutNamesThePeerAndTag) {
 }
 
 TEST(PointToPoint, WithoutSharedMemoryGoesThroughGloo) {
-  const uint64_t before = detail::shm_p2p_messages_received();
-  run_group(
-      2,
-      [&](int rank, ProcessGroup& group) {
-        EXPECT_FALSE(group.uses_shared_memory());
-        const int peer = 1 - rank;
-        Work sent = group.isend(pattern(1000, at::kInt, rank), peer, 3);
-        at::Tensor received = torch::empty({1000}, torch::kInt);
-        group.recv(received, peer, 3);
-        sent.wait();
-        EXPECT_TRUE(torch::equal(received, pattern(1000, at::kInt, peer)));
-      },
-      std::chrono::seconds(60), /*shared_memory=*/false);
-  EXPECT_EQ(detail::shm_p2p_messages_received(),
-            before);  // none of them went through shared memory
+  // Both switches: InitOptions::shared_memory = false, and DTRAIN_SHM=0 in the environment.
+  for (bool by_environment : {false, true}) {
+    SCOPED_TRACE(by_environment ? "DTRAIN_SHM=0" : "InitOptions::shared_memory = false");
+    struct Environment {  // restored whatever happens
+      explicit Environment(bool set) {
+        if (set) setenv("DTRAIN_SHM", "0", 1);
+      }
+      ~Environment() { unsetenv("DTRAIN_SHM"); }
+    } environment(by_environment);
+    const uint64_t before = detail::shm_p2p_messages_received();
+    run_group(
+        2,
+        [&](int rank, ProcessGroup& group) {
+          EXPECT_FALSE(group.uses_shared_memory());
+          const int peer = 1 - rank;
+          Work sent = group.isend(pattern(1000, at::kInt, rank), peer, 3);
+          at::Tensor received = torch::empty({1000}, torch::kInt);
+          group.recv(received, peer, 3);
+          sent.wait();
+          EXPECT_TRUE(torch::equal(received, pattern(1000, at::kInt, peer)));
+        },
+        std::chrono::seconds(60), /*shared_memory=*/by_environment);
+    EXPECT_EQ(detail::shm_p2p_messages_received(), before);  // none went through shared memory
+  }
 }
 
 }  // namespace
