@@ -274,7 +274,8 @@ bool shared_memory_enabled_by_env() {
   if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
   if (std::string(value) == "0") return false;
   throw UsageError(std::string("environment variable DTRAIN_SHM='") + value +
-                   "': expected 0 (all-reduce and send/recv through Gloo) or 1 (shared memory among ranks on one host)");
+                   "': expected 0 (all-reduce and send/recv through Gloo) or 1 (shared memory among ranks "
+                   "on one host)");
 }
 
 bool looks_like_timeout(const std::string& what) {

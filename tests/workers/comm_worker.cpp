@@ -1,10 +1,12 @@
 // A worker for the multi-process tests of the communication layer, run under `dtrain run`.
 //   comm_worker sum                          all-reduce rank+1 and check the total
-//   comm_worker skip RANK TIMEOUT_S          RANK skips the second all-reduce; the others must time out
-//   comm_worker vanish RANK TIMEOUT_S        RANK exits (status 0) before the second all-reduce; the others
-//                                            must notice it long before the timeout
-//   comm_worker recv-vanish RANK TIMEOUT_S   RANK exits instead of sending to rank 0, which waits in a
-//                                            recv (shared memory on one host) and must notice it at once
+//   comm_worker skip RANK TIMEOUT_S          RANK skips the second all-reduce; the others must
+//                                            time out
+//   comm_worker vanish RANK TIMEOUT_S        RANK exits (status 0) before the second all-reduce;
+//                                            the others must notice it long before the timeout
+//   comm_worker recv-vanish RANK TIMEOUT_S   RANK exits instead of sending to rank 0, which waits
+//                                            in a recv (shared memory on one host) and must
+//                                            notice it at once
 #include <torch/torch.h>
 
 #include <chrono>
@@ -19,7 +21,9 @@ int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "sum";
   return dtrain::run_main([&] {
     dtrain::InitOptions options;
-    if (mode == "skip" || mode == "vanish" || mode == "recv-vanish") options.timeout = std::chrono::milliseconds(static_cast<int>(std::stod(argv[3]) * 1000));
+    if (mode == "skip" || mode == "vanish" || mode == "recv-vanish") {
+      options.timeout = std::chrono::milliseconds(static_cast<int>(std::stod(argv[3]) * 1000));
+    }
     auto pg = dtrain::init_process_group(options);
     at::Tensor t = torch::full({1000}, static_cast<float>(pg->rank() + 1));
     pg->all_reduce(t);
