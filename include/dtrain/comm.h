@@ -61,8 +61,9 @@ struct InitOptions {
   int world_size = -1;  // -1: from the environment
   std::chrono::milliseconds timeout{0};  // 0: DTRAIN_TIMEOUT_S if set, else kDefaultTimeout
   std::string group_name = "default";    // shown in error messages; prefixes the group's store keys
-  // When every rank runs on one host, all-reduce through a shared-memory segment instead of TCP loopback
-  // (many times faster; see Note [Shared-memory all-reduce]). DTRAIN_SHM=0 turns it off for a whole run.
+  // When every rank runs on one host, all-reduce and send/recv CPU tensors through shared memory instead of
+  // TCP loopback (many times faster; see Note [Shared-memory all-reduce] and Note [Shared-memory point to
+  // point]). DTRAIN_SHM=0 turns it off for a whole run.
   bool shared_memory = true;
 };
 
@@ -107,8 +108,8 @@ class ProcessGroup {
   int global_size() const;        // processes in the job (as WORLD_SIZE)
   int global_rank_of(int group_rank) const;
   std::chrono::milliseconds timeout() const;
-  // True when all-reduces of contiguous CPU float/double/int tensors go through shared memory (every rank
-  // on one host, InitOptions::shared_memory); otherwise through Gloo.
+  // True when all-reduces of CPU float/double/int tensors and sends/recvs of CPU tensors go through shared
+  // memory (every rank on one host, InitOptions::shared_memory); otherwise through Gloo.
   bool uses_shared_memory() const;
 
   // Blocking collectives: each returns when this rank's part is done or throws after the timeout.
@@ -127,7 +128,9 @@ class ProcessGroup {
   // Non-blocking point to point: start the transfer and return at once; Work::wait() blocks until this side
   // is done (the tensor may then be reused) or the timeout passed, naming the peer. Messages match by (peer,
   // tag), in order among those with the same peer and tag. A rank may isend long before the peer posts its
-  // irecv and go on with other transfers meanwhile.
+  // irecv and go on with other transfers meanwhile. CPU tensors between ranks on one host go through shared
+  // memory (see uses_shared_memory()): the send and the recv must then have the same number of elements and
+  // dtype, or the recv throws UsageError naming both ranks and the tag.
   Work isend(const at::Tensor& tensor, int dst, int tag = 0, const CollectiveOptions& = {});
   Work irecv(at::Tensor& tensor, int src, int tag = 0, const CollectiveOptions& = {});
 

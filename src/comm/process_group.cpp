@@ -23,6 +23,7 @@
 #include <sstream>
 
 #include "comm/progress.h"
+#include "comm/shm_p2p.h"
 #include "comm/shm_transport.h"
 #include "comm/store_bytes.h"
 #include "common/log.h"
@@ -50,6 +51,7 @@ struct GroupState {
   std::unique_ptr<ProgressTracker> progress;
   bool shared_memory_allowed = true;    // InitOptions::shared_memory and DTRAIN_SHM
   std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
+  std::unique_ptr<ShmPointToPoint> shm_p2p;  // ...and isend/irecv of CPU tensors
   int subgroups_created = 0;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;
@@ -77,11 +79,13 @@ struct GroupState {
 struct WorkState {
   std::shared_ptr<GroupState> group;  // kept alive: a Work may outlive its ProcessGroup
   c10::intrusive_ptr<c10d::Work> work;   // a Gloo/NCCL operation, or
-  std::shared_future<void> shm_done;     // a shared-memory all-reduce
+  std::shared_future<void> shm_done;     // a shared-memory all-reduce, or
+  std::shared_ptr<ShmMessage> shm_message;  // a shared-memory send or recv
   const char* op = "";
   uint64_t seq = 0;       // collective sequence number; 0 for point to point
   int late_rank = -1;     // group rank the transport saw missing, when it knows
   int peer = -1;          // point to point: the other group rank
+  int tag = 0;            // point to point: the message's tag
   std::chrono::milliseconds timeout{0};
   std::function<void()> finish;  // runs after a successful wait (e.g. divide for an average)
   bool done = false;
@@ -270,7 +274,8 @@ bool shared_memory_enabled_by_env() {
   if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
   if (std::string(value) == "0") return false;
   throw UsageError(std::string("environment variable DTRAIN_SHM='") + value +
-                   "': expected 0 (all-reduce through Gloo) or 1 (shared memory among ranks on one host)");
+                   "': expected 0 (all-reduce and send/recv through Gloo) or 1 (shared memory among ranks "
+                   "on one host)");
 }
 
 bool looks_like_timeout(const std::string& what) {
@@ -290,6 +295,10 @@ std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
     if (group->size > 1 && group->shared_memory_allowed && all_on_one_host(*group)) {
       auto shm_store = c10::make_intrusive<c10d::PrefixStore>("shm", group->store);
       group->shm = detail::ShmTransport::create(*shm_store, group->rank, group->size, group->timeout);
+      if (group->shm) {
+        group->shm_p2p =
+            detail::ShmPointToPoint::create(*shm_store, group->rank, group->size, group->timeout);
+      }
     }
   } catch (const UsageError&) {
     throw;
@@ -372,7 +381,7 @@ void check_usable(GroupState& group) {
     message << "; " << missing << ".";
   } else {
     message << "; rank " << group.global_ranks[work.peer] << " did not post the matching "
-            << (std::string(work.op) == "send" ? "recv" : "send") << ".";
+            << (std::string(work.op) == "send" ? "recv" : "send") << " (tag " << work.tag << ").";
   }
   message << " Likely cause: a rank took a different code path, is stuck or died";
   if (!timed_out) message << " (a peer's connection closed)";
@@ -439,11 +448,25 @@ void wait_for(WorkState& work) {
         throw ShmFailure("timed out", ShmFailure::Kind::kTimeout);
       }
       work.shm_done.get();
+    } else if (work.shm_message) {
+      work.group->shm_p2p->wait(*work.shm_message, work.timeout);
     } else {
       work.work->wait(work.timeout);
     }
   } catch (const ShmFailure& e) {
     work.late_rank = e.late_rank;
+    if (e.kind == ShmFailure::Kind::kMismatch && work.seq == 0) {
+      GroupState& group = *work.group;
+      std::string message = group.who() + ": " + work.op + " with rank " +
+                            std::to_string(group.global_ranks[work.peer]) + " on " + group.group_label() +
+                            " (tag " + std::to_string(work.tag) + "): " + e.what();
+      {
+        std::lock_guard<std::mutex> lock(group.failure_mutex);
+        if (group.failure.empty()) group.failure = message;
+      }
+      throw UsageError(message + ". The send and the recv of one (peer, tag) must have the same number of "
+                                 "elements and dtype.");
+    }
     if (e.kind == ShmFailure::Kind::kMismatch || e.kind == ShmFailure::Kind::kDestroyed) {
       std::string message = work.group->who() + ": " + work.op + " #" + std::to_string(work.seq) + " on " +
                             work.group->group_label() + ": " + e.what();
@@ -494,6 +517,7 @@ bool Work::is_completed() const {
   if (state_->shm_done.valid()) {
     return state_->shm_done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
+  if (state_->shm_message) return state_->shm_message->done.load(std::memory_order_acquire);
   return state_->work->isCompleted();
 }
 
@@ -624,7 +648,12 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag, const Colle
   GroupState& group = *state_;
   check_rank(group, dst, "dst");
   return Work(start(state_, "send", false, dst, options, [&](WorkState& w) {
-    check_gloo_dtype(group, "send", tensor);
+    w.tag = tag;
+    check_gloo_dtype(group, "send", tensor);  // the same dtypes on one host as across hosts
+    if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
+      w.shm_message = group.shm_p2p->send(tensor.contiguous(), dst, tag);
+      return;
+    }
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).send(tensors, dst, tag);
   }));
@@ -634,7 +663,19 @@ Work ProcessGroup::irecv(at::Tensor& tensor, int src, int tag, const CollectiveO
   GroupState& group = *state_;
   check_rank(group, src, "src");
   return Work(start(state_, "recv", false, src, options, [&](WorkState& w) {
+    w.tag = tag;
     check_gloo_dtype(group, "recv", tensor);
+    if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
+      if (tensor.is_contiguous()) {
+        w.shm_message = group.shm_p2p->recv(tensor, src, tag);
+      } else {
+        // Land in a contiguous buffer; the caller's tensor gets it after a successful wait.
+        at::Tensor landing = tensor.contiguous();
+        w.shm_message = group.shm_p2p->recv(landing, src, tag);
+        w.finish = [target = tensor, landing]() mutable { target.copy_(landing); };
+      }
+      return;
+    }
     std::vector<at::Tensor> tensors{tensor};
     w.work = backend_for(group, tensor).recv(tensors, src, tag);
   }));

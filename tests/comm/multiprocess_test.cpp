@@ -120,6 +120,22 @@ TEST(MultiProcess, RankThatDiesIsNamedWithoutWaitingForTheTimeout) {
       << result.output;
 }
 
+TEST(MultiProcess, PeerThatDiesBeforeItsSendIsNamedWithoutWaitingForTheTimeout) {
+  // Point to point through shared memory: rank 0 waits in a recv from rank 2, which exits. The
+  // timeout is 100 s, the command's limit 60 s.
+  auto result = run_command(
+      bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " recv-vanish 2 100",
+      /*time_limit_s=*/60);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n"
+                                   << result.output;
+  EXPECT_NE(result.output.find("recv with rank 2 on group 'default' failed (group rank 2 (pid "),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("rank 2 did not post the matching send (tag 9)"), std::string::npos)
+      << result.output;
+}
+
 TEST(MultiProcess, PipelineStageThatDiesIsNamedInSeconds) {
   // Stage 1 of 3 vanishes mid-step; the timeout is 100 s, the command's limit 60 s.
   auto result = run_command(
@@ -158,6 +174,19 @@ TEST(MultiProcess, AllReduceBenchmarkRunsUnderTheLauncher) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("busbw_GB/s"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("       65536 "), std::string::npos) << result.output;
+}
+
+TEST(MultiProcess, PointToPointBenchmarkRunsUnderTheLauncher) {
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("bench_p2p") +
+                            " --max-bytes 4096 --max-iters 10");
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  // Both transports measured, up to the largest size asked for.
+  EXPECT_NE(result.output.find("{\"bench\":\"p2p\",\"transport\":\"shm\",\"bytes\":4096,"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("{\"bench\":\"p2p\",\"transport\":\"gloo\",\"bytes\":4096,"),
+            std::string::npos)
+      << result.output;
 }
 
 }  // namespace
