@@ -5,10 +5,11 @@
 //
 //   dtrain::CheckpointOptions options;
 //   options.dir = "ckpt";
-//   options.async = true;                       // the training loop waits only for a copy in
-//   memory dtrain::Checkpointer checkpointer(options); dtrain::TrainingState state{&net,
-//   &optimizer, &sampler}; if (auto loaded = checkpointer.load_latest(state, pg.get())) start_step
-//   = state.step; for (...) {
+//   options.async = true;                    // the loop waits only for a copy in memory
+//   dtrain::Checkpointer checkpointer(options);
+//   dtrain::TrainingState state{&net, &optimizer, &sampler};
+//   if (auto loaded = checkpointer.load_latest(state, pg.get())) start_step = state.step;
+//   for (...) {
 //     ...; state.step = step;
 //     if (step % 100 == 0 && pg->rank() == 0) checkpointer.save(state);
 //   }
