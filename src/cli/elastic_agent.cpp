@@ -49,7 +49,8 @@ class Waker {
   Waker(int signal_fd, std::chrono::milliseconds period) {
     epoll_ = epoll_create1(EPOLL_CLOEXEC);
     timer_ = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
-    if (epoll_ < 0 || timer_ < 0) throw InternalError("dtrain run: cannot create the monitor timer");
+    if (epoll_ < 0 || timer_ < 0)
+      throw InternalError("dtrain run: cannot create the monitor timer");
     itimerspec spec{};
     spec.it_interval.tv_sec = period.count() / 1000;
     spec.it_interval.tv_nsec = (period.count() % 1000) * 1000000;
@@ -112,12 +113,14 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     try {
       backend->check_reachable();
     } catch (const CommError& error) {
-      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint + ": " + strip_prefix(error.what()));
+      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint + ": " +
+                       strip_prefix(error.what()));
     }
     return backend;
 #else
-    throw UsageError("dtrain run: --rdzv-backend etcd: this dtrain was built without the etcd "
-                     "backend; use c10d");
+    throw UsageError(
+        "dtrain run: --rdzv-backend etcd: this dtrain was built without the etcd "
+        "backend; use c10d");
 #endif
   }
 
@@ -289,8 +292,9 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         try {
           rendezvous.finish();
           if (server) {
-            // The others' rendezvous runs through this process: stay until they are done.
-            rendezvous.wait_for_others(settings.timeout, signals.fd());
+            // The others' rendezvous runs through this process: stay while they are alive and
+            // running (their heartbeats say so; a lost one stops counting).
+            rendezvous.wait_for_others(std::chrono::hours(24 * 365), signals.fd());
           }
         } catch (const std::exception& error) {
           say("this node's workers succeeded; the rendezvous did not answer at the end (" +

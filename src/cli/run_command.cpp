@@ -9,7 +9,6 @@
 // elastic agent will replace this with a rendezvous that restarts every node's group together.
 #include "cli/run_command.h"
 
-#include "cli/elastic_agent.h"
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include <sstream>
 #include <system_error>
 
+#include "cli/elastic_agent.h"
 #include "dtrain/errors.h"
 #include "elastic/ports.h"
 #include "elastic/signal_pipe.h"

@@ -114,8 +114,8 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
     } else if (key == "keep_alive_max_attempt") {
       conf.keep_alive_max_attempt = parse_in_range(name, text, 1, 1000, "an integer in 1..1000");
     } else {
-      fail(std::string(kFlag) + ": unknown key '" + key + "'; expected one of: " +
-           std::string(kKeys));
+      fail(std::string(kFlag) + ": unknown key '" + key +
+           "'; expected one of: " + std::string(kKeys));
     }
   }
 }

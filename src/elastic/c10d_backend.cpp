@@ -206,8 +206,8 @@ struct C10dStoreServer::Impl {
     connections.push_back(std::move(connection));
   }
 
-  // Small replies to a peer that reads them: a full socket buffer only happens to a peer that stopped
-  // reading, which is then dropped.
+  // Small replies to a peer that reads them: a full socket buffer only happens to a peer that
+  // stopped reading, which is then dropped.
   static bool send_all(int fd, const std::string& data) {
     std::size_t sent = 0;
     while (sent < data.size()) {
@@ -255,7 +255,8 @@ struct C10dStoreServer::Impl {
     if (reader.u8() != 'H') throw std::runtime_error("not a hello");
     std::string client_nonce = reader.bytes(kNonceBytes);
     std::string client_mac = reader.bytes(kMacBytes);
-    std::string expected = mac_of(token, "dtrain-rdzv-client", connection.server_nonce, client_nonce);
+    std::string expected =
+        mac_of(token, "dtrain-rdzv-client", connection.server_nonce, client_nonce);
     bool zero_mac = client_mac == std::string(kMacBytes, '\0');
     std::string reply(1, static_cast<char>(kWelcome));
     if (!token.empty() && !same_mac(client_mac, expected)) {

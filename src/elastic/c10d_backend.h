@@ -1,8 +1,8 @@
 // The c10d rendezvous backend: a small TCP key/value store that one agent of the job hosts at
 // --rdzv-endpoint, and a RendezvousBackend client that every agent (the host included) talks to it
-// through. The name follows torchrun's `--rdzv-backend c10d`, whose store is also hosted by the agent
-// that can bind the endpoint; the store itself is not PyTorch's TCPStore (the launcher does not link
-// LibTorch, and TCPStore has no authentication).
+// through. The name follows torchrun's `--rdzv-backend c10d`, whose store is also hosted by the
+// agent that can bind the endpoint; the store itself is not PyTorch's TCPStore (the launcher does
+// not link LibTorch, and TCPStore has no authentication).
 //
 // Protocol, length-prefixed frames ([u32 big-endian length][payload]) over one TCP connection:
 //   server hello (unframed, 38 bytes): "DTRS", version 1, token_required (0/1), server_nonce[32]
@@ -11,17 +11,21 @@
 //   then requests  'G' key                               -> get
 //                  'S' key has_expected expected value   -> compare-and-set
 //   answered by    written has_state version value
-// client_mac = HMAC-SHA256(token, "dtrain-rdzv-client" | server_nonce | client_nonce) and server_mac
-// the same over "dtrain-rdzv-server" | client_nonce | server_nonce: each side proves it knows the token
-// without sending it, and a recorded exchange cannot be replayed (fresh nonces). Without a token the
-// macs are zeros and the store is open, as torchrun's is.
+// client_mac = HMAC-SHA256(token, "dtrain-rdzv-client" | server_nonce | client_nonce) and
+// server_mac the same over "dtrain-rdzv-server" | client_nonce | server_nonce: each side proves it
+// knows the token without sending it, and a recorded exchange cannot be replayed (fresh nonces).
+// Without a token the macs are zeros and the store is open, as torchrun's is.
 //
 // Security: the server listens on the endpoint's address only (never on every interface), compares
 // macs in constant time, refuses and logs (with the peer's address) anyone without the token, gives
 // an unauthenticated peer 5 s and 1 KiB for its hello, and never reads a request before the hello.
+// What it does not do: encrypt, or authenticate each message after the hello. The token keeps
+// strangers out; it does not protect against an attacker on the network path who can hijack a TCP
+// connection (run jobs on a private network, or use etcd with TLS).
 //
-// Limit: the store lives in the hosting agent's process. If that agent dies, the job cannot continue
-// (torchrun's c10d backend has the same single point of failure); the etcd backend has none.
+// Limit: the store lives in the hosting agent's process. If that agent dies, the job cannot
+// continue (torchrun's c10d backend has the same single point of failure); the etcd backend has
+// none.
 #pragma once
 
 #include <chrono>
@@ -39,8 +43,8 @@ class C10dStoreServer {
  public:
   // Binds host:port (host resolved to one address of this machine) and starts serving, or returns
   // nullptr when this process cannot host it: the port is taken (another agent hosts it) or the
-  // address is not this machine's. `log` receives one line per refused peer. An empty token means an
-  // open store. Throws dtrain::UsageError when `host` does not resolve.
+  // address is not this machine's. `log` receives one line per refused peer. An empty token means
+  // an open store. Throws dtrain::UsageError when `host` does not resolve.
   static std::unique_ptr<C10dStoreServer> try_host(const std::string& host, int port,
                                                    std::string token,
                                                    std::function<void(const std::string&)> log);

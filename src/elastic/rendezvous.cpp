@@ -56,8 +56,8 @@ std::string NodeInfo::describe() const { return "host " + host + " (node " + id 
 std::string RendezvousState::to_json() const {
   json nodes_json = json::object();
   for (const auto& [id, node] : nodes) {
-    nodes_json[id] = {{"host", node.host}, {"addr", node.addr}, {"port", node.port},
-                      {"nproc", node.nproc}};
+    nodes_json[id] = {
+        {"host", node.host}, {"addr", node.addr}, {"port", node.port}, {"nproc", node.nproc}};
   }
   json out = {{"round", round},
               {"complete", complete},
@@ -254,9 +254,8 @@ bool Rendezvous::try_close(RendezvousState& state) {
     return had_deadline;
   }
   bool all_back = !state.expected.empty() &&
-                  std::all_of(state.expected.begin(), state.expected.end(), [&](const auto& id) {
-                    return contains(state.participants, id);
-                  });
+                  std::all_of(state.expected.begin(), state.expected.end(),
+                              [&](const auto& id) { return contains(state.participants, id); });
   bool window_over = state.last_call_deadline_ms != 0 && wall_ms() >= state.last_call_deadline_ms;
   if (joined >= settings_.max_nodes || all_back || window_over) {
     // Survivors keep their relative order (rank 0 stays rank 0 when it survives), newcomers follow.
@@ -349,8 +348,8 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
       for (const std::string& id : state.participants) {
         present += (present.empty() ? "" : ", ") + describe_node(state, id);
       }
-      std::string range = std::to_string(settings_.min_nodes) + ":" +
-                          std::to_string(settings_.max_nodes);
+      std::string range =
+          std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes);
       if (state.complete) {
         throw TimeoutError("dtrain run: rendezvous '" + settings_.job_id + "': no room for " +
                            self_.describe() + " within " + seconds_text(settings_.timeout) +
@@ -358,10 +357,10 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
                            " node(s) (" + present + "), its maximum (--nnodes " + range + ")");
       }
       throw TimeoutError(
-          "dtrain run: rendezvous '" + settings_.job_id + "' round " +
-          std::to_string(state.round) + " did not complete within " +
-          seconds_text(settings_.timeout) + ": " + std::to_string(state.participants.size()) +
-          " node(s) joined (" + (present.empty() ? "none" : present) + "), at least " +
+          "dtrain run: rendezvous '" + settings_.job_id + "' round " + std::to_string(state.round) +
+          " did not complete within " + seconds_text(settings_.timeout) + ": " +
+          std::to_string(state.participants.size()) + " node(s) joined (" +
+          (present.empty() ? "none" : present) + "), at least " +
           std::to_string(settings_.min_nodes) + " needed (--nnodes " + range +
           "); start the missing nodes with the same --rdzv-endpoint and --rdzv-id, or lower MIN");
     }

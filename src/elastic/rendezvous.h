@@ -4,23 +4,24 @@
 //
 // The state (JSON) holds the current round: open (nodes are joining) or complete (its participants
 // run their workers), its participants in rank order, a waiting list of nodes that arrived while it
-// ran, a keep-alive counter per node, the restart count and, once the job is over, why. Every change
-// is a compare-and-set of the whole state: on a lost race the change is recomputed on the state that
-// won, so agents never overwrite each other.
+// ran, a keep-alive counter per node, the restart count and, once the job is over, why. Every
+// change is a compare-and-set of the whole state: on a lost race the change is recomputed on the
+// state that won, so agents never overwrite each other.
 //
 // Note [Rounds]
-//   - A round closes when MAX nodes have joined, when every node expected back from the previous round
-//     (its survivors and the waiting list) has rejoined, or when MIN have joined and the last-call
-//     window after the MIN-th join has passed. Ranks: survivors keep their order, newcomers follow.
+//   - A round closes when MAX nodes have joined, when every node expected back from the previous
+//     round (its survivors and the waiting list) has rejoined, or when MIN have joined and the
+//     last-call window after the MIN-th join has passed. Ranks: survivors keep their order,
+//     newcomers follow.
 //   - Any agent opens the next round (round + 1, empty participants, `expected` = who should come
-//     back) when: one of its workers failed; it noticed a dead participant; a node waits and the job
-//     is below MAX (growth); it leaves (SIGTERM). The other agents notice the new round number at
-//     their monitor interval, stop their workers and rejoin.
+//     back) when: one of its workers failed; it noticed a dead participant; a node waits and the
+//     job is below MAX (growth); it leaves (SIGTERM). The other agents notice the new round number
+//     at their monitor interval, stop their workers and rejoin.
 //   - Liveness without trusting clocks across machines: each node increments its counter every
 //     keep_alive_interval; each observer notes, on its own clock, when a counter last changed. A
-//     counter unchanged for keep_alive_interval * keep_alive_max_attempt means that node is dead; the
-//     first observer to see it removes it (and opens a new round if it was a participant of a running
-//     one, or ends the job if fewer than MIN nodes remain).
+//     counter unchanged for keep_alive_interval * keep_alive_max_attempt means that node is dead;
+//     the first observer to see it removes it (and opens a new round if it was a participant of a
+//     running one, or ends the job if fewer than MIN nodes remain).
 //   - Only the last-call deadline uses wall-clock time from another machine (as PyTorch does); skew
 //     only lengthens or shortens that window.
 #pragma once
@@ -111,25 +112,26 @@ struct RendezvousState {
 
 class Rendezvous {
  public:
-  Rendezvous(std::unique_ptr<RendezvousBackend> backend, RendezvousSettings settings, NodeInfo self);
+  Rendezvous(std::unique_ptr<RendezvousBackend> backend, RendezvousSettings settings,
+             NodeInfo self);
   // Stops the keep-alive thread.
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
 
-  // Starts the thread that writes this node's heartbeat every keep_alive_interval. Backend errors on
-  // that thread are kept and reported by the next check() (as kShutdown).
+  // Starts the thread that writes this node's heartbeat every keep_alive_interval. It ignores
+  // backend errors: the main thread's next call meets the same error and reports it.
   void start_keep_alive();
 
   // Joins the next round (or the waiting list) and blocks until a round that includes this node is
-  // complete. `port` is this node's fresh MASTER_PORT candidate. Returns nullopt when `interrupt_fd`
-  // became readable (not read). Throws dtrain::TimeoutError after settings.timeout naming the nodes
-  // present and how many were needed; dtrain::PeerLostError when the job was shut down (message:
-  // why); dtrain::CommError / UsageError from the backend.
+  // complete. `port` is this node's fresh MASTER_PORT candidate. Returns nullopt when
+  // `interrupt_fd` became readable (not read). Throws dtrain::TimeoutError after settings.timeout
+  // naming the nodes present and how many were needed; dtrain::PeerLostError when the job was shut
+  // down (message: why); dtrain::CommError / UsageError from the backend.
   std::optional<RoundAssignment> next_round(int port, int interrupt_fd);
 
-  // Looks at the state once (the agent calls this every monitor interval while workers run): removes
-  // dead nodes, admits waiting ones (growth), and says whether the round changed.
+  // Looks at the state once (the agent calls this every monitor interval while workers run):
+  // removes dead nodes, admits waiting ones (growth), and says whether the round changed.
   Verdict check();
 
   // A local worker failed: opens the next round and returns kNewRound, or, when no restarts are
@@ -166,8 +168,8 @@ class Rendezvous {
   bool is_dead(const std::string& id) const;
   // Removes dead nodes from `state`; true when it changed.
   bool sweep(RendezvousState& state);
-  // Starts round + 1 of `state`, expecting `expected` back; ends the job instead when fewer than MIN
-  // nodes remain (`lost` names who was lost, for that message).
+  // Starts round + 1 of `state`, expecting `expected` back; ends the job instead when fewer than
+  // MIN nodes remain (`lost` names who was lost, for that message).
   void open_round(RendezvousState& state, const std::string& reason, const std::string& lost);
   bool try_close(RendezvousState& state);
   RoundAssignment assignment(const RendezvousState& state) const;
@@ -187,7 +189,6 @@ class Rendezvous {
   };
   std::map<std::string, Seen> seen_;
   uint64_t heartbeat_ = 1;
-  std::string keep_alive_error_;
 
   std::atomic<bool> stopping_{false};
   std::thread keep_alive_thread_;

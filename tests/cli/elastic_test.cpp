@@ -97,9 +97,9 @@ class ElasticTest : public testing::Test {
   ChildProcess& start_agent(const std::string& nnodes, const Args& extra = {},
                             const EnvChanges& env = {}, bool block = false) {
     std::string name = "agent" + std::to_string(agents_.size());
-    agents_.push_back(std::make_unique<ChildProcess>(
-        agent_args(backend_, "job", nnodes, extra, worker(block)), dir_ / (name + ".out"),
-        dir_ / (name + ".err"), env));
+    agents_.push_back(
+        std::make_unique<ChildProcess>(agent_args(backend_, "job", nnodes, extra, worker(block)),
+                                       dir_ / (name + ".out"), dir_ / (name + ".err"), env));
     return *agents_.back();
   }
   // The first agent: with c10d, waits until it hosts the store, so that the tests know which agent
@@ -144,8 +144,8 @@ class ElasticTest : public testing::Test {
           return of_round.size() >= n;
         },
         kEventTimeout);
-    EXPECT_TRUE(seen) << "expected " << n << " worker start(s) with TORCHELASTIC_RESTART_COUNT="
-                      << rc << "; events:\n"
+    EXPECT_TRUE(seen) << "expected " << n
+                      << " worker start(s) with TORCHELASTIC_RESTART_COUNT=" << rc << "; events:\n"
                       << read_file(dir_ / "events") << "\nagent 0:\n"
                       << err(0) << (agents_.size() > 1 ? "\nagent 1:\n" + err(1) : "");
     return of_round;

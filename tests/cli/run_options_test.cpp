@@ -98,10 +98,12 @@ TEST_P(RunOptionsRejects, WithOneLineNamingTheFlag) {
 }
 
 TEST(RunOptions, ElasticFlagsAsTorchrunSpellsThem) {
-  RunOptions options = parse_run_options(
-      {"--nnodes=1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "node0:29555", "--rdzv-id",
-       "job7", "--rdzv-conf", "timeout=20,last_call_timeout=0,join_timeout=5,keep_alive_interval="
-       "0.2,keep_alive_max_attempt=4", "--monitor-interval", "0.1", "--max-restarts", "2", "p"});
+  RunOptions options =
+      parse_run_options({"--nnodes=1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "node0:29555",
+                         "--rdzv-id", "job7", "--rdzv-conf",
+                         "timeout=20,last_call_timeout=0,join_timeout=5,keep_alive_interval="
+                         "0.2,keep_alive_max_attempt=4",
+                         "--monitor-interval", "0.1", "--max-restarts", "2", "p"});
   EXPECT_TRUE(is_elastic(options));
   EXPECT_EQ(options.min_nodes, 1);
   EXPECT_EQ(options.nnodes, 3);
@@ -158,22 +160,22 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "a:1:2", "p"},
                  "--rdzv-endpoint: expected HOST:PORT"},
         BadInput{{"--rdzv-endpoint", "h:1", "p"}, "--rdzv-endpoint: used only with"},
-        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "speed=9",
-                  "p"},
-                 "--rdzv-conf: unknown key 'speed'; expected one of: timeout, last_call_timeout"},
-        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout",
-                  "p"},
-                 "--rdzv-conf: expected key=value pairs"},
-        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=-1",
-                  "p"},
-                 "--rdzv-conf timeout: expected a number of seconds above 0"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "speed=9", "p"},
+            "--rdzv-conf: unknown key 'speed'; expected one of: timeout, last_call_timeout"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout", "p"},
+            "--rdzv-conf: expected key=value pairs"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=-1", "p"},
+            "--rdzv-conf timeout: expected a number of seconds above 0"},
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--node-rank", "1", "p"},
                  "--node-rank: decided by the rendezvous"},
         BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--master-port", "5", "p"},
                  "--master-port: decided by the rendezvous"},
-        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--monitor-interval", "0",
-                  "p"},
-                 "--monitor-interval: expected a number of seconds in 0.01..3600, got '0'"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--monitor-interval", "0", "p"},
+            "--monitor-interval: expected a number of seconds in 0.01..3600, got '0'"},
         BadInput{{"--nnodes", "2:x", "p"}, "--nnodes"},
         BadInput{{"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
                  "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
