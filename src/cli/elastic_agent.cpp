@@ -19,7 +19,7 @@
 #include "elastic/rendezvous.h"
 #include "elastic/signal_pipe.h"
 #include "elastic/worker_group.h"
-#ifdef DTRAIN_HAVE_ETCD_BACKEND
+#ifdef DTRAIN_HAVE_ETCD_BACKEND  // set by src/cli/CMakeLists.txt when the etcd backend is there
 #include "elastic/etcd_backend.h"
 #endif
 
