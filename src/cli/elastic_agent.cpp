@@ -230,7 +230,16 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         std::to_string(group.running()) + " worker(s) (SIGKILL after " +
         seconds_text(options.grace_period_s) + ") and leaving the rendezvous");
     try {
-      rendezvous.announce_leaving();
+      if (server) {
+        // The store leaves with this process: tell the others now, while it still answers, rather
+        // than let them find it gone.
+        rendezvous.end_job(self.describe() + ", which hosts the c10d rendezvous store, received " +
+                           elastic::signal_name(signo) +
+                           "; with --rdzv-backend c10d the job cannot continue without it "
+                           "(--rdzv-backend etcd has no such single point of failure)");
+      } else {
+        rendezvous.announce_leaving();
+      }
     } catch (const std::exception&) {
     }
     group.stop(signals.fd());

@@ -1,12 +1,13 @@
 // `dtrain run`: machine checks, the restart loop around one WorkerGroup, the failure summary and
 // the exit code (see run_command.h).
 //
-// Multi-node runs are static for now: every node runs its own `dtrain run` with its --node-rank and
-// the same --master-addr/--master-port, and nothing coordinates the nodes beyond the workers' own
-// store. A restart is therefore node-local: when a worker fails, only this node's group restarts,
-// and workers on the other nodes notice the lost peer in their next collective and fail too (then
-// their launchers restart them). The attempt counters of different nodes may drift apart. The
-// elastic agent will replace this with a rendezvous that restarts every node's group together.
+// Static multi-node runs (--rdzv-backend static, the default): every node runs its own `dtrain run`
+// with its --node-rank and the same --master-addr/--master-port, and nothing coordinates the nodes
+// beyond the workers' own store. A restart is therefore node-local: when a worker fails, only this
+// node's group restarts, and workers on the other nodes notice the lost peer in their next
+// collective and fail too (then their launchers restart them). The attempt counters of different
+// nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
+// (elastic_agent.h), whose rendezvous restarts every node's group together.
 #include "cli/run_command.h"
 
 #include <sys/prctl.h>

@@ -453,6 +453,15 @@ void Rendezvous::wait_for_others(std::chrono::milliseconds timeout, int interrup
   }
 }
 
+void Rendezvous::end_job(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  update([&](RendezvousState& s) {
+    if (!s.shutdown.empty()) return false;
+    s.shutdown = why;
+    return true;
+  });
+}
+
 void Rendezvous::announce_leaving() {
   std::lock_guard<std::mutex> lock(mutex_);
   update([&](RendezvousState& s) {

@@ -154,6 +154,10 @@ class Rendezvous {
   // starts so they shrink at once instead of waiting for this node's heartbeat to expire.
   void leave(const std::string& why);
 
+  // Ends the job for every node (the c10d store's host is leaving, and the store with it): their
+  // next check() returns kShutdown with `why`.
+  void end_job(const std::string& why);
+
   const NodeInfo& self() const { return self_; }
   int current_round() const { return round_; }
 
