@@ -243,6 +243,12 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
     } catch (const std::exception&) {
     }
     group.stop(signals.fd());
+    if (server) {
+      try {
+        rendezvous.wait_until_others_left(std::chrono::seconds(5));
+      } catch (const std::exception&) {
+      }
+    }
     try {
       rendezvous.leave("received " + elastic::signal_name(signo));
     } catch (const std::exception& error) {
@@ -252,6 +258,16 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
     return 128 + signo;
   };
 
+  // Once the job has ended: out of the state, so that the c10d store's host need not wait for us;
+  // the host itself first waits (briefly) for the others to read why it ended.
+  auto leave_quietly = [&] {
+    try {
+      if (server) rendezvous.wait_until_others_left(std::chrono::seconds(5));
+      rendezvous.leave("the job ended");
+    } catch (const std::exception&) {
+    }
+  };
+
   for (;;) {
     Clock::time_point rendezvous_start = Clock::now();
     std::optional<elastic::RoundAssignment> round;
@@ -259,6 +275,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       round = rendezvous.next_round(elastic::pick_free_port(), signals.fd());
     } catch (const PeerLostError& error) {  // the job was shut down
       say(strip_prefix(error.what()));
+      leave_quietly();
       return 1;
     } catch (const TimeoutError& error) {
       say(strip_prefix(error.what()));
@@ -333,6 +350,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         if (verdict.kind == Verdict::Kind::kShutdown) {
           say("the job ends: " + verdict.message + "; stopped " + std::to_string(running) +
               " worker(s) of this node");
+          leave_quietly();
           return 1;
         }
         say("new round: " + verdict.message + "; stopped " + std::to_string(running) +
@@ -357,6 +375,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         return root.launcher_exit_code();
       }
       if (verdict.kind == Verdict::Kind::kShutdown) {
+        leave_quietly();
         say("the job ends: " + verdict.message + "; exiting with code " +
             std::to_string(root.launcher_exit_code()));
         return root.launcher_exit_code();

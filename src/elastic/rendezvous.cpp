@@ -462,6 +462,21 @@ void Rendezvous::end_job(const std::string& why) {
   });
 }
 
+void Rendezvous::wait_until_others_left(std::chrono::milliseconds timeout) {
+  Clock::time_point deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    RendezvousState state;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state = update([&](RendezvousState& s) { return sweep(s); });
+    }
+    bool alone = std::all_of(state.keep_alive.begin(), state.keep_alive.end(),
+                             [&](const auto& entry) { return entry.first == self_.id; });
+    if (alone) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 void Rendezvous::announce_leaving() {
   std::lock_guard<std::mutex> lock(mutex_);
   update([&](RendezvousState& s) {

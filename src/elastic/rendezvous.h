@@ -157,6 +157,9 @@ class Rendezvous {
   // Ends the job for every node (the c10d store's host is leaving, and the store with it): their
   // next check() returns kShutdown with `why`.
   void end_job(const std::string& why);
+  // Blocks until no other node is left in the state (they leave() when they see the end), at most
+  // `timeout`: the c10d store's host waits so that the others read why the job ended.
+  void wait_until_others_left(std::chrono::milliseconds timeout);
 
   const NodeInfo& self() const { return self_; }
   int current_round() const { return round_; }

@@ -384,6 +384,22 @@ TEST_P(C10dElasticTest, LosingTheC10dStoreHostEndsTheJobWithAMessage) {
   EXPECT_NE(err(1).find("cannot continue"), std::string::npos) << err(1);
 }
 
+// SIGTERM to the agent hosting the c10d store: the store leaves with it, so it ends the job and the
+// other node says why (instead of finding the store gone).
+TEST_P(C10dElasticTest, SignalledStoreHostEndsTheJobWithItsReason) {
+  ChildProcess& a = start_first_agent("1:2");
+  ChildProcess& b = start_agent("1:2");
+  ASSERT_EQ(wait_for_starts(0, 2).size(), 2u);
+  kill(a.pid(), SIGTERM);
+  ASSERT_TRUE(a.wait(kExitTimeout));
+  ASSERT_TRUE(b.wait(kExitTimeout));
+  EXPECT_EQ(a.exit_code(), 128 + SIGTERM) << err(0);
+  EXPECT_EQ(b.exit_code(), 1) << err(1);
+  EXPECT_NE(err(1).find("which hosts the c10d rendezvous store, received SIGTERM"),
+            std::string::npos)
+      << err(1);
+}
+
 // A rendezvous that cannot complete in its timeout names the nodes present and how many it needed.
 TEST_P(ElasticTest, RendezvousTimeoutNamesWhoIsThereAndHowManyAreNeeded) {
   ChildProcess& a = start_first_agent("2:3", {"--rdzv-conf", "timeout=1"});
