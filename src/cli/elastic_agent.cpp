@@ -363,6 +363,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       const elastic::WorkerExit& root = result.failures.front();
       Clock::time_point stop_start = Clock::now();
       group.stop(signals.fd());
+      double stop_seconds = since(stop_start);
       print_failure_summary(result, worker_round);
       if (int signo = signals.take(); signo != 0) return leave_on_signal(signo);
       Verdict verdict;
@@ -381,7 +382,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         return root.launcher_exit_code();
       }
       say("new round: " + verdict.message + "; stopped this node's workers in " +
-          seconds_text(since(stop_start)));
+          seconds_text(stop_seconds));
       round_running = false;
     }
   }

@@ -70,6 +70,7 @@ std::string RendezvousState::to_json() const {
               {"keep_alive", keep_alive},
               {"last_call_deadline_ms", last_call_deadline_ms},
               {"failures", failures},
+              {"last_failure_ms", last_failure_ms},
               {"reason", reason},
               {"shutdown", shutdown}};
   return out.dump();
@@ -98,6 +99,7 @@ RendezvousState RendezvousState::from_json(const std::string& text) {
     state.keep_alive = in.at("keep_alive").get<std::map<std::string, uint64_t>>();
     state.last_call_deadline_ms = in.at("last_call_deadline_ms").get<int64_t>();
     state.failures = in.at("failures").get<int>();
+    state.last_failure_ms = in.at("last_failure_ms").get<int64_t>();
     state.reason = in.at("reason").get<std::string>();
     state.shutdown = in.at("shutdown").get<std::string>();
     return state;
@@ -202,9 +204,11 @@ bool Rendezvous::sweep(RendezvousState& state) {
   if (lost.empty()) return false;
 
   bool running_participant_lost = false;
+  bool member_lost = false;  // of the running round, or expected back in the open one
   std::string names;
   for (const std::string& id : lost) {
     if (state.complete && contains(state.participants, id)) running_participant_lost = true;
+    if (contains(state.participants, id) || contains(state.expected, id)) member_lost = true;
     names += (names.empty() ? "" : ", ") + describe_node(state, id);
     erase(state.participants, id);
     erase(state.waiting, id);
@@ -214,8 +218,16 @@ bool Rendezvous::sweep(RendezvousState& state) {
     state.nodes.erase(id);
     seen_.erase(id);
   }
-  std::string what = names + " lost: no heartbeat for " +
-                     seconds_text(settings_.keep_alive_interval * settings_.keep_alive_max_attempt);
+  std::chrono::milliseconds heartbeat_timeout =
+      settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
+  std::string what = names + " lost: no heartbeat for " + seconds_text(heartbeat_timeout);
+  // Note [Failures caused by a lost node]: a failure counted shortly before was this loss's doing.
+  if (member_lost && state.last_failure_ms != 0 && state.failures > 0 &&
+      wall_ms() - state.last_failure_ms <= 2 * heartbeat_timeout.count()) {
+    state.failures -= 1;
+    state.last_failure_ms = 0;
+    what += " (the worker failure just before it spends no restart)";
+  }
   if (running_participant_lost && state.shutdown.empty()) open_round(state, what, what);
   return true;
 }
@@ -397,6 +409,25 @@ Verdict Rendezvous::check() {
 }
 
 Verdict Rendezvous::report_failure(const std::string& what) {
+  // Note [Failures caused by a lost node]: with no restarts left, give a dying peer's heartbeat
+  // the time to expire before ending the job for what may be its doing.
+  std::chrono::milliseconds heartbeat_timeout =
+      settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
+  Clock::time_point wait_until = Clock::now() + heartbeat_timeout + settings_.keep_alive_interval;
+  for (;;) {
+    RendezvousState state;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state = update([&](RendezvousState& s) { return sweep(s); });
+    }
+    if (!state.shutdown.empty() || state.round != round_ || !state.complete ||
+        state.failures < settings_.max_restarts || !state.leaving.empty() ||
+        !state.finished.empty() || Clock::now() >= wait_until) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
   std::lock_guard<std::mutex> lock(mutex_);
   RendezvousState state = update([&](RendezvousState& s) {
     if (!s.shutdown.empty() || s.round != round_ || !s.complete) return false;
@@ -412,6 +443,7 @@ Verdict Rendezvous::report_failure(const std::string& what) {
       return true;
     }
     s.failures += 1;
+    s.last_failure_ms = wall_ms();
     if (s.failures > settings_.max_restarts) {
       s.shutdown = what + "; no restarts left (--max-restarts " +
                    std::to_string(settings_.max_restarts) + ")";

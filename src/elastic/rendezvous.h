@@ -103,6 +103,7 @@ struct RendezvousState {
   std::map<std::string, uint64_t> keep_alive;
   int64_t last_call_deadline_ms = 0;  // wall clock (ms since the epoch); 0: not started
   int failures = 0;                   // worker failures so far (against --max-restarts)
+  int64_t last_failure_ms = 0;        // wall clock of the last counted failure (for refunds)
   std::string reason;                 // why the current round started
   std::string shutdown;               // non-empty: the job is over, and why
 
@@ -136,6 +137,12 @@ class Rendezvous {
 
   // A local worker failed: opens the next round and returns kNewRound, or, when no restarts are
   // left, ends the job and returns kShutdown. `what` describes the failure for the other nodes.
+  // Note [Failures caused by a lost node]: when a node dies, the workers of the others fail at once
+  // (their collectives' connections close), seconds before its heartbeat expires. Such a failure is
+  // not the workers' fault and spends no restart: a failure counted within one heartbeat timeout
+  // before a participant is found dead is refunded; and with no restarts left, this call first
+  // waits up to one heartbeat timeout for such a loss (blocking, the workers already stopped)
+  // before it ends the job.
   Verdict report_failure(const std::string& what);
 
   // This node's workers all succeeded: recorded so that the others neither restart for it nor take

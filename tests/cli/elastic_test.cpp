@@ -106,8 +106,14 @@ class ElasticTest : public testing::TestWithParam<std::string> {
         "rc=$TORCHELASTIC_RESTART_COUNT tok=${DTRAIN_RDZV_TOKEN-unset} pid=$$\" >> \"$1/events\"\n"
         "trap 'echo \"sigterm rank=$RANK pid=$$\" >> \"$1/events\"; exit 0' TERM\n"
         "if [ -e \"$1/fail_rc${TORCHELASTIC_RESTART_COUNT}_rank$RANK\" ]; then exit 3; fi\n";
+    // fail_now_rc<R>: a worker of restart count R fails at once, as a rank whose collective lost
+    // its peer does.
     script += block ? "trap '' TERM\nsleep 1000\n"
-                    : "while [ ! -e \"$1/finish\" ]; do sleep 0.05; done\n";
+                    : "while [ ! -e \"$1/finish\" ]; do\n"
+                      "  if [ -e \"$1/fail_now_rc$TORCHELASTIC_RESTART_COUNT\" ]; then "
+                      "exit 1; fi\n"
+                      "  sleep 0.05\n"
+                      "done\n";
     return {"/bin/sh", "-c", script, "sh", dir_.path().string()};
   }
 
@@ -238,6 +244,26 @@ TEST_P(ElasticTest, KilledAgentShrinksTheJobAndANewAgentGrowsIt) {
   ASSERT_TRUE(c.wait(kExitTimeout));
   EXPECT_EQ(a.exit_code(), 0) << err(0);
   EXPECT_EQ(c.exit_code(), 0) << err(2);
+}
+
+// When a node dies, the other's workers fail at once (their collectives lose the peer), seconds
+// before its heartbeat expires: the job still continues at the smaller size with --max-restarts 0,
+// since that failure is the lost node's doing (Note [Failures caused by a lost node]).
+TEST_P(ElasticTest, WorkerFailureCausedByALostNodeSpendsNoRestart) {
+  ChildProcess& a = start_first_agent("1:2");
+  ChildProcess& b = start_agent("1:2");
+  ASSERT_EQ(wait_for_starts(0, 2).size(), 2u);
+  kill(b.pid(), SIGKILL);
+  b.wait(kExitTimeout);
+  write_file(dir_ / "fail_now_rc0", "");  // node 0's worker of round 0, node 1's is gone
+  std::vector<Start> round1 = wait_for_starts(1, 1);
+  ASSERT_EQ(round1.size(), 1u);
+  EXPECT_EQ(round1[0].world_size, 1);
+  EXPECT_NE(err(0).find("lost: no heartbeat"), std::string::npos) << err(0);
+  EXPECT_EQ(err(0).find("no restarts left"), std::string::npos) << err(0);
+  finish();
+  ASSERT_TRUE(a.wait(kExitTimeout));
+  EXPECT_EQ(a.exit_code(), 0) << err(0);
 }
 
 // A worker that fails restarts every node's group with TORCHELASTIC_RESTART_COUNT incremented, and

@@ -206,6 +206,53 @@ TEST_F(RendezvousTest, FailuresRestartEveryNodeUpToMaxRestarts) {
   EXPECT_EQ(b->check().kind, Verdict::Kind::kShutdown);
 }
 
+// Note [Failures caused by a lost node]: when a peer dies, the survivors' workers fail before its
+// heartbeat expires; that failure spends no restart, also when none is left.
+TEST_F(RendezvousTest, FailureCausedByALostNodeSpendsNoRestart) {
+  for (int max_restarts : {0, 1}) {
+    SCOPED_TRACE("max restarts " + std::to_string(max_restarts));
+    store_ = std::make_shared<MemoryStore>();
+    RendezvousSettings s = settings(1, 2);
+    s.max_restarts = max_restarts;
+    auto a = node("a", s);
+    auto b = node("b", s, 1, /*beat=*/false);  // dies as soon as the round runs
+    auto ja = join(*a, 1);
+    auto jb = join(*b, 2);
+    get(ja);
+    get(jb);
+    Verdict failed = a->report_failure("worker rank 0 exited with code 1");
+    ASSERT_EQ(failed.kind, Verdict::Kind::kNewRound) << failed.message;
+    ja = join(*a, 1);
+    RoundAssignment alone = get(ja);
+    EXPECT_EQ(alone.world_size, 1);
+    // The failure was refunded (or never counted): a real one now still has its restart.
+    Verdict real = a->report_failure("worker rank 0 exited with code 2");
+    if (max_restarts == 1) {
+      EXPECT_EQ(real.kind, Verdict::Kind::kNewRound) << real.message;
+      EXPECT_EQ(real.message, "worker rank 0 exited with code 2 (restart 1 of 1)");
+    } else {
+      EXPECT_EQ(real.kind, Verdict::Kind::kShutdown) << real.message;
+    }
+  }
+}
+
+// With no restarts left and every peer alive, the failure ends the job (after one heartbeat
+// timeout of waiting for a loss that would explain it).
+TEST_F(RendezvousTest, FailureWithNoRestartsLeftEndsTheJob) {
+  RendezvousSettings s = settings(2, 2);
+  s.max_restarts = 0;
+  auto a = node("a", s);
+  auto b = node("b", s);
+  auto ja = join(*a, 1);
+  auto jb = join(*b, 2);
+  get(ja);
+  get(jb);
+  Verdict failed = a->report_failure("worker rank 0 exited with code 1");
+  EXPECT_EQ(failed.kind, Verdict::Kind::kShutdown);
+  EXPECT_NE(failed.message.find("no restarts left (--max-restarts 0)"), std::string::npos);
+  EXPECT_EQ(b->check().kind, Verdict::Kind::kShutdown);
+}
+
 // A node arriving while a round runs waits; the running node admits it at its next check.
 TEST_F(RendezvousTest, WaitingNodeMakesTheJobGrow) {
   RendezvousSettings s = settings(1, 2);
