@@ -28,6 +28,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using elastic::Verdict;
+
+// The longest one call to the rendezvous store may take (a loaded etcd answers in milliseconds).
+constexpr std::chrono::milliseconds kMaxCallTimeout{15000};
 using elastic::WaitResult;
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -103,13 +106,16 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     std::unique_ptr<elastic::C10dStoreServer>* server) {
   std::string endpoint = options.rdzv_host + ":" + std::to_string(options.rdzv_port);
   std::chrono::milliseconds join_timeout = to_ms(options.rdzv_conf.join_timeout_s);
+  // One call to the store: bounded more tightly than the wait at start, so that a store whose
+  // machine vanished (no reset, only silence) ends the job in seconds, not after join_timeout.
+  std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
     if (!token.empty()) {
       say("note: the rendezvous token guards the c10d store only; secure etcd with its own "
           "authentication and TLS");
     }
-    auto backend = std::make_unique<elastic::EtcdBackend>(endpoint, options.run_id, join_timeout);
+    auto backend = std::make_unique<elastic::EtcdBackend>(endpoint, options.run_id, call_timeout);
     try {
       backend->check_reachable();
     } catch (const CommError& error) {
@@ -137,7 +143,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
         "every node to require a token");
   }
   auto backend = std::make_unique<elastic::C10dBackend>(options.rdzv_host, options.rdzv_port,
-                                                        options.run_id, token, join_timeout);
+                                                        options.run_id, token, call_timeout);
   Clock::time_point deadline = Clock::now() + join_timeout;
   std::string last_error;
   for (;;) {

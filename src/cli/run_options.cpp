@@ -416,8 +416,9 @@ elastic nodes (one `dtrain run` agent per node, all with the same flags):
   --rdzv-id JOB          the job's id: agents with the same id form one job
   --rdzv-conf K=V,...    timeout=900 (s a round may take to complete), last_call_timeout=30 (s
                          to wait for more nodes once MIN joined), join_timeout=60 (s to reach the
-                         store at start, and per call), keep_alive_interval=1 (s between
-                         heartbeats), keep_alive_max_attempt=3 (missed heartbeats = node dead)
+                         store at start; any later call at most 15 s), keep_alive_interval=1
+                         (s between heartbeats), keep_alive_max_attempt=3 (missed heartbeats =
+                         node dead)
   --monitor-interval S   how often the agent looks at the rendezvous while workers run (0.5)
   --rdzv-token TOKEN     require this token from every agent (c10d); better: the variable
                          DTRAIN_RDZV_TOKEN, which stays out of process listings

@@ -14,8 +14,8 @@ struct RendezvousConf {
   double timeout_s = 900;
   // After MIN nodes have joined, how long the first round stays open for more (torchrun's 30 s).
   double last_call_timeout_s = 30;
-  // Longest wait to reach the rendezvous store at start (the agent hosting it may start later) and
-  // for any one call to it.
+  // Longest wait to reach the rendezvous store at start (the agent hosting it may start later); any
+  // one call to it later waits at most min(this, 15 s).
   double join_timeout_s = 60;
   // Heartbeat period, and missed heartbeats after which a node counts as dead.
   double keep_alive_interval_s = 1;
