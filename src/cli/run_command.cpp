@@ -1,12 +1,13 @@
 // `dtrain run`: machine checks, the restart loop around one WorkerGroup, the failure summary and
 // the exit code (see run_command.h).
 //
-// Multi-node runs are static for now: every node runs its own `dtrain run` with its --node-rank and
-// the same --master-addr/--master-port, and nothing coordinates the nodes beyond the workers' own
-// store. A restart is therefore node-local: when a worker fails, only this node's group restarts,
-// and workers on the other nodes notice the lost peer in their next collective and fail too (then
-// their launchers restart them). The attempt counters of different nodes may drift apart. The
-// elastic agent will replace this with a rendezvous that restarts every node's group together.
+// Static multi-node runs (--rdzv-backend static, the default): every node runs its own `dtrain run`
+// with its --node-rank and the same --master-addr/--master-port, and nothing coordinates the nodes
+// beyond the workers' own store. A restart is therefore node-local: when a worker fails, only this
+// node's group restarts, and workers on the other nodes notice the lost peer in their next
+// collective and fail too (then their launchers restart them). The attempt counters of different
+// nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
+// (elastic_agent.h), whose rendezvous restarts every node's group together.
 #include "cli/run_command.h"
 
 #include <sys/prctl.h>
@@ -19,19 +20,21 @@
 #include <sstream>
 #include <system_error>
 
+#include "cli/elastic_agent.h"
 #include "dtrain/errors.h"
 #include "elastic/ports.h"
 #include "elastic/signal_pipe.h"
 #include "elastic/worker_group.h"
 
 namespace dtrain::cli {
-namespace {
 
 using elastic::WaitResult;
 using elastic::WorkerExit;
 using elastic::WorkerGroup;
 
+namespace {
 [[noreturn]] void fail(const std::string& message) { throw UsageError("dtrain run: " + message); }
+}  // namespace
 
 // The launcher's own messages: whole lines to stderr in one write, so they never split a worker's
 // line.
@@ -53,10 +56,12 @@ void print_error(const std::exception& error) {
   say(message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : "internal error: " + message);
 }
 
+namespace {
 bool ends_with(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() &&
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
+}  // namespace
 
 std::string seconds_text(double seconds) {
   std::ostringstream text;
@@ -94,10 +99,8 @@ void print_failure_summary(const WaitResult& result, const elastic::WorkerGroupR
   }
 }
 
-int run_workers(const RunOptions& options, const LaunchPlan& plan) {
-  // Installed before the first worker exists, so no Ctrl-C can slip between fork and the handler.
-  elastic::SignalPipe signals({SIGINT, SIGTERM, SIGHUP});
-
+elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
+                                                 const LaunchPlan& plan) {
   elastic::WorkerGroupOptions group_options;
   group_options.command = plan.command;
   group_options.local_world_size = options.nproc_per_node;
@@ -116,7 +119,15 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
   // init, so the group can reap it and nothing stays a zombie. The launcher has no children but its
   // workers.
   group_options.reap_orphans = prctl(PR_SET_CHILD_SUBREAPER, 1) == 0;
-  WorkerGroup group(group_options);
+  return group_options;
+}
+
+namespace {
+
+int run_workers(const RunOptions& options, const LaunchPlan& plan) {
+  // Installed before the first worker exists, so no Ctrl-C can slip between fork and the handler.
+  elastic::SignalPipe signals({SIGINT, SIGTERM, SIGHUP});
+  WorkerGroup group(worker_group_options(options, plan));
 
   for (int attempt = 0;; ++attempt) {
     elastic::WorkerGroupRound round;
@@ -214,7 +225,7 @@ LaunchPlan prepare_launch(const RunOptions& options) {
   }
 
   plan.auto_port = options.master_port == 0;
-  if (!plan.auto_port) {
+  if (!plan.auto_port && !is_elastic(options)) {
     elastic::PortProbe probe = elastic::probe_port(options.master_addr, options.master_port);
     if (probe == elastic::PortProbe::kUnresolvable) {
       fail("--master-addr: cannot resolve '" + options.master_addr +
@@ -247,7 +258,7 @@ int run_main(const std::vector<std::string>& args) {
     return 2;
   }
   try {
-    return run_workers(options, plan);
+    return is_elastic(options) ? run_elastic(options, plan) : run_workers(options, plan);
   } catch (const UsageError& error) {
     print_error(error);
     return 2;

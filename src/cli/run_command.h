@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli/run_options.h"
+#include "elastic/worker_group.h"
 
 namespace dtrain::cli {
 
@@ -26,5 +27,18 @@ LaunchPlan prepare_launch(const RunOptions& options);
 // Entry point of `dtrain run ARGS...`: returns the process exit code (see run_usage()). Prints the
 // usage for --help, one line and 2 for bad input; blocks until the workers are done.
 int run_main(const std::vector<std::string>& args);
+
+// Shared by the static launcher and the elastic agent (elastic_agent.cpp).
+// One launcher line ("dtrain run: <message>") to stderr in one write.
+void say(const std::string& message);
+// One line for an exception (dtrain's own messages already start with "dtrain run: ").
+void print_error(const std::exception& error);
+// "1.5 s".
+std::string seconds_text(double seconds);
+// The first failing worker, how it ended, and its last stderr lines.
+void print_failure_summary(const elastic::WaitResult& result,
+                           const elastic::WorkerGroupRound& round);
+// The worker group's options from the flags; makes this process the workers' subreaper.
+elastic::WorkerGroupOptions worker_group_options(const RunOptions& options, const LaunchPlan& plan);
 
 }  // namespace dtrain::cli

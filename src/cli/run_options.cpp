@@ -42,6 +42,84 @@ int parse_in_range(std::string_view flag, std::string_view text, long long low, 
   return static_cast<int>(*value);
 }
 
+// A number of seconds in (low, high]: "0.5", "30".
+double parse_seconds(std::string_view flag, const std::string& value, double low, double high,
+                     std::string_view expected) {
+  char* end = nullptr;
+  double seconds = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !std::isfinite(seconds) || seconds <= low ||
+      seconds > high) {
+    bad_value(flag, expected, value);
+  }
+  return seconds;
+}
+
+// --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT.
+void parse_endpoint(const std::string& value, RunOptions& options) {
+  constexpr std::string_view kFlag = "--rdzv-endpoint";
+  constexpr std::string_view kExpected = "HOST:PORT (a host name or address, a port in 1..65535)";
+  std::string host = value;
+  std::string port;
+  if (!value.empty() && value.front() == '[') {
+    std::size_t close = value.find(']');
+    if (close == std::string::npos) bad_value(kFlag, kExpected, value);
+    host = value.substr(1, close - 1);
+    std::string rest = value.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') bad_value(kFlag, kExpected, value);
+      port = rest.substr(1);
+      if (port.empty()) bad_value(kFlag, kExpected, value);
+    }
+  } else if (std::size_t colon = value.find(':'); colon != std::string::npos) {
+    if (value.find(':', colon + 1) != std::string::npos) bad_value(kFlag, kExpected, value);
+    host = value.substr(0, colon);
+    port = value.substr(colon + 1);
+    if (port.empty()) bad_value(kFlag, kExpected, value);
+  }
+  if (host.empty() || host.find_first_of(" /\t") != std::string::npos) {
+    bad_value(kFlag, kExpected, value);
+  }
+  options.rdzv_host = host;
+  options.rdzv_port = port.empty() ? 0 : parse_in_range(kFlag, port, 1, 65535, kExpected);
+}
+
+// --rdzv-conf key=value,key=value.
+void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
+  constexpr std::string_view kFlag = "--rdzv-conf";
+  constexpr std::string_view kKeys =
+      "timeout, last_call_timeout, join_timeout, keep_alive_interval, keep_alive_max_attempt";
+  std::string_view rest = value;
+  while (!rest.empty()) {
+    std::size_t comma = rest.find(',');
+    std::string item(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    std::size_t equals = item.find('=');
+    if (equals == std::string::npos || equals == 0) {
+      bad_value(kFlag, "key=value pairs separated by commas (keys: " + std::string(kKeys) + ")",
+                item);
+    }
+    std::string key = item.substr(0, equals);
+    std::string text = item.substr(equals + 1);
+    std::string name = std::string(kFlag) + " " + key;
+    constexpr std::string_view kSeconds = "a number of seconds above 0 (at most a week)";
+    constexpr double kWeek = 7 * 86400.0;
+    if (key == "timeout") {
+      conf.timeout_s = parse_seconds(name, text, 0, kWeek, kSeconds);
+    } else if (key == "last_call_timeout") {
+      conf.last_call_timeout_s = parse_seconds(name, text, -1e-9, kWeek, "a number of seconds");
+    } else if (key == "join_timeout") {
+      conf.join_timeout_s = parse_seconds(name, text, 0, kWeek, kSeconds);
+    } else if (key == "keep_alive_interval") {
+      conf.keep_alive_interval_s = parse_seconds(name, text, 0.009, 3600, "seconds in 0.01..3600");
+    } else if (key == "keep_alive_max_attempt") {
+      conf.keep_alive_max_attempt = parse_in_range(name, text, 1, 1000, "an integer in 1..1000");
+    } else {
+      fail(std::string(kFlag) + ": unknown key '" + key +
+           "'; expected one of: " + std::string(kKeys));
+    }
+  }
+}
+
 // The CPUs this process may run on (its affinity mask, which taskset and container limits narrow),
 // which is what 'auto' means on a machine without GPUs.
 int usable_cpus() {
@@ -62,6 +140,11 @@ enum class Flag {
   kGracePeriod,
   kNoPython,
   kStandalone,
+  kRdzvBackend,
+  kRdzvEndpoint,
+  kRdzvConf,
+  kRdzvToken,
+  kMonitorInterval,
   kHelp,
 };
 
@@ -81,6 +164,11 @@ constexpr FlagSpec kFlags[] = {
     {"--log-dir", Flag::kLogDir, true},
     {"--run-id", Flag::kRunId, true},
     {"--rdzv-id", Flag::kRunId, true},  // torchrun's name for the run id
+    {"--rdzv-backend", Flag::kRdzvBackend, true},
+    {"--rdzv-endpoint", Flag::kRdzvEndpoint, true},
+    {"--rdzv-conf", Flag::kRdzvConf, true},
+    {"--rdzv-token", Flag::kRdzvToken, true},
+    {"--monitor-interval", Flag::kMonitorInterval, true},
     {"--grace-period", Flag::kGracePeriod, true},
     {"--no-python", Flag::kNoPython, false},
     {"--standalone", Flag::kStandalone, false},
@@ -99,7 +187,37 @@ const FlagSpec* find_flag(std::string_view name) {
   return nullptr;
 }
 
-void check_combinations(RunOptions& options, bool port_given) {
+void check_combinations(RunOptions& options, bool port_given, bool node_rank_given,
+                        bool master_addr_given) {
+  if (is_elastic(options)) {
+    std::string backend = "--rdzv-backend " + options.rdzv_backend;
+    if (options.standalone) {
+      fail("--standalone: runs a single static node; drop it or " + backend);
+    }
+    if (options.rdzv_host.empty()) {
+      fail("--rdzv-endpoint: required with " + backend + ", got none; expected HOST:PORT of " +
+           (options.rdzv_backend == "etcd" ? "the etcd server" : "the node hosting the store"));
+    }
+    if (options.rdzv_port == 0) options.rdzv_port = options.rdzv_backend == "etcd" ? 2379 : 29400;
+    if (node_rank_given || master_addr_given || port_given) {
+      fail(std::string(node_rank_given     ? "--node-rank"
+                       : master_addr_given ? "--master-addr"
+                                           : "--master-port") +
+           ": decided by the rendezvous with " + backend + "; drop it");
+    }
+    if (options.command.empty()) {
+      fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
+    }
+    return;
+  }
+  if (options.min_nodes != options.nnodes) {
+    fail("--nnodes: an elastic range " + std::to_string(options.min_nodes) + ":" +
+         std::to_string(options.nnodes) +
+         " needs --rdzv-backend c10d or etcd (and --rdzv-endpoint); for a static job give N");
+  }
+  if (!options.rdzv_host.empty()) {
+    fail("--rdzv-endpoint: used only with --rdzv-backend c10d or etcd, got it with static");
+  }
   if (options.standalone) {
     if (options.nnodes != 1) {
       fail("--standalone: runs a single node, but --nnodes is " + std::to_string(options.nnodes) +
@@ -129,6 +247,8 @@ void check_combinations(RunOptions& options, bool port_given) {
 RunOptions parse_run_options(const std::vector<std::string>& args) {
   RunOptions options;
   bool port_given = false;
+  bool node_rank_given = false;
+  bool master_addr_given = false;
   std::size_t i = 0;
   for (; i < args.size(); ++i) {
     std::string_view arg = args[i];
@@ -176,27 +296,27 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       case Flag::kNnodes: {
         std::string_view text = value;
         std::size_t colon = text.find(':');
-        constexpr std::string_view kExpected = "a positive integer N or N:N";
+        constexpr std::string_view kExpected = "a positive integer N or a range MIN:MAX";
         int low = parse_in_range(spec->name, text.substr(0, colon), 1, 1 << 20, kExpected);
         int high = low;
         if (colon != std::string_view::npos) {
           high = parse_in_range(spec->name, text.substr(colon + 1), 1, 1 << 20, kExpected);
         }
-        if (low != high) {
-          fail(std::string(spec->name) +
-               ": elastic ranges arrive with the elastic issue; expected a fixed count N or N:N, "
-               "got '" +
-               value + "'");
+        if (low > high) {
+          bad_value(spec->name, "MIN:MAX with MIN <= MAX", value);
         }
-        options.nnodes = low;
+        options.min_nodes = low;
+        options.nnodes = high;
         break;
       }
       case Flag::kNodeRank:
         options.node_rank = parse_in_range(spec->name, value, 0, 1 << 20, "a non-negative integer");
+        node_rank_given = true;
         break;
       case Flag::kMasterAddr:
         if (value.empty()) bad_value(spec->name, "a host name or address", value);
         options.master_addr = value;
+        master_addr_given = true;
         break;
       case Flag::kMasterPort:
         options.master_port =
@@ -227,6 +347,26 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
         options.grace_period_s = seconds;
         break;
       }
+      case Flag::kRdzvBackend:
+        if (value != "static" && value != "c10d" && value != "etcd") {
+          bad_value(spec->name, "one of c10d, etcd, static", value);
+        }
+        options.rdzv_backend = value;
+        break;
+      case Flag::kRdzvEndpoint:
+        parse_endpoint(value, options);
+        break;
+      case Flag::kRdzvConf:
+        parse_rdzv_conf(value, options.rdzv_conf);
+        break;
+      case Flag::kRdzvToken:
+        if (value.empty()) bad_value(spec->name, "a non-empty token", value);
+        options.rdzv_token = value;
+        break;
+      case Flag::kMonitorInterval:
+        options.monitor_interval_s =
+            parse_seconds(spec->name, value, 0.009, 3600, "a number of seconds in 0.01..3600");
+        break;
       case Flag::kNoPython:
         options.no_python = true;
         break;
@@ -239,7 +379,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     }
   }
   options.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  check_combinations(options, port_given);
+  check_combinations(options, port_given, node_rank_given, master_addr_given);
   return options;
 }
 
@@ -247,28 +387,49 @@ std::string run_usage() {
   return R"(usage: dtrain run [flags] [--] program [args...]
 
 Starts --nproc-per-node copies of `program` on this node with the environment torchrun gives its
-workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), relays their output prefixed
-with [rank<R>]:, stops them all when one fails and restarts the group up to --max-restarts times.
-A program ending in .py runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
+workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE,
+ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), relays their output prefixed with [rank<R>]:,
+stops them all when one fails and restarts them up to --max-restarts times. A program ending in .py
+runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
 
 flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
-  --nnodes N             nodes in the job (N:N accepted; elastic ranges come later) (default 1)
-  --node-rank R          this node's rank, 0 <= R < nnodes (default 0)
-  --master-addr HOST     host of the node running rank 0 (default 127.0.0.1)
-  --master-port PORT     store port on the master; 0 or absent: a free one (single node only)
-  --max-restarts K       restarts of the local group after a failure (default 0)
+  --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
+  --max-restarts K       worker failures the job restarts from (default 0)
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
-  --run-id ID            TORCHELASTIC_RUN_ID (alias --rdzv-id) (default none)
+  --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
   --no-python            run a .py program directly instead of through python
   --standalone           single node with a free port (torchrun compatibility)
   -h, --help             this text
 
-With --nnodes > 1 every node runs `dtrain run` with its own --node-rank and the same --master-addr
-and --master-port; restarts are node-local for now.
+static nodes (--rdzv-backend static, the default):
+  --node-rank R          this node's rank, 0 <= R < nnodes (default 0)
+  --master-addr HOST     host of the node running rank 0 (default 127.0.0.1)
+  --master-port PORT     store port on the master; 0 or absent: a free one (single node only)
+  Every node runs `dtrain run` with its own --node-rank and the same master; restarts are local.
+
+elastic nodes (one `dtrain run` agent per node, all with the same flags):
+  --rdzv-backend B       c10d: a store hosted by the agent that can bind --rdzv-endpoint (if that
+                         agent dies the job ends); etcd: an etcd server (no single point of failure)
+  --rdzv-endpoint H:P    where the store or etcd listens (default port 29400 c10d, 2379 etcd)
+  --rdzv-id JOB          the job's id: agents with the same id form one job
+  --rdzv-conf K=V,...    timeout=900 (s a round may take to complete), last_call_timeout=30 (s
+                         to wait for more nodes once MIN joined), join_timeout=60 (s to reach the
+                         store at start; any later call at most 15 s), keep_alive_interval=1
+                         (s between heartbeats), keep_alive_max_attempt=3 (missed heartbeats =
+                         node dead)
+  --monitor-interval S   how often the agent looks at the rendezvous while workers run (0.5)
+  --rdzv-token TOKEN     require this token from every agent (c10d); better: the variable
+                         DTRAIN_RDZV_TOKEN, which stays out of process listings
+  A round starts when MAX nodes joined, or MIN and the last call passed. A failed worker restarts
+  every node's workers (TORCHELASTIC_RESTART_COUNT = round number); a lost node (no heartbeat) or
+  one that leaves (SIGTERM) shrinks the job if MIN still holds, else the job ends naming it; a node
+  that arrives later waits and the job grows at the next monitor interval.
+
 Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
-signal killed it); 128 + signal when dtrain run itself is interrupted; 2 for bad flags.
+signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
+for another reason (lost nodes, rendezvous timeout); 2 for bad flags.
 )";
 }
 

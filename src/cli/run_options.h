@@ -8,11 +8,37 @@
 
 namespace dtrain::cli {
 
+// --rdzv-conf key=value,... (seconds unless said otherwise).
+struct RendezvousConf {
+  // Longest wait for a round to complete: MIN nodes to arrive, or room for a waiting node.
+  double timeout_s = 900;
+  // After MIN nodes have joined, how long the first round stays open for more (torchrun's 30 s).
+  double last_call_timeout_s = 30;
+  // Longest wait to reach the rendezvous store at start (the agent hosting it may start later); any
+  // one call to it later waits at most min(this, 15 s).
+  double join_timeout_s = 60;
+  // Heartbeat period, and missed heartbeats after which a node counts as dead.
+  double keep_alive_interval_s = 1;
+  int keep_alive_max_attempt = 3;
+};
+
 struct RunOptions {
   // Workers on this node: --nproc-per-node N, or 'auto'/'cpu' for the CPUs this process may run on.
   int nproc_per_node = 1;
-  // Nodes in the job: --nnodes N (or N:N). Static for now: every node runs its own `dtrain run`.
+  // Nodes in the job: --nnodes N, or MIN:MAX for an elastic job (then nnodes is MAX).
   int nnodes = 1;
+  int min_nodes = 1;
+  // --rdzv-backend: "static" (fixed nodes, --node-rank/--master-addr/--master-port), "c10d" or
+  // "etcd" (elastic: agents rendezvous at --rdzv-endpoint).
+  std::string rdzv_backend = "static";
+  // --rdzv-endpoint HOST[:PORT]; the port defaults to 29400 (c10d) or 2379 (etcd).
+  std::string rdzv_host;
+  int rdzv_port = 0;
+  RendezvousConf rdzv_conf;
+  // --rdzv-token (DTRAIN_RDZV_TOKEN is read by run_command, so it stays out of process listings).
+  std::string rdzv_token;
+  // Seconds between the agent's looks at the rendezvous while workers run: --monitor-interval.
+  double monitor_interval_s = 0.5;
   // This node's rank among the nodes: --node-rank, 0 <= node_rank < nnodes.
   int node_rank = 0;
   // Host of the node running global rank 0, which hosts the store: --master-addr.
@@ -41,6 +67,9 @@ struct RunOptions {
 // line to print, e.g. "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got
 // '0'".
 RunOptions parse_run_options(const std::vector<std::string>& args);
+
+// Whether the options ask for the elastic agent (a c10d or etcd rendezvous).
+inline bool is_elastic(const RunOptions& options) { return options.rdzv_backend != "static"; }
 
 // The text `dtrain run --help` prints.
 std::string run_usage();

@@ -104,4 +104,29 @@ PortProbe probe_port(const std::string& addr, int port) {
   return verdict;
 }
 
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;  // MASTER_ADDR for Gloo and TCPStore: IPv4 is what works everywhere
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* results = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0 ||
+      results == nullptr) {
+    return "";
+  }
+  std::string address;
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && connect(fd, results->ai_addr, results->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t length = sizeof(local);
+    char text[INET_ADDRSTRLEN] = "";
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
+      address = text;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(results);
+  return address;
+}
+
 }  // namespace dtrain::elastic

@@ -24,4 +24,9 @@ enum class PortProbe {
 // network except for name resolution.
 PortProbe probe_port(const std::string& addr, int port);
 
+// The address of this machine that traffic to host:port leaves from, which is the address the other
+// nodes of a job can reach it at (they reach the same rendezvous endpoint). Found with a UDP
+// connect(), which sends nothing. Empty when `host` does not resolve or no route leads there.
+std::string local_address_towards(const std::string& host, int port);
+
 }  // namespace dtrain::elastic

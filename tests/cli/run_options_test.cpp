@@ -97,6 +97,37 @@ TEST_P(RunOptionsRejects, WithOneLineNamingTheFlag) {
   }
 }
 
+TEST(RunOptions, ElasticFlagsAsTorchrunSpellsThem) {
+  RunOptions options =
+      parse_run_options({"--nnodes=1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "node0:29555",
+                         "--rdzv-id", "job7", "--rdzv-conf",
+                         "timeout=20,last_call_timeout=0,join_timeout=5,keep_alive_interval="
+                         "0.2,keep_alive_max_attempt=4",
+                         "--monitor-interval", "0.1", "--max-restarts", "2", "p"});
+  EXPECT_TRUE(is_elastic(options));
+  EXPECT_EQ(options.min_nodes, 1);
+  EXPECT_EQ(options.nnodes, 3);
+  EXPECT_EQ(options.rdzv_host, "node0");
+  EXPECT_EQ(options.rdzv_port, 29555);
+  EXPECT_EQ(options.run_id, "job7");
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.timeout_s, 20);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.last_call_timeout_s, 0);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.join_timeout_s, 5);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.keep_alive_interval_s, 0.2);
+  EXPECT_EQ(options.rdzv_conf.keep_alive_max_attempt, 4);
+  EXPECT_DOUBLE_EQ(options.monitor_interval_s, 0.1);
+
+  // Default ports as torchrun's c10d and etcd's client port; IPv6 in brackets.
+  EXPECT_EQ(parse_run_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "h", "p"}).rdzv_port,
+            29400);
+  EXPECT_EQ(parse_run_options({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h", "p"}).rdzv_port,
+            2379);
+  RunOptions v6 = parse_run_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]:7", "p"});
+  EXPECT_EQ(v6.rdzv_host, "::1");
+  EXPECT_EQ(v6.rdzv_port, 7);
+  EXPECT_FALSE(is_elastic(parse_run_options({"p"})));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Flags, RunOptionsRejects,
     testing::Values(
@@ -110,9 +141,41 @@ INSTANTIATE_TEST_SUITE_P(
                  "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got '0'"},
         BadInput{{"--nproc-per-node=2x", "p"}, "got '2x'"},
         BadInput{{"--nproc-per-node", "99999999999999999999", "p"}, "--nproc-per-node"},
-        BadInput{{"--nnodes", "0", "p"}, "--nnodes: expected a positive integer N or N:N, got '0'"},
+        BadInput{{"--nnodes", "0", "p"},
+                 "--nnodes: expected a positive integer N or a range MIN:MAX, got '0'"},
         BadInput{{"--nnodes", "1:4", "p"},
-                 "--nnodes: elastic ranges arrive with the elastic issue"},
+                 "--nnodes: an elastic range 1:4 needs --rdzv-backend c10d or etcd"},
+        BadInput{{"--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "p"},
+                 "--nnodes: expected MIN:MAX with MIN <= MAX, got '3:2'"},
+        BadInput{{"--rdzv-backend", "zookeeper", "p"},
+                 "--rdzv-backend: expected one of c10d, etcd, static, got 'zookeeper'"},
+        BadInput{{"--nnodes", "1:2", "--rdzv-backend", "c10d", "p"},
+                 "--rdzv-endpoint: required with --rdzv-backend c10d"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:port", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:70000", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "a:1:2", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-endpoint", "h:1", "p"}, "--rdzv-endpoint: used only with"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "speed=9", "p"},
+            "--rdzv-conf: unknown key 'speed'; expected one of: timeout, last_call_timeout"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout", "p"},
+            "--rdzv-conf: expected key=value pairs"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=-1", "p"},
+            "--rdzv-conf timeout: expected a number of seconds above 0"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--node-rank", "1", "p"},
+                 "--node-rank: decided by the rendezvous"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--master-port", "5", "p"},
+                 "--master-port: decided by the rendezvous"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--monitor-interval", "0", "p"},
+            "--monitor-interval: expected a number of seconds in 0.01..3600, got '0'"},
         BadInput{{"--nnodes", "2:x", "p"}, "--nnodes"},
         BadInput{{"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
                  "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
