@@ -321,6 +321,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       WaitResult result = group.wait(waker.fd());
       if (result.state == WaitResult::State::kSucceeded) {
         group.stop();
+        say("round " + std::to_string(round->round) + ": every worker of this node succeeded");
         try {
           rendezvous.finish();
           if (server) {
