@@ -321,6 +321,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       WaitResult result = group.wait(waker.fd());
       if (result.state == WaitResult::State::kSucceeded) {
         group.stop();
+        say("round " + std::to_string(round->round) + ": every worker of this node succeeded");
         try {
           rendezvous.finish();
           if (server) {
@@ -335,6 +336,14 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         return 0;
       }
 
+      // WorkerGroup::wait() reports kInterrupted when the monitor timer fired in the same wake-up
+      // as a worker's exit, with that exit in result.failures (and reaped: the next wait() would
+      // not see it again, and would call the round a success). Only a signal outranks it.
+      if (result.state == WaitResult::State::kInterrupted && !result.failures.empty()) {
+        if (int signo = signals.take(); signo != 0) return leave_on_signal(signo);
+        waker.drain_timer();
+        result.state = WaitResult::State::kFailed;
+      }
       if (result.state == WaitResult::State::kInterrupted) {
         if (int signo = signals.take(); signo != 0) return leave_on_signal(signo);
         waker.drain_timer();

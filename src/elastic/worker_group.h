@@ -107,7 +107,8 @@ struct WaitResult {
   };
   State state = State::kSucceeded;
   // The failures reaped in the wake-up that ended wait(), first observed first; failures[0] is the
-  // root cause. Empty unless state == kFailed.
+  // root cause. Set with kFailed, and also with kInterrupted when the interrupt fd and a failure
+  // came in the same wake-up (those exits are reaped: a later wait() does not report them again).
   std::vector<WorkerExit> failures;
 };
 
