@@ -309,6 +309,23 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
   return out;
 }
 
+// Note [Reusing a run id]: an etcd key outlives the job that wrote it (a c10d store dies with its
+// host agent), so an agent started later under the same --rdzv-id finds the state of a job that is
+// over: every participant finished, or it was shut down. Waiting in it would hang until the
+// rendezvous timeout (every round is complete and full of finished nodes), and failing would make a
+// run id single-use with etcd but reusable with c10d. So such a state starts over as a new job,
+// once no other agent still holds it (their keep-alive entries are gone: finished and leaving
+// agents remove theirs, the sweep removes the silent ones), so that a slow agent of the old job is
+// never pulled into the new one.
+bool Rendezvous::ended_and_abandoned(const RendezvousState& state) const {
+  bool all_finished = state.complete && !state.participants.empty() &&
+                      std::all_of(state.participants.begin(), state.participants.end(),
+                                  [&](const auto& id) { return contains(state.finished, id); });
+  if (state.shutdown.empty() && !all_finished) return false;
+  return std::all_of(state.keep_alive.begin(), state.keep_alive.end(),
+                     [&](const auto& entry) { return entry.first == self_.id; });
+}
+
 std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd) {
   self_.port = port;
   Clock::time_point deadline = Clock::now() + settings_.timeout;
@@ -317,8 +334,20 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
     {
       std::lock_guard<std::mutex> lock(mutex_);
       state = update([&](RendezvousState& s) {
-        if (!s.shutdown.empty()) return false;
-        bool changed = sweep(s);
+        bool changed = false;
+        if (ended_and_abandoned(s)) {
+          // Note [Reusing a run id]
+          s = RendezvousState{};
+          s.reason = "a new job under rendezvous id '" + settings_.job_id +
+                     "' (the previous job with this id had ended)";
+          changed = true;
+        }
+        if (!s.shutdown.empty()) {
+          // A newcomer to a job that was shut down waits for its agents to go (then starts over);
+          // a node of that job learns below why it ended.
+          return s.nodes.count(self_.id) == 0 ? sweep(s) || changed : changed;
+        }
+        changed |= sweep(s);
         if (!s.shutdown.empty()) return true;
         bool joined = contains(s.participants, self_.id);
         if (s.complete && joined && s.round <= round_) {
@@ -350,7 +379,9 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
         return changed;
       });
     }
-    if (!state.shutdown.empty()) throw PeerLostError("dtrain run: " + state.shutdown);
+    if (!state.shutdown.empty() && state.nodes.count(self_.id) > 0) {
+      throw PeerLostError("dtrain run: " + state.shutdown);
+    }
     if (state.complete && contains(state.participants, self_.id) && state.round > round_) {
       round_ = state.round;
       return assignment(state);

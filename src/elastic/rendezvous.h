@@ -180,6 +180,9 @@ class Rendezvous {
   // Notes when each keep-alive counter changed (on this machine's clock).
   void observe(const RendezvousState& state);
   bool is_dead(const std::string& id) const;
+  // The state is that of a job that is over and no other agent still holds (Note [Reusing a run
+  // id]).
+  bool ended_and_abandoned(const RendezvousState& state) const;
   // Removes dead nodes from `state`; true when it changed.
   bool sweep(RendezvousState& state);
   // Starts round + 1 of `state`, expecting `expected` back; ends the job instead when fewer than

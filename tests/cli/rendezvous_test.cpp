@@ -313,6 +313,39 @@ TEST_F(RendezvousTest, TimeoutNamesPresentNodesAndTheMinimum) {
 }
 
 // RFC 4231, test case 2.
+// Note [Reusing a run id]: a job that finished leaves its state behind (etcd keeps it); a new agent
+// under the same id starts a new job at round 0 instead of waiting in the old one until its timeout.
+TEST_F(RendezvousTest, FinishedJobsStateStartsOverForANewAgent) {
+  auto a = node("a", settings(1, 1));
+  auto first = join(*a, 1001);
+  EXPECT_EQ(get(first).round, 0);
+  a->finish();
+  a.reset();
+  auto c = node("c", settings(1, 1));
+  auto again = join(*c, 1003);
+  RoundAssignment rc = get(again);
+  EXPECT_EQ(rc.round, 0);
+  EXPECT_EQ(rc.group_world_size, 1);
+  EXPECT_EQ(rc.master_port, 1003);
+}
+
+// A job that was shut down: a newcomer waits until the old agents are gone (their heartbeats stop),
+// then starts over; it is never told the old job's reason as if it were its own.
+TEST_F(RendezvousTest, ShutDownJobsStateStartsOverOnceItsAgentsAreGone) {
+  RendezvousSettings s = settings(1, 1);
+  s.max_restarts = 0;
+  auto a = node("a", s);
+  auto first = join(*a, 1001);
+  EXPECT_EQ(get(first).round, 0);
+  EXPECT_EQ(a->report_failure("worker rank 0 exited with code 1").kind, Verdict::Kind::kShutdown);
+  a.reset();  // its agent exits without leaving: only its silence frees the state
+  auto c = node("c", s);
+  auto again = join(*c, 1003);
+  RoundAssignment rc = get(again);
+  EXPECT_EQ(rc.round, 0);
+  EXPECT_EQ(rc.master_port, 1003);
+}
+
 TEST(C10dStore, HmacSha256MatchesTheRfc) {
   std::string mac = dtrain::elastic::hmac_sha256("Jefe", "what do ya want for nothing?");
   std::string hex;
