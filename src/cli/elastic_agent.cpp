@@ -381,6 +381,18 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       double stop_seconds = since(stop_start);
       print_failure_summary(result, worker_round);
       if (int signo = signals.take(); signo != 0) return leave_on_signal(signo);
+      if (root.usage_error()) {
+        std::string why = describe_failure(self, root) +
+                          ": a usage error (a bad flag, variable or file), which a restart cannot "
+                          "fix; not restarting";
+        try {
+          rendezvous.end_job(why);
+        } catch (const std::exception&) {
+        }
+        leave_quietly();
+        say("the job ends: " + why + "; exiting with code 2");
+        return root.launcher_exit_code();
+      }
       Verdict verdict;
       try {
         verdict = rendezvous.report_failure(describe_failure(self, root));

@@ -168,6 +168,11 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
       return 128 + signo;
     }
     int exit_code = result.failures.front().launcher_exit_code();
+    if (result.failures.front().usage_error() && options.max_restarts > 0) {
+      say("not restarting: exit code 2 is a usage error (a bad flag, variable or file), which a "
+          "restart cannot fix; exiting with code 2");
+      return exit_code;
+    }
     if (attempt >= options.max_restarts) {
       say("no restarts left (--max-restarts " + std::to_string(options.max_restarts) +
           "); exiting with code " + std::to_string(exit_code));

@@ -316,8 +316,10 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
 // run id single-use with etcd but reusable with c10d. So such a state starts over as a new job,
 // once no other agent still holds it (their keep-alive entries are gone: finished and leaving
 // agents remove theirs, the sweep removes the silent ones), so that a slow agent of the old job is
-// never pulled into the new one.
+// never pulled into the new one. Only a newcomer does this: an agent of the old job (in its nodes)
+// is told how that job ended.
 bool Rendezvous::ended_and_abandoned(const RendezvousState& state) const {
+  if (state.nodes.count(self_.id) > 0) return false;  // this agent took part: it learns how it ended
   bool all_finished = state.complete && !state.participants.empty() &&
                       std::all_of(state.participants.begin(), state.participants.end(),
                                   [&](const auto& id) { return contains(state.finished, id); });

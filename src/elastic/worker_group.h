@@ -91,6 +91,10 @@ struct WorkerExit {
   std::vector<std::string> stderr_tail;
 
   bool succeeded() const { return signal == 0 && exit_code == 0; }
+  // Exit code 2: how dtrain programs, Python's argparse and most command-line tools say "bad flag,
+  // variable or file". A restart would fail the same way (or, worse, resume from a folder the user
+  // named by mistake), so launchers do not restart for it.
+  bool usage_error() const { return signal == 0 && exit_code == 2; }
   // "exited with code 3" or "killed by signal 9 (SIGKILL)".
   std::string describe() const;
   // The exit code a launcher reports for it: the worker's code, or 128 + signal; never 0 for a

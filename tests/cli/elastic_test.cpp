@@ -105,7 +105,8 @@ class ElasticTest : public testing::TestWithParam<std::string> {
         "echo \"start ws=$WORLD_SIZE rank=$RANK gr=$GROUP_RANK gws=$GROUP_WORLD_SIZE "
         "rc=$TORCHELASTIC_RESTART_COUNT tok=${DTRAIN_RDZV_TOKEN-unset} pid=$$\" >> \"$1/events\"\n"
         "trap 'echo \"sigterm rank=$RANK pid=$$\" >> \"$1/events\"; exit 0' TERM\n"
-        "if [ -e \"$1/fail_rc${TORCHELASTIC_RESTART_COUNT}_rank$RANK\" ]; then exit 3; fi\n";
+        "if [ -e \"$1/fail_rc${TORCHELASTIC_RESTART_COUNT}_rank$RANK\" ]; then exit 3; fi\n"
+        "if [ -e \"$1/usage_rc${TORCHELASTIC_RESTART_COUNT}_rank$RANK\" ]; then exit 2; fi\n";
     // fail_now_rc<R>: a worker of restart count R fails at once, as a rank whose collective lost
     // its peer does.
     script += block ? "trap '' TERM\nsleep 1000\n"
@@ -304,6 +305,23 @@ TEST_P(ElasticTest, WorkerFailureWithNoRestartsLeftEndsTheJob) {
   std::multiset<int> codes = {a.exit_code(), b.exit_code()};
   EXPECT_EQ(codes, (std::multiset<int>{1, 3})) << all;
   EXPECT_EQ(count(all, "exited with code 3; no restarts left (--max-restarts 0)"), 2) << all;
+}
+
+// A worker that exits with code 2 (a bad flag, variable or file) ends the job on every node even
+// with restarts left: a restart would fail the same way.
+TEST_P(ElasticTest, WorkerUsageErrorEndsTheJobWithoutRestarts) {
+  write_file(dir_ / "usage_rc0_rank1", "");
+  ChildProcess& a = start_first_agent("2:2", {"--max-restarts", "3"});
+  ChildProcess& b = start_agent("2:2", {"--max-restarts", "3"});
+  ASSERT_TRUE(a.wait(kExitTimeout)) << err(0) << err(1);
+  ASSERT_TRUE(b.wait(kExitTimeout));
+  std::string all = err(0) + err(1);
+  std::multiset<int> codes = {a.exit_code(), b.exit_code()};
+  EXPECT_EQ(codes, (std::multiset<int>{1, 2})) << all;
+  EXPECT_NE(all.find("a usage error (a bad flag, variable or file), which a restart cannot fix"),
+            std::string::npos)
+      << all;
+  for (const Start& start : starts()) EXPECT_EQ(start.restart_count, 0) << all;
 }
 
 // A worker blocked (ignoring SIGTERM, as a rank stuck in a collective) whose peer node died is

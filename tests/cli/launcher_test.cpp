@@ -361,6 +361,15 @@ TEST_F(LauncherTest, GivesUpWhenRestartsRunOut) {
       << run.err;
 }
 
+TEST_F(LauncherTest, UsageErrorIsNotRestarted) {
+  RunResult run = dtrain(concat({"run", "--max-restarts", "3", "--"},
+                                sh("echo \"attempt $TORCHELASTIC_RESTART_COUNT\" >&2; exit 2")));
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_EQ(count(run.err, "worker failed:"), 1) << run.err;
+  EXPECT_NE(run.err.find("not restarting: exit code 2 is a usage error"), std::string::npos)
+      << run.err;
+}
+
 // ---- stopping the launcher
 // -----------------------------------------------------------------------
 
