@@ -154,6 +154,16 @@ RendezvousState Rendezvous::read() {
   return state;
 }
 
+// Time during which this agent could not read the state (a stalled etcd, a starved c10d host) is
+// not evidence against anyone: nobody's heartbeat could land then either. So after a gap longer than
+// a heartbeat, every counter counts as just seen, and the dead-node clock starts over.
+void Rendezvous::forgive_blind_time(Clock::time_point now) {
+  if (last_read_ != Clock::time_point{} && now - last_read_ > settings_.keep_alive_interval) {
+    for (auto& [id, seen] : seen_) seen.changed = now;
+  }
+  last_read_ = now;
+}
+
 template <typename Change>
 RendezvousState Rendezvous::update(Change change) {
   RendezvousState state = read();
@@ -174,9 +184,14 @@ RendezvousState Rendezvous::update(Change change) {
 
 void Rendezvous::observe(const RendezvousState& state) {
   Clock::time_point now = Clock::now();
+  forgive_blind_time(now);
   for (const auto& [id, counter] : state.keep_alive) {
     auto found = seen_.find(id);
     if (found == seen_.end() || found->second.counter != counter) seen_[id] = Seen{counter, now};
+  }
+  // A node that left the state and comes back starts with a fresh clock, not a stale one.
+  for (auto it = seen_.begin(); it != seen_.end();) {
+    it = state.keep_alive.count(it->first) ? std::next(it) : seen_.erase(it);
   }
 }
 
@@ -228,7 +243,16 @@ bool Rendezvous::sweep(RendezvousState& state) {
     state.last_failure_ms = 0;
     what += " (the worker failure just before it spends no restart)";
   }
-  if (running_participant_lost && state.shutdown.empty()) open_round(state, what, what);
+  if (running_participant_lost && state.shutdown.empty()) {
+    if (!state.finished.empty()) {
+      // As in report_failure: a node whose workers succeeded is gone for good, so a restart would
+      // run the job again without it.
+      state.shutdown = what + "; not restarting: " + describe_node(state, state.finished.front()) +
+                       " had already finished";
+    } else {
+      open_round(state, what, what);
+    }
+  }
   return true;
 }
 
@@ -365,7 +389,7 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
           changed = true;
         }
         if (s.keep_alive.count(self_.id) == 0) {
-          s.keep_alive[self_.id] = heartbeat_;
+          s.keep_alive[self_.id] = ++heartbeat_;  // a value no observer holds from before
           changed = true;
         }
         if (!s.complete && !joined &&
@@ -495,7 +519,16 @@ Verdict Rendezvous::report_failure(const std::string& what) {
 void Rendezvous::finish() {
   std::lock_guard<std::mutex> lock(mutex_);
   update([&](RendezvousState& s) {
-    if (s.round != round_ || contains(s.finished, self_.id)) return false;
+    if (contains(s.finished, self_.id)) return false;
+    if (s.round != round_) {
+      // Another node's failure opened a new round while this node's workers were succeeding: the
+      // others would rerun the job without this node's finished share, so the job ends instead
+      // (the rule of report_failure).
+      bool changed = erase(s.expected, self_.id) | (s.keep_alive.erase(self_.id) > 0);
+      if (!s.shutdown.empty()) return changed;
+      s.shutdown = s.reason + "; not restarting: " + self_.describe() + " had already finished";
+      return true;
+    }
     s.finished.push_back(self_.id);
     s.keep_alive.erase(self_.id);
     return true;

@@ -184,6 +184,41 @@ TEST_F(RendezvousTest, SilentNodeIsLostAndTheJobShrinksOrEnds) {
   }
 }
 
+// A node lost after another one finished ends the job instead of restarting it: a restart would run
+// the job again without the finished node's share (the rule report_failure follows too).
+TEST_F(RendezvousTest, NodeLostAfterAnotherFinishedEndsTheJob) {
+  auto a = node("a", settings(1, 3));
+  auto b = node("b", settings(1, 3), 1, /*beat=*/false);  // dies once the round closed
+  auto c = node("c", settings(1, 3));
+  auto joined_a = join(*a, 1), joined_b = join(*b, 2), joined_c = join(*c, 3);
+  get(joined_a);
+  get(joined_b);
+  get(joined_c);
+  a->finish();
+  Verdict verdict = check_until_news(*c);
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
+  EXPECT_NE(verdict.message.find("not restarting: host a (node a_1_0) had already finished"),
+            std::string::npos)
+      << verdict.message;
+}
+
+// A node whose workers succeed just after another node's failure opened a new round: the job ends
+// rather than rerun without it.
+TEST_F(RendezvousTest, FinishAfterAnotherNodesFailureEndsTheJob) {
+  auto a = node("a", settings(2, 2));
+  auto b = node("b", settings(2, 2));
+  auto joined_a = join(*a, 1), joined_b = join(*b, 2);
+  get(joined_a);
+  get(joined_b);
+  EXPECT_EQ(b->report_failure("worker rank 1 exited with code 1").kind, Verdict::Kind::kNewRound);
+  a->finish();
+  Verdict verdict = check_until_news(*b);
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
+  EXPECT_NE(verdict.message.find("not restarting: host a (node a_1_0) had already finished"),
+            std::string::npos)
+      << verdict.message;
+}
+
 // A worker failure opens a new round for every node, counted against --max-restarts (1 here).
 TEST_F(RendezvousTest, FailuresRestartEveryNodeUpToMaxRestarts) {
   auto a = node("a", settings(2, 2));
