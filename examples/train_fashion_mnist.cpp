@@ -348,8 +348,10 @@ void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
     throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
                              "' is a file, not a folder; pass a folder");
   }
+  // What the folder holds is rank 0's to judge: it reads the checkpoint and broadcasts it, so on
+  // nodes without a shared file system the other ranks' folders are empty, and rightly so.
   auto existing = dtrain::Checkpointer(checkpoint_options(flags)).list();
-  if (flags.resume && existing.empty()) {
+  if (flags.resume && existing.empty() && rank == 0) {
     throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint in " + dir +
                              "; run once with --checkpoint-dir " + dir +
                              " first, or drop --resume");
@@ -369,7 +371,7 @@ void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
     throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
                              "': cannot write there (" + std::strerror(errno) + ")");
   }
-  if (!existing.empty() && !flags.resume && !restarted) {
+  if (!existing.empty() && !flags.resume && !restarted && rank == 0) {
     throw dtrain::UsageError("train_fashion_mnist: --checkpoint-dir '" + dir +
                              "' already holds a checkpoint (" + existing.back() +
                              "); pass --resume to continue from it, or choose another folder");

@@ -176,7 +176,8 @@ bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, s
   return true;
 }
 
-void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last) {
+void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last,
+                            int64_t saved_step) {
   // Temporaries left by a writer that was killed mid-write (.<prefix>-<step>.ckpt.tmp-<pid>): never
   // loaded, but they take space. Only those whose process is gone on this host are removed, so a
   // live writer's file is never pulled from under it.
@@ -195,6 +196,9 @@ void prune_checkpoint_files(const std::string& dir, const std::string& prefix, i
     }
   }
   auto files = list_checkpoint_files(dir, prefix);
+  files.erase(std::remove_if(files.begin(), files.end(),
+                             [&](const CheckpointFile& file) { return file.step > saved_step; }),
+              files.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < files.size(); ++i) {
     std::error_code error;
     if (!fs::remove(files[i].path, error) && error) {

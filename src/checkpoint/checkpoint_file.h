@@ -34,8 +34,11 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& pay
 // of 5000 payload bytes", "checksum mismatch") when the file is not an intact checkpoint.
 bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, std::string* why);
 
-// Deletes all but the newest keep_last checkpoint files; logs (does not throw) what it cannot
-// delete.
-void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last);
+// After checkpoint `saved_step` was written: deletes all but the newest keep_last checkpoint files
+// up to that step; logs (does not throw) what it cannot delete. Files of later steps are neither
+// counted nor deleted: a run only saves below them after it resumed past them because they were
+// damaged, and counting them would let them push out the intact checkpoints just written.
+void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last,
+                            int64_t saved_step);
 
 }  // namespace dtrain::detail

@@ -354,9 +354,9 @@ void Checkpointer::wait() {
 std::string Checkpointer::save(const TrainingState& state) {
   wait();
   std::string path = detail::checkpoint_path(options_.dir, options_.prefix, state.step);
-  auto write = [path, options = options_](const Snapshot& snapshot) {
+  auto write = [path, options = options_, step = state.step](const Snapshot& snapshot) {
     detail::write_checkpoint_file(path, encode(snapshot));
-    detail::prune_checkpoint_files(options.dir, options.prefix, options.keep_last);
+    detail::prune_checkpoint_files(options.dir, options.prefix, options.keep_last, step);
     DTRAIN_LOG(kDebug, "checkpoint: saved " << path);
   };
   if (!options_.async) {

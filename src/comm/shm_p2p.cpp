@@ -389,42 +389,61 @@ void ShmPointToPoint::push_locked(int dst) {
   char* buffer = ring(rank_, dst);
   const uint64_t capacity = static_cast<uint64_t>(ring_bytes_);
   bool wrote = false;
-  while (!out.queue.empty()) {
-    ShmMessage& message = *out.queue.front();
-    uint64_t free = capacity - (out.head - pair.tail.load(std::memory_order_acquire));
-    if (!message.header_moved) {
-      if (free < kHeaderBytes) break;
-      MessageHeader header{kMagic, message.tag,   static_cast<int32_t>(message.data.scalar_type()),
-                           0,      message.bytes, 0};
-      copy_into_ring(buffer, capacity, out.head, reinterpret_cast<const char*>(&header),
-                     kHeaderBytes);
-      out.head += kHeaderBytes;
-      free -= kHeaderBytes;
-      message.header_moved = true;
-      wrote = true;
+  bool waiting_changed = false;
+  for (;;) {
+    while (!out.queue.empty()) {
+      ShmMessage& message = *out.queue.front();
+      uint64_t free = capacity - (out.head - pair.tail.load(std::memory_order_acquire));
+      if (!message.header_moved) {
+        if (free < kHeaderBytes) break;
+        MessageHeader header{
+            kMagic, message.tag,   static_cast<int32_t>(message.data.scalar_type()),
+            0,      message.bytes, 0};
+        copy_into_ring(buffer, capacity, out.head, reinterpret_cast<const char*>(&header),
+                       kHeaderBytes);
+        out.head += kHeaderBytes;
+        free -= kHeaderBytes;
+        message.header_moved = true;
+        wrote = true;
+      }
+      const uint64_t total = padded(message.bytes);
+      const uint64_t n = std::min<uint64_t>(free, total - message.moved);
+      if (n > 0) {
+        // Only the payload's bytes are copied; the padding after it is skipped.
+        const uint64_t payload = message.moved < message.bytes
+                                     ? std::min<uint64_t>(n, message.bytes - message.moved)
+                                     : 0;
+        copy_into_ring(buffer, capacity, out.head,
+                       static_cast<const char*>(message.data.data_ptr()) + message.moved, payload);
+        message.moved += n;
+        out.head += n;
+        wrote = true;
+      }
+      if (static_cast<uint64_t>(message.moved) < total) break;  // the ring is full
+      auto done = out.queue.front();
+      out.queue.pop_front();
+      complete_locked(*done);
     }
-    const uint64_t total = padded(message.bytes);
-    const uint64_t n = std::min<uint64_t>(free, total - message.moved);
-    if (n > 0) {
-      // Only the payload's bytes are copied; the padding after it is skipped.
-      const uint64_t payload =
-          message.moved < message.bytes ? std::min<uint64_t>(n, message.bytes - message.moved) : 0;
-      copy_into_ring(buffer, capacity, out.head,
-                     static_cast<const char*>(message.data.data_ptr()) + message.moved, payload);
-      message.moved += n;
-      out.head += n;
-      wrote = true;
+    if (wrote) pair.head.store(out.head, std::memory_order_release);
+    if (out.queue.empty()) break;
+    // The ring is full. Say so, then look at the tail once more: a receiver that freed space just
+    // before it could see sender_waiting would not wake this side, and the message would wait for
+    // a futex timeout (100-200 ms). With both the flag's store here and the tail's store in
+    // pull_locked sequentially consistent, one of the two sides sees the other's store.
+    if (pair.sender_waiting.load(std::memory_order_relaxed) == 0) {
+      pair.sender_waiting.store(1, std::memory_order_seq_cst);
+      waiting_changed = true;
+    } else {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
     }
-    if (static_cast<uint64_t>(message.moved) < total) break;  // the ring is full
-    auto done = out.queue.front();
-    out.queue.pop_front();
-    complete_locked(*done);
+    const uint64_t needed = out.queue.front()->header_moved ? 1 : kHeaderBytes;
+    if (capacity - (out.head - pair.tail.load(std::memory_order_seq_cst)) < needed) break;
   }
-  if (wrote) pair.head.store(out.head, std::memory_order_release);
-  const uint32_t waiting = out.queue.empty() ? 0 : 1;
-  const bool changed = pair.sender_waiting.load(std::memory_order_relaxed) != waiting;
-  if (changed) pair.sender_waiting.store(waiting, std::memory_order_release);
-  if (wrote || changed) wake(dst);
+  if (out.queue.empty() && pair.sender_waiting.load(std::memory_order_relaxed) != 0) {
+    pair.sender_waiting.store(0, std::memory_order_release);
+    waiting_changed = true;
+  }
+  if (wrote || waiting_changed) wake(dst);
 }
 
 void ShmPointToPoint::pull_locked(int src) {
@@ -511,8 +530,9 @@ void ShmPointToPoint::pull_locked(int src) {
     in.held_into.reset();
   }
   if (consumed) {
-    pair.tail.store(in.tail, std::memory_order_release);
-    if (pair.sender_waiting.load(std::memory_order_acquire) != 0) wake(src);
+    // Sequentially consistent, paired with the sender's store of sender_waiting (see push_locked).
+    pair.tail.store(in.tail, std::memory_order_seq_cst);
+    if (pair.sender_waiting.load(std::memory_order_seq_cst) != 0) wake(src);
   }
 }
 

@@ -185,6 +185,30 @@ TEST(Checkpointer, KeepsTheNewestK) {
   fs::remove_all(options.dir);
 }
 
+// After resuming past a damaged newest file, new saves are below it: the damaged file must not
+// count against keep_last, or each new checkpoint would be deleted as soon as it is written.
+TEST(Checkpointer, DamagedLaterFileDoesNotPushOutNewCheckpoints) {
+  auto model = make_model();
+  CheckpointOptions options;
+  options.dir = temp_dir("dtrain-ckpt-damaged-later");
+  options.keep_last = 1;
+  Checkpointer checkpointer(options);
+  TrainingState state{model.get()};
+  state.step = 40;
+  checkpointer.save(state);
+  std::ofstream(options.dir + "/checkpoint-50.ckpt") << "torn by a crash";
+  state.step = 45;
+  checkpointer.save(state);
+  EXPECT_TRUE(fs::exists(options.dir + "/checkpoint-45.ckpt"));
+  EXPECT_FALSE(fs::exists(options.dir + "/checkpoint-40.ckpt"));
+  TrainingState loaded{model.get()};
+  auto found = checkpointer.load_latest(loaded);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->step, 45);
+  EXPECT_EQ(found->skipped, (std::vector<std::string>{options.dir + "/checkpoint-50.ckpt"}));
+  fs::remove_all(options.dir);
+}
+
 std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
