@@ -274,6 +274,11 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
     }
   };
 
+  // How long the store may stay silent while workers run (see the check below).
+  const std::chrono::milliseconds store_patience =
+      settings.keep_alive_interval * settings.keep_alive_max_attempt;
+  Clock::time_point store_trouble_since{};
+
   for (;;) {
     Clock::time_point rendezvous_start = Clock::now();
     std::optional<elastic::RoundAssignment> round;
@@ -350,9 +355,20 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         Verdict verdict;
         try {
           verdict = rendezvous.check();
+          store_trouble_since = {};
         } catch (const UsageError&) {
           throw;
         } catch (const std::exception& error) {
+          // A store that misses a look or two (an etcd leader election, a starved c10d host) is
+          // not a lost job: the workers keep running while it stays silent for less than a
+          // heartbeat timeout, the time after which the others would count this node dead anyway.
+          if (store_trouble_since == Clock::time_point{}) {
+            store_trouble_since = Clock::now();
+            say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
+                "); the workers keep running while it is retried for up to " +
+                seconds_text(store_patience.count() / 1000.0));
+          }
+          if (Clock::now() - store_trouble_since < store_patience) continue;
           say(store_lost(options, error) + "; stopping " + std::to_string(group.running()) +
               " worker(s)");
           group.stop(signals.fd());
