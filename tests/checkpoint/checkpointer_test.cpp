@@ -12,6 +12,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/data.h"
+#include "support/temp_dir.h"
 #include "support/thread_ranks.h"
 
 namespace dtrain {
@@ -19,13 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string temp_dir(const std::string& stem) {
-  static int counter = 0;
-  auto dir = fs::temp_directory_path() /
-             (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-  fs::remove_all(dir);
-  return dir.string();
-}
+using testing::temp_dir;
 
 // A model with parameters and a buffer (BatchNorm's running statistics).
 torch::nn::Sequential make_model() {

@@ -15,6 +15,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace dtrain {
 namespace {
@@ -23,13 +24,7 @@ namespace fs = std::filesystem;
 using testing::bin;
 using testing::run_command;
 
-std::string temp_dir(const std::string& stem) {
-  static int counter = 0;
-  auto dir = fs::temp_directory_path() /
-             (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-  fs::remove_all(dir);
-  return dir.string();
-}
+using testing::temp_dir;
 
 int64_t json_int(const std::string& output, const std::string& key) {
   std::smatch match;
