@@ -148,20 +148,33 @@ void Rendezvous::keep_alive_loop() {
 }
 
 RendezvousState Rendezvous::read() {
-  cached_ = backend_->get_state();
+  Clock::time_point start = Clock::now();
+  try {
+    cached_ = backend_->get_state();
+  } catch (...) {
+    store_was_blind_ = true;
+    throw;
+  }
+  forgive_blind_time(Clock::now() - start);
   RendezvousState state = cached_ ? RendezvousState::from_json(cached_->state) : RendezvousState{};
   observe(state);
   return state;
 }
 
-// Time during which this agent could not read the state (a stalled etcd, a starved c10d host) is
-// not evidence against anyone: nobody's heartbeat could land then either. So after a gap longer than
-// a heartbeat, every counter counts as just seen, and the dead-node clock starts over.
-void Rendezvous::forgive_blind_time(Clock::time_point now) {
-  if (last_read_ != Clock::time_point{} && now - last_read_ > settings_.keep_alive_interval) {
-    for (auto& [id, seen] : seen_) seen.changed = now;
+// While the store could not be reached or answered slowly (a stalled etcd, a starved c10d host),
+// nobody's heartbeat could land either: counters that did not move then are no evidence of death.
+// So after a failed or slow store call every counter counts as just seen, and the dead-node clock
+// starts over. (Plain gaps between this agent's reads are no such case: the others' heartbeats
+// landed meanwhile, and the next read sees them.)
+void Rendezvous::forgive_blind_time(Clock::duration call_took) {
+  // A call that took half a heartbeat timeout stalled long enough to matter.
+  if (!store_was_blind_ &&
+      call_took * 2 <= settings_.keep_alive_interval * settings_.keep_alive_max_attempt) {
+    return;
   }
-  last_read_ = now;
+  Clock::time_point now = Clock::now();
+  for (auto& [id, seen] : seen_) seen.changed = now;
+  store_was_blind_ = false;
 }
 
 template <typename Change>
@@ -173,7 +186,13 @@ RendezvousState Rendezvous::update(Change change) {
     if (!change(state)) return state;
     std::optional<uint64_t> expected;
     if (cached_) expected = cached_->version;
-    RendezvousBackend::SetResult result = backend_->set_state(state.to_json(), expected);
+    RendezvousBackend::SetResult result;
+    try {
+      result = backend_->set_state(state.to_json(), expected);
+    } catch (...) {
+      store_was_blind_ = true;
+      throw;
+    }
     cached_ = result.current;
     if (result.written) return state;
     state = RendezvousState::from_json(cached_->state);
@@ -184,7 +203,6 @@ RendezvousState Rendezvous::update(Change change) {
 
 void Rendezvous::observe(const RendezvousState& state) {
   Clock::time_point now = Clock::now();
-  forgive_blind_time(now);
   for (const auto& [id, counter] : state.keep_alive) {
     auto found = seen_.find(id);
     if (found == seen_.end() || found->second.counter != counter) seen_[id] = Seen{counter, now};

@@ -179,7 +179,7 @@ class Rendezvous {
   RendezvousState read();
   // Notes when each keep-alive counter changed (on this machine's clock).
   void observe(const RendezvousState& state);
-  void forgive_blind_time(std::chrono::steady_clock::time_point now);
+  void forgive_blind_time(std::chrono::steady_clock::duration call_took);
   bool is_dead(const std::string& id) const;
   // The state is that of a job that is over and no other agent still holds (Note [Reusing a run
   // id]).
@@ -206,7 +206,7 @@ class Rendezvous {
     std::chrono::steady_clock::time_point changed;
   };
   std::map<std::string, Seen> seen_;
-  std::chrono::steady_clock::time_point last_read_{};  // of the state, successful
+  bool store_was_blind_ = false;  // a store call failed since the last successful read
   uint64_t heartbeat_ = 1;
 
   std::atomic<bool> stopping_{false};
