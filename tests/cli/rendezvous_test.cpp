@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <future>
 #include <map>
 #include <memory>
@@ -38,6 +39,7 @@ struct MemoryStore {
   std::mutex mutex;
   std::optional<VersionedState> state;
   uint64_t next_version = 1;
+  std::atomic<bool> unreachable{false};  // every call fails, as a stalled etcd's would
 };
 
 class MemoryBackend : public RendezvousBackend {
@@ -45,10 +47,12 @@ class MemoryBackend : public RendezvousBackend {
   explicit MemoryBackend(std::shared_ptr<MemoryStore> store) : store_(std::move(store)) {}
   std::string name() const override { return "memory"; }
   std::optional<VersionedState> get_state() override {
+    fail_if_unreachable();
     std::lock_guard<std::mutex> lock(store_->mutex);
     return store_->state;
   }
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected) override {
+    fail_if_unreachable();
     std::lock_guard<std::mutex> lock(store_->mutex);
     bool matches = expected ? (store_->state && store_->state->version == *expected)
                             : !store_->state.has_value();
@@ -57,6 +61,9 @@ class MemoryBackend : public RendezvousBackend {
   }
 
  private:
+  void fail_if_unreachable() const {
+    if (store_->unreachable) throw dtrain::TimeoutError("memory store: unreachable (test)");
+  }
   std::shared_ptr<MemoryStore> store_;
 };
 
@@ -217,6 +224,25 @@ TEST_F(RendezvousTest, FinishAfterAnotherNodesFailureEndsTheJob) {
   EXPECT_NE(verdict.message.find("not restarting: host a (node a_1_0) had already finished"),
             std::string::npos)
       << verdict.message;
+}
+
+// A store that nobody could reach for longer than the heartbeat timeout: no heartbeat landed, and
+// that is not evidence that anyone died; once it answers again, the job keeps running.
+TEST_F(RendezvousTest, StoreOutageIsNotTakenForLostNodes) {
+  auto a = node("a", settings(1, 2));
+  auto b = node("b", settings(1, 2));
+  auto joined_a = join(*a, 1), joined_b = join(*b, 2);
+  get(joined_a);
+  get(joined_b);
+  EXPECT_EQ(a->check().kind, Verdict::Kind::kKeepRunning);
+  store_->unreachable = true;
+  std::this_thread::sleep_for(400ms);  // heartbeat timeout: 3 x 50 ms
+  store_->unreachable = false;
+  for (int i = 0; i < 30; ++i) {
+    Verdict verdict = a->check();
+    ASSERT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+    std::this_thread::sleep_for(10ms);
+  }
 }
 
 // A worker failure opens a new round for every node, counted against --max-restarts (1 here).
