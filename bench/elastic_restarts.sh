@@ -58,13 +58,20 @@ wait_for() {  # file pattern count
   exit 1
 }
 
-trainer_once() {  # scenario dir: the same as run_once with the trainer as the worker
-  local scenario=$1 dir=$2 port
-  mkdir -p "$dir"
+# The agents' flags: two nodes at most, c10d on a free loopback port, the same job id.
+agent_flags() {
+  local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
     echo $((20000 + RANDOM % 20000)))
-  local flags=(--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id bench
-    --rdzv-conf last_call_timeout=5 --max-restarts 3 ${ELASTIC_FLAGS:-})
+  echo "--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:$port --rdzv-id bench" \
+    "--rdzv-conf last_call_timeout=5 --max-restarts 3 ${ELASTIC_FLAGS:-}"
+}
+
+trainer_once() {  # scenario dir: the same as run_once with the trainer as the worker
+  local scenario=$1 dir=$2
+  mkdir -p "$dir"
+  local flags
+  read -r -a flags <<< "$(agent_flags)"
   local cmd=(env DTRAIN_DEBUG=detail "$trainer" --model mlp --epochs 1000)
   "$dtrain" run "${flags[@]}" -- "${cmd[@]}" > >(filter | stamp > "$dir/a.log") 2> >(filter | stamp >> "$dir/a.log") &
   local a=$!
@@ -98,12 +105,10 @@ $(after "$dir/a.log" "$t0" "all_reduce #5 on")"
 }
 
 run_once() {  # scenario dir
-  local scenario=$1 dir=$2 port
+  local scenario=$1 dir=$2
   mkdir -p "$dir"
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
-    echo $((20000 + RANDOM % 20000)))
-  local flags=(--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id bench
-    --rdzv-conf last_call_timeout=5 --max-restarts 3 ${ELASTIC_FLAGS:-})
+  local flags
+  read -r -a flags <<< "$(agent_flags)"
   "$dtrain" run "${flags[@]}" -- /bin/sh -c "$worker" sh "$dir" 2> >(stamp > "$dir/a.err") > /dev/null &
   local a=$!
   wait_for "$dir/a.err" "hosting the c10d" 1

@@ -76,22 +76,20 @@ std::unique_ptr<torch::optim::Optimizer> shadow_copy(
 
 std::unique_ptr<torch::optim::Optimizer> copy_optimizer(const torch::optim::Optimizer& live) {
   namespace optim = torch::optim;
+  // Adam and AdamW keep the same moments under the same names.
+  auto copy_adam_moments = [](auto& s) {
+    s.exp_avg(copy_of(s.exp_avg()));
+    s.exp_avg_sq(copy_of(s.exp_avg_sq()));
+    s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
+  };
   if (auto copy = shadow_copy<optim::SGD, optim::SGDParamState, optim::SGDOptions>(
           live, [](auto& s) { s.momentum_buffer(copy_of(s.momentum_buffer())); }))
     return copy;
-  if (auto copy =
-          shadow_copy<optim::Adam, optim::AdamParamState, optim::AdamOptions>(live, [](auto& s) {
-            s.exp_avg(copy_of(s.exp_avg()));
-            s.exp_avg_sq(copy_of(s.exp_avg_sq()));
-            s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
-          }))
+  if (auto copy = shadow_copy<optim::Adam, optim::AdamParamState, optim::AdamOptions>(
+          live, copy_adam_moments))
     return copy;
-  if (auto copy =
-          shadow_copy<optim::AdamW, optim::AdamWParamState, optim::AdamWOptions>(live, [](auto& s) {
-            s.exp_avg(copy_of(s.exp_avg()));
-            s.exp_avg_sq(copy_of(s.exp_avg_sq()));
-            s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
-          }))
+  if (auto copy = shadow_copy<optim::AdamW, optim::AdamWParamState, optim::AdamWOptions>(
+          live, copy_adam_moments))
     return copy;
   if (auto copy = shadow_copy<optim::Adagrad, optim::AdagradParamState, optim::AdagradOptions>(
           live, [](auto& s) { s.sum(copy_of(s.sum())); }))
