@@ -1,11 +1,15 @@
 # LibTorch-facing settings shared by the library, tests, benchmarks and examples.
 
-# c10d's ProcessGroupGloo.hpp includes <gloo/...>: Debian ships those headers in libgloo-dev, a LibTorch 2.x
-# tree ships its own copy under include/.
-find_path(DTRAIN_GLOO_INCLUDE_DIR gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS})
+# c10d's ProcessGroupGloo.hpp includes <gloo/...>. Debian's LibTorch comes with them through libgloo-dev; a
+# LibTorch 2.x from pip or pytorch.org ships c10d's headers but not Gloo's. Gloo's headers are templates and
+# plain declarations, so the system's copy (Debian and Ubuntu: libgloo-dev) compiles with those c10d
+# headers (checked with pip's LibTorch 2.11). The LibTorch's own copy wins where it has one.
+find_path(DTRAIN_GLOO_INCLUDE_DIR gloo/algorithm.h HINTS ${TORCH_INCLUDE_DIRS}
+  DOC "Folder holding gloo/algorithm.h (Gloo's headers, which c10d's ProcessGroupGloo.hpp includes)")
 if(NOT DTRAIN_GLOO_INCLUDE_DIR)
-  message(FATAL_ERROR "Gloo headers not found (gloo/algorithm.h): install libgloo-dev (apt-get install libgloo-dev) "
-                      "or point CMAKE_PREFIX_PATH at a LibTorch that ships them.")
+  message(FATAL_ERROR "Gloo's headers (gloo/algorithm.h) are neither in the LibTorch at ${TORCH_INSTALL_PREFIX} "
+                      "nor in the system: install them (Debian/Ubuntu: apt-get install libgloo-dev), or pass "
+                      "-DDTRAIN_GLOO_INCLUDE_DIR=/path/to/folder-holding-gloo.")
 endif()
 
 # A CUDA LibTorch sets TORCH_CUDA_LIBRARIES; then dtrain also builds its NCCL paths.

@@ -68,7 +68,7 @@ struct Flags {
   int64_t batch_size = 64;  // global: split evenly over the ranks
   double lr = 0.02;
   int64_t seed = 0;
-  std::string data = dtrain::kDefaultFashionMnistDir;
+  std::string data = dtrain::default_fashion_mnist_dir();
   std::string checkpoint_dir;    // empty: no checkpoints
   bool resume = false;           // continue from checkpoint_dir's checkpoint
   int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: only at the end of each epoch)

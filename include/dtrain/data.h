@@ -106,6 +106,10 @@ class DistributedSampler {
 
 // Fashion-MNIST as Debian's dataset-fashion-mnist package installs it.
 inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+// Where programs look for Fashion-MNIST unless told otherwise: $DTRAIN_FASHION_MNIST_DIR when set (a
+// machine without Debian's package, e.g. one with a pip LibTorch and the files copied in), else
+// kDefaultFashionMnistDir.
+std::string default_fashion_mnist_dir();
 // Mean and standard deviation of the training images' pixels scaled to [0, 1]; load_fashion_mnist
 // normalizes both splits with them, the usual torchvision Normalize((0.2860,), (0.3530,)).
 inline constexpr double kFashionMnistMean = 0.2860;
@@ -123,6 +127,6 @@ struct MnistSplit {
 // samples) from dir: the gzip'd IDX files <name>.gz, or uncompressed files named without .gz.
 // Throws UsageError, naming the file, if a file is missing, has the wrong magic number or size,
 // holds a label outside 0..9, or the image and label counts differ.
-MnistSplit load_fashion_mnist(const std::string& dir = kDefaultFashionMnistDir, bool train = true);
+MnistSplit load_fashion_mnist(const std::string& dir = default_fashion_mnist_dir(), bool train = true);
 
 }  // namespace dtrain

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "comm/device_check.h"
 #include "comm/progress.h"
 #include "comm/shm_p2p.h"
 #include "comm/shm_transport.h"
@@ -50,6 +51,7 @@ struct GroupState {
 #endif
   std::unique_ptr<ProgressTracker> progress;
   bool shared_memory_allowed = true;    // InitOptions::shared_memory and DTRAIN_SHM
+  bool cuda_through_gloo = false;       // DTRAIN_CUDA_BACKEND=gloo: CUDA tensors take Gloo, not NCCL
   std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
   std::unique_ptr<ShmPointToPoint> shm_p2p;  // ...and isend/irecv of CPU tensors
   int subgroups_created = 0;
@@ -99,6 +101,8 @@ using detail::GroupState;
 using detail::ShmFailure;
 using detail::WorkState;
 using detail::bytes_of;
+using detail::describe_shared_device;
+using detail::RankDevice;
 using Clock = std::chrono::steady_clock;
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
@@ -278,11 +282,22 @@ bool shared_memory_enabled_by_env() {
                    "on one host)");
 }
 
+// DTRAIN_CUDA_BACKEND: nccl (default) or gloo, which lets several ranks share one GPU (NCCL refuses that),
+// as PyTorch allows with init_process_group("gloo") and CUDA tensors.
+bool cuda_through_gloo_by_env() {
+  const char* value = std::getenv("DTRAIN_CUDA_BACKEND");
+  if (!value || !*value || std::string(value) == "nccl") return false;
+  if (std::string(value) == "gloo") return true;
+  throw UsageError(std::string("environment variable DTRAIN_CUDA_BACKEND='") + value +
+                   "': expected nccl (one GPU per process) or gloo (ranks may share a GPU)");
+}
+
 bool looks_like_timeout(const std::string& what) {
   return what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
 }
 
 std::unique_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
+  group->cuda_through_gloo = cuda_through_gloo_by_env();
   meet(*group);
   auto options = c10d::ProcessGroupGloo::Options::create(group->timeout);
   options->devices.push_back(gloo_device(group->master_addr));
@@ -327,11 +342,41 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
-// Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build.
+#ifdef DTRAIN_WITH_CUDA
+// Before NCCL starts, every rank of the group announces the GPU it drives; two ranks on one GPU become one
+// clear line on every rank (see comm/device_check.h) instead of NCCL's "Duplicate GPU detected" at the first
+// collective.
+void check_one_process_per_gpu(GroupState& group, int device) {
+  group.store->set("cuda_device/" + std::to_string(group.rank), bytes_of(std::to_string(device)));
+  std::vector<RankDevice> ranks;
+  for (int r = 0; r < group.size; ++r) {
+    const std::string key = "cuda_device/" + std::to_string(r);
+    try {
+      group.store->wait({key}, group.timeout);
+    } catch (const std::exception&) {
+      throw TimeoutError(group.who() + ": rank " + std::to_string(group.global_ranks[r]) + " of " +
+                         group.group_label() + " did not reach its first CUDA collective within " +
+                         seconds_text(group.timeout) +
+                         ". Likely cause: it took a different code path, is stuck or died; see its log.");
+    }
+    auto host = group.store->get("host/" + std::to_string(r));
+    auto index = group.store->get(key);
+    std::string host_text(host.begin(), host.end());
+    ranks.push_back({group.global_ranks[r], host_text.substr(0, host_text.rfind('|')),
+                     std::stoi(std::string(index.begin(), index.end()))});
+  }
+  const std::string shared = describe_shared_device(ranks);
+  if (!shared.empty()) throw UsageError(group.who() + ": " + group.group_label() + ": " + shared + ".");
+}
+#endif
+
+// Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build (or Gloo with
+// DTRAIN_CUDA_BACKEND=gloo).
 compat::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
-  if (tensor.is_cuda()) {
+  if (tensor.is_cuda() && !group.cuda_through_gloo) {
 #ifdef DTRAIN_WITH_CUDA
     std::call_once(group.nccl_once, [&] {
+      check_one_process_per_gpu(group, tensor.get_device());
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = group.timeout;
       auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl", group.store);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iomanip>
 #include <memory>
@@ -37,7 +38,7 @@ std::string find_file(const std::string& dir, const std::string& name) {
   if (is_regular_file(base)) return base;
   throw UsageError("Fashion-MNIST file not found: " + base +
                    ".gz (nor uncompressed without .gz). Install Debian's dataset-fashion-mnist "
-                   "(apt-get install dataset-fashion-mnist) or pass --data DIR");
+                   "(apt-get install dataset-fashion-mnist), pass --data DIR or set DTRAIN_FASHION_MNIST_DIR");
 }
 
 // The decompressed size, to allocate once: a gzip file records it (mod 2^32) in its last 4 bytes,
@@ -150,6 +151,11 @@ std::vector<int64_t> parse_header(const std::vector<uint8_t>& bytes, const std::
 }
 
 }  // namespace
+
+std::string default_fashion_mnist_dir() {
+  const char* dir = std::getenv("DTRAIN_FASHION_MNIST_DIR");
+  return dir && *dir ? dir : kDefaultFashionMnistDir;
+}
 
 MnistSplit load_fashion_mnist(const std::string& dir, bool train) {
   const std::string prefix = train ? "train" : "t10k";

@@ -15,6 +15,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/system.h"
 #include "support/temp_dir.h"
 
 namespace dtrain {
@@ -47,6 +48,7 @@ std::string json_list(const std::string& output, const std::string& key) {
 const std::string kTrainer = " -- " + bin("train_fashion_mnist") + " ";
 
 TEST(TrainerFaults, WorkerKilledMidEpochRestartsAndEverySampleCountsOnce) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // The undisturbed run, as the reference for accuracy.
   std::string reference_dir = temp_dir("dtrain-fault-ref");
   auto reference = run_command(bin("dtrain") + " run --nproc-per-node 2" + kTrainer +
@@ -80,6 +82,7 @@ TEST(TrainerFaults, WorkerKilledMidEpochRestartsAndEverySampleCountsOnce) {
 }
 
 TEST(TrainerFaults, OneRankSigtermedStopsEveryRankAtTheSameStepAndTheRestartResumes) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // Only rank 1 receives SIGTERM, right after step 300. Rank 0 never does: it must learn it from
   // the ranks' agreement after that step (otherwise it would wait in step 301's all-reduce for a
   // rank that left). Rank 0 saves step 300, both exit 143, and the launcher's restart resumes.
@@ -103,6 +106,7 @@ TEST(TrainerFaults, OneRankSigtermedStopsEveryRankAtTheSameStepAndTheRestartResu
 }
 
 TEST(TrainerFaults, DamagedNewestCheckpointResumesFromTheOneBefore) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   std::string dir = temp_dir("dtrain-fault-damaged");
   auto first = run_command(bin("dtrain") + " run --nproc-per-node 2" + kTrainer +
                            "--batch-size 60 --max-steps 40 --checkpoint-every 10 "
@@ -190,6 +194,7 @@ struct Spawned {
 };
 
 TEST(TrainerFaults, SigtermToTheLauncherSavesWithinTheGracePeriodAndResumesExactly) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   std::string dir = temp_dir("dtrain-fault-sigterm");
   const int grace_s = 10;
   Spawned launcher({bin("dtrain"), "run", "--nproc-per-node", "2", "--grace-period",

@@ -29,6 +29,7 @@
 
 #include "elastic/ports.h"
 #include "elastic/worker_group.h"
+#include "support/system.h"
 #include "test_support.h"
 
 namespace {
@@ -534,13 +535,8 @@ TEST_F(LauncherTest, PythonScriptRunsUnderDtrainPython) {
 }
 
 TEST_F(LauncherTest, TorchAllReduceAcrossTwoRanks) {
-  {
-    ChildProcess probe({kSystemPython, "-c", "import torch.distributed"}, dir_ / "probe.out",
-                       dir_ / "probe.err");
-    if (!probe.wait(60s) || probe.exit_code() != 0) {
-      GTEST_SKIP() << kSystemPython << " cannot import torch.distributed";
-    }
-  }
+  const std::string python = dtrain::testing::python_with_torch();
+  if (python.empty()) GTEST_SKIP() << dtrain::testing::kNoPythonWithTorch;
   write_file(dir_ / "allreduce.py",
              "import torch, torch.distributed as dist\n"
              "dist.init_process_group('gloo')\n"
@@ -548,7 +544,7 @@ TEST_F(LauncherTest, TorchAllReduceAcrossTwoRanks) {
              "dist.all_reduce(t)\n"
              "print('sum', t.item())\n");
   RunResult run = dtrain(
-      {"run", "--nproc-per-node", "2", "--", kSystemPython, dir_ / "allreduce.py"}, {}, 120s);
+      {"run", "--nproc-per-node", "2", "--", python, dir_ / "allreduce.py"}, {}, 120s);
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("[rank0]: sum 3.0\n"), std::string::npos) << run.out << run.err;
   EXPECT_NE(run.out.find("[rank1]: sum 3.0\n"), std::string::npos) << run.out << run.err;

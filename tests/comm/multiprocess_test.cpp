@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/system.h"
 
 namespace dtrain {
 namespace {
@@ -65,6 +66,7 @@ double json_number(const std::string& output, const std::string& key) {
 }
 
 TEST(MultiProcess, PipelineAcrossTwoNodesEqualsSingleProcessModelParallel) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // Distributed model parallel: the CNN's two stages on two launchers ("nodes") of one process
   // each, against the same two stages in one process. Same data, seed and micro-batches: the same
   // training.
@@ -159,7 +161,9 @@ TEST(MultiProcess, BadRankVariableIsOneLineAndExitCode2) {
 }
 
 TEST(MultiProcess, PyTorchDdpScriptRunsUnmodified) {
-  auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- /usr/bin/python3 " +
+  const std::string python = testing::python_with_torch();
+  if (python.empty()) GTEST_SKIP() << testing::kNoPythonWithTorch;
+  auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + python + " " +
                             std::string(DTRAIN_SOURCE_DIR) + "/tests/python/ddp_smoke.py");
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("ddp rank=0 world=2 in_sync=True"), std::string::npos)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtrain/data.h"
+#include "support/system.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -19,14 +20,6 @@ namespace {
 
 using Bytes = std::vector<uint8_t>;
 
-bool exists(const std::string& path) {
-  struct stat info;
-  return ::stat(path.c_str(), &info) == 0;
-}
-
-bool have_debian_files() {
-  return exists(std::string(kDefaultFashionMnistDir) + "/train-images-idx3-ubyte.gz");
-}
 
 Bytes read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -88,8 +81,8 @@ class FashionMnistFilesTest : public ::testing::Test {
 };
 
 TEST(FashionMnistTest, LoadsDebianTrainingSplit) {
-  if (!have_debian_files()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  const MnistSplit split = load_fashion_mnist(kDefaultFashionMnistDir, /*train=*/true);
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  const MnistSplit split = load_fashion_mnist(default_fashion_mnist_dir(), /*train=*/true);
   EXPECT_EQ(split.images.sizes(), (at::IntArrayRef{60000, 1, 28, 28}));
   EXPECT_EQ(split.images.scalar_type(), at::kFloat);
   EXPECT_EQ(split.labels.sizes(), (at::IntArrayRef{60000}));
@@ -109,8 +102,8 @@ TEST(FashionMnistTest, LoadsDebianTrainingSplit) {
 }
 
 TEST(FashionMnistTest, LoadsDebianTestSplit) {
-  if (!have_debian_files()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  const MnistSplit split = load_fashion_mnist(kDefaultFashionMnistDir, /*train=*/false);
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  const MnistSplit split = load_fashion_mnist(default_fashion_mnist_dir(), /*train=*/false);
   EXPECT_EQ(split.images.sizes(), (at::IntArrayRef{10000, 1, 28, 28}));
   EXPECT_EQ(split.labels.sizes(), (at::IntArrayRef{10000}));
   const std::vector<int64_t> first(split.labels.data_ptr<int64_t>(),
@@ -153,8 +146,8 @@ TEST_F(FashionMnistFilesTest, MissingLabelsFile) {
 }
 
 TEST_F(FashionMnistFilesTest, TruncatedGzipFile) {
-  if (!have_debian_files()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  Bytes gz = read_bytes(std::string(kDefaultFashionMnistDir) + "/t10k-labels-idx1-ubyte.gz");
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  Bytes gz = read_bytes(default_fashion_mnist_dir() + "/t10k-labels-idx1-ubyte.gz");
   gz.resize(gz.size() / 2);
   write_bytes(dir_ + "/t10k-images-idx3-ubyte", idx_images(3));
   write_bytes(dir_ + "/t10k-labels-idx1-ubyte.gz", gz);
@@ -162,8 +155,8 @@ TEST_F(FashionMnistFilesTest, TruncatedGzipFile) {
 }
 
 TEST_F(FashionMnistFilesTest, CorruptGzipFile) {
-  if (!have_debian_files()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  Bytes gz = read_bytes(std::string(kDefaultFashionMnistDir) + "/t10k-labels-idx1-ubyte.gz");
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  Bytes gz = read_bytes(default_fashion_mnist_dir() + "/t10k-labels-idx1-ubyte.gz");
   for (size_t i = 100; i < 200; ++i) gz[i] ^= 0x5a;
   write_bytes(dir_ + "/t10k-images-idx3-ubyte", idx_images(3));
   write_bytes(dir_ + "/t10k-labels-idx1-ubyte.gz", gz);

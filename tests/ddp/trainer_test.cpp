@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/system.h"
 
 namespace dtrain {
 namespace {
@@ -28,6 +29,7 @@ int64_t json_int(const std::string& output, const std::string& key) {
 }
 
 TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   std::string dir = temp_dir("dtrain-trainer");
   // 40 steps of 60 samples on 2 ranks, then the rest of the epoch on 3 ranks.
   auto first =
@@ -50,6 +52,7 @@ TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
 }
 
 TEST(Trainer, DataParallelStrategyTrains) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result = run_command(bin("train_fashion_mnist") +
                             " --strategy dp --devices 3 --batch-size 60 --max-steps 30");
   ASSERT_EQ(result.exit_code, 0) << result.output;
@@ -65,6 +68,7 @@ double json_number(const std::string& output, const std::string& key) {
 }
 
 TEST(Trainer, ModelParallelReachesDdpAccuracyInOneEpoch) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result =
       run_command(bin("train_fashion_mnist") + " --strategy mp --devices 2 --micro-batches 4");
   ASSERT_EQ(result.exit_code, 0) << result.output;
@@ -78,6 +82,7 @@ TEST(Trainer, ModelParallelReachesDdpAccuracyInOneEpoch) {
 }
 
 TEST(Trainer, PipelineOfTwoStagesReachesDdpAccuracyInOneEpoch) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result =
       run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_fashion_mnist") +
                   " --strategy pipeline --stages 2 --micro-batches 4 --schedule gpipe");
@@ -92,6 +97,7 @@ TEST(Trainer, PipelineOfTwoStagesReachesDdpAccuracyInOneEpoch) {
 }
 
 TEST(Trainer, DataTimesPipelineTrains) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // 2 data-parallel pipelines x 2 stages, interleaved over 2 virtual stages each.
   auto result =
       run_command(bin("dtrain") + " run --nproc-per-node 4 -- " + bin("train_fashion_mnist") +
@@ -104,6 +110,7 @@ TEST(Trainer, DataTimesPipelineTrains) {
 }
 
 TEST(Trainer, BadPipelineCombinationIsOneLineOnEveryRank) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto uneven = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " +
                                 bin("train_fashion_mnist") + " --strategy pipeline --stages 2",
                             60);

@@ -1,0 +1,35 @@
+# `cmake --install build [--prefix P]`: the library, its public headers, the `dtrain` launcher and a CMake
+# package, so that a user's project builds against dtrain the way it builds against LibTorch:
+#
+#   find_package(dtrain REQUIRED)                # CMAKE_PREFIX_PATH=P (and LibTorch's prefix, if not found)
+#   target_link_libraries(app PRIVATE dtrain::dtrain)   # brings LibTorch's include paths and libraries
+#
+# The installed library keeps the path to the LibTorch it was built against in its RPATH (a pip LibTorch
+# lives outside the loader's default paths), and the package finds that same LibTorch unless the consumer
+# points Torch_DIR elsewhere. The launcher is dtrain::launcher (an imported executable) and ${dtrain_LAUNCHER}.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(DTRAIN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/dtrain)
+
+set_target_properties(dtrain PROPERTIES
+  VERSION ${PROJECT_VERSION}
+  SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
+  INSTALL_RPATH_USE_LINK_PATH TRUE)
+set_target_properties(dtrain_cli PROPERTIES EXPORT_NAME launcher)
+
+install(TARGETS dtrain dtrain_cli EXPORT dtrainTargets
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/dtrain DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+  FILES_MATCHING PATTERN "*.h")
+install(EXPORT dtrainTargets NAMESPACE dtrain:: DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dtrainConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/dtrainConfig.cmake INSTALL_DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+# 0.x: a minor version may change the API, so only the same major.minor is compatible.
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
+  DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})

@@ -1,0 +1,38 @@
+// The check that stands before NCCL: two ranks on one GPU of one host are one clear line naming the ranks,
+// the device, the host and the ways out; the same device index on different hosts is fine. (The store
+// exchange around it runs only in a CUDA build, on the first CUDA collective.)
+#include <gtest/gtest.h>
+
+#include "comm/device_check.h"
+
+namespace dtrain::detail {
+namespace {
+
+TEST(DeviceCheck, OneRankPerDeviceAndHostPasses) {
+  EXPECT_EQ(describe_shared_device({{0, "gpu1/boot-a", 0}, {1, "gpu1/boot-a", 1}, {2, "gpu2/boot-b", 0},
+                                    {3, "gpu2/boot-b", 1}}),
+            "");
+}
+
+TEST(DeviceCheck, TwoRanksOnOneGpuAreNamedWithTheHostAndTheWayOut) {
+  const std::string message =
+      describe_shared_device({{0, "gpu1/boot-a", 0}, {1, "gpu1/boot-a", 0}, {2, "gpu2/boot-b", 0}});
+  EXPECT_NE(message.find("ranks 0 and 1 share cuda:0 on host gpu1,"), std::string::npos) << message;
+  EXPECT_NE(message.find("cuda:LOCAL_RANK"), std::string::npos) << message;
+  EXPECT_NE(message.find("DTRAIN_CUDA_BACKEND=gloo"), std::string::npos) << message;
+  EXPECT_EQ(message.find("boot-a"), std::string::npos) << message;  // the boot id is for matching only
+}
+
+TEST(DeviceCheck, ThreeRanksOnOneGpuAreAllNamed) {
+  const std::string message =
+      describe_shared_device({{4, "h/x", 1}, {5, "h/x", 0}, {6, "h/x", 1}, {7, "h/x", 1}});
+  EXPECT_NE(message.find("ranks 4, 6 and 7 share cuda:1 on host h,"), std::string::npos) << message;
+}
+
+// Same hostname, different machines (containers): the boot id tells them apart.
+TEST(DeviceCheck, SameHostnameOnAnotherMachineIsNotASharedGpu) {
+  EXPECT_EQ(describe_shared_device({{0, "node/boot-a", 0}, {1, "node/boot-b", 0}}), "");
+}
+
+}  // namespace
+}  // namespace dtrain::detail
