@@ -30,27 +30,7 @@
 #include <vector>
 
 #include "dtrain/checkpoint.h"
-#if __has_include("dtrain/sharded.h")
 #include "dtrain/sharded.h"
-#else
-// TODO(zckpt): until ShardedDataParallel lands, its accessor's types as /work/notes/zero-api.md
-// describes them.
-#include <ATen/core/Tensor.h>
-namespace dtrain {
-struct ParamExtent {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t offset = 0;
-};
-struct FlatShard {
-  std::string key;
-  at::Tensor shard;
-  int64_t offset = 0;
-  int64_t full_numel = 0;
-  std::vector<ParamExtent> params;
-};
-}  // namespace dtrain
-#endif
 
 namespace dtrain {
 
