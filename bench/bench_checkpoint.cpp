@@ -5,6 +5,10 @@
 //   bench_checkpoint [--model mlp|cnn|both] [--saves 20] [--steps-between 100] [--dir DIR]
 // One JSON line per model and mode: the held time's median and 90th percentile, and for the
 // asynchronous mode the background write's time (measured through wait() after a save, separately).
+//   bench_checkpoint --sharded 1,2,4 [--model mlp|wide|both] [--saves 10]
+// instead compares a blocking replicated save (one writer, the whole state) with a sharded save
+// (dtrain::ShardedCheckpointer: N ranks, here threads of this process, each writing 1/N of the flat
+// parameters and their momentum, all at once); "wide" is a 784-2048-2048-10 MLP (5.8M parameters).
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -13,10 +17,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/checkpoint.h"
+#include "dtrain/comm.h"
+#include "dtrain/sharded_checkpoint.h"
 
 namespace {
 
@@ -29,6 +37,10 @@ torch::nn::Sequential make_model(const std::string& kind) {
     return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 16, 5).padding(2)), nn::ReLU(),
                           nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(16, 32, 5).padding(2)),
                           nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(32 * 7 * 7, 10));
+  }
+  if (kind == "wide") {
+    return nn::Sequential(nn::Flatten(), nn::Linear(784, 2048), nn::ReLU(), nn::Linear(2048, 2048),
+                          nn::ReLU(), nn::Linear(2048, 10));
   }
   return nn::Sequential(nn::Flatten(), nn::Linear(784, 256), nn::ReLU(), nn::Linear(256, 128),
                         nn::ReLU(), nn::Linear(128, 10));
@@ -103,11 +115,101 @@ void bench(const std::string& kind, bool async, int saves, int steps_between,
   std::filesystem::remove_all(dir);
 }
 
+// Replicated (one blocking Checkpointer::save of model + SGD momentum) against sharded at each of
+// `world_sizes` (every rank saves its slice of one flat buffer of all parameters and its momentum
+// buffer; the time is rank 0's ShardedCheckpointer::save, which returns once all files and the
+// metadata are on disk).
+void bench_sharded(const std::string& kind, const std::vector<int>& world_sizes, int saves,
+                   const std::string& dir) {
+  torch::manual_seed(0);
+  auto model = make_model(kind);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p);
+  optimizer.step();  // momentum buffers exist from here on
+  std::vector<double> replicated_ms;
+  {
+    std::filesystem::remove_all(dir);
+    dtrain::CheckpointOptions options;
+    options.dir = dir;
+    options.keep_last = 2;
+    dtrain::Checkpointer checkpointer(options);
+    dtrain::TrainingState state{model.get(), &optimizer};
+    for (int i = 0; i < saves; ++i) {
+      state.step = i;
+      auto start = Clock::now();
+      checkpointer.save(state);
+      replicated_ms.push_back(
+          std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+  }
+  std::vector<at::Tensor> flat_params;
+  for (auto& p : model->parameters()) flat_params.push_back(p.detach().reshape(-1));
+  const at::Tensor flat = torch::cat(flat_params);
+  const int64_t full_numel = flat.numel();
+  std::ostringstream line;
+  line << "{\"model\": \"" << kind << "\", \"parameters\": " << full_numel
+       << ", \"replicated_save_ms_median\": " << median(replicated_ms);
+  for (int world : world_sizes) {
+    std::filesystem::remove_all(dir);
+    std::vector<double> sharded_ms;
+    const std::string store = "memory://bench-sharded-" + kind + "-" + std::to_string(world);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < world; ++rank) {
+      ranks.emplace_back([&, rank] {
+        dtrain::InitOptions init;
+        init.init_method = store;
+        init.rank = rank;
+        init.world_size = world;
+        auto group = dtrain::init_process_group(init);
+        const int64_t per_rank = (full_numel + world - 1) / world;
+        dtrain::FlatShard shard;
+        shard.key = "unit0";
+        shard.offset = rank * per_rank;
+        shard.full_numel = full_numel;
+        int64_t offset = 0;
+        for (const auto& item : model->named_parameters()) {
+          shard.params.push_back({item.key(), item.value().sizes().vec(), offset});
+          offset += item.value().numel();
+        }
+        const int64_t mine = std::max<int64_t>(0, std::min(per_rank, full_numel - shard.offset));
+        shard.shard = torch::zeros({per_rank});
+        shard.shard.narrow(0, 0, mine).copy_(flat.narrow(0, shard.offset, mine));
+        shard.shard.requires_grad_();
+        torch::optim::SGD shard_optimizer({shard.shard},
+                                          torch::optim::SGDOptions(0.01).momentum(0.9));
+        shard.shard.mutable_grad() = torch::randn_like(shard.shard);
+        shard_optimizer.step();
+        dtrain::CheckpointOptions options;
+        options.dir = dir;
+        options.keep_last = 2;
+        dtrain::ShardedCheckpointer checkpointer(options, group.get());
+        dtrain::ShardedTrainingState state{{shard}, 1, &shard_optimizer};
+        for (int i = 0; i < saves; ++i) {
+          state.step = i;
+          group->barrier();
+          auto start = Clock::now();
+          checkpointer.save(state);
+          if (rank == 0) {
+            sharded_ms.push_back(
+                std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+          }
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+    line << ", \"sharded_" << world << "_save_ms_median\": " << median(sharded_ms);
+  }
+  line << "}";
+  std::cout << line.str() << std::endl;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string model = "both";
   int saves = 20, steps_between = 100;
+  std::vector<int> sharded_world_sizes;  // --sharded: compare replicated with sharded saves
   std::string dir =
       (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid())))
           .string();
@@ -121,13 +223,25 @@ int main(int argc, char** argv) {
       steps_between = std::max(1, std::stoi(value));
     } else if (flag == "--dir") {
       dir = value;
+    } else if (flag == "--sharded") {
+      std::stringstream list(value);
+      for (std::string item; std::getline(list, item, ',');)
+        sharded_world_sizes.push_back(std::max(1, std::stoi(item)));
     } else {
       std::cerr << "bench_checkpoint: unknown flag '" << flag
-                << "'; flags: --model mlp|cnn|both --saves N --steps-between N --dir DIR\n";
+                << "'; flags: --model mlp|cnn|wide|both --saves N --steps-between N --dir DIR "
+                   "--sharded 1,2,4\n";
       return 2;
     }
   }
   torch::set_num_threads(1);  // as one rank of the trainer
+  if (!sharded_world_sizes.empty()) {
+    for (const std::string kind : {"mlp", "wide"}) {
+      if (model != "both" && model != kind) continue;
+      bench_sharded(kind, sharded_world_sizes, saves, dir);
+    }
+    return 0;
+  }
   for (const std::string kind : {"mlp", "cnn"}) {
     if (model != "both" && model != kind) continue;
     bench(kind, /*async=*/false, saves, steps_between, dir);

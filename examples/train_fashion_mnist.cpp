@@ -7,12 +7,17 @@
 //   --stages 2
 //                                                                    (2 data-parallel pipelines of
 //                                                                    2 stages)
+//   dtrain run --nproc-per-node 2 -- build/bin/train_fashion_mnist --strategy zero --zero-stage 3
+//                                                                    (ZeRO: sharded state; sharded
+//                                                                    checkpoints, see below)
 // Rank 0 shows progress and test accuracy per epoch; the last line of output is one JSON object.
 //
 // Checkpoints (--checkpoint-dir, through dtrain::Checkpointer): at the end of every epoch, every
 // --checkpoint-every steps, and on SIGTERM. A run restarted by its launcher
 // (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself from the newest intact checkpoint; a first run
-// never overwrites a folder that holds checkpoints unless told --resume.
+// never overwrites a folder that holds checkpoints unless told --resume. --strategy zero saves
+// sharded checkpoints (dtrain::ShardedCheckpointer: every rank writes its shards), which resume at
+// any world size and --zero-stage.
 // Preemption: on SIGTERM (what `dtrain run` and torchrun send their workers when stopping them) the
 // ranks finish the current step, agree on it, rank 0 saves a checkpoint, and every rank exits with
 // code 143 (128 + SIGTERM: the job is not finished, so no script may take it for success).
@@ -38,14 +43,16 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
 #include "dtrain/pipeline.h"
+#include "dtrain/sharded.h"
+#include "dtrain/sharded_checkpoint.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 const char* kUsage =
-    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp|dp|mp|pipeline] [--devices N "
-    "(dp, mp)]\n"
+    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp|dp|mp|pipeline|zero]\n"
+    "                           [--devices N (dp, mp)] [--zero-stage 1|2|3 (zero)]\n"
     "                           [--stages P (pipeline)] [--micro-batches M (mp, pipeline)]\n"
     "                           [--schedule gpipe|1f1b|interleaved] [--virtual-stages V "
     "(interleaved)]\n"
@@ -76,6 +83,8 @@ struct Flags {
   bool async_checkpoints =
       false;              // write checkpoints on a background thread while training goes on
   int64_t max_steps = 0;  // stop after N steps in all (0: no limit); for tests of resumption
+  // zero: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+  int64_t zero_stage = 1;
 };
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
@@ -102,7 +111,8 @@ const char* const kValueFlags[] = {"--model",          "--strategy",
                                    "--batch-size",     "--lr",
                                    "--seed",           "--data",
                                    "--checkpoint-dir", "--checkpoint-every",
-                                   "--max-steps",      "--keep-checkpoints"};
+                                   "--max-steps",      "--keep-checkpoints",
+                                   "--zero-stage"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -130,8 +140,9 @@ Flags parse_flags(int argc, char** argv) {
       if (value != "mlp" && value != "cnn") bad_flag(flag, value, "mlp or cnn");
       flags.model = value;
     } else if (flag == "--strategy") {
-      if (value != "ddp" && value != "dp" && value != "mp" && value != "pipeline") {
-        bad_flag(flag, value, "ddp, dp, mp or pipeline");
+      if (value != "ddp" && value != "dp" && value != "mp" && value != "pipeline" &&
+          value != "zero") {
+        bad_flag(flag, value, "ddp, dp, mp, pipeline or zero");
       }
       flags.strategy = value;
     } else if (flag == "--devices") {
@@ -168,6 +179,8 @@ Flags parse_flags(int argc, char** argv) {
       flags.keep_checkpoints = parse_int(flag, value, 1, 1 << 20);
     } else if (flag == "--max-steps") {
       flags.max_steps = parse_int(flag, value, 0);
+    } else if (flag == "--zero-stage") {
+      flags.zero_stage = parse_int(flag, value, 1, 3);
     } else {
       bad_flag(flag, value, "a known flag. " + std::string(kUsage));
     }
@@ -181,6 +194,11 @@ Flags parse_flags(int argc, char** argv) {
     throw dtrain::UsageError(
         "train_fashion_mnist: --checkpoint-dir is not supported with --strategy pipeline yet "
         "(each stage holds its own optimizer state); use ddp, dp or mp for checkpointed runs");
+  }
+  if (flags.strategy == "zero" && flags.async_checkpoints) {
+    throw dtrain::UsageError(
+        "train_fashion_mnist: --async-checkpoints is not supported with --strategy zero (every "
+        "rank writes its own shards, synchronously); drop it");
   }
   if (flags.resume && flags.checkpoint_dir.empty()) {
     throw dtrain::UsageError(
@@ -350,7 +368,9 @@ void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
   }
   // What the folder holds is rank 0's to judge: it reads the checkpoint and broadcasts it, so on
   // nodes without a shared file system the other ranks' folders are empty, and rightly so.
-  auto existing = dtrain::Checkpointer(checkpoint_options(flags)).list();
+  auto existing = flags.strategy == "zero"
+                      ? dtrain::ShardedCheckpointer(checkpoint_options(flags), nullptr).list()
+                      : dtrain::Checkpointer(checkpoint_options(flags)).list();
   if (flags.resume && existing.empty() && rank == 0) {
     throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint in " + dir +
                              "; run once with --checkpoint-dir " + dir +
@@ -446,6 +466,35 @@ void gather_stages(torch::nn::Sequential& layers, const dtrain::RankMesh& mesh,
   }
 }
 
+// --strategy zero's checkpoints (dtrain::ShardedCheckpointer): every rank saves and loads its own
+// shards; the sampler position, step and extras travel as in TrainingState, so the code around
+// these two calls is the same for both kinds of checkpoint.
+dtrain::ShardedTrainingState sharded_state(const dtrain::ShardedDataParallelBase& sdp,
+                                           const dtrain::TrainingState& state) {
+  return {sdp.flat_shards(), sdp.stage(), state.optimizer, state.sampler,
+          state.step,        state.rng,   state.tensors,   state.values};
+}
+
+std::optional<dtrain::LoadedCheckpoint> load_sharded(dtrain::ShardedCheckpointer& checkpointer,
+                                                     dtrain::ShardedDataParallelBase& sdp,
+                                                     dtrain::TrainingState& state) {
+  auto sharded = sharded_state(sdp, state);
+  auto loaded = checkpointer.load_latest(sharded);
+  if (loaded) {
+    sdp.shards_changed();
+    state.step = sharded.step;
+    state.tensors = sharded.tensors;
+    state.values = sharded.values;
+  }
+  return loaded;
+}
+
+std::string save_sharded(dtrain::ShardedCheckpointer& checkpointer,
+                         const dtrain::ShardedDataParallelBase& sdp,
+                         const dtrain::TrainingState& state) {
+  return checkpointer.save(sharded_state(sdp, state));
+}
+
 int run(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
   const int64_t restarts = restart_count();
@@ -522,6 +571,13 @@ int run(int argc, char** argv) {
         pipeline_options);
     trained = pipeline->parameters();
   }
+  std::unique_ptr<dtrain::ShardedDataParallel<NetImpl>> sdp;
+  if (flags.strategy == "zero") {
+    dtrain::ShardedDataParallelOptions options;
+    options.stage = static_cast<int>(flags.zero_stage);
+    sdp = std::make_unique<dtrain::ShardedDataParallel<NetImpl>>(net, pg, options);
+    trained = sdp->parameters();
+  }
   torch::optim::SGD optimizer(trained, torch::optim::SGDOptions(flags.lr).momentum(0.9));
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
@@ -538,11 +594,17 @@ int run(int argc, char** argv) {
   std::unique_ptr<dtrain::Checkpointer> checkpointer;
   dtrain::TrainingState checkpoint_state{model.get(), &optimizer, &sampler};
   std::string resumed_from;
-  if (!flags.checkpoint_dir.empty()) {
+  const bool checkpointing = !flags.checkpoint_dir.empty();
+  std::unique_ptr<dtrain::ShardedCheckpointer> sharded_checkpointer;  // zero: sharded checkpoints
+  if (checkpointing && sdp) {
+    sharded_checkpointer =
+        std::make_unique<dtrain::ShardedCheckpointer>(checkpoint_options(flags), pg.get());
+  } else if (checkpointing) {
     checkpointer = std::make_unique<dtrain::Checkpointer>(checkpoint_options(flags));
   }
-  if (checkpointer && (flags.resume || restarts > 0)) {
-    auto loaded = checkpointer->load_latest(checkpoint_state, pg.get());
+  if (checkpointing && (flags.resume || restarts > 0)) {
+    auto loaded = sharded_checkpointer ? load_sharded(*sharded_checkpointer, *sdp, checkpoint_state)
+                                       : checkpointer->load_latest(checkpoint_state, pg.get());
     if (!loaded && flags.resume) {
       throw dtrain::UsageError("train_fashion_mnist: --resume: no intact checkpoint in " +
                                flags.checkpoint_dir +
@@ -574,11 +636,12 @@ int run(int argc, char** argv) {
   // Saves the state after at.steps steps, with the sampler where it stands (rank 0 only: the state
   // is replicated). Asynchronous with --async-checkpoints.
   auto save_checkpoint = [&] {
-    if (!leader) return std::string();
+    if (!leader && !sdp) return std::string();
     checkpoint_state.step = at.steps;
     checkpoint_state.tensors["epoch_samples"] = torch::tensor(epoch_samples, torch::kInt64);
     checkpoint_state.values["model"] = flags.model;
     checkpoint_state.values["seed"] = std::to_string(flags.seed);
+    if (sdp) return save_sharded(*sharded_checkpointer, *sdp, checkpoint_state);
     return checkpointer->save(checkpoint_state);
   };
   // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the
@@ -602,7 +665,7 @@ int run(int argc, char** argv) {
               << "resumed from " << resumed_from << " at epoch " << at.epoch + 1 << ", "
               << at.samples_consumed << " samples into it, step " << at.steps << std::endl;
   }
-  if (checkpointer) install_stop_handler();
+  if (checkpointing) install_stop_handler();
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
@@ -629,7 +692,7 @@ int run(int argc, char** argv) {
       } else if (pipeline) {
         loss = pipeline->forward_backward(x, y, mean_loss);
       } else {
-        loss = mean_loss(ddp->forward(x), y);
+        loss = mean_loss(sdp ? sdp->forward(x) : ddp->forward(x), y);
         loss.backward();
       }
       optimizer.step();
@@ -644,11 +707,11 @@ int run(int argc, char** argv) {
       if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
         std::raise(kill_at.signal);
       }
-      if (checkpointer && agree_to_stop(*pg)) {
+      if (checkpointing && agree_to_stop(*pg)) {
         preempted = stopped_early = true;
         break;
       }
-      if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && checkpointer) {
+      if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && checkpointing) {
         save_checkpoint();
       }
       if (flags.max_steps > 0 && at.steps >= flags.max_steps) {
@@ -660,14 +723,16 @@ int run(int argc, char** argv) {
     if (leader) progress.done();
     if (preempted) break;
     if (pipeline) gather_stages(layers, mesh, pipeline_options.virtual_stages);
+    if (sdp) sdp->gather_full_parameters();  // the full model, to evaluate
     accuracy = test_accuracy(*model, model_forward, test, *pg);
+    if (sdp) sdp->release_full_parameters();
     if (leader) {
       char line[120];
       std::snprintf(line, sizeof line, "epoch %lld: test accuracy %.4f",
                     static_cast<long long>(epoch + 1), accuracy);
       std::cout << line << std::endl;
     }
-    if (checkpointer) {
+    if (checkpointing) {
       // A finished epoch is saved as the start of the next one.
       if (!stopped_early) sampler.set_epoch(epoch + 1);
       save_checkpoint();
@@ -675,7 +740,7 @@ int run(int argc, char** argv) {
   }
   if (preempted) {
     std::string path = save_checkpoint();
-    checkpointer->wait();
+    if (checkpointer) checkpointer->wait();
     pg->barrier();  // every rank exits once the checkpoint is on disk
     if (leader) {
       std::cout << "stopped by SIGTERM after step " << at.steps << ": saved " << path
@@ -692,6 +757,7 @@ int run(int argc, char** argv) {
       std::cout << "nothing to train: the checkpoint has finished " << at.epoch
                 << " epoch(s) and --epochs is " << flags.epochs << std::endl;
     }
+    if (sdp) sdp->gather_full_parameters();
     accuracy = test_accuracy(*model, model_forward, test, *pg);
   }
   // JSON has no NaN or infinity: a diverged loss is reported as null.
@@ -709,6 +775,7 @@ int run(int argc, char** argv) {
          << ", \"restarts\": " << restarts << ", \"epoch_samples\": [";
     for (size_t e = 0; e < epoch_samples.size(); ++e) json << (e ? ", " : "") << epoch_samples[e];
     json << "]";
+    if (sdp) json << ", \"zero_stage\": " << sdp->stage();
     if (mp || pipeline) {
       json << ", \"stages\": " << (mp ? mp->stages() : pipeline->stages())
            << ", \"data_parallel\": " << replicas << ", \"micro_batches\": " << flags.micro_batches

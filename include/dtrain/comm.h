@@ -139,6 +139,14 @@ class ProcessGroup {
   Work all_reduce_async(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
                         const CollectiveOptions& = {});
   Work broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& = {});
+  // As all_gather / reduce_scatter (the outputs / inputs may be views into one flat buffer). Among ranks on
+  // one host, CPU tensors go through shared memory, each rank moving only its share; elsewhere through
+  // Gloo, whose LibTorch 1.13 backend has no reduce-scatter: there it is an all-reduce of the stacked
+  // inputs (N times a ring reduce-scatter's traffic).
+  Work all_gather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                        const CollectiveOptions& = {});
+  Work reduce_scatter_async(at::Tensor& output, const std::vector<at::Tensor>& inputs,
+                            ReduceOp op = ReduceOp::kSum, const CollectiveOptions& = {});
 
   // A sub-group of the given ranks of this group (ranks as in this group, ascending, no repeats). Members get
   // the group, others nullptr. Every member must call it with the same ranks in the same order of calls;

@@ -67,11 +67,12 @@ std::string checkpoint_path(const std::string& dir, const std::string& prefix, i
 }
 
 std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir,
-                                                  const std::string& prefix) {
+                                                  const std::string& prefix,
+                                                  const std::string& suffix) {
   std::vector<CheckpointFile> files;
   std::error_code error;
   if (!fs::is_directory(dir, error)) return files;
-  const std::string head = prefix + "-", tail = ".ckpt";
+  const std::string head = prefix + "-", tail = suffix;
   for (const auto& entry : fs::directory_iterator(dir, error)) {
     std::string name = entry.path().filename().string();
     if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||

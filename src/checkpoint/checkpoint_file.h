@@ -21,9 +21,11 @@ struct CheckpointFile {
 // <dir>/<prefix>-<step>.ckpt
 std::string checkpoint_path(const std::string& dir, const std::string& prefix, int64_t step);
 
-// The files of dir named <prefix>-<digits>.ckpt, by step, oldest first. A missing folder has none.
+// The entries of dir named <prefix>-<digits><suffix> (files or folders), by step, oldest first. A
+// missing folder has none.
 std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir,
-                                                  const std::string& prefix);
+                                                  const std::string& prefix,
+                                                  const std::string& suffix = ".ckpt");
 
 // Writes header + payload to a hidden temporary beside path, fsyncs it, renames it to path and
 // fsyncs the folder. Throws UsageError naming the file and the system's reason; the temporary is

@@ -1,6 +1,5 @@
 // dtrain::Checkpointer: turning a TrainingState into a checkpoint payload and back, the background
 // writer of asynchronous saves, and the load that rank 0 broadcasts (see dtrain/checkpoint.h).
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
@@ -10,6 +9,7 @@
 #include <thread>
 
 #include "checkpoint/checkpoint_file.h"
+#include "checkpoint/state_parts.h"
 #include "common/log.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
@@ -38,17 +38,6 @@ struct Snapshot {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> values;
 };
-
-// The model as a flat state dict: parameters then buffers, with their dotted names.
-std::vector<std::pair<std::string, at::Tensor>> model_tensors(torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& item : model.named_parameters(/*recurse=*/true))
-    tensors.emplace_back(item.key(), item.value());
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
-    if (item.value().defined()) tensors.emplace_back(item.key(), item.value());
-  }
-  return tensors;
-}
 
 at::Tensor copy_of(const at::Tensor& t) { return t.defined() ? t.detach().clone() : t; }
 
@@ -121,7 +110,7 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
   };
   Snapshot snapshot;
   if (state.model) {
-    for (auto& [name, tensor] : model_tensors(*state.model))
+    for (auto& [name, tensor] : detail::model_tensors(*state.model))
       snapshot.model.emplace_back(name, keep(tensor));
   }
   if (state.optimizer && !copy) {
@@ -135,12 +124,7 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
     snapshot.sampler = state.sampler->state();
   }
   snapshot.step = state.step;
-  // TODO(cuda): in a CUDA build also the CUDA generators' states (one per device).
-  if (state.rng) {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    snapshot.rng = generator.get_state();  // already a copy
-  }
+  if (state.rng) snapshot.rng = detail::cpu_rng_state();
   for (const auto& [name, tensor] : state.tensors) {
     TORCH_CHECK(tensor.defined(), "checkpoint: TrainingState::tensors['", name, "'] is undefined");
     snapshot.tensors[name] = keep(tensor);
@@ -227,7 +211,7 @@ void apply(const std::vector<char>& payload, const std::string& path, TrainingSt
   std::vector<std::pair<at::Tensor, at::Tensor>> model_copies;  // (destination, saved)
   if (state.model) {
     auto saved = c10::impl::toTypedDict<std::string, at::Tensor>(entry("model").toGenericDict());
-    auto mine = model_tensors(*state.model);
+    auto mine = detail::model_tensors(*state.model);
     for (const auto& [name, tensor] : mine) {
       auto it = saved.find(name);
       if (it == saved.end()) {
@@ -289,11 +273,7 @@ void apply(const std::vector<char>& payload, const std::string& path, TrainingSt
     for (auto& [destination, saved] : model_copies) destination.copy_(saved);
   }
   if (state.sampler) state.sampler->load_state(sampler_state);
-  if (state.rng && entry("has_rng").toBool()) {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(entry("rng").toTensor());
-  }
+  if (state.rng && entry("has_rng").toBool()) detail::set_cpu_rng_state(entry("rng").toTensor());
   state.step = entry("step").toInt();
   state.tensors.clear();
   for (const auto& item :

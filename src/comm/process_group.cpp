@@ -627,51 +627,91 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root, const CollectiveOptio
   broadcast_async(tensor, root, options).wait();
 }
 
-void ProcessGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                              const CollectiveOptions& options) {
+Work ProcessGroup::all_gather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                    const CollectiveOptions& options) {
   GroupState& group = *state_;
   if (static_cast<int>(outputs.size()) != group.size) {
     throw UsageError(group.who() + ": all_gather needs one output tensor per rank (" +
                      std::to_string(group.size) + "), got " + std::to_string(outputs.size()));
   }
-  auto work = start(state_, "all_gather", true, -1, options, [&](WorkState& w) {
+  for (const auto& output : outputs) {
+    if (output.numel() != input.numel() || output.scalar_type() != input.scalar_type()) {
+      throw UsageError(group.who() + ": all_gather: every output must have the input's numel and dtype (" +
+                       std::to_string(input.numel()) + " of " + c10::toString(input.scalar_type()) + "), got " +
+                       std::to_string(output.numel()) + " of " + c10::toString(output.scalar_type()));
+    }
+  }
+  return Work(start(state_, "all_gather", true, -1, options, [&](WorkState& w) {
+    if (group.shm && detail::ShmTransport::supports(input)) {
+      w.shm_done = group.shm->all_gather_async(outputs, input, w.timeout);
+      return;
+    }
     check_gloo_dtype(group, "all_gather", input);
     std::vector<std::vector<at::Tensor>> out{outputs};
     std::vector<at::Tensor> in{input};
     c10d::AllgatherOptions opts;
     opts.timeout = w.timeout;
     w.work = backend_for(group, input).allgather(out, in, opts);
-  });
-  wait_for(*work);
+  }));
 }
 
-void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
-                                  const CollectiveOptions& options) {
+void ProcessGroup::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                              const CollectiveOptions& options) {
+  all_gather_async(outputs, input, options).wait();
+}
+
+Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                        const CollectiveOptions& options) {
   GroupState& group = *state_;
   if (static_cast<int>(inputs.size()) != group.size) {
     throw UsageError(group.who() + ": reduce_scatter needs one input tensor per rank (" +
                      std::to_string(group.size) + "), got " + std::to_string(inputs.size()));
   }
+  for (const auto& input : inputs) {
+    if (input.numel() != output.numel() || input.scalar_type() != output.scalar_type()) {
+      throw UsageError(group.who() + ": reduce_scatter: every input must have the output's numel and dtype (" +
+                       std::to_string(output.numel()) + " of " + c10::toString(output.scalar_type()) +
+                       "), got " + std::to_string(input.numel()) + " of " + c10::toString(input.scalar_type()));
+    }
+  }
   check_average(group, output, op);
-  // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep this rank's
-  // slice. It moves size() times the data an optimal ring would, which is fine for the small tensors it
-  // serves today; CUDA tensors take the same path (NCCL's native reduce-scatter is not wired up yet).
-  at::Tensor stacked = at::stack(inputs);
+  std::function<void()> finish;
   auto work = start(state_, "reduce_scatter", true, -1, options, [&](WorkState& w) {
-    if (group.shm && detail::ShmTransport::supports(stacked)) {
-      w.shm_done = group.shm->all_reduce_async(stacked, op, w.timeout);
+    if (group.shm && detail::ShmTransport::supports(output)) {
+      w.shm_done = group.shm->reduce_scatter_async(output, inputs, op, w.timeout);
       return;
     }
+    if (output.is_cuda()) {  // NCCL has a native reduce-scatter
+      std::vector<at::Tensor> out{output};
+      std::vector<std::vector<at::Tensor>> in{inputs};
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = to_c10d(op);
+      opts.timeout = w.timeout;
+      w.work = backend_for(group, output).reduce_scatter(out, in, opts);
+      return;
+    }
+    // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep this rank's
+    // slice once it is done.
+    at::Tensor stacked = at::stack(inputs);
     check_gloo_dtype(group, "reduce_scatter", stacked);
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     opts.timeout = w.timeout;
     std::vector<at::Tensor> tensors{stacked};
     w.work = backend_for(group, output).allreduce(tensors, opts);
+    finish = [target = output, stacked, rank = group.rank]() mutable { target.copy_(stacked[rank].view_as(target)); };
   });
-  wait_for(*work);
-  output.copy_(stacked[group.rank]);
-  if (op == ReduceOp::kAvg) output.div_(group.size);
+  int size = group.size;
+  work->finish = [finish, target = output, average = op == ReduceOp::kAvg, size]() mutable {
+    if (finish) finish();
+    if (average) target.div_(size);
+  };
+  return Work(work);
+}
+
+void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                  const CollectiveOptions& options) {
+  reduce_scatter_async(output, inputs, op, options).wait();
 }
 
 void ProcessGroup::barrier(const CollectiveOptions& options) {

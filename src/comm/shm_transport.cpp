@@ -332,19 +332,9 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono
 
   // Agree on the operation before moving any data: a rank with another size or dtype would process a
   // different number of chunks and pair its barriers with the wrong operation.
-  RankRecord* records = records_of(base_);
-  const uint64_t signature = (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()) ^
-                             (static_cast<uint64_t>(op) << 4);
-  records[rank_].signature.store(signature, std::memory_order_relaxed);
-  barrier(deadline);
-  for (int r = 0; r < size_; ++r) {
-    if (records[r].signature.load(std::memory_order_relaxed) != signature) {
-      abort(ShmFailure("group ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
-                           " passed different tensors (numel, dtype) or ops to the same all-reduce (this rank: " +
-                           std::to_string(numel) + " elements of " + c10::toString(tensor.scalar_type()) + ")",
-                       ShmFailure::Kind::kMismatch, r));
-    }
-  }
+  agree((static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(tensor.scalar_type()) ^
+            (static_cast<uint64_t>(op) << 4),
+        "all-reduce", numel, tensor.scalar_type(), deadline);
   // With no chunk barriers to follow, a fast rank could publish its next signature while a slow one still
   // compares this one.
   if (numel == 0) barrier(deadline);
@@ -367,6 +357,96 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono
       std::memcpy(chunk + lo * element, slot(set, r) + lo * element, (hi - lo) * element);
     }
   }
+}
+
+void ShmTransport::agree(uint64_t signature, const char* what, int64_t numel, at::ScalarType type,
+                         Clock::time_point deadline) {
+  RankRecord* records = records_of(base_);
+  records[rank_].signature.store(signature, std::memory_order_relaxed);
+  barrier(deadline);
+  for (int r = 0; r < size_; ++r) {
+    if (records[r].signature.load(std::memory_order_relaxed) != signature) {
+      abort(ShmFailure("group ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
+                           " passed different tensors (numel, dtype) or ops to the same " + what + " (this rank: " +
+                           std::to_string(numel) + " elements of " + c10::toString(type) + ")",
+                       ShmFailure::Kind::kMismatch, r));
+    }
+  }
+}
+
+std::shared_future<void> ShmTransport::all_gather_async(std::vector<at::Tensor> outputs, const at::Tensor& input,
+                                                        std::chrono::milliseconds timeout) {
+  return enqueue([this, outputs = std::move(outputs), input, timeout] { all_gather(outputs, input, timeout); });
+}
+
+std::shared_future<void> ShmTransport::reduce_scatter_async(const at::Tensor& output, std::vector<at::Tensor> inputs,
+                                                            ReduceOp op, std::chrono::milliseconds timeout) {
+  return enqueue([this, output, inputs = std::move(inputs), op, timeout] {
+    reduce_scatter(output, inputs, op, timeout);
+  });
+}
+
+// Signatures of the two collectives below differ from an all-reduce's in their top bits, so ranks that
+// issued different collectives are told apart too.
+constexpr uint64_t kAllGatherTag = uint64_t{1} << 62;
+constexpr uint64_t kReduceScatterTag = uint64_t{1} << 61;
+
+void ShmTransport::all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                              std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  const at::Tensor in = input.contiguous();
+  std::vector<at::Tensor> out(outputs.size());
+  for (size_t r = 0; r < outputs.size(); ++r) out[r] = outputs[r].is_contiguous() ? outputs[r] : outputs[r].contiguous();
+  const int64_t element = static_cast<int64_t>(in.element_size());
+  const int64_t per_chunk = kChunkBytes / element;
+  const int64_t numel = in.numel();
+  agree(kAllGatherTag ^ (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(in.scalar_type()),
+        "all-gather", numel, in.scalar_type(), deadline);
+  if (numel == 0) barrier(deadline);
+  const char* data = static_cast<const char*>(in.data_ptr());
+  for (int64_t offset = 0; offset < numel; offset += per_chunk) {
+    const int64_t n = std::min(per_chunk, numel - offset);
+    const int set = static_cast<int>(chunks_++ % 2);
+    std::memcpy(slot(set, rank_), data + offset * element, n * element);
+    barrier(deadline);
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(static_cast<char*>(out[r].data_ptr()) + offset * element, slot(set, r), n * element);
+    }
+  }
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    if (!out[r].is_same(outputs[r])) outputs[r].copy_(out[r]);
+  }
+}
+
+void ShmTransport::reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                                  std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::vector<at::Tensor> in(inputs.size());
+  for (size_t r = 0; r < inputs.size(); ++r) in[r] = inputs[r].contiguous();
+  at::Tensor out = output.is_contiguous() ? output : output.contiguous();
+  const at::ScalarType type = out.scalar_type();
+  const int64_t element = static_cast<int64_t>(out.element_size());
+  const int64_t per_chunk = kChunkBytes / element / size_;  // the slot holds one piece per rank
+  const int64_t numel = out.numel();
+  agree(kReduceScatterTag ^ (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(type) ^
+            (static_cast<uint64_t>(op) << 4),
+        "reduce-scatter", numel, type, deadline);
+  if (numel == 0) barrier(deadline);
+  char* result = static_cast<char*>(out.data_ptr());
+  for (int64_t offset = 0; offset < numel; offset += per_chunk) {
+    const int64_t n = std::min(per_chunk, numel - offset);
+    const int set = static_cast<int>(chunks_++ % 2);
+    for (int piece = 0; piece < size_; ++piece) {
+      std::memcpy(slot(set, rank_) + piece * n * element,
+                  static_cast<const char*>(in[piece].data_ptr()) + offset * element, n * element);
+    }
+    barrier(deadline);
+    // Every rank's piece `rank_`, summed in rank order: the same operands in the same order on any rank.
+    char* mine = result + offset * element;
+    std::memcpy(mine, slot(set, 0) + rank_ * n * element, n * element);
+    for (int r = 1; r < size_; ++r) reduce_into(type, mine, slot(set, r) + rank_ * n * element, n, op);
+  }
+  if (!out.is_same(output)) output.copy_(out);
 }
 
 }  // namespace dtrain::detail

@@ -20,6 +20,14 @@
 // then fails too. Before its first barrier each operation also publishes its size and dtype, and ranks that
 // disagree are named instead of silently pairing different chunks.
 //
+// All-gather and reduce-scatter are the two halves of that exchange, each with one barrier per chunk:
+//   all-gather:     every rank copies its input chunk into its slot; barrier; every rank copies every slot out.
+//   reduce-scatter: every rank copies its N input pieces' chunks side by side into its slot; barrier; rank r
+//                   sums piece r over all slots (in rank order 0..N-1) straight into its output.
+// One barrier per chunk is enough with the two alternating slot sets: a rank writes set s again (chunk
+// k+2) only after passing chunk k+1's barrier, which every rank reaches only after reading chunk k.
+// Each rank's bytes cross memory twice; a reduce-scatter reads 1/N of what an all-reduce reads.
+//
 // Operations run in order on one thread per group, so all_reduce_async overlaps with the caller's work
 // (DDP's backward) just as Gloo's does.
 #pragma once
@@ -73,6 +81,13 @@ class ShmTransport {
   // Queues the all-reduce; the future completes when `tensor` holds the result, or carries a ShmFailure.
   std::shared_future<void> all_reduce_async(const at::Tensor& tensor, ReduceOp op,
                                             std::chrono::milliseconds timeout);
+  // outputs[r] (each with input's numel and dtype) receives rank r's input.
+  std::shared_future<void> all_gather_async(std::vector<at::Tensor> outputs, const at::Tensor& input,
+                                            std::chrono::milliseconds timeout);
+  // inputs: one per rank, each with output's numel and dtype; output receives the reduction over ranks of
+  // their inputs[rank()] (kAvg sums here; the caller divides).
+  std::shared_future<void> reduce_scatter_async(const at::Tensor& output, std::vector<at::Tensor> inputs,
+                                                ReduceOp op, std::chrono::milliseconds timeout);
   // Completes once every operation queued before it has finished (for ProcessGroup::barrier).
   std::shared_future<void> flush();
 
@@ -81,6 +96,13 @@ class ShmTransport {
   ShmTransport(int rank, int size, void* base, size_t bytes);
   void run_queue();
   void all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout);
+  void all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                  std::chrono::milliseconds timeout);
+  void reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                      std::chrono::milliseconds timeout);
+  // Publishes this operation's signature and checks, after a barrier, that every rank passed the same.
+  void agree(uint64_t signature, const char* what, int64_t numel, at::ScalarType type,
+             std::chrono::steady_clock::time_point deadline);
   void barrier(std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void abort(const ShmFailure& failure);
   std::shared_future<void> enqueue(std::function<void()> job);

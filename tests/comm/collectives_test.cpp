@@ -128,6 +128,40 @@ TEST(Collectives, AllGatherAndReduceScatter) {
   }
 }
 
+// The sharding collectives on both transports (shared memory natively, Gloo through its fallback), in their
+// asynchronous form, with outputs / inputs that are views into one flat buffer as ShardedDataParallel
+// passes them, including sizes past one shared-memory chunk (4 MiB per slot; a reduce-scatter's slot
+// holds a chunk of each of the N pieces) and two operations in flight at once.
+TEST_P(AllReduceTransports, AsyncAllGatherAndReduceScatterIntoFlatBuffers) {
+  for (int world : {1, 2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      for (int64_t count : {int64_t{1}, int64_t{12347}, (int64_t{3} << 20) / 4 + 5}) {
+        at::Tensor flat = torch::full({world * count}, -1.0f);
+        std::vector<at::Tensor> outputs;
+        for (int r = 0; r < world; ++r) outputs.push_back(flat.narrow(0, r * count, count));
+        at::Tensor mine = contribution(rank, count);
+        Work gathered = group.all_gather_async(outputs, mine);
+
+        at::Tensor grads = torch::empty({world * count});
+        for (int j = 0; j < world; ++j) grads.narrow(0, j * count, count).copy_(contribution(rank * world + j, count));
+        std::vector<at::Tensor> inputs;
+        for (int j = 0; j < world; ++j) inputs.push_back(grads.narrow(0, j * count, count));
+        at::Tensor output = torch::empty({count});
+        Work scattered = group.reduce_scatter_async(output, inputs, ReduceOp::kAvg);
+        gathered.wait();
+        scattered.wait();
+        for (int r = 0; r < world; ++r) {
+          EXPECT_TRUE(torch::equal(outputs[r], contribution(r, count))) << "count " << count << " from " << r;
+        }
+        at::Tensor expected = torch::zeros({count});
+        for (int r = 0; r < world; ++r) expected += contribution(r * world + rank, count);
+        EXPECT_TRUE(torch::allclose(output, expected / world)) << "count " << count;
+      }
+    }, std::chrono::seconds(60), GetParam());
+  }
+}
+
 TEST(Collectives, SendRecvAroundARing) {
   for (int world : {2, 3, 5}) {
     run_group(world, [&](int rank, ProcessGroup& group) {

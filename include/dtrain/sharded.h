@@ -1,0 +1,206 @@
+// dtrain::ShardedDataParallel: data parallelism that splits the training state over the ranks
+// instead of replicating it (ZeRO stages 1-3; PyTorch's FSDP and ZeroRedundancyOptimizer).
+//
+//   auto pg = dtrain::init_process_group();
+//   torch::nn::Sequential net(torch::nn::Linear(784, 512), torch::nn::ReLU(), ...);
+//   dtrain::ShardedDataParallelOptions options;
+//   options.stage = 3;
+//   dtrain::ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, options);
+//   torch::optim::Adam opt(sdp.parameters(), 1e-3);  // this rank's shards, NOT net->parameters()
+//   auto loss = loss_fn(sdp.forward(x), y);           // x: this rank's share of the batch
+//   loss.backward();                                  // reductions overlap with backward
+//   opt.step();                                       // updates this rank's shards only
+//   sdp.gather_full_parameters();                     // to evaluate or save the full module now
+//
+// Note [Sharded data parallelism]
+// Parameters are grouped into units. A unit's parameters lie end to end in one flat buffer of
+// full_numel elements, padded to a multiple of the world size N; rank r owns the slice
+// [r*S, (r+1)*S), S = padded / N. That slice is a leaf tensor, the "shard parameter"; the user's
+// optimizer is built over the shards (parameters()), so each rank holds optimizer state for 1/N of
+// the model. The module's own parameters become views into their unit's flat buffer.
+// Bytes per rank by stage (Ψ parameters, fp32, Adam's two moments; the ZeRO paper's formulas):
+//   stage 1  Full parameters and full gradients stay. Gradients are all-reduced in buckets (the
+//            units) during backward, as DDP does; a rank's shard gradient is its slice of the
+//            averaged flat gradient (an alias, no copy). After the step the updated slices are
+//            all-gathered into the full parameters, lazily before the next forward.
+//            4Ψ + 4Ψ + 8Ψ/N = 8Ψ + 8Ψ/N.
+//   stage 2  As stage 1, but each unit's gradients are reduce-scattered as soon as backward has
+//            produced them, and the full gradients are dropped: only the shard gradient stays.
+//            4Ψ + 12Ψ/N.
+//   stage 3  Parameters are sharded too. Units come from a wrapping policy over a Sequential's
+//            children (any other module is one unit). A unit's full parameters exist only while it
+//            computes: all-gathered just before its forward (the next unit's gather starts
+//            meanwhile, so it overlaps), freed after it; gathered again before its backward (the
+//            unit before it prefetched) and freed once its gradients are reduce-scattered. Freeing
+//            empties the flat buffer's storage itself, so views autograd saved hold no memory
+//            either. 16Ψ/N + the units gathered at the time (one, two while prefetching).
+// Communication per step, against DDP's one all-reduce of the gradients: stage 1 all-reduces (as
+// specified: every rank keeps the full averaged gradient, e.g. for clipping by global norm) and
+// all-gathers, 1.5x; stage 2 reduce-scatters and all-gathers, 1x; stage 3 gathers twice, 1.5x.
+// Between steps the module's parameters are views of the flat buffers (stages 1-2) or empty
+// tensors of shape {0} (stage 3, outside its forward and backward). Forward must go through
+// ShardedDataParallel; gradient accumulation goes through no_sync().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "dtrain/comm.h"
+
+namespace torch::nn {
+class Module;
+class SequentialImpl;
+}  // namespace torch::nn
+
+namespace dtrain {
+
+// How stage 3 groups a Sequential's children into units (stages 1-2: see bucket_cap_bytes).
+enum class WrapPolicy {
+  // Consecutive children are joined until the unit holds at least min_unit_params parameters;
+  // children without parameters (activations) join the unit before them.
+  kMinParams,
+  // Every child is its own unit; a child without parameters is an error.
+  kEveryChild,
+};
+
+struct ShardedDataParallelOptions {
+  // 1: shard optimizer state; 2: and gradients; 3: and parameters. Note [Sharded data parallelism].
+  int stage = 1;
+  // Stages 1-2: a unit (a bucket of gradients reduced together, and of parameters gathered
+  // together) holds at most this many bytes of parameters, in reverse registration order as DDP's
+  // buckets.
+  int64_t bucket_cap_bytes = int64_t{25} << 20;
+  // Stage 3: how a Sequential's children become units.
+  WrapPolicy wrap_policy = WrapPolicy::kMinParams;
+  int64_t min_unit_params = 1;  // kMinParams: 1 = every child with parameters is a unit
+  // Stage 3: start the next unit's all-gather while the current one computes (both directions).
+  bool prefetch = true;
+};
+
+// Where one named parameter of the module lives in its unit's flat buffer.
+struct ParamExtent {
+  std::string name;  // as module->named_parameters() names it
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // first element in the unit's flat buffer
+};
+
+// One unit's shard on this rank, for sharded checkpoints.
+struct FlatShard {
+  std::string key;     // "unit0", "unit1", ...: unique per unit, stable across world sizes
+  at::Tensor shard;    // the shard parameter itself (1-D, S elements; the padding is at the end of
+                       // the last ranks' shards); writing into it in place changes the model
+  int64_t offset = 0;  // first element of the shard in the flat buffer (= rank * S)
+  int64_t full_numel = 0;  // unpadded length of the flat buffer
+  std::vector<ParamExtent> params;
+};
+
+// What ShardedDataParallel sent through collectives since it was built: payload bytes per kind (the
+// full, padded flat buffers). Per rank on the wire a ring moves (N-1)/N of an all-gather's or
+// reduce-scatter's payload and twice that of an all-reduce's.
+struct ShardedCommStats {
+  int64_t all_reduce_bytes = 0;      // stage 1 gradients
+  int64_t reduce_scatter_bytes = 0;  // stages 2-3 gradients
+  int64_t all_gather_bytes = 0;      // parameters
+  int64_t broadcast_bytes = 0;       // rank 0's initial parameters
+};
+
+namespace detail {
+class ShardedState;
+}
+
+// The type-independent part; ShardedDataParallel<M> adds a typed forward().
+class ShardedDataParallelBase {
+ public:
+  // Broadcasts rank 0's parameters and buffers, checks every rank has the same parameters, builds
+  // the units and the shards. Blocks until every rank of `group` has constructed it (up to the
+  // timeout). Throws UsageError for a module that cannot be sharded as asked (a parameter shared
+  // between two units, a stage-3 unit without parameters, a stage outside 1..3).
+  ShardedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                          std::shared_ptr<ProcessGroup> group,
+                          ShardedDataParallelOptions options = {});
+  ~ShardedDataParallelBase();
+  ShardedDataParallelBase(const ShardedDataParallelBase&) = delete;
+  ShardedDataParallelBase& operator=(const ShardedDataParallelBase&) = delete;
+
+  // The shard parameters of this rank, one per unit: build the optimizer over these.
+  std::vector<at::Tensor> parameters() const;
+  int stage() const;
+  ProcessGroup& group() const;
+
+  // While the returned guard lives, backward passes only accumulate local full gradients; the first
+  // backward after it ends reduces everything accumulated (costs the memory of full gradients
+  // meanwhile).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(ShardedDataParallelBase& sdp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    ShardedDataParallelBase& sdp_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Makes the module's full parameters hold the current shards now (all-gathers; collective: every
+  // rank calls it). Stages 1-2 do this lazily before the next forward anyway; call it to evaluate
+  // or save the full module right after a step. Stage 3: the full parameters stay materialized (the
+  // whole model's memory) until release_full_parameters() or the next forward.
+  void gather_full_parameters();
+  // Stage 3: frees what gather_full_parameters() materialized (no communication). Else a no-op.
+  void release_full_parameters();
+
+  // For sharded checkpoints: every unit's shard on this rank, in unit order.
+  std::vector<FlatShard> flat_shards() const;
+  // After the shard parameters were overwritten in place (a checkpoint load), make the full
+  // parameters (stages 1-2) or the next gathers (stage 3) reflect them. Local; the gather happens
+  // lazily.
+  void shards_changed();
+
+  // Collective payload bytes issued so far (for measuring communication per step).
+  ShardedCommStats comm_stats() const;
+
+  // Stage 3 on a Sequential: runs the units' forwards one after another, gathering, prefetching and
+  // freeing; for another module (or stages 1-2) call prepare_forward(), run the module, then
+  // finish_forward() on its output. ShardedDataParallel<M>::forward does this for you.
+  at::Tensor forward_units(const at::Tensor& input);
+  void prepare_forward();
+  at::Tensor finish_forward(const at::Tensor& output);
+  bool drives_units() const;  // true: forward goes through forward_units()
+
+ protected:
+  std::unique_ptr<detail::ShardedState> state_;
+};
+
+template <typename ModuleType>
+class ShardedDataParallel : public ShardedDataParallelBase {
+ public:
+  ShardedDataParallel(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
+                      ShardedDataParallelOptions options = {})
+      : ShardedDataParallelBase(module, std::move(group), options), module_(std::move(module)) {}
+
+  // Runs the module's forward on this rank's inputs. Stage 3 on a Sequential gathers each unit's
+  // parameters in turn (one tensor in, one out); otherwise the whole module runs between
+  // prepare_forward() and finish_forward().
+  template <typename... Args>
+  at::Tensor forward(Args&&... args) {
+    if constexpr (std::is_same_v<ModuleType, torch::nn::SequentialImpl> && sizeof...(Args) == 1) {
+      if (drives_units()) return forward_units(std::forward<Args>(args)...);
+    }
+    prepare_forward();
+    return finish_forward(module_->forward(std::forward<Args>(args)...));
+  }
+
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+};
+
+}  // namespace dtrain
