@@ -418,6 +418,13 @@ int scale_main(const std::vector<std::string>& args) {
     scale::AnalysisSettings settings;
     settings.warmup_steps = options.warmup_steps;
     settings.link_gbps = options.link_gbps;
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && options.nproc.front() == 1 &&
+        options.nproc.back() > 1) {
+      settings.notes.push_back(
+          "OMP_NUM_THREADS was unset at 1 worker (the program may use every core) and 1 per "
+          "worker at more (dtrain run's rule, as torchrun's); set it to compare the same threads "
+          "per worker");
+    }
     scale::Report report = scale::analyze(results, settings);
     std::string mode = options.seconds ? seconds_text(*options.seconds) + " per count"
                                        : std::to_string(options.steps) + " steps per count after " +

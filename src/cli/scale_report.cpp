@@ -307,7 +307,7 @@ CommModel fit_model(const std::vector<RunResult>& runs, const std::vector<Row>& 
                             "operations, so latency is not separable (set to 0: optimistic at "
                             "many workers)";
   } else {
-    model.how = "least squares over " + std::to_string(points.size()) + " steps";
+    model.how = "least squares";
   }
   if (beta <= 0) {
     model.how = "the measured transfers do not fit a ring all-reduce";
@@ -452,6 +452,7 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
   Report report;
   report.link_gbps = settings.link_gbps;
   report.warmup_steps = settings.warmup_steps;
+  report.notes = settings.notes;
   unsigned host_cpus = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
 
   for (const RunResult& run : runs) {
@@ -623,7 +624,7 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
     for (int n = 1; n <= largest; n *= 2) counts.insert(n);
     for (const Row& row : report.rows) counts.insert(row.workers);
     for (int n : counts) {
-      if (n >= base->workers) prediction.points.push_back(predict(report, n));
+      if (n >= fitted->workers) prediction.points.push_back(predict(report, n));
     }
   }
   return report;

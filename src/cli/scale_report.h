@@ -1,8 +1,8 @@
-// `dtrain scale`'s analysis: from the per-step records (DTRAIN_PROFILE, format in
-// doc/profile-format.md) or the printed throughput of each run to the table, the verdict per worker
-// count, the alpha-beta fit of the all-reduce, the prediction beyond what was run, and the
-// renderings (text, JSON, SVG). Pure functions of the measurements: the tests feed them known
-// numbers.
+// `dtrain scale`'s analysis: from the per-step records (DTRAIN_PROFILE: one JSON object per line
+// and rank with the fields of StepRecord; extra fields are ignored) or the printed throughput of
+// each run, to the table, the verdict per worker count, the alpha-beta fit of the all-reduce, the
+// prediction beyond what was run, and the renderings (text, JSON, SVG). Pure functions of the
+// measurements: the tests feed them known numbers.
 #pragma once
 
 #include <optional>
@@ -66,6 +66,8 @@ struct AnalysisSettings {
   std::optional<double> link_gbps;
   // Worker counts of the prediction.
   std::vector<int> predict_at = {8, 16, 64};
+  // Said under the verdicts (how the runs were set up).
+  std::vector<std::string> notes;
 };
 
 // How one worker count did.
@@ -125,7 +127,8 @@ struct Prediction {
   std::string why_not;
   std::string scaling;  // "strong" or "weak"
   int fitted_on_workers = 0;
-  std::vector<PredictionPoint> points;  // powers of two, the measured and the requested counts
+  // From the fitted count up: powers of two, the measured and the requested counts.
+  std::vector<PredictionPoint> points;
   std::vector<std::string> assumptions;
   // The model's inputs, all taken from the row it was fitted on unless said otherwise.
   double compute_per_sample_s = 0;

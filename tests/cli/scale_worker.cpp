@@ -1,5 +1,5 @@
 // A stand-in training program for the `dtrain scale` tests: plain C++, no LibTorch. Each rank
-// writes one DTRAIN_PROFILE record per step (the format of doc/profile-format.md) whose times
+// writes one DTRAIN_PROFILE record per step (the fields of scale::StepRecord) whose times
 // follow a known model instead of a clock, so the tests know every number the report must show:
 //   compute   = compute_ms_per_sample * samples * (1 + contention * (WORLD_SIZE - 1))
 //   comm      = 2(N-1) * ops * alpha + 2(N-1)/N * bytes / bandwidth     (a ring all-reduce)
