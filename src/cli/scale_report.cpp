@@ -460,6 +460,7 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
     row.workers = run.workers;
     row.ok = run.ok;
     row.status = run.ok ? (run.time_limit ? "time limit" : "ok") : run.ending;
+    row.exit_code = run.ok ? 0 : run.exit_code;
     row.samples_per_s = kNaN;
     row.speedup = row.efficiency = kNaN;
     if (!run.ok) report.any_failed = true;
@@ -727,6 +728,7 @@ std::string render_json(const Report& report, const std::vector<std::string>& co
     r["workers"] = row.workers;
     r["ok"] = row.ok;
     r["status"] = row.status;
+    r["exit_code"] = row.exit_code;
     r["source"] = row.source;
     r["samples_per_s"] = number(row.samples_per_s);
     r["speedup"] = number(row.speedup);

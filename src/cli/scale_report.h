@@ -75,6 +75,7 @@ struct Row {
   int workers = 1;
   bool ok = true;
   std::string status;      // "ok", or how it failed
+  int exit_code = 0;       // the run's exit code (0 unless it failed)
   std::string source;      // "profile", "printed", "run time" or "none": where the rate comes from
   int ranks_recorded = 0;  // ranks with at least one measured record
   long long measured_steps = 0;  // fewest measured records of any rank

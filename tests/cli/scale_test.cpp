@@ -398,6 +398,12 @@ TEST_F(ScaleCommand, FailingCountIsReportedAndTheOthersRun) {
   EXPECT_TRUE(std::regex_search(run.out, std::regex(R"(\n\s+3\s+\d+\.\d\s+\d\.\d\dx.*ok)")))
       << run.out;
   EXPECT_NE(run.out.find("failing on purpose at world size 2"), std::string::npos) << run.out;
+  Outcome json = scale({"--nproc", "1,2", "--steps", "5", "--json"}, {"--fail-at-world", "2"});
+  EXPECT_EQ(json.exit_code, 1) << json.err;
+  nlohmann::json report = nlohmann::json::parse(json.out);
+  EXPECT_EQ(report["runs"][1]["exit_code"], 3);
+  EXPECT_FALSE(report["runs"][1]["ok"].get<bool>());
+  EXPECT_TRUE(report["failed"].get<bool>());
 }
 
 TEST_F(ScaleCommand, ProgramWithoutRecordsIsJudgedByWhatItPrints) {
@@ -417,6 +423,16 @@ TEST_F(ScaleCommand, ProgramThatPrintsNothingIsTimedWhenItFinishes) {
                                 std::regex(R"(\n\s+2\s+-\s+\d\.\d\dx.*ok \(run time \d\.\d+ s\))")))
       << run.out;
   EXPECT_NE(run.out.find("same total work at every count"), std::string::npos) << run.out;
+}
+
+TEST_F(ScaleCommand, ProgramThatNeverRecordsIsStoppedAtTheTimeLimit) {
+  Outcome run = scale({"--nproc", "1", "--time-limit", "1", "--json"}, {"--no-profile"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  nlohmann::json report = nlohmann::json::parse(run.out);
+  EXPECT_EQ(report["runs"][0]["status"], "time limit");
+  EXPECT_EQ(report["runs"][0]["source"], "none");
+  EXPECT_NE(report["runs"][0]["verdict"].get<std::string>().find("nothing measured"),
+            std::string::npos);
 }
 
 TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
