@@ -435,6 +435,16 @@ TEST_F(ScaleCommand, ProgramThatNeverRecordsIsStoppedAtTheTimeLimit) {
             std::string::npos);
 }
 
+TEST_F(ScaleCommand, RanksThatNeverRecordDoNotHoldTheRunUntilTheTimeLimit) {
+  // Rank 1 writes nothing: 5 s after rank 0 reached its steps, the run is stopped anyway.
+  Outcome run =
+      scale({"--nproc", "2", "--steps", "5", "--time-limit", "30"}, {"--only-rank0-profile"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.err.find("measured steps of the 1 rank(s) that write records"), std::string::npos)
+      << run.err;
+  EXPECT_NE(run.out.find("only 1 of 2 ranks wrote measured records"), std::string::npos) << run.out;
+}
+
 TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
   for (const Args& flags :
        {Args{"--nproc", "0"}, Args{"--steps", "3", "--seconds", "1"}, Args{"--plot", "x.png"}}) {

@@ -13,6 +13,7 @@
 // A, --gbps BW (Gbit/s), --bytes N, --ops K, --vary-bytes (steps alternate 1x, 2x, 3x the bytes),
 // --exposed-share F, --steps S (exit 0 after S steps; default: run until stopped), --fail-at-world
 // W (rank W-1 exits with code 3 after 2 steps when WORLD_SIZE is W), --no-profile,
+// --only-rank0-profile (the other ranks write no records),
 // --print-samples (rank 0 prints "throughput: X samples/s" every step).
 #include <fcntl.h>
 #include <unistd.h>
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
          gap_ms = 0, alpha_us = 20, gbps = 8, bytes = 1e6, ops = 2, exposed_share = 1;
   long steps = -1;
   int fail_at_world = 0;
-  bool vary_bytes = false, profile = true, print_samples = false;
+  bool vary_bytes = false, profile = true, print_samples = false, only_rank0 = false;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     auto value = [&]() -> double {
@@ -48,39 +49,33 @@ int main(int argc, char** argv) {
       }
       return std::atof(argv[++i]);
     };
-    if (flag == "--global-batch")
-      global_batch = value();
-    else if (flag == "--batch")
-      batch = value();
-    else if (flag == "--compute-ms-per-sample")
-      compute_ms = value();
-    else if (flag == "--contention")
-      contention = value();
-    else if (flag == "--optimizer-ms")
-      optimizer_ms = value();
-    else if (flag == "--gap-ms")
-      gap_ms = value();
-    else if (flag == "--alpha-us")
-      alpha_us = value();
-    else if (flag == "--gbps")
-      gbps = value();
-    else if (flag == "--bytes")
-      bytes = value();
-    else if (flag == "--ops")
-      ops = value();
-    else if (flag == "--exposed-share")
-      exposed_share = value();
-    else if (flag == "--steps")
+    double* number = flag == "--global-batch"            ? &global_batch
+                     : flag == "--batch"                 ? &batch
+                     : flag == "--compute-ms-per-sample" ? &compute_ms
+                     : flag == "--contention"            ? &contention
+                     : flag == "--optimizer-ms"          ? &optimizer_ms
+                     : flag == "--gap-ms"                ? &gap_ms
+                     : flag == "--alpha-us"              ? &alpha_us
+                     : flag == "--gbps"                  ? &gbps
+                     : flag == "--bytes"                 ? &bytes
+                     : flag == "--ops"                   ? &ops
+                     : flag == "--exposed-share"         ? &exposed_share
+                                                         : nullptr;
+    if (number != nullptr) {
+      *number = value();
+    } else if (flag == "--steps") {
       steps = static_cast<long>(value());
-    else if (flag == "--fail-at-world")
+    } else if (flag == "--fail-at-world") {
       fail_at_world = static_cast<int>(value());
-    else if (flag == "--vary-bytes")
+    } else if (flag == "--vary-bytes") {
       vary_bytes = true;
-    else if (flag == "--no-profile")
+    } else if (flag == "--no-profile") {
       profile = false;
-    else if (flag == "--print-samples")
+    } else if (flag == "--only-rank0-profile") {
+      only_rank0 = true;
+    } else if (flag == "--print-samples") {
       print_samples = true;
-    else {
+    } else {
       std::fprintf(stderr, "scale_worker: unknown flag %s\n", flag.c_str());
       return 2;
     }
@@ -90,7 +85,7 @@ int main(int argc, char** argv) {
   const double samples = batch > 0 ? batch : global_batch / world;
   const char* path = std::getenv("DTRAIN_PROFILE");
   int fd = -1;
-  if (profile && path != nullptr && *path != '\0') {
+  if (profile && (rank == 0 || !only_rank0) && path != nullptr && *path != '\0') {
     fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) {
       std::fprintf(stderr, "scale_worker: rank %d: cannot open DTRAIN_PROFILE %s\n", rank, path);
