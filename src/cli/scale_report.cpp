@@ -669,7 +669,10 @@ std::string render_text(const Report& report, const std::string& title) {
         profile && row.bus_gbps > 0 ? format("%.2f", row.bus_gbps).c_str() : "-", status.c_str());
     out << line;
   }
-  out << "\n(speed-up and efficiency against " << workers_text(report.baseline_workers)
+  out << "\n("
+      << (report.baseline_workers > 0
+              ? "speed-up and efficiency against " + workers_text(report.baseline_workers)
+              : std::string("no count gave a throughput to compare"))
       << "; times per rank and step after " << report.warmup_steps
       << " warm-up steps; other = optimizer and everything between compute and communication; "
          "comm Gbit/s = ring bus bandwidth of the all-reduces)\n";
