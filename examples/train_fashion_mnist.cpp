@@ -38,6 +38,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
 #include "dtrain/pipeline.h"
+#include "dtrain/spawn.h"
 
 namespace {
 
@@ -54,7 +55,7 @@ const char* kUsage =
     "[--resume]\n"
     "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
     "[--async-checkpoints]\n"
-    "                           [--max-steps N]";
+    "                           [--max-steps N] [--spawn N (start N DDP ranks itself)]";
 
 struct Flags {
   std::string model = "mlp";
@@ -76,6 +77,7 @@ struct Flags {
   bool async_checkpoints =
       false;              // write checkpoints on a background thread while training goes on
   int64_t max_steps = 0;  // stop after N steps in all (0: no limit); for tests of resumption
+  int64_t spawn = 0;      // start N ranks of this program itself (dtrain::spawn), no launcher needed
 };
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
@@ -102,7 +104,8 @@ const char* const kValueFlags[] = {"--model",          "--strategy",
                                    "--batch-size",     "--lr",
                                    "--seed",           "--data",
                                    "--checkpoint-dir", "--checkpoint-every",
-                                   "--max-steps",      "--keep-checkpoints"};
+                                   "--max-steps",      "--keep-checkpoints",
+                                   "--spawn"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -168,6 +171,8 @@ Flags parse_flags(int argc, char** argv) {
       flags.keep_checkpoints = parse_int(flag, value, 1, 1 << 20);
     } else if (flag == "--max-steps") {
       flags.max_steps = parse_int(flag, value, 0);
+    } else if (flag == "--spawn") {
+      flags.spawn = parse_int(flag, value, 1, 1024);
     } else {
       bad_flag(flag, value, "a known flag. " + std::string(kUsage));
     }
@@ -724,5 +729,15 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return dtrain::run_main([&] { return run(argc, argv); });
+  return dtrain::run_main([&] {
+    // --spawn N: the program starts its own N ranks (re-executed, each reaching this spawn() as a worker
+    // and running run() there) instead of being started by `dtrain run`.
+    if (int64_t ranks = parse_flags(argc, argv).spawn; ranks > 0) {
+      dtrain::spawn(static_cast<int>(ranks), [&](int) {
+        if (int code = run(argc, argv); code != 0) std::exit(code);
+      });
+      return 0;
+    }
+    return run(argc, argv);
+  });
 }
