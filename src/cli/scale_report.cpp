@@ -22,11 +22,12 @@
 //   T(N) = c * b(N) + F + x * A(N)
 // c: compute per sample at M (contention seen there included); b(N): samples per rank, G/N for a
 // fixed global batch G (strong scaling) or b(M) (weak); F: the rest of M's step (optimizer, data,
-// gaps); x: the exposed share of communication at M (overlap as measured); A(N): a ring all-reduce
-// of the step's gradient bytes n in k operations, 2(N-1) k alpha + 2(N-1)/N n / bandwidth, alpha
-// and bandwidth fitted by least squares to every measured step (comm_s against comm_bytes,
-// comm_ops). Throughput N b(N) / T(N); speed-up against the measured baseline. At N = M this gives
-// back M's measured throughput up to the fit's error, which the tests check.
+// gaps); A(N): a ring all-reduce of the step's gradient bytes n in k operations,
+// 2(N-1) k alpha + 2(N-1)/N n / bandwidth, alpha and bandwidth fitted by least squares to every
+// measured step (comm_s against comm_bytes, comm_ops); x: M's exposed communication / A(M) (the
+// overlap as measured; above 1 when steps also wait for the slower rank). Throughput
+// N b(N) / T(N); speed-up against the measured baseline. At N = M this gives back M's measured
+// throughput whatever the fit's error, which the tests check.
 #include "cli/scale_report.h"
 
 #include <unistd.h>
@@ -226,8 +227,22 @@ void explain(Row& row, const Row& base, unsigned host_cpus) {
   row.lost_comm_s = row.exposed_comm_s - base.exposed_comm_s * scale;
   row.lost_fixed_s = (row.optimizer_s + row.other_s) - (base.optimizer_s + base.other_s) * scale;
   if (row.efficiency >= 0.9) {
-    row.reason = "compute-bound: computation is " + percent(row.compute_s / row.interval_s) +
-                 " of the step; exposed communication " + ms(row.exposed_comm_s) + " ms";
+    double comm_share = row.exposed_comm_s / row.interval_s;
+    if (comm_share >= 0.25) {
+      row.reason = "scales so far, but the step waits " + ms(row.exposed_comm_s) + " ms of " +
+                   ms(row.interval_s) + " ms (" + percent(comm_share) +
+                   ") on communication: that limits more workers";
+    } else {
+      row.reason = "compute-bound: computation is " + percent(row.compute_s / row.interval_s) +
+                   " of the step; exposed communication " + ms(row.exposed_comm_s) + " ms";
+    }
+    if (row.efficiency > 1.05 && row.compute_per_sample_s < 0.95 * base.compute_per_sample_s) {
+      row.reason += "; superlinear: compute per sample fell from " +
+                    format("%.3f", base.compute_per_sample_s * 1e3) + " to " +
+                    format("%.3f", row.compute_per_sample_s * 1e3) +
+                    " ms (smaller per-rank batches, or a baseline whose threads competed for "
+                    "the cores)";
+    }
     return;
   }
   double largest = std::max({row.lost_contention_s, row.lost_comm_s, row.lost_fixed_s});
@@ -313,11 +328,15 @@ CommModel fit_model(const std::vector<RunResult>& runs, const std::vector<Row>& 
     model.how = "the measured transfers do not fit a ring all-reduce";
     return model;
   }
-  double sq = 0;
+  // Relative to the mean measured time: single steps of a few microseconds would dominate a mean
+  // of relative errors.
+  double sq = 0, mean_y = 0;
   for (const Point& p : points) {
     double predicted = alpha * p.x1 + beta * p.x2;
-    sq += (predicted - p.y) * (predicted - p.y) / (p.y * p.y);
+    sq += (predicted - p.y) * (predicted - p.y);
+    mean_y += p.y / static_cast<double>(points.size());
   }
+  sq /= mean_y * mean_y;
   model.fitted = true;
   model.alpha_s = alpha;
   model.bytes_per_s = 1.0 / beta;
@@ -559,7 +578,11 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
     prediction.available = true;
     prediction.fitted_on_workers = fitted->workers;
     prediction.compute_per_sample_s = fitted->compute_per_sample_s;
-    prediction.exposed_share = std::clamp(fitted->exposed_comm_s / fitted->comm_s, 0.0, 1.0);
+    // Exposed communication scales with the modelled all-reduce; the ratio is taken at the fitted
+    // count, so the prediction gives back its measured step there whatever the fit's error. It may
+    // exceed 1: a step also waits for the slower rank to arrive, which no transfer time contains.
+    double modelled = report.model.seconds(fitted->workers, fitted->comm_bytes, fitted->comm_ops);
+    prediction.exposed_share = modelled > 0 ? fitted->exposed_comm_s / modelled : 1.0;
     prediction.fixed_s =
         std::max(0.0, fitted->interval_s - fitted->compute_s - fitted->exposed_comm_s);
     prediction.bytes_per_step = fitted->comm_bytes;
@@ -609,10 +632,19 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
         gbps_text(report.model.bytes_per_s) + " Gbit/s (" + report.model.how + ", " +
         std::to_string(report.model.points) + " steps, rms error " +
         percent(report.model.rms_relative_error) + ")");
-    prediction.assumptions.push_back(
-        "overlap as measured at " + workers_text(fitted->workers) + ": " +
-        percent(prediction.exposed_share) +
-        " of the communication time was exposed; the same share at every count");
+    std::string waited = "the step waited " + ms(fitted->exposed_comm_s) +
+                         " ms on communication at " + workers_text(fitted->workers) + ", ";
+    if (prediction.exposed_share <= 1.0) {
+      prediction.assumptions.push_back(
+          "overlap as measured: " + waited + percent(prediction.exposed_share) + " of the " +
+          ms(modelled) + " ms the model gives its all-reduces; the same share at every count");
+    } else {
+      prediction.assumptions.push_back(
+          "no overlap: " + waited + format("%.2f", prediction.exposed_share) + " times the " +
+          ms(modelled) +
+          " ms the model gives its all-reduces (the rest is waiting for the slower rank); "
+          "scaled with the all-reduce at every count");
+    }
     prediction.assumptions.push_back(
         "the rest of the step (optimizer, data, gaps between steps) stays " +
         ms(prediction.fixed_s) + " ms at every count");

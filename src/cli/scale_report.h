@@ -106,10 +106,10 @@ struct Row {
 // The alpha-beta model of a ring all-reduce fitted to the measured transfers.
 struct CommModel {
   bool fitted = false;
-  std::string how;         // how it was fitted, or why not
-  double alpha_s = 0;      // latency per ring step
-  double bytes_per_s = 0;  // link bandwidth (1/beta)
-  double rms_relative_error = 0;
+  std::string how;                // how it was fitted, or why not
+  double alpha_s = 0;             // latency per ring step
+  double bytes_per_s = 0;         // link bandwidth (1/beta)
+  double rms_relative_error = 0;  // root mean square error / mean measured time
   int points = 0;
   // Seconds for `ops` all-reduces carrying `bytes` payload in total on `workers` ranks.
   double seconds(int workers, double bytes, double ops, double bytes_per_s_override = 0) const;
@@ -134,7 +134,7 @@ struct Prediction {
   // The model's inputs, all taken from the row it was fitted on unless said otherwise.
   double compute_per_sample_s = 0;
   double fixed_s = 0;        // per-step time that is neither compute nor exposed communication
-  double exposed_share = 1;  // exposed communication / communication time
+  double exposed_share = 1;  // exposed communication / the model's all-reduce time (may be > 1)
   double bytes_per_step = 0, ops_per_step = 0;
   double samples_per_rank = 0;  // at the fitted row; the global batch is this times its workers
   double baseline_samples_per_s = 0;  // measured, at the baseline row
