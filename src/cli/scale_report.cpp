@@ -265,18 +265,23 @@ void explain(Row& row, const Row& base, unsigned host_cpus) {
                  ms(row.optimizer_s + row.other_s) + " ms of " + ms(row.interval_s) +
                  " ms and do not shrink with the per-rank batch";
   }
+  if (static_cast<unsigned>(row.workers) > host_cpus) {
+    row.reason += "; " + std::to_string(row.workers) + " workers on " + std::to_string(host_cpus) +
+                  " CPU(s) oversubscribe this host, so waits include peers that are not running";
+  }
 }
 
 // Least squares comm_s = alpha * x1 + beta * x2, x1 = 2(N-1) ops, x2 = 2(N-1)/N bytes, both
 // coefficients kept >= 0.
 CommModel fit_model(const std::vector<RunResult>& runs, const std::vector<Row>& rows,
-                    int warmup_steps) {
+                    int warmup_steps, int max_workers) {
   struct Point {
     double x1, x2, y;
   };
   std::vector<Point> points;
   for (std::size_t i = 0; i < runs.size(); ++i) {
     if (!rows[i].ok || rows[i].source != "profile" || runs[i].workers < 2) continue;
+    if (runs[i].workers > max_workers) continue;
     // The same warm-up as the table's (fill_from_records): none when no rank got past it.
     std::map<int, int> per_rank;
     for (const StepRecord& r : runs[i].records) ++per_rank[r.rank];
@@ -472,7 +477,9 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
   report.link_gbps = settings.link_gbps;
   report.warmup_steps = settings.warmup_steps;
   report.notes = settings.notes;
-  unsigned host_cpus = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  unsigned host_cpus = settings.host_cpus > 0
+                           ? static_cast<unsigned>(settings.host_cpus)
+                           : static_cast<unsigned>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 
   for (const RunResult& run : runs) {
     Row row;
@@ -557,14 +564,24 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
     if (!row.ok) row.verdict = workers_text(row.workers) + ": failed (" + row.status + ")";
   }
 
-  report.model = fit_model(runs, report.rows, settings.warmup_steps);
+  // Counts with more workers than the host has CPUs measure the oversubscription more than the
+  // transfers (a descheduled peer stalls every collective): the fit and the prediction leave them
+  // out when a count that fits the host communicated.
+  int fitting = std::numeric_limits<int>::max();
+  for (const Row& row : report.rows) {
+    if (row.ok && row.source == "profile" && row.workers >= 2 && row.comm_s > 0 &&
+        static_cast<unsigned>(row.workers) <= host_cpus) {
+      fitting = static_cast<int>(host_cpus);
+    }
+  }
+  report.model = fit_model(runs, report.rows, settings.warmup_steps, fitting);
 
   // Note [Prediction].
   Prediction& prediction = report.prediction;
   const Row* fitted = nullptr;
   for (const Row& row : report.rows) {
-    if (row.ok && row.source == "profile" && row.workers >= 2 && row.comm_s > 0 &&
-        row.samples_per_rank_step > 0) {
+    if (row.ok && row.source == "profile" && row.workers >= 2 && row.workers <= fitting &&
+        row.comm_s > 0 && row.samples_per_rank_step > 0) {
       fitted = &row;
     }
   }
@@ -619,6 +636,13 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
       }
     }
     prediction.assumptions.push_back(evidence);
+    if (fitting != std::numeric_limits<int>::max() && report.rows.back().workers > fitting) {
+      prediction.assumptions.push_back("fitted on counts up to " + std::to_string(fitting) +
+                                       " workers only: more oversubscribe "
+                                       "this host's " +
+                                       std::to_string(host_cpus) +
+                                       " CPU(s) and would measure that instead");
+    }
     prediction.assumptions.push_back(
         "compute per sample " + format("%.4f", prediction.compute_per_sample_s * 1e3) +
         " ms, as measured at " + workers_text(fitted->workers) +

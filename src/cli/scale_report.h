@@ -68,6 +68,8 @@ struct AnalysisSettings {
   std::vector<int> predict_at = {8, 16, 64};
   // Said under the verdicts (how the runs were set up).
   std::vector<std::string> notes;
+  // CPUs of the host the runs shared; 0: this machine's. More workers than this oversubscribe it.
+  int host_cpus = 0;
 };
 
 // How one worker count did.

@@ -223,6 +223,22 @@ TEST(ScaleAnalysis, FitRecoversLatencyAndBandwidthAndReproducesTheMeasuredPoint)
   EXPECT_TRUE(has_8);
 }
 
+TEST(ScaleAnalysis, CountsThatOversubscribeTheHostAreNamedAndNotFittedOn) {
+  scale::AnalysisSettings settings;
+  settings.host_cpus = 2;
+  std::vector<RunResult> runs = {synthetic_run(1, 13, 0.5), synthetic_run(2, 13, 0.5),
+                                 synthetic_run(4, 13, 0.5)};
+  scale::Report report = scale::analyze(runs, settings);
+  EXPECT_NE(report.rows[2].reason.find("4 workers on 2 CPU(s) oversubscribe this host"),
+            std::string::npos)
+      << report.rows[2].reason;
+  EXPECT_EQ(report.rows[1].reason.find("oversubscribe"), std::string::npos);
+  ASSERT_TRUE(report.prediction.available);
+  EXPECT_EQ(report.prediction.fitted_on_workers, 2);
+  settings.host_cpus = 8;
+  EXPECT_EQ(scale::analyze(runs, settings).prediction.fitted_on_workers, 4);
+}
+
 TEST(ScaleAnalysis, AFailedCountIsReportedAndTheOthersStillCount) {
   RunResult failed;
   failed.workers = 2;
