@@ -7,6 +7,9 @@
 // In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica;
 // --dp-gather: outputs gathered for one loss instead of a loss per replica),
 // --threads N (intra-op threads of a plain or DDP process).
+// --local: every rank trains its own model without DDP, in step with the others (a barrier before and after
+// the timed steps): a DDP step's computation without its communication, to see what running side by side
+// costs. Under DTRAIN_PROFILE the optimizer step is marked (dtrain::ProfileOptimizerStep).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -16,6 +19,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
+#include "dtrain/profile.h"
 
 namespace {
 
@@ -36,7 +40,7 @@ int main(int argc, char** argv) {
     double bucket_mb = 25;
     bool use_ddp = true, overlap = true, grad_views = false;
     int64_t dp_replicas = 0, threads = 1;
-    bool dp_gather = false;
+    bool dp_gather = false, local = false;
     for (int i = 1; i < argc; ++i) {
       std::string flag = argv[i];
       bool has_value = i + 1 < argc;
@@ -58,6 +62,9 @@ int main(int argc, char** argv) {
         threads = parse_int(flag, argv[++i]);
       } else if (flag == "--no-ddp") {
         use_ddp = false;
+      } else if (flag == "--local") {
+        use_ddp = false;
+        local = true;
       } else if (flag == "--no-overlap") {
         overlap = false;
       } else if (flag == "--grad-views") {
@@ -65,12 +72,12 @@ int main(int argc, char** argv) {
       } else {
         throw dtrain::UsageError("bench_ddp: unknown argument '" + flag +
                                  "' (or missing value); accepted: --hidden N --batch N --steps N --bucket-mb X "
-                                 "--no-ddp --no-overlap --grad-views --dp N --dp-gather --threads N");
+                                 "--no-ddp --local --no-overlap --grad-views --dp N --dp-gather --threads N");
       }
     }
     torch::set_num_threads(static_cast<int>(threads));
     auto pg = dtrain::init_process_group();
-    if (!use_ddp && pg->size() != 1) {
+    if (!use_ddp && !local && pg->size() != 1) {
       throw dtrain::UsageError("bench_ddp: --no-ddp and --dp measure one process and need world size 1, got " +
                                std::to_string(pg->size()));
     }
@@ -106,6 +113,7 @@ int main(int argc, char** argv) {
       } else {
         mean_loss(ddp ? ddp->forward(x) : model->forward(x), y).backward();
       }
+      dtrain::ProfileOptimizerStep timed;
       optimizer.step();
     };
     for (int i = 0; i < 5; ++i) step();
@@ -119,7 +127,7 @@ int main(int argc, char** argv) {
       for (auto& p : model->parameters()) params += p.numel();
       std::string mode = dp ? " (DataParallel, " + std::to_string(dp_replicas) + " replicas" +
                                   (dp_gather ? ", gathered outputs)" : ")")
-                            : use_ddp ? "" : " (no wrapper)";
+                            : use_ddp ? "" : local ? " (each rank alone, no DDP)" : " (no wrapper)";
       if (!overlap) mode += " (no overlap)";
       if (threads > 1) mode += " (" + std::to_string(threads) + " intra-op threads)";
       std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s\n", pg->size(), static_cast<long long>(params), ms,

@@ -45,6 +45,7 @@
 #include "dtrain/pipeline.h"
 #include "dtrain/sharded.h"
 #include "dtrain/sharded_checkpoint.h"
+#include "dtrain/spawn.h"
 
 namespace {
 
@@ -61,7 +62,7 @@ const char* kUsage =
     "[--resume]\n"
     "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
     "[--async-checkpoints]\n"
-    "                           [--max-steps N]";
+    "                           [--max-steps N] [--spawn N (start N DDP ranks itself)]";
 
 struct Flags {
   std::string model = "mlp";
@@ -85,6 +86,7 @@ struct Flags {
   int64_t max_steps = 0;  // stop after N steps in all (0: no limit); for tests of resumption
   // zero: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
   int64_t zero_stage = 1;
+  int64_t spawn = 0;      // start N ranks of this program itself (dtrain::spawn), no launcher needed
 };
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
@@ -112,7 +114,7 @@ const char* const kValueFlags[] = {"--model",          "--strategy",
                                    "--seed",           "--data",
                                    "--checkpoint-dir", "--checkpoint-every",
                                    "--max-steps",      "--keep-checkpoints",
-                                   "--zero-stage"};
+                                   "--zero-stage", "--spawn"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -181,6 +183,8 @@ Flags parse_flags(int argc, char** argv) {
       flags.max_steps = parse_int(flag, value, 0);
     } else if (flag == "--zero-stage") {
       flags.zero_stage = parse_int(flag, value, 1, 3);
+    } else if (flag == "--spawn") {
+      flags.spawn = parse_int(flag, value, 1, 1024);
     } else {
       bad_flag(flag, value, "a known flag. " + std::string(kUsage));
     }
@@ -791,5 +795,15 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return dtrain::run_main([&] { return run(argc, argv); });
+  return dtrain::run_main([&] {
+    // --spawn N: the program starts its own N ranks (re-executed, each reaching this spawn() as a worker
+    // and running run() there) instead of being started by `dtrain run`.
+    if (int64_t ranks = parse_flags(argc, argv).spawn; ranks > 0) {
+      dtrain::spawn(static_cast<int>(ranks), [&](int) {
+        if (int code = run(argc, argv); code != 0) std::exit(code);
+      });
+      return 0;
+    }
+    return run(argc, argv);
+  });
 }

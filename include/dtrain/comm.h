@@ -67,6 +67,15 @@ struct InitOptions {
   bool shared_memory = true;
 };
 
+// Counters of a group's collectives and point-to-point transfers since the group was created (what
+// DTRAIN_PROFILE's per-step records are computed from; see dtrain/profile.h).
+struct CommStats {
+  uint64_t ops = 0;    // operations started on this rank
+  uint64_t bytes = 0;  // payload bytes of the tensors this rank passed in (an all-reduce of 7 MiB counts 7 MiB)
+  double busy_s = 0;   // summed duration of the finished operations: shared-memory all-reduces as timed on
+                       // the transport's thread, others from their start to the end of their wait
+};
+
 struct CollectiveOptions {
   std::chrono::milliseconds timeout{0};  // 0: the group's timeout
 };
@@ -111,6 +120,8 @@ class ProcessGroup {
   // True when all-reduces of CPU float/double/int tensors and sends/recvs of CPU tensors go through shared
   // memory (every rank on one host, InitOptions::shared_memory); otherwise through Gloo.
   bool uses_shared_memory() const;
+  // Counters of this group's operations so far (cheap: a few atomic loads).
+  CommStats stats() const;
 
   // Blocking collectives: each returns when this rank's part is done or throws after the timeout.
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum, const CollectiveOptions& = {});

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -118,7 +119,10 @@ class DistributedDataParallelBase {
   std::vector<std::vector<size_t>> bucket_layout() const;
 
   // Call before running the module's forward yourself (DistributedDataParallel::forward does it).
-  void prepare_forward();
+  // `samples`: rows of this rank's input, for DTRAIN_PROFILE's record (0: unknown).
+  void prepare_forward(int64_t samples = 0);
+  // Call after the module's forward, when running it yourself (only DTRAIN_PROFILE's record needs it).
+  void forward_done();
 
  protected:
   std::unique_ptr<detail::Reducer> reducer_;
@@ -134,13 +138,26 @@ class DistributedDataParallel : public DistributedDataParallelBase {
   // Runs the wrapped module's forward on this rank's inputs (see prepare_forward()).
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    prepare_forward();
-    return module_->forward(std::forward<Args>(args)...);
+    prepare_forward(rows_of_first(args...));
+    decltype(auto) output = module_->forward(std::forward<Args>(args)...);
+    forward_done();
+    return output;
   }
 
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
+  // The batch size, when the first argument is a tensor (the usual forward(x)).
+  template <typename First, typename... Rest>
+  static int64_t rows_of_first(const First& first, const Rest&...) {
+    if constexpr (std::is_same_v<std::decay_t<First>, at::Tensor>) {
+      return first.dim() > 0 ? first.size(0) : 0;
+    } else {
+      return 0;
+    }
+  }
+  static int64_t rows_of_first() { return 0; }
+
   std::shared_ptr<ModuleType> module_;
 };
 

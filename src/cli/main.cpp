@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cli/run_command.h"
+#include "cli/scale_command.h"
 
 namespace {
 
@@ -16,6 +17,8 @@ constexpr const char* kUsage = R"(usage: dtrain <command> [args...]
 commands:
   run     start and supervise the worker processes of a training job (torchrun's equivalent);
           see `dtrain run --help`
+  scale   run a program at several worker counts and report whether more workers pay off;
+          see `dtrain scale --help`
   help    this text
 )";
 
@@ -47,17 +50,20 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
-    print(2, "dtrain: missing command; expected 'run' (see `dtrain --help`)\n");
+    print(2, "dtrain: missing command; expected 'run' or 'scale' (see `dtrain --help`)\n");
     return 2;
   }
   const std::string& command = args[0];
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (command == "run") return dtrain::cli::run_main(rest);
+  if (command == "scale") return dtrain::cli::scale_main(rest);
   if (command == "help" || command == "--help" || command == "-h") {
     if (!rest.empty() && rest[0] == "run") return dtrain::cli::run_main({"--help"});
+    if (!rest.empty() && rest[0] == "scale") return dtrain::cli::scale_main({"--help"});
     print(1, kUsage);
     return 0;
   }
-  print(2, "dtrain: unknown command '" + command + "'; expected 'run' (see `dtrain --help`)\n");
+  print(2, "dtrain: unknown command '" + command +
+               "'; expected 'run' or 'scale' (see `dtrain --help`)\n");
   return 2;
 }

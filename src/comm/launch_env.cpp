@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "comm/thread_launch.h"
 #include "dtrain/comm.h"
 
 namespace dtrain {
@@ -59,9 +60,31 @@ void fill_master(const Getenv& env, LaunchInfo& info) {
   }
 }
 
+thread_local const detail::ThreadLaunch* thread_launch = nullptr;
+
 }  // namespace
 
+namespace detail {
+
+const ThreadLaunch* current_thread_launch() { return thread_launch; }
+
+ScopedThreadLaunch::ScopedThreadLaunch(ThreadLaunch launch) : launch_(std::move(launch)), previous_(thread_launch) {
+  thread_launch = &launch_;
+}
+
+ScopedThreadLaunch::~ScopedThreadLaunch() { thread_launch = previous_; }
+
+}  // namespace detail
+
 LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
+  if (thread_launch != nullptr && !getenv_override) {
+    // A rank of dtrain::spawn's thread mode: the process environment describes the process, not the rank.
+    LaunchInfo info;
+    info.rank = info.local_rank = thread_launch->rank;
+    info.world_size = info.local_world_size = thread_launch->world_size;
+    info.source = "spawn-threads";
+    return info;
+  }
   Getenv env = getenv_override ? getenv_override : Getenv([](const char* n) { return std::getenv(n); });
   LaunchInfo info;
   const std::string count = "a non-negative integer";

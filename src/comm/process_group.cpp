@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <future>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 #include "comm/shm_p2p.h"
 #include "comm/shm_transport.h"
 #include "comm/store_bytes.h"
+#include "comm/thread_launch.h"
 #include "common/log.h"
 #include "dtrain/comm.h"
 
@@ -55,6 +57,10 @@ struct GroupState {
   std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
   std::unique_ptr<ShmPointToPoint> shm_p2p;  // ...and isend/irecv of CPU tensors
   int subgroups_created = 0;
+  // CommStats: updated from the caller's thread (starts) and whichever thread waits (busy time).
+  std::atomic<uint64_t> stat_ops{0};
+  std::atomic<uint64_t> stat_bytes{0};
+  std::atomic<int64_t> stat_busy_ns{0};  // operations not on the shared-memory transport's thread
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;
   std::string failure;
@@ -80,6 +86,7 @@ struct GroupState {
 
 struct WorkState {
   std::shared_ptr<GroupState> group;  // kept alive: a Work may outlive its ProcessGroup
+  std::chrono::steady_clock::time_point started;  // for CommStats::busy_s of non-shared-memory operations
   c10::intrusive_ptr<c10d::Work> work;   // a Gloo/NCCL operation, or
   std::shared_future<void> shm_done;     // a shared-memory all-reduce, or
   std::shared_ptr<ShmMessage> shm_message;  // a shared-memory send or recv
@@ -459,11 +466,14 @@ void check_gloo_dtype(const GroupState& group, const char* op, const at::Tensor&
 }
 
 std::shared_ptr<WorkState> start(const std::shared_ptr<GroupState>& group_ptr, const char* op, bool collective,
-                                 int peer, const CollectiveOptions& options,
+                                 int peer, const CollectiveOptions& options, uint64_t bytes,
                                  const std::function<void(WorkState&)>& launch) {
   GroupState& group = *group_ptr;
   check_usable(group);
   auto work = std::make_shared<WorkState>();
+  work->started = Clock::now();
+  group.stat_ops.fetch_add(1, std::memory_order_relaxed);
+  group.stat_bytes.fetch_add(bytes, std::memory_order_relaxed);
   work->group = group_ptr;
   work->op = op;
   work->peer = peer;
@@ -531,6 +541,10 @@ void wait_for(WorkState& work) {
     fail(work, e.what(), looks_like_timeout(e.what()));
   }
   work.done = true;
+  if (!work.shm_done.valid()) {  // the shared-memory transport times its own operations
+    work.group->stat_busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - work.started).count(),
+                                       std::memory_order_relaxed);
+  }
   if (work.finish) work.finish();
 }
 
@@ -583,10 +597,21 @@ int ProcessGroup::global_rank_of(int group_rank) const {
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
 bool ProcessGroup::uses_shared_memory() const { return state_->shm != nullptr; }
 
+CommStats ProcessGroup::stats() const {
+  const GroupState& group = *state_;
+  CommStats stats;
+  stats.ops = group.stat_ops.load(std::memory_order_relaxed);
+  stats.bytes = group.stat_bytes.load(std::memory_order_relaxed);
+  int64_t busy_ns = group.stat_busy_ns.load(std::memory_order_relaxed);
+  if (group.shm) busy_ns += group.shm->busy_ns();
+  stats.busy_s = static_cast<double>(busy_ns) * 1e-9;
+  return stats;
+}
+
 Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_average(group, tensor, op);
-  auto work = start(state_, "all_reduce", true, -1, options, [&](WorkState& w) {
+  auto work = start(state_, "all_reduce", true, -1, options, tensor.nbytes(), [&](WorkState& w) {
     if (group.shm && detail::ShmTransport::supports(tensor)) {
       w.shm_done = group.shm->all_reduce_async(tensor, op, w.timeout);
       return;
@@ -613,7 +638,7 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op, const CollectiveO
 Work ProcessGroup::broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, root, "root");
-  return Work(start(state_, "broadcast", true, -1, options, [&](WorkState& w) {
+  return Work(start(state_, "broadcast", true, -1, options, tensor.nbytes(), [&](WorkState& w) {
     check_gloo_dtype(group, "broadcast", tensor);
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions opts;
@@ -641,7 +666,7 @@ Work ProcessGroup::all_gather_async(std::vector<at::Tensor>& outputs, const at::
                        std::to_string(output.numel()) + " of " + c10::toString(output.scalar_type()));
     }
   }
-  return Work(start(state_, "all_gather", true, -1, options, [&](WorkState& w) {
+  return Work(start(state_, "all_gather", true, -1, options, input.nbytes(), [&](WorkState& w) {
     if (group.shm && detail::ShmTransport::supports(input)) {
       w.shm_done = group.shm->all_gather_async(outputs, input, w.timeout);
       return;
@@ -676,7 +701,7 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at
   }
   check_average(group, output, op);
   std::function<void()> finish;
-  auto work = start(state_, "reduce_scatter", true, -1, options, [&](WorkState& w) {
+  auto work = start(state_, "reduce_scatter", true, -1, options, output.nbytes() * group.size, [&](WorkState& w) {
     if (group.shm && detail::ShmTransport::supports(output)) {
       w.shm_done = group.shm->reduce_scatter_async(output, inputs, op, w.timeout);
       return;
@@ -721,7 +746,7 @@ void ProcessGroup::barrier(const CollectiveOptions& options) {
     auto flushed = group.shm->flush();
     flushed.wait();
   }
-  auto work = start(state_, "barrier", true, -1, options, [&](WorkState& w) {
+  auto work = start(state_, "barrier", true, -1, options, 0, [&](WorkState& w) {
     c10d::BarrierOptions opts;
     opts.timeout = w.timeout;
     w.work = group.gloo->barrier(opts);
@@ -732,7 +757,7 @@ void ProcessGroup::barrier(const CollectiveOptions& options) {
 Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, dst, "dst");
-  return Work(start(state_, "send", false, dst, options, [&](WorkState& w) {
+  return Work(start(state_, "send", false, dst, options, tensor.nbytes(), [&](WorkState& w) {
     w.tag = tag;
     check_gloo_dtype(group, "send", tensor);  // the same dtypes on one host as across hosts
     if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
@@ -747,7 +772,7 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag, const Colle
 Work ProcessGroup::irecv(at::Tensor& tensor, int src, int tag, const CollectiveOptions& options) {
   GroupState& group = *state_;
   check_rank(group, src, "src");
-  return Work(start(state_, "recv", false, src, options, [&](WorkState& w) {
+  return Work(start(state_, "recv", false, src, options, tensor.nbytes(), [&](WorkState& w) {
     w.tag = tag;
     check_gloo_dtype(group, "recv", tensor);
     if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
@@ -803,8 +828,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(connect_group(std::move(group))));
 }
 
-std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& requested) {
   LaunchInfo launch = launch_info_from_env();
+  InitOptions options = requested;
+  if (const detail::ThreadLaunch* thread = detail::current_thread_launch();
+      thread != nullptr && (options.init_method == "env://" || options.init_method.empty())) {
+    options.init_method = "memory://" + thread->store_name;  // dtrain::spawn's thread mode
+  }
   int world_size = options.world_size > 0 ? options.world_size : launch.world_size;
   int rank = options.rank >= 0 ? options.rank : launch.rank;
   if (rank >= world_size) {

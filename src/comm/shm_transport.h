@@ -35,6 +35,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -90,6 +91,8 @@ class ShmTransport {
                                                 ReduceOp op, std::chrono::milliseconds timeout);
   // Completes once every operation queued before it has finished (for ProcessGroup::barrier).
   std::shared_future<void> flush();
+  // Summed time this transport's thread spent running operations (for CommStats::busy_s).
+  int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
 
  private:
   struct Segment;
@@ -121,6 +124,7 @@ class ShmTransport {
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
   std::exception_ptr broken_;  // the first failure: later operations fail with it, untouched
+  std::atomic<int64_t> busy_ns_{0};
   std::thread worker_;
 };
 

@@ -25,7 +25,8 @@ std::vector<std::vector<size_t>> DistributedDataParallelBase::bucket_layout() co
   return reducer_->bucket_layout();
 }
 
-void DistributedDataParallelBase::prepare_forward() { reducer_->prepare_forward(); }
+void DistributedDataParallelBase::prepare_forward(int64_t samples) { reducer_->prepare_forward(samples); }
+void DistributedDataParallelBase::forward_done() { reducer_->end_forward(); }
 
 namespace {
 

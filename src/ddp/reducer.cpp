@@ -72,6 +72,8 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
   local_only_ = group_->size() == 1;
   if (!local_only_) build_buckets();
 
+  recorder_ = StepRecorder::create_if_enabled("ddp", group_.get(), group_->global_rank(), group_->global_size());
+
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
@@ -209,8 +211,10 @@ std::vector<std::vector<size_t>> Reducer::bucket_layout() const {
   return layout;
 }
 
-void Reducer::prepare_forward() {
+void Reducer::prepare_forward(int64_t samples) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A pipeline stage runs several forwards per step; its steps are not recorded (yet).
+  if (recorder_ && !explicit_finalize_) recorder_->begin_step(samples);
   if (backward_started_) {
     // The previous backward stopped (an exception) before its end-of-backward callback.
     size_t launched = next_to_launch_;
@@ -236,7 +240,10 @@ void Reducer::prepare_forward() {
   sync_this_iteration_ = no_sync_depth_.load() == 0;
   if (options_.broadcast_buffers && group_->size() > 1) {
     auto buffers = module_->buffers(/*recurse=*/true);
-    if (!buffers.empty()) broadcast_from_rank0(buffers);
+    if (!buffers.empty()) {
+      StepRecorder::Blocked blocked(recorder_.get());
+      broadcast_from_rank0(buffers);
+    }
   }
 }
 
@@ -306,6 +313,9 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
+  // Starting is meant not to block, but a hook or a full transport queue may: whatever it takes here,
+  // backward is not computing.
+  StepRecorder::Blocked blocked(recorder_.get());
   if (options_.comm_hook) {
     GradBucket view{static_cast<int>(bucket_index), &bucket.buffer};
     options_.comm_hook->start(*group_, view);
@@ -351,7 +361,10 @@ void Reducer::finalize_backward() {
     }
     for (size_t i : missing) mark_ready(i);
   }
-  if (local_only_) return;
+  if (local_only_) {
+    if (recorder_ && !explicit_finalize_) recorder_->end_backward();
+    return;
+  }
   if (options_.find_unused_parameters) {
     // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it was.
     used = at::ones({static_cast<int64_t>(params_.size())}, at::kInt);
@@ -359,14 +372,16 @@ void Reducer::finalize_backward() {
     for (size_t i : missing) flags[static_cast<int64_t>(i)] = 0;
   }
   launch_ready_buckets();
-  if (used.defined()) group_->all_reduce(used);
-
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (options_.comm_hook) {
-      GradBucket view{static_cast<int>(b), &buckets_[b].buffer};
-      options_.comm_hook->finish(*group_, view);
-    } else {
-      buckets_[b].work.wait();
+  {
+    StepRecorder::Blocked blocked(recorder_.get());  // the communication backward could not hide
+    if (used.defined()) group_->all_reduce(used);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (options_.comm_hook) {
+        GradBucket view{static_cast<int>(b), &buckets_[b].buffer};
+        options_.comm_hook->finish(*group_, view);
+      } else {
+        buckets_[b].work.wait();
+      }
     }
   }
   torch::autograd::AutoGradMode no_grad(false);
@@ -381,6 +396,7 @@ void Reducer::finalize_backward() {
       p.tensor.mutable_grad() = p.slot.clone();
     }
   }
+  if (recorder_ && !explicit_finalize_) recorder_->end_backward();
 }
 
 void Reducer::reset_iteration() {

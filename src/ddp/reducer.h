@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtrain/ddp.h"
+#include "profile/step_recorder.h"
 
 namespace dtrain::detail {
 
@@ -21,7 +22,11 @@ class Reducer {
           DistributedDataParallelOptions options);
   ~Reducer();
 
-  void prepare_forward();
+  // `samples`: rows of this rank's input, for the DTRAIN_PROFILE record (0: unknown).
+  void prepare_forward(int64_t samples = 0);
+  void end_forward() {
+    if (recorder_) recorder_->end_forward();
+  }
 
   // For a pipeline stage, which runs several backwards per step (one per micro-batch) and must not stall in
   // the last of them: gradients are averaged only in a backward announced with set_sync_next_backward(true),
@@ -79,6 +84,7 @@ class Reducer {
   bool backward_started_ = false;
   bool explicit_finalize_ = false;
   size_t next_to_launch_ = 0;
+  std::unique_ptr<StepRecorder> recorder_;  // null unless DTRAIN_PROFILE is set
 };
 
 }  // namespace dtrain::detail

@@ -6,11 +6,13 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
 
 #include "dtrain/dp.h"
+#include "profile/step_recorder.h"
 
 namespace dtrain {
 namespace detail {
@@ -70,6 +72,17 @@ class ReplicaSet {
   // Outlives nothing it should not: the gathered-output hook holds a weak reference and refuses to run
   // against a destroyed DataParallel.
   std::shared_ptr<ReplicaSet*> self_ = std::make_shared<ReplicaSet*>(this);
+
+  // DTRAIN_PROFILE (null when off). DataParallel's "communication" is in-process: the copies of the
+  // parameters into the replicas (on the replicas' threads, before their forward) and the reduction of
+  // their gradients (after every backward; nothing overlaps it). Per step the workers note when their
+  // copy and their forward ended; the slowest replica sets the step's pace.
+  std::unique_ptr<StepRecorder> recorder_;
+  std::vector<StepRecorder::Clock::time_point> copy_end_, forward_end_;
+  StepRecorder::Clock::time_point workers_start_;
+  void begin_profiled_step(int64_t samples);
+  void end_profiled_forward(int active);
+  uint64_t parameter_bytes_ = 0;
 };
 
 ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBase::Forward forward,
@@ -110,6 +123,13 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
     params_.push_back(replica->parameters());
     buffers_.push_back(replica->buffers());
     submodules_.push_back(replica->modules(/*include_self=*/true));
+  }
+  recorder_ = StepRecorder::create_if_enabled("dp", nullptr, 0, 1);
+  if (recorder_) {
+    recorder_->set_extra_fields(",\"replicas\":" + std::to_string(replicas_.size()));
+    for (const auto& p : params_[0]) parameter_bytes_ += p.nbytes();
+    copy_end_.resize(replicas_.size());
+    forward_end_.resize(replicas_.size());
   }
   workers_.resize(replicas_.size());
   try {
@@ -214,6 +234,27 @@ void ReplicaSet::refresh_replica_parameters(int r, bool copy) {
     params_[r][i].copy_(params_[0][i], /*non_blocking=*/true);
     params_[r][i].mutable_grad() = at::Tensor();  // a fresh gradient each step: nothing to zero
   }
+  if (recorder_) copy_end_[r] = StepRecorder::Clock::now();
+}
+
+void ReplicaSet::begin_profiled_step(int64_t samples) {
+  recorder_->begin_step(samples);
+  workers_start_ = StepRecorder::Clock::now();
+  std::fill(copy_end_.begin(), copy_end_.end(), workers_start_);
+  std::fill(forward_end_.begin(), forward_end_.end(), workers_start_);
+}
+
+void ReplicaSet::end_profiled_forward(int active) {
+  // The slowest replica's parameter copy counts as exposed communication, its forward as forward.
+  StepRecorder::Clock::duration copy{};
+  StepRecorder::Clock::time_point forward_end = workers_start_;
+  for (int r = 0; r < active; ++r) {
+    copy = std::max(copy, copy_end_[r] - workers_start_);
+    forward_end = std::max(forward_end, forward_end_[r]);
+  }
+  recorder_->add_exposed(copy);
+  recorder_->end_forward(forward_end);
+  recorder_->add_comm(static_cast<uint64_t>(active - 1), parameter_bytes_ * (active - 1), copy);
 }
 
 std::pair<int64_t, int64_t> ReplicaSet::slice(int64_t total, int active, int r) const {
@@ -222,7 +263,11 @@ std::pair<int64_t, int64_t> ReplicaSet::slice(int64_t total, int active, int r) 
 }
 
 void ReplicaSet::reduce_gradients(int active) {
-  if (active <= 1) return;
+  if (active <= 1) {
+    if (recorder_) recorder_->end_backward();
+    return;
+  }
+  auto reduce_start = StepRecorder::Clock::now();
   std::vector<at::Tensor>& module_params = params_[0];
   // A parameter that got no gradient on replica 0 but did elsewhere starts from zeros.
   for (size_t i = 0; i < module_params.size(); ++i) {
@@ -256,6 +301,12 @@ void ReplicaSet::reduce_gradients(int active) {
     for (auto& p : params_[r]) p.mutable_grad() = at::Tensor();
   }
   awaiting_backward_ = false;
+  if (recorder_) {
+    auto reduce_time = StepRecorder::Clock::now() - reduce_start;
+    recorder_->add_exposed(reduce_time);  // nothing overlaps the reduction
+    recorder_->add_comm(1, parameter_bytes_ * (active - 1), reduce_time);
+    recorder_->end_backward();
+  }
 }
 
 at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tensor& target,
@@ -267,6 +318,7 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
   }
   const int active = static_cast<int>(std::min<int64_t>(size(), total));
   std::vector<double> losses(active);
+  if (recorder_) begin_profiled_step(total);
   refresh_replica_state(active);
   awaiting_backward_ = false;  // this call runs its own backward
   run_on_workers(active, [&](int r) {
@@ -274,12 +326,15 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
     auto [begin, count] = slice(total, active, r);
     at::Tensor x = input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
     at::Tensor y = target.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
+    at::Tensor output = forward_(*replicas_[r], x);
+    if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
     // Weighting each slice's mean loss by its share makes the sum the whole batch's mean loss, so the
     // gradients simply add up, uneven slices included.
-    at::Tensor loss = loss_fn(forward_(*replicas_[r], x), y) * (static_cast<double>(count) / total);
+    at::Tensor loss = loss_fn(output, y) * (static_cast<double>(count) / total);
     loss.backward();
     losses[r] = loss.item<double>();
   });
+  if (recorder_) end_profiled_forward(active);
   reduce_gradients(active);
   double sum = 0;
   for (double l : losses) sum += l;
@@ -290,13 +345,16 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
   const int64_t total = input.size(0);
   const int active = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(size(), total)));
   std::vector<at::Tensor> outputs(active);
-  refresh_replica_state(active);
   const bool copy = !awaiting_backward_;
+  if (recorder_ && copy) begin_profiled_step(total);  // not a second input of the same step
+  refresh_replica_state(active);
   run_on_workers(active, [&](int r) {
     if (r > 0) refresh_replica_parameters(r, copy);
     auto [begin, count] = slice(total, active, r);
     outputs[r] = forward_(*replicas_[r], input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
+    if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
   });
+  if (recorder_ && copy) end_profiled_forward(active);
   for (auto& out : outputs) out = out.to(devices_[0]);
   at::Tensor gathered = at::cat(outputs);
   if (active > 1 && gathered.requires_grad()) {

@@ -1,0 +1,90 @@
+// StepRecorder: one rank's per-step time breakdown, written as JSON lines to DTRAIN_PROFILE (see
+// dtrain/profile.h for the fields and what they mean).
+//
+// A strategy owns one recorder (null when profiling is off, so the hot path pays one pointer test)
+// and calls it at the phase boundaries it sees: begin_step() as forward starts, end_forward(),
+// end_backward(), and exposed() around anything that blocks on communication. Phases are measured
+// on the training thread's clock; a step's record is written when the next step begins, because
+// only then is its length (start to start) known.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dtrain {
+class ProcessGroup;
+}
+
+namespace dtrain::detail {
+
+class StepRecorder {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // nullptr unless DTRAIN_PROFILE is set. `group` (may be null) supplies the collectives' counters
+  // (ProcessGroup::stats()); it must outlive the recorder.
+  static std::unique_ptr<StepRecorder> create_if_enabled(const std::string& strategy,
+                                                         ProcessGroup* group, int rank,
+                                                         int world_size);
+  ~StepRecorder();  // writes the last step if its optimizer step was marked
+
+  void begin_step(int64_t samples);
+  void end_forward(Clock::time_point at = Clock::now());
+  void end_backward();
+  // Time blocked on communication, already spent (measured by the caller).
+  void add_exposed(Clock::duration blocked);
+  // Communication the group's counters do not see (e.g. DataParallel's in-process reduction).
+  void add_comm(uint64_t ops, uint64_t bytes, Clock::duration busy);
+
+  // ProfileOptimizerStep: the recorder of this thread's latest step.
+  void begin_optimizer();
+  void end_optimizer();
+  static StepRecorder* current_on_this_thread();
+  // Strategy-specific fields appended to every record, e.g. ",\"replicas\":2".
+  void set_extra_fields(std::string json) { extra_fields_ = std::move(json); }
+
+  // RAII: adds the time from construction to destruction to the exposed communication.
+  class Blocked {
+   public:
+    explicit Blocked(StepRecorder* recorder) : recorder_(recorder) {
+      if (recorder_) start_ = Clock::now();
+    }
+    ~Blocked() {
+      if (recorder_) recorder_->add_exposed(Clock::now() - start_);
+    }
+    Blocked(const Blocked&) = delete;
+    Blocked& operator=(const Blocked&) = delete;
+
+   private:
+    StepRecorder* recorder_;
+    Clock::time_point start_;
+  };
+
+ private:
+  StepRecorder(std::string strategy, ProcessGroup* group, int rank, int world_size, int fd);
+  void write_record(Clock::time_point end);
+  struct CommSnapshot {
+    uint64_t ops = 0, bytes = 0;
+    double busy_s = 0;
+  };
+  CommSnapshot comm_now() const;
+
+  const std::string strategy_;
+  ProcessGroup* group_;
+  const int rank_, world_size_;
+  const int fd_;
+  int64_t step_ = -1;  // index of the step in progress; -1 before the first
+  int64_t samples_ = 0;
+  Clock::time_point start_, forward_end_, backward_end_, optimizer_begin_;
+  double cpu_at_start_ = 0;  // this process's CPU time (all its threads) when the step began
+  bool forward_ended_ = false, backward_ended_ = false, optimizer_marked_ = false;
+  Clock::duration optimizer_{};
+  // Exposed communication, by the phase it fell in (forward, backward, after backward).
+  Clock::duration exposed_forward_{}, exposed_backward_{}, exposed_after_{};
+  CommSnapshot comm_at_start_, extra_comm_;
+  std::string extra_fields_;
+};
+
+}  // namespace dtrain::detail
