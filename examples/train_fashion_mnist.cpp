@@ -260,13 +260,13 @@ torch::nn::Sequential make_sequential(const std::string& kind) {
 // is one line on every rank at once. ddp: cuda:LOCAL_RANK (modulo the GPUs this process sees: ranks
 // that share a GPU need DTRAIN_CUDA_BACKEND=gloo); dp: --devices replicas dealt round-robin over
 // the GPUs (two on one GPU overlap through their own streams); mp and pipeline stay on the CPU for
-// now.
+// now. auto: the GPUs when there are any and (ddp) one for each rank of this node, else the CPU.
 struct Placement {
   c10::Device device{c10::kCPU};        // the module's (dp: the first replica's)
   std::vector<c10::Device> dp_devices;  // dp on GPUs: one per replica; empty: CPU threads
 };
 
-Placement place(const Flags& flags, int local_rank) {
+Placement place(const Flags& flags, const dtrain::LaunchInfo& launch) {
   const bool cuda = torch::cuda::is_available();
   const bool wired = flags.strategy == "ddp" || flags.strategy == "dp";
   if (flags.device == "cuda" && !cuda) {
@@ -279,21 +279,27 @@ Placement place(const Flags& flags, int local_rank) {
                              flags.strategy + ": not wired yet (ddp and dp are); use --device cpu");
   }
   Placement placement;
-  if (cuda && wired && flags.device != "cpu") {
-    const int64_t gpus = torch::cuda::device_count();
+  const int64_t gpus = cuda ? torch::cuda::device_count() : 0;
+  // auto takes the GPUs only when every rank of this node gets its own (ranks sharing one would
+  // need DTRAIN_CUDA_BACKEND=gloo: asked for with --device cuda, never chosen behind the user's
+  // back).
+  const bool fits = flags.strategy == "dp" || launch.local_world_size <= gpus;
+  if (cuda && wired && (flags.device == "cuda" || (flags.device == "auto" && fits))) {
     if (flags.strategy == "dp") {
       for (int64_t i = 0; i < flags.devices; ++i) {
         placement.dp_devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(i % gpus));
       }
       placement.device = placement.dp_devices[0];
     } else {
-      placement.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+      placement.device =
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus));
     }
   }
   if (flags.amp == "fp16" && placement.device.is_cpu()) {
     throw dtrain::UsageError(
         "train_fashion_mnist: --amp fp16 needs a CUDA device (float16 autocast with loss scaling) "
-        "but this run trains on the CPU; use --amp bf16 there");
+        "but this run trains on the CPU (--device auto picks it without a GPU for each rank of a "
+        "node); use --amp bf16 there");
   }
   return placement;
 }
@@ -532,7 +538,7 @@ int run(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
   const int64_t restarts = restart_count();
   const auto kill_at = kill_at_step_from_env();
-  const Placement placement = place(flags, dtrain::launch_info_from_env().local_rank);
+  const Placement placement = place(flags, dtrain::launch_info_from_env());
   const c10::Device device = placement.device;
   check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank, restarts > 0);
   auto pg = dtrain::init_process_group();
