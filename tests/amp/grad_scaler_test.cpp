@@ -12,6 +12,7 @@
 
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/ddp.h"
 #include "support/temp_dir.h"
 #include "support/thread_ranks.h"
 
@@ -258,6 +259,51 @@ TEST(GradScaler, EveryRankSkipsWhenOneRankSeesAnInf) {
   train_ranks_with_one_inf(2, /*with_group=*/false, w, scale);
   EXPECT_FALSE(torch::equal(w[0], w[1]));
   EXPECT_NE(scale[0], scale[1]);
+}
+
+TEST(GradScaler, DdpRanksStepAndSkipInLockstep) {
+  // The scaler's all-reduce shares the group with DDP's gradient buckets: one poisoned step on rank
+  // 1 is skipped on both ranks, the replicas stay identical, and nothing hangs or mismatches.
+  constexpr int kWorld = 2, kSteps = 4;
+  torch::manual_seed(11);
+  torch::nn::Sequential initial(torch::nn::Linear(6, 8), torch::nn::ReLU(),
+                                torch::nn::Linear(8, 3));
+  std::vector<torch::Tensor> xs, ys;
+  for (int i = 0; i < kSteps * kWorld; ++i) {
+    xs.push_back(torch::randn({5, 6}));
+    ys.push_back(torch::randint(3, {5}));
+  }
+  std::vector<std::vector<torch::Tensor>> params(kWorld);
+  std::vector<int> stepped(kWorld, 0);
+  std::vector<double> scales(kWorld, 0);
+  testing::run_group(kWorld, [&](int rank, ProcessGroup& group) {
+    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
+    DistributedDataParallel ddp(net, shared);
+    torch::optim::SGD optimizer(net->parameters(), 0.1);
+    GradScalerOptions options;
+    options.group = &group;
+    GradScaler scaler(options);
+    for (int step = 0; step < kSteps; ++step) {
+      optimizer.zero_grad();
+      torch::Tensor loss = torch::nn::functional::cross_entropy(
+          ddp.forward(xs[step * kWorld + rank]), ys[step * kWorld + rank]);
+      if (step == 2 && rank == 1) loss = loss * kNaN;
+      scaler.scale(loss).backward();
+      stepped[rank] += scaler.step(optimizer) ? 1 : 0;
+      scaler.update();
+    }
+    params[rank] = net->parameters();
+    scales[rank] = scaler.get_scale();
+  });
+  EXPECT_EQ(stepped[0], kSteps - 1);
+  EXPECT_EQ(stepped[1], kSteps - 1);
+  EXPECT_EQ(scales[0], 32768.0);
+  EXPECT_EQ(scales[1], 32768.0);
+  for (size_t i = 0; i < params[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[0][i], params[1][i])) << "parameter " << i;
+    EXPECT_TRUE(torch::isfinite(params[0][i]).all().item<bool>()) << "parameter " << i;
+  }
 }
 
 TEST(GradScaler, StateRoundTripsThroughACheckpoint) {
