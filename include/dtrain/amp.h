@@ -73,11 +73,10 @@ struct GradScalerOptions {
   // first few steps back it off until no gradient overflows.
   double init_scale = 65536.0;
   // After growth_interval consecutive steps without inf/NaN, the scale is multiplied by
-  // growth_factor
-  // (> 1), unless that would overflow float32.
+  // growth_factor (> 1), unless that would overflow float32.
   double growth_factor = 2.0;
-  // A step with an inf/NaN gradient is skipped and the scale multiplied by backoff_factor (in (0,
-  // 1)).
+  // A step with an inf/NaN gradient is skipped and the scale multiplied by backoff_factor, in
+  // (0, 1).
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
   // false: scale() returns the loss unchanged, step() just steps, update() does nothing.
@@ -129,8 +128,7 @@ class GradScaler {
   // it after growth_interval clean steps in a row. Throws UsageError when no step() or unscale_()
   // ran since the last update().
   void update();
-  // Ends the step with the given scale instead (PyTorch's update(new_scale)); the growth count
-  // stays.
+  // Ends the step with the given scale instead (PyTorch's update(new_scale)); keeps the count.
   void update(double new_scale);
 
   // The current scale (1 when disabled).

@@ -80,8 +80,7 @@ Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype) : device_
     if (half) {
       throw UsageError(
           "amp::Autocast: float16 on the CPU: LibTorch's CPU autocast computes in bfloat16 only; "
-          "use "
-          "bfloat16 on the CPU (--amp bf16), or float16 on a CUDA device");
+          "use bfloat16 on the CPU (--amp bf16), or float16 on a CUDA device");
     }
     if (!bf16) {
       throw UsageError(
@@ -96,8 +95,7 @@ Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype) : device_
     if (!torch::cuda::is_available()) {
       throw UsageError(
           "amp::Autocast: CUDA autocast, but this process sees no CUDA device (LibTorch without "
-          "CUDA, "
-          "or no GPU visible); autocast the device your tensors are on (the CPU: bfloat16)");
+          "CUDA, or no GPU visible); autocast the device your tensors are on (the CPU: bfloat16)");
     }
   } else {
     throw UsageError(std::string("amp::Autocast: device type ") + c10::DeviceTypeName(device_type) +
@@ -371,8 +369,7 @@ bool GradScaler::load_from(const TrainingState& state, const std::string& key) {
     auto it = state.values.find(name);
     if (it == state.values.end()) {
       throw UsageError("amp::GradScaler: " + where() +
-                       "load_from: the checkpoint has part of a scaler's "
-                       "state but no entry '" +
+                       "load_from: the checkpoint has part of a scaler's state but no entry '" +
                        name + "'; it was not written by GradScaler::save_to");
     }
     char* end = nullptr;

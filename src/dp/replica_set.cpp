@@ -128,8 +128,8 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
       c10::impl::VirtualGuardImpl guard(device.type());
       if (!device.has_index()) device = c10::Device(device.type(), guard.getDevice().index());  // "cuda"
       if (device.index() >= guard.deviceCount()) {
-        problem = "this process sees " + std::to_string(guard.deviceCount()) + " of them (CUDA_VISIBLE_DEVICES "
-                  "may hide some); pass devices it has";
+        problem = "this process sees " + std::to_string(guard.deviceCount()) +
+                  " of them (CUDA_VISIBLE_DEVICES may hide some); pass devices it has";
       } else {
         streams_.push_back(guard.getStreamFromGlobalPool(device));
       }
