@@ -35,8 +35,10 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 
+#include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
@@ -62,7 +64,8 @@ const char* kUsage =
     "[--resume]\n"
     "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
     "[--async-checkpoints]\n"
-    "                           [--max-steps N] [--spawn N (start N DDP ranks itself)]";
+    "                           [--max-steps N] [--spawn N (start N DDP ranks itself)]\n"
+    "                           [--device cpu|cuda|auto] [--amp bf16|fp16 (ddp, dp)]";
 
 struct Flags {
   std::string model = "mlp";
@@ -87,6 +90,9 @@ struct Flags {
   // zero: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
   int64_t zero_stage = 1;
   int64_t spawn = 0;      // start N ranks of this program itself (dtrain::spawn), no launcher needed
+  // cpu, cuda (ddp: cuda:LOCAL_RANK; dp: --devices GPUs), auto: cuda when this process sees a GPU.
+  std::string device = "auto";
+  std::string amp;  // "", bf16 (autocast), fp16 (autocast + GradScaler; CUDA only)
 };
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
@@ -114,7 +120,7 @@ const char* const kValueFlags[] = {"--model",          "--strategy",
                                    "--seed",           "--data",
                                    "--checkpoint-dir", "--checkpoint-every",
                                    "--max-steps",      "--keep-checkpoints",
-                                   "--zero-stage", "--spawn"};
+                                   "--zero-stage", "--spawn", "--device", "--amp"};
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
@@ -185,6 +191,13 @@ Flags parse_flags(int argc, char** argv) {
       flags.zero_stage = parse_int(flag, value, 1, 3);
     } else if (flag == "--spawn") {
       flags.spawn = parse_int(flag, value, 1, 1024);
+    } else if (flag == "--device") {
+      if (value != "cpu" && value != "cuda" && value != "auto")
+        bad_flag(flag, value, "cpu, cuda or auto");
+      flags.device = value;
+    } else if (flag == "--amp") {
+      if (value != "bf16" && value != "fp16") bad_flag(flag, value, "bf16 or fp16");
+      flags.amp = value;
     } else {
       bad_flag(flag, value, "a known flag. " + std::string(kUsage));
     }
@@ -203,6 +216,10 @@ Flags parse_flags(int argc, char** argv) {
     throw dtrain::UsageError(
         "train_fashion_mnist: --async-checkpoints is not supported with --strategy zero (every "
         "rank writes its own shards, synchronously); drop it");
+  }
+  if (!flags.amp.empty() && flags.strategy != "ddp" && flags.strategy != "dp") {
+    throw dtrain::UsageError("train_fashion_mnist: --amp " + flags.amp + " with --strategy " +
+                             flags.strategy + ": mixed precision is wired for ddp and dp only");
   }
   if (flags.resume && flags.checkpoint_dir.empty()) {
     throw dtrain::UsageError(
@@ -258,6 +275,76 @@ torch::nn::Sequential make_sequential(const std::string& kind) {
   }
   nn::Linear fc1(784, 256), fc2(256, 128), fc3(128, 10);
   return nn::Sequential(nn::Flatten(), fc1, nn::ReLU(), fc2, nn::ReLU(), fc3);
+}
+
+// --device: where this process trains, decided before the process group starts so that a wrong flag
+// is one line on every rank at once. ddp: cuda:LOCAL_RANK (modulo the GPUs this process sees: ranks
+// that share a GPU need DTRAIN_CUDA_BACKEND=gloo); dp: --devices replicas dealt round-robin over
+// the GPUs (two on one GPU overlap through their own streams); mp and pipeline stay on the CPU for
+// now. auto: the GPUs when there are any and (ddp) one for each rank of this node, else the CPU.
+struct Placement {
+  c10::Device device{c10::kCPU};        // the module's (dp: the first replica's)
+  std::vector<c10::Device> dp_devices;  // dp on GPUs: one per replica; empty: CPU threads
+};
+
+Placement place(const Flags& flags, const dtrain::LaunchInfo& launch) {
+  const bool cuda = torch::cuda::is_available();
+  const bool wired = flags.strategy == "ddp" || flags.strategy == "dp";
+  if (flags.device == "cuda" && !cuda) {
+    throw dtrain::UsageError(
+        "train_fashion_mnist: --device cuda: this process sees no CUDA device (LibTorch built "
+        "without CUDA, no GPU, or CUDA_VISIBLE_DEVICES empty); use --device cpu or auto");
+  }
+  if (flags.device == "cuda" && !wired) {
+    throw dtrain::UsageError("train_fashion_mnist: --device cuda with --strategy " +
+                             flags.strategy + ": not wired yet (ddp and dp are); use --device cpu");
+  }
+  Placement placement;
+  const int64_t gpus = cuda ? torch::cuda::device_count() : 0;
+  // auto takes the GPUs only when every rank of this node gets its own (ranks sharing one would
+  // need DTRAIN_CUDA_BACKEND=gloo: asked for with --device cuda, never chosen behind the user's
+  // back).
+  const bool fits = flags.strategy == "dp" || launch.local_world_size <= gpus;
+  if (cuda && wired && (flags.device == "cuda" || (flags.device == "auto" && fits))) {
+    if (flags.strategy == "dp") {
+      for (int64_t i = 0; i < flags.devices; ++i) {
+        placement.dp_devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(i % gpus));
+      }
+      placement.device = placement.dp_devices[0];
+    } else {
+      placement.device =
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus));
+    }
+  }
+  if (flags.amp == "fp16" && placement.device.is_cpu()) {
+    throw dtrain::UsageError(
+        "train_fashion_mnist: --amp fp16 needs a CUDA device (float16 autocast with loss scaling) "
+        "but this run trains on the CPU (--device auto picks it without a GPU for each rank of a "
+        "node); use --amp bf16 there");
+  }
+  return placement;
+}
+
+// A batch's rows on their way to `device`. On a GPU they are gathered straight into pinned
+// (page-locked) host memory, whose copy to the device is asynchronous and overlaps the GPU's work;
+// `stay_on_host`: DataParallel scatters the pinned batch to its replicas itself.
+torch::Tensor batch_rows(const torch::Tensor& data, const torch::Tensor& rows,
+                         const c10::Device& device, bool stay_on_host) {
+  if (device.is_cpu()) return data.index_select(0, rows);
+  auto sizes = data.sizes().vec();
+  sizes[0] = rows.numel();
+  torch::Tensor pinned = torch::empty(sizes, data.options().pinned_memory(true));
+  torch::index_select_out(pinned, data, 0, rows);
+  return stay_on_host ? pinned : pinned.to(device, /*non_blocking=*/true);
+}
+
+// A resumed SGD's momentum must live with its parameters (the checkpoint's may load elsewhere).
+void move_optimizer_state(torch::optim::SGD& optimizer, const c10::Device& device) {
+  for (auto& entry : optimizer.state()) {
+    auto& state = static_cast<torch::optim::SGDParamState&>(*entry.second);
+    if (state.momentum_buffer().defined())
+      state.momentum_buffer(state.momentum_buffer().to(device));
+  }
 }
 
 // Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
@@ -503,6 +590,8 @@ int run(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
   const int64_t restarts = restart_count();
   const auto kill_at = kill_at_step_from_env();
+  const Placement placement = place(flags, dtrain::launch_info_from_env());
+  const c10::Device device = placement.device;
   check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank, restarts > 0);
   auto pg = dtrain::init_process_group();
   const int world = pg->size(), rank = pg->rank();
@@ -549,8 +638,11 @@ int run(int argc, char** argv) {
     model_forward = [layers](const torch::Tensor& x) mutable { return layers->forward(x); };
   } else {
     net = std::make_shared<NetImpl>(flags.model);
+    net->to(device);  // before the optimizer and the checkpoint see its parameters
     model = net;
-    model_forward = [net](const torch::Tensor& x) { return net->forward(x); };
+    model_forward = [net, device](const torch::Tensor& x) {
+      return net->forward(x.to(device)).to(torch::kCPU);
+    };
   }
 
   dtrain::PipelineOptions pipeline_options;
@@ -583,6 +675,13 @@ int run(int argc, char** argv) {
     trained = sdp->parameters();
   }
   torch::optim::SGD optimizer(trained, torch::optim::SGDOptions(flags.lr).momentum(0.9));
+  // --amp: autocast around each forward; fp16 also scales the loss (a disabled scaler passes
+  // through). DDP's ranks agree on every skipped step through the group.
+  dtrain::amp::GradScalerOptions scaler_options;
+  scaler_options.enabled = flags.amp == "fp16";
+  scaler_options.group = flags.strategy == "ddp" ? pg.get() : nullptr;
+  dtrain::amp::GradScaler scaler(scaler_options);
+  int64_t skipped_steps = 0;
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
   // same).
@@ -635,6 +734,9 @@ int run(int argc, char** argv) {
         epoch_samples[e] = saved_counts[e].item<int64_t>();
       }
       resumed_from = loaded->path;
+      // A checkpoint saved without a scaler leaves the fresh one (load_from returns false).
+      scaler.load_from(checkpoint_state);
+      if (!device.is_cpu()) move_optimizer_state(optimizer, device);
     }
   }
   // Saves the state after at.steps steps, with the sampler where it stands (rank 0 only: the state
@@ -645,6 +747,7 @@ int run(int argc, char** argv) {
     checkpoint_state.tensors["epoch_samples"] = torch::tensor(epoch_samples, torch::kInt64);
     checkpoint_state.values["model"] = flags.model;
     checkpoint_state.values["seed"] = std::to_string(flags.seed);
+    scaler.save_to(checkpoint_state);
     if (sdp) return save_sharded(*sharded_checkpointer, *sdp, checkpoint_state);
     return checkpointer->save(checkpoint_state);
   };
@@ -655,6 +758,7 @@ int run(int argc, char** argv) {
   if (flags.strategy == "dp") {
     dtrain::DataParallelOptions options;
     options.num_replicas = static_cast<int>(flags.devices);
+    options.devices = placement.dp_devices;
     dp = std::make_unique<dtrain::DataParallel<NetImpl>>(net, options);
   } else if (flags.strategy == "ddp") {
     ddp = std::make_unique<dtrain::DistributedDataParallel<NetImpl>>(net, pg);
@@ -686,20 +790,33 @@ int run(int argc, char** argv) {
       int64_t count =
           std::min<int64_t>(local_batch, static_cast<int64_t>(indices.size()) - step * local_batch);
       at::Tensor rows = order.narrow(0, step * local_batch, count);
-      at::Tensor x = train.images.index_select(0, rows), y = train.labels.index_select(0, rows);
+      at::Tensor x = batch_rows(train.images, rows, device, /*stay_on_host=*/dp != nullptr);
+      at::Tensor y = batch_rows(train.labels, rows, device, /*stay_on_host=*/dp != nullptr);
       optimizer.zero_grad();
       torch::Tensor loss;
+      std::optional<dtrain::amp::Autocast> autocast;  // --amp: around the forward only
+      if (!flags.amp.empty()) {
+        autocast.emplace(device.type(), flags.amp == "fp16" ? torch::kHalf : torch::kBFloat16);
+      }
       if (dp) {
-        loss = dp->forward_backward(x, y, mean_loss);
+        const double scale = scaler.get_scale();
+        loss = dp->forward_backward(x, y,
+                                    [&](const torch::Tensor& logits, const torch::Tensor& target) {
+                                      return scaler.scale(mean_loss(logits, target));
+                                    }) /
+               scale;
+        autocast.reset();
       } else if (mp) {
         loss = mp->forward_backward(x, y, mean_loss);
       } else if (pipeline) {
         loss = pipeline->forward_backward(x, y, mean_loss);
       } else {
         loss = mean_loss(sdp ? sdp->forward(x) : ddp->forward(x), y);
-        loss.backward();
+        autocast.reset();
+        scaler.scale(loss).backward();
       }
-      optimizer.step();
+      if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
+      scaler.update();
       sampler.advance(count * replicas);
       samples_processed += count * replicas;
       epoch_samples[epoch] += count * replicas;
@@ -780,6 +897,12 @@ int run(int argc, char** argv) {
     for (size_t e = 0; e < epoch_samples.size(); ++e) json << (e ? ", " : "") << epoch_samples[e];
     json << "]";
     if (sdp) json << ", \"zero_stage\": " << sdp->stage();
+    json << ", \"device\": \"" << device.str() << "\", \"amp\": \""
+         << (flags.amp.empty() ? "none" : flags.amp) << "\"";
+    if (scaler.is_enabled()) {
+      json << ", \"amp_skipped_steps\": " << skipped_steps
+           << ", \"amp_scale\": " << scaler.get_scale();
+    }
     if (mp || pipeline) {
       json << ", \"stages\": " << (mp ? mp->stages() : pipeline->stages())
            << ", \"data_parallel\": " << replicas << ", \"micro_batches\": " << flags.micro_batches

@@ -22,6 +22,15 @@
 //     faster mode on CPU; on CUDA each device's part of the backward runs on that device's engine thread.
 // Either way the module's .grad holds the full-batch gradient afterwards and the module's optimizer steps.
 //
+// On GPUs (options.devices = {cuda:0, cuda:1, ...}; one GPU may be listed twice) each replica thread binds
+// its device and queues its work on a stream of its own; the calls return without waiting for the GPUs,
+// ordered with the caller's current streams by events (see Note [Replica devices and streams] in
+// src/dp/replica_set.cpp), so the results are used on the caller's streams as any other tensor. Pass the
+// batch in pinned host memory (or on the first device): it is scattered with non-blocking copies.
+// Mixed precision: a dtrain::amp::Autocast scope around forward() or forward_backward() applies in every
+// replica thread (forward and loss; the backward runs outside it), and the gradients end on the module,
+// where one GradScaler unscales and checks them (no process group needed).
+//
 // Buffers (e.g. BatchNorm running statistics) follow the module: before every step the replicas copy the
 // module's parameters and buffers; the module itself is replica 0, so its buffers are updated from the first
 // slice of the batch, and the other replicas' updates are discarded (PyTorch's DataParallel rule too).
@@ -80,7 +89,8 @@ class DataParallelBase {
   // row; replicas with no rows sit out), runs forward, loss and backward on each replica's thread, and
   // leaves the whole batch's mean-loss gradient in the module's .grad (accumulated onto what is there, as
   // backward() does). `loss_fn` must return the mean loss over its slice. Returns that whole-batch loss,
-  // detached. An exception in a replica is rethrown here, naming the replica; the others finish first.
+  // detached (a float64 scalar on the first device). An exception in a replica is rethrown here, naming
+  // the replica; the others finish first.
   at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
 
   // Splits `input`, runs the replicas' forwards in parallel and returns their outputs concatenated on the

@@ -24,3 +24,45 @@ using Backend = c10d::ProcessGroup;
 #endif
 
 }  // namespace dtrain::compat
+
+// Autocast: 2.4 replaced the per-device functions (set_enabled for CUDA, set_cpu_enabled,
+// get_autocast_gpu_dtype, ...) by ones that take the device type, and later releases dropped the old
+// names. dtrain uses autocast on CPU and CUDA only.
+#include <ATen/autocast_mode.h>
+
+namespace dtrain::compat {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+  at::autocast::set_autocast_enabled(type, enabled);
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+}
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+  }
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+  return type == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype()
+                                       : at::autocast::get_autocast_cpu_dtype();
+}
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+}
+#endif
+
+}  // namespace dtrain::compat

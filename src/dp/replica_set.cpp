@@ -1,7 +1,30 @@
 // DataParallel's machinery: persistent replicas, one worker thread each, the scatter of a batch, and the
 // reduction of the replicas' gradients into the module's. See dtrain/dp.h for the contract.
+//
+// Note [Replica devices and streams]
+// On an accelerator (CUDA) each replica thread binds its device (a device guard) and queues its work on a
+// stream of its own, taken once from the device's pool, so that the replicas' kernels can overlap even when
+// they share a GPU. Only c10's generic guard interface is used (no CUDA headers: the same code builds
+// against a CPU LibTorch, where all of this is skipped). The order between the caller's streams and the
+// replicas' is kept with events, never by blocking the host:
+//   - before a step, the caller records an event on its current stream of each replica's device (and of
+//     the first device); the replica's stream waits for them: parameters the optimizer just updated,
+//     buffers copied by the caller, and memory the caller's last reduction still reads are all ready;
+//   - a replica thread also makes the caller's current stream of the first device its own current stream
+//     there, since LibTorch runs a copy between two GPUs on the source device's current stream (the
+//     parameter refresh and a scatter from the first device);
+//   - after its task the replica records an event on its stream, and the caller's current streams of that
+//     device and of the first device wait for it before the outputs are gathered or the gradients reduced.
+// Inputs are scattered with non-blocking copies (asynchronous from pinned host memory), outputs gathered
+// the same way, and the gradients are reduced on the first device, on the caller's streams (for forward()
+// the reduction runs in autograd's final callback, which runs on the streams that surrounded backward()).
+// On the CPU none of this exists: the guards are empty, there are no streams and no events.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
@@ -11,6 +34,7 @@
 #include <mutex>
 #include <thread>
 
+#include "amp/autocast_state.h"
 #include "dtrain/dp.h"
 #include "profile/step_recorder.h"
 
@@ -49,6 +73,10 @@ class ReplicaSet {
   void refresh_replica_parameters(int r, bool copy);
   void reduce_gradients(int active);
   std::pair<int64_t, int64_t> slice(int64_t total, int active, int r) const;
+  bool on_accelerator(int r) const { return streams_[r].has_value(); }
+
+  std::vector<c10::optional<c10::Stream>> streams_;  // per replica: its own stream; none on the CPU
+  bool all_cpu_ = true;
 
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;  // [0] is the user's module
   std::vector<std::vector<at::Tensor>> params_;               // per replica, in parameters() order
@@ -100,6 +128,29 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
   if (options.intra_op_threads < 1) {
     throw UsageError("DataParallel: intra_op_threads=" + std::to_string(options.intra_op_threads) +
                      ": expected at least 1");
+  }
+  for (auto& device : devices_) {
+    all_cpu_ = all_cpu_ && device.is_cpu();
+    if (device.is_cpu()) {
+      streams_.emplace_back();
+      continue;
+    }
+    // Note [Replica devices and streams]
+    std::string problem;
+    try {
+      c10::impl::VirtualGuardImpl guard(device.type());
+      if (!device.has_index()) device = c10::Device(device.type(), guard.getDevice().index());  // "cuda"
+      if (device.index() >= guard.deviceCount()) {
+        problem = "this process sees " + std::to_string(guard.deviceCount()) +
+                  " of them (CUDA_VISIBLE_DEVICES may hide some); pass devices it has";
+      } else {
+        streams_.push_back(guard.getStreamFromGlobalPool(device));
+      }
+    } catch (const c10::Error& e) {
+      problem = std::string("cannot be used here (") + e.what_without_backtrace() +
+                "); pass devices this LibTorch build supports";
+    }
+    if (!problem.empty()) throw UsageError("DataParallel: device " + device.str() + ": " + problem);
   }
   for (const auto& p : module->parameters()) {
     if (p.device() != devices_[0]) {
@@ -175,8 +226,27 @@ void ReplicaSet::worker_loop(int index) {
   }
 }
 
+namespace {
+// This thread's current stream on `device` (an accelerator).
+c10::Stream current_stream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
+}  // namespace
+
 void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   const bool grad_mode = at::GradMode::is_enabled();  // thread-local: carry the caller's into the workers
+  // Note [Replica devices and streams]: on accelerators, events order the replicas' streams after what
+  // the caller queued so far (ready) and the caller's streams after the replicas' work (done).
+  std::vector<c10::optional<c10::Event>> ready(count), done(count);
+  c10::optional<c10::Stream> caller_first_stream;
+  if (!all_cpu_) {
+    if (on_accelerator(0)) caller_first_stream = current_stream(devices_[0]);
+    for (int i = 0; i < count; ++i) {
+      if (!on_accelerator(i)) continue;
+      ready[i].emplace(devices_[i].type());
+      ready[i]->record(current_stream(devices_[i]));
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (busy_) {
@@ -187,9 +257,23 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
     pending_ = count;
     for (int i = 0; i < count; ++i) {
       workers_[i].error = nullptr;
-      workers_[i].task = [&fn, i, grad_mode] {
+      workers_[i].task = [&, i, grad_mode] {
         at::AutoGradMode mode(grad_mode);
+        if (!on_accelerator(i)) {
+          fn(i);
+          return;
+        }
+        c10::DeviceGuard device_guard(devices_[i]);
+        std::vector<c10::Stream> streams{*streams_[i]};
+        if (caller_first_stream && caller_first_stream->device() != devices_[i]) {
+          streams.push_back(*caller_first_stream);  // copies from the first device run on its stream
+        }
+        c10::MultiStreamGuard stream_guard(streams);
+        if (ready[0]) streams_[i]->wait(*ready[0]);
+        if (i != 0) streams_[i]->wait(*ready[i]);
         fn(i);
+        done[i].emplace(devices_[i].type());
+        done[i]->record(*streams_[i]);
       };
     }
   }
@@ -197,6 +281,11 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   std::unique_lock<std::mutex> lock(mutex_);
   work_done_.wait(lock, [&] { return pending_ == 0; });
   busy_ = false;
+  for (int i = 0; i < count; ++i) {
+    if (!done[i]) continue;
+    current_stream(devices_[i]).wait(*done[i]);
+    if (caller_first_stream) caller_first_stream->wait(*done[i]);
+  }
   for (int i = 0; i < count; ++i) {
     if (!workers_[i].error) continue;
     std::string where = "DataParallel replica " + std::to_string(i) + " (" + devices_[i].str() + "): ";
@@ -279,23 +368,37 @@ void ReplicaSet::reduce_gradients(int active) {
       }
     }
   }
-  // Every worker sums its share of every gradient's elements: balanced even when one layer dominates.
-  const int parts = size();
-  run_on_workers(parts, [&](int part) {
+  if (!all_cpu_) {
+    // On accelerators the sum is made on the first device, on the caller's streams (Note [Replica
+    // devices and streams]): each replica's gradient is copied there without blocking the host.
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < module_params.size(); ++i) {
       at::Tensor destination = module_params[i].grad();
       if (!destination.defined()) continue;
-      at::Tensor flat = destination.view({-1});  // gradients of dense parameters are contiguous
-      int64_t n = flat.numel(), lo = n * part / parts, hi = n * (part + 1) / parts;
-      if (hi == lo) continue;
-      at::Tensor share = flat.narrow(0, lo, hi - lo);
       for (int r = 1; r < active; ++r) {
         const at::Tensor& g = params_[r][i].grad();
-        if (g.defined()) share.add_(g.reshape({-1}).narrow(0, lo, hi - lo).to(share.device()));
+        if (g.defined()) destination.add_(g.to(destination.device(), /*non_blocking=*/true));
       }
     }
-  });
+  } else {
+    // Every worker sums its share of every gradient's elements: balanced even when one layer dominates.
+    const int parts = size();
+    run_on_workers(parts, [&](int part) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < module_params.size(); ++i) {
+        at::Tensor destination = module_params[i].grad();
+        if (!destination.defined()) continue;
+        at::Tensor flat = destination.view({-1});  // gradients of dense parameters are contiguous
+        int64_t n = flat.numel(), lo = n * part / parts, hi = n * (part + 1) / parts;
+        if (hi == lo) continue;
+        at::Tensor share = flat.narrow(0, lo, hi - lo);
+        for (int r = 1; r < active; ++r) {
+          const at::Tensor& g = params_[r][i].grad();
+          if (g.defined()) share.add_(g.reshape({-1}).narrow(0, lo, hi - lo).to(share.device()));
+        }
+      }
+    });
+  }
   // Consumed: a second backward through the same graph (retain_graph) must add only its own gradients.
   for (int r = 1; r < active; ++r) {
     for (auto& p : params_[r]) p.mutable_grad() = at::Tensor();
@@ -317,28 +420,37 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
                      " rows but target has " + std::to_string(target.size(0)));
   }
   const int active = static_cast<int>(std::min<int64_t>(size(), total));
-  std::vector<double> losses(active);
+  std::vector<at::Tensor> losses(active);
   if (recorder_) begin_profiled_step(total);
   refresh_replica_state(active);
   awaiting_backward_ = false;  // this call runs its own backward
+  const auto autocast = amp::detail::current_autocast_state();  // thread-local: carried into the workers
   run_on_workers(active, [&](int r) {
     if (r > 0) refresh_replica_parameters(r, true);
     auto [begin, count] = slice(total, active, r);
     at::Tensor x = input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
     at::Tensor y = target.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true);
-    at::Tensor output = forward_(*replicas_[r], x);
-    if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
+    at::Tensor loss;
+    {
+      // The forward and the loss under the caller's autocast scope; the backward outside it, as the
+      // caller's own backward would be.
+      amp::detail::AutocastStateGuard autocast_guard(autocast);
+      at::Tensor output = forward_(*replicas_[r], x);
+      if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
+      loss = loss_fn(output, y);
+    }
     // Weighting each slice's mean loss by its share makes the sum the whole batch's mean loss, so the
     // gradients simply add up, uneven slices included.
-    at::Tensor loss = loss_fn(output, y) * (static_cast<double>(count) / total);
+    loss = loss * (static_cast<double>(count) / total);
     loss.backward();
-    losses[r] = loss.item<double>();
+    losses[r] = loss.detach();
   });
   if (recorder_) end_profiled_forward(active);
   reduce_gradients(active);
-  double sum = 0;
-  for (double l : losses) sum += l;
-  return at::scalar_tensor(sum, at::kDouble);
+  // Summed on the first device, without waiting for an accelerator (item() would).
+  at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(devices_[0]));
+  for (const auto& l : losses) sum.add_(l.to(devices_[0], at::kDouble, /*non_blocking=*/true));
+  return sum;
 }
 
 at::Tensor ReplicaSet::forward(const at::Tensor& input) {
@@ -348,14 +460,16 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
   const bool copy = !awaiting_backward_;
   if (recorder_ && copy) begin_profiled_step(total);  // not a second input of the same step
   refresh_replica_state(active);
+  const auto autocast = amp::detail::current_autocast_state();  // thread-local: carried into the workers
   run_on_workers(active, [&](int r) {
     if (r > 0) refresh_replica_parameters(r, copy);
     auto [begin, count] = slice(total, active, r);
+    amp::detail::AutocastStateGuard autocast_guard(autocast);
     outputs[r] = forward_(*replicas_[r], input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
     if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
   });
   if (recorder_ && copy) end_profiled_forward(active);
-  for (auto& out : outputs) out = out.to(devices_[0]);
+  for (auto& out : outputs) out = out.to(devices_[0], /*non_blocking=*/true);
   at::Tensor gathered = at::cat(outputs);
   if (active > 1 && gathered.requires_grad()) {
     awaiting_backward_ = true;

@@ -192,5 +192,21 @@ TEST(DataParallel, ModulesThatCannotCloneAreUsageErrors) {
   EXPECT_THROW(DataParallel(make_mlp().ptr(), options), UsageError);
 }
 
+TEST(DataParallel, DevicesThisProcessLacksAreUsageErrors) {
+  // Checked before anything is cloned: a CUDA device in a CPU-only LibTorch, or a GPU index past the
+  // visible ones, is one line naming the device (not a clone failure).
+  DataParallelOptions options;
+  const int64_t gpus = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+  options.devices = {c10::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(gpus))};
+  try {
+    DataParallel dp(make_mlp().ptr(), options);
+    FAIL() << "no exception";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("DataParallel: device cuda:" + std::to_string(gpus) + ": "),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace dtrain
