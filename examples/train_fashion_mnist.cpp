@@ -217,6 +217,12 @@ Flags parse_flags(int argc, char** argv) {
         "train_fashion_mnist: --async-checkpoints is not supported with --strategy zero (every "
         "rank writes its own shards, synchronously); drop it");
   }
+  if (flags.spawn > 0 && (flags.strategy == "dp" || flags.strategy == "mp")) {
+    throw dtrain::UsageError("train_fashion_mnist: --spawn " + std::to_string(flags.spawn) + " with --strategy " +
+                             flags.strategy + ": " + flags.strategy +
+                             " runs in one process (use --devices N); --spawn starts ranks for ddp, zero or "
+                             "pipeline");
+  }
   if (!flags.amp.empty() && flags.strategy != "ddp" && flags.strategy != "dp") {
     throw dtrain::UsageError("train_fashion_mnist: --amp " + flags.amp + " with --strategy " +
                              flags.strategy + ": mixed precision is wired for ddp and dp only");
