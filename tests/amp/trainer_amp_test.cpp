@@ -8,6 +8,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/system.h"
 
 namespace dtrain {
 namespace {
@@ -22,6 +23,7 @@ double json_number(const std::string& output, const std::string& key) {
 }
 
 TEST(TrainerAmp, BFloat16DdpReachesTheAccuracyBarInOneEpoch) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " +
                             bin("train_fashion_mnist") + " --amp bf16 --device cpu");
   ASSERT_EQ(result.exit_code, 0) << result.output;
@@ -34,6 +36,7 @@ TEST(TrainerAmp, BFloat16DdpReachesTheAccuracyBarInOneEpoch) {
 }
 
 TEST(TrainerAmp, BFloat16DataParallelTrains) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result = run_command(
       bin("train_fashion_mnist") +
       " --strategy dp --devices 3 --batch-size 60 --max-steps 100 --amp bf16 --device cpu");
@@ -45,6 +48,7 @@ TEST(TrainerAmp, BFloat16DataParallelTrains) {
 }
 
 TEST(TrainerAmp, TheJsonLineNamesTheDevice) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // auto: the CPU here unless this process sees a GPU.
   auto result =
       run_command(bin("train_fashion_mnist") + " --strategy dp --devices 2 --max-steps 5");

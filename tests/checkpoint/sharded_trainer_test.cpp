@@ -8,6 +8,7 @@
 #include <regex>
 
 #include "support/subprocess.h"
+#include "support/system.h"
 #include "support/temp_dir.h"
 
 namespace dtrain {
@@ -38,6 +39,7 @@ std::string zero_trainer(int ranks, int stage, const std::string& flags) {
 class ZeroTrainer : public ::testing::TestWithParam<int> {};
 
 TEST_P(ZeroTrainer, ReachesDdpAccuracyInOneEpochWithShardedCheckpoints) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   const int stage = GetParam();
   const std::string dir = testing::temp_dir("dtrain-zero-trainer");
   auto result = run_command(zero_trainer(2, stage, "--checkpoint-dir " + dir), 300);
@@ -54,6 +56,7 @@ TEST_P(ZeroTrainer, ReachesDdpAccuracyInOneEpochWithShardedCheckpoints) {
 INSTANTIATE_TEST_SUITE_P(Stages, ZeroTrainer, ::testing::Values(2, 3));
 
 TEST(ZeroTrainerResume, SavedAt2RanksStage3ResumesAt3RanksStage1) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   const std::string dir = testing::temp_dir("dtrain-zero-resume");
   // 40 steps of 60 samples on 2 ranks, then the rest of the epoch on 3 ranks.
   auto first = run_command(

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/system.h"
 #include "test_support.h"
 
 namespace dtrain::cli {
@@ -16,6 +17,7 @@ using namespace testing_support;
 constexpr double kMlpGradientBytes = 4.0 * (784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10);
 
 TEST(ScaleTrainer, ReportFromTheTrainersRecordsAtOneAndTwoWorkers) {
+  if (!dtrain::testing::have_fashion_mnist()) GTEST_SKIP() << dtrain::testing::kNoFashionMnist;
   TempDir dir;
   std::string plot = dir / "speedup.svg";
   ChildProcess scale(
