@@ -13,6 +13,7 @@
 #include <optional>
 #include <string_view>
 
+#include "cli/parse_integer.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::cli {
@@ -24,15 +25,6 @@ namespace {
                             std::string_view got) {
   fail(std::string(flag) + ": expected " + std::string(expected) + ", got '" + std::string(got) +
        "'");
-}
-
-// The whole of `text` as a decimal int, or nothing: no sign other than '-', no spaces, no overflow.
-std::optional<long long> parse_integer(std::string_view text) {
-  long long value = 0;
-  const char* end = text.data() + text.size();
-  auto [stop, error] = std::from_chars(text.data(), end, value);
-  if (text.empty() || error != std::errc() || stop != end) return std::nullopt;
-  return value;
 }
 
 int parse_in_range(std::string_view flag, std::string_view text, long long low, long long high,

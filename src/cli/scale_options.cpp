@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "cli/parse_integer.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::cli {
@@ -20,14 +21,6 @@ namespace {
                             std::string_view got) {
   fail(std::string(flag) + ": expected " + std::string(expected) + ", got '" + std::string(got) +
        "'");
-}
-
-std::optional<long long> parse_integer(std::string_view text) {
-  long long value = 0;
-  const char* end = text.data() + text.size();
-  auto [stop, error] = std::from_chars(text.data(), end, value);
-  if (text.empty() || error != std::errc() || stop != end) return std::nullopt;
-  return value;
 }
 
 int parse_int(std::string_view flag, std::string_view text, long long low, long long high) {
