@@ -318,6 +318,37 @@ TEST(SubGroups, RankMeshRejectsSizesThatDoNotDivideTheGroup) {
   }
 }
 
+TEST(Collectives, RanksPassingDifferentSizesAreNamedNotPaired) {
+  // Through shared memory the ranks compare each operation's size, dtype and op at its first barrier, before
+  // anyone reads a peer's data. A back-to-back sequence checks that a rank running ahead into the next
+  // operation cannot be mistaken for a mismatch, and then a real mismatch at operation #41.
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    std::vector<std::string> errors(world);
+    run_group(world, [&](int rank, ProcessGroup& group) {
+      for (int i = 0; i < 40; ++i) {
+        at::Tensor t = torch::full({1 + (i % 3) * 100000}, static_cast<float>(rank));
+        group.all_reduce(t);
+        ASSERT_EQ(t[0].item<float>(), static_cast<float>(world * (world - 1) / 2)) << "operation " << i;
+      }
+      at::Tensor mismatched = torch::zeros({rank == world - 1 ? 11 : 10});
+      try {
+        group.all_reduce(mismatched);
+        errors[rank] = "no error";
+      } catch (const UsageError& e) {
+        errors[rank] = e.what();
+      }
+    }, std::chrono::seconds(20));
+    for (int rank = 0; rank < world; ++rank) {
+      SCOPED_TRACE(errors[rank]);
+      EXPECT_NE(errors[rank].find("all_reduce #41"), std::string::npos);
+      EXPECT_NE(errors[rank].find("passed different tensors (numel, dtype) or ops"), std::string::npos);
+      EXPECT_EQ(errors[rank].find("peer lost"), std::string::npos);
+      EXPECT_NE(errors[rank].find("Every rank must pass the same shape, dtype and op"), std::string::npos);
+    }
+  }
+}
+
 TEST(Collectives, BadArgumentsAreUsageErrors) {
   run_group(2, [&](int rank, ProcessGroup& group) {
     at::Tensor t = torch::zeros({2});
