@@ -83,6 +83,7 @@ struct CollectiveOptions {
 namespace detail {
 struct GroupState;
 struct WorkState;
+class SharedBuckets;
 }  // namespace detail
 
 // A handle to a collective in flight.
@@ -97,6 +98,7 @@ class Work {
 
  private:
   friend class ProcessGroup;
+  friend class detail::SharedBuckets;
   explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
   std::shared_ptr<detail::WorkState> state_;
 };
@@ -166,6 +168,7 @@ class ProcessGroup {
 
  private:
   friend std::shared_ptr<ProcessGroup> init_process_group(const InitOptions&);
+  friend class detail::SharedBuckets;  // DDP's gradient buckets in shared memory (src/comm/shared_buckets.h)
   explicit ProcessGroup(std::shared_ptr<detail::GroupState> state);
   std::shared_ptr<detail::GroupState> state_;  // shared with the Works in flight
 };

@@ -10,12 +10,16 @@
 //
 // Note [DDP gradient buckets]
 // Parameters are grouped into flat buckets (in reverse registration order, roughly the order backward
-// produces gradients; a small first bucket so communication starts early). A hook on each parameter's
-// gradient accumulator copies the gradient, already divided by the world size, into its bucket; when a
-// bucket's last gradient arrives its asynchronous all-reduce starts while backward continues on earlier
-// layers. Buckets are launched strictly in index order so every rank issues the same collectives in the
-// same order. At the end of backward (an autograd engine callback) dtrain waits for the buckets and writes
-// the averaged gradients back, or, with gradient_as_bucket_view, the gradients already are the buckets.
+// produces gradients; a small first bucket so communication starts early). Each parameter's gradient is
+// an alias of its slice of the bucket (gradient_as_bucket_view, the default), so backward accumulates
+// straight into it; a hook on the gradient accumulator notes its arrival (or copies a gradient that is
+// not the slice, already divided by the world size). When a bucket's last gradient arrives its
+// asynchronous all-reduce starts while backward continues on earlier layers. Buckets are launched
+// strictly in index order so every rank issues the same collectives in the same order. At the end of
+// backward (an autograd engine callback) dtrain waits for the buckets; the gradients then hold the average
+// (copied back when gradient_as_bucket_view is off). When all ranks share one host the buckets live in
+// shared memory and are reduced where they lie, without copies (Note [Gradient buckets in shared memory],
+// src/comm/shared_buckets.h).
 //
 // Unequal local batches: the averaged gradient is the mean of the ranks' gradients. To get the gradient of
 // the whole batch when ranks hold different numbers of samples, scale each rank's summed loss by
@@ -71,11 +75,15 @@ struct DistributedDataParallelOptions {
   bool find_unused_parameters = false;
   // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) before every forward.
   bool broadcast_buffers = true;
-  // Make each parameter's .grad a view into its bucket: saves a copy each way and the memory of a second
-  // gradient copy. The optimizer must zero gradients in place (LibTorch 1.13's zero_grad() does); a
-  // gradient set to undefined is re-pointed at the bucket on the next backward. With
-  // find_unused_parameters, a parameter unused on every rank then gets a zero gradient (not none).
-  bool gradient_as_bucket_view = false;
+  // Each parameter's .grad is an alias of its slice of the bucket, so backward accumulates straight into
+  // the bucket and the averaged result needs no copy back: saves two passes over every gradient and the
+  // memory of a second copy (on one host, 2 ranks: ~10% of a step; see doc/benchmarks.md). On by default,
+  // unlike PyTorch's, whose Python-level views can break detach_(); these aliases cannot. Gradients behave
+  // as usual: zero_grad() zeroes them in place, one set to undefined (zero_grad(set_to_none), LibTorch 2.x's
+  // default) is re-pointed at the bucket in the next backward at the cost of one copy, and a parameter
+  // unused on every rank (find_unused_parameters) keeps its .grad as it was. false: gradients and buckets
+  // are separate, copied into the bucket during backward and back after the all-reduce.
+  bool gradient_as_bucket_view = true;
   // Start each bucket's all-reduce during backward (true) or all of them after backward (false, only for
   // measuring what overlap buys).
   bool overlap = true;

@@ -26,6 +26,8 @@
 #include "comm/device_check.h"
 #include "comm/progress.h"
 #include "comm/shm_p2p.h"
+#include "comm/shared_buckets.h"
+#include "comm/shm_segment.h"
 #include "comm/shm_transport.h"
 #include "comm/store_bytes.h"
 #include "comm/thread_launch.h"
@@ -57,6 +59,7 @@ struct GroupState {
   std::unique_ptr<ShmTransport> shm;    // all members on one host: all-reduce through shared memory
   std::unique_ptr<ShmPointToPoint> shm_p2p;  // ...and isend/irecv of CPU tensors
   int subgroups_created = 0;
+  int shared_buckets_created = 0;       // names each DDP's segment alike on every rank
   // CommStats: updated from the caller's thread (starts) and whichever thread waits (busy time).
   std::atomic<uint64_t> stat_ops{0};
   std::atomic<uint64_t> stat_bytes{0};
@@ -607,6 +610,51 @@ CommStats ProcessGroup::stats() const {
   stats.busy_s = static_cast<double>(busy_ns) * 1e-9;
   return stats;
 }
+
+namespace detail {
+
+std::unique_ptr<SharedBuckets> SharedBuckets::create(ProcessGroup& group, int64_t bytes_per_rank) {
+  GroupState& state = *group.state_;
+  if (!state.shm || bytes_per_rank <= 0) return nullptr;
+  check_usable(state);
+  const int64_t stride = (bytes_per_rank + 4095) / 4096 * 4096;  // each rank's region on its own pages
+  const std::string key = "shared-buckets/" + std::to_string(state.shared_buckets_created++);
+  std::string problem;
+  auto segment = map_group_segment(*state.store, key, state.rank, state.size,
+                                   static_cast<size_t>(stride) * state.size, state.timeout, [](char*) {}, problem);
+  if (!segment) {
+    if (!problem.empty()) {
+      DTRAIN_LOG(kWarn, "shared memory unavailable for DDP's gradient buckets ("
+                            << problem << ", " << stride * state.size
+                            << " bytes); each all-reduce copies them through the transport instead");
+    }
+    return nullptr;
+  }
+  return std::unique_ptr<SharedBuckets>(new SharedBuckets(group, std::move(segment), stride));
+}
+
+SharedBuckets::SharedBuckets(ProcessGroup& group, std::shared_ptr<ShmSegment> segment, int64_t bytes_per_rank)
+    : group_(group), segment_(std::move(segment)), bytes_per_rank_(bytes_per_rank) {}
+
+SharedBuckets::~SharedBuckets() = default;
+
+at::Tensor SharedBuckets::tensor(int64_t offset, int64_t numel, at::ScalarType type) const {
+  char* data = segment_->base() + bytes_per_rank_ * group_.state_->rank + offset;
+  std::shared_ptr<ShmSegment> keep = segment_;
+  return at::from_blob(data, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(type));
+}
+
+Work SharedBuckets::all_reduce_async(int64_t offset, int64_t numel, at::ScalarType type, double scale) {
+  const std::shared_ptr<GroupState>& state = group_.state_;
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(type));
+  return Work(start(state, "all_reduce", true, -1, {}, static_cast<uint64_t>(bytes), [&](WorkState& w) {
+    std::vector<char*> regions;
+    for (int r = 0; r < state->size; ++r) regions.push_back(segment_->base() + bytes_per_rank_ * r + offset);
+    w.shm_done = state->shm->all_reduce_regions_async(std::move(regions), numel, type, scale, w.timeout);
+  }));
+}
+
+}  // namespace detail
 
 Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
   GroupState& group = *state_;

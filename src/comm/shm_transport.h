@@ -21,8 +21,9 @@
 //
 // A barrier is a counter per rank in the segment: a rank bumps its own and waits until every counter has
 // caught up, so a late rank is known by name, and a rank whose process is gone (its pid no longer exists)
-// is reported at once instead of after the timeout. Waiters spin briefly, then sleep on a futex, because
-// ranks usually outnumber idle cores. A rank that fails marks the segment aborted, so no peer can pass a
+// is reported at once instead of after the timeout. Waiters spin briefly, then yield their core for up to
+// 2 ms (ranks usually outnumber idle cores, and a yielding waiter still sees the peer at once), then sleep
+// on a futex. A rank that fails marks the segment aborted, so no peer can pass a
 // later barrier against its stale counter and take half-reduced data for a result; every queued operation
 // then fails too. Before its first barrier each operation also publishes its size and dtype, and right after
 // it, before reading any peer's data, ranks that disagree are named instead of silently pairing different
@@ -56,6 +57,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/shm_segment.h"
 #include "dtrain/comm.h"
 
 namespace dtrain::detail {
@@ -100,6 +102,12 @@ class ShmTransport {
   // their inputs[rank()] (kAvg sums here; the caller divides).
   std::shared_future<void> reduce_scatter_async(const at::Tensor& output, std::vector<at::Tensor> inputs,
                                                 ReduceOp op, std::chrono::milliseconds timeout);
+  // Each rank's part of one buffer lies in shared memory, at regions[r] in this process's mapping (numel
+  // elements of float or double each). Queues the in-place all-reduce: every element becomes scale * (the
+  // sum over ranks) in every region. See Note [Gradient buckets in shared memory] in shared_buckets.h.
+  std::shared_future<void> all_reduce_regions_async(std::vector<char*> regions, int64_t numel,
+                                                    at::ScalarType type, double scale,
+                                                    std::chrono::milliseconds timeout);
   // Completes once every operation queued before it has finished (for ProcessGroup::barrier).
   std::shared_future<void> flush();
   // Summed time this transport's thread spent running operations (for CommStats::busy_s).
@@ -107,13 +115,15 @@ class ShmTransport {
 
  private:
   struct Segment;
-  ShmTransport(int rank, int size, void* base, size_t bytes);
+  ShmTransport(int rank, int size, std::unique_ptr<ShmSegment> segment);
   void run_queue();
   void all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout);
   void all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                   std::chrono::milliseconds timeout);
   void reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
                       std::chrono::milliseconds timeout);
+  void all_reduce_regions(const std::vector<char*>& regions, int64_t numel, at::ScalarType type, double scale,
+                          std::chrono::milliseconds timeout);
   // Every operation publishes its signature (numel, dtype, op, kind) before its first barrier and checks
   // right after that barrier, before reading any peer's slot, that every rank passed the same: ranks that
   // disagree are named instead of pairing different chunks.
@@ -126,8 +136,8 @@ class ShmTransport {
 
   const int rank_;
   const int size_;
+  std::unique_ptr<ShmSegment> segment_;
   void* base_;
-  size_t bytes_;
   Segment* control_;
   uint64_t phase_ = 0;  // barriers this rank has passed
   uint64_t chunks_ = 0; // chunks processed, selects the slot set

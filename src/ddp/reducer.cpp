@@ -181,11 +181,29 @@ void Reducer::build_buckets() {
     bucket_bytes[it->second] += bytes;
     p.bucket = it->second;
   }
+  // Ranks on one host keep the buckets in shared memory, each at a 64-byte (cache-line) boundary.
+  int64_t shared_bytes = 0;
+  bool shareable = !options_.comm_hook && group_->uses_shared_memory();
+  for (auto& bucket : buckets_) {
+    const at::Tensor& first = params_[bucket.params.front()].tensor;
+    shareable = shareable && first.device().is_cpu() &&
+                (first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble);
+    int64_t numel = 0;
+    for (size_t k : bucket.params) numel += params_[k].tensor.numel();
+    bucket.offset = shared_bytes;
+    shared_bytes += (numel * static_cast<int64_t>(first.element_size()) + 63) / 64 * 64;
+  }
+  if (shareable) shared_ = SharedBuckets::create(*group_, shared_bytes);
   for (auto& bucket : buckets_) {
     int64_t numel = 0;
     for (size_t k : bucket.params) numel += params_[k].tensor.numel();
     const at::Tensor& first = params_[bucket.params.front()].tensor;
-    bucket.buffer = at::zeros({numel}, first.options().requires_grad(false));
+    if (shared_) {
+      bucket.buffer = shared_->tensor(bucket.offset, numel, first.scalar_type());
+      bucket.buffer.zero_();
+    } else {
+      bucket.buffer = at::zeros({numel}, first.options().requires_grad(false));
+    }
     int64_t offset = 0;
     for (size_t k : bucket.params) {
       Param& p = params_[k];
@@ -196,8 +214,9 @@ void Reducer::build_buckets() {
       p.slot = at::empty({0}, bucket.buffer.options());
       p.slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.tensor.sizes(), strides);
       offset += p.tensor.numel();
-      if (options_.gradient_as_bucket_view) {
-        if (p.tensor.grad().defined()) p.slot.copy_(p.tensor.grad());
+      // A parameter without a gradient gets its slot when backward first produces one (mark_ready).
+      if (options_.gradient_as_bucket_view && p.tensor.grad().defined()) {
+        p.slot.copy_(p.tensor.grad());
         p.tensor.mutable_grad() = p.slot;
       }
     }
@@ -289,6 +308,7 @@ void Reducer::mark_ready(size_t index) {
   const at::Tensor& grad = p.tensor.grad();
   if (options_.gradient_as_bucket_view) {
     // The gradient normally already is the slot; re-point it if the optimizer replaced or reset it.
+    p.had_no_gradient = !grad.defined();
     if (!grad.defined()) {
       p.slot.zero_();
     } else if (!grad.is_same(p.slot)) {
@@ -312,6 +332,14 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
+  if (shared_) {
+    // mark_ready() already divided copied gradients; gradients that are the bucket get divided by the
+    // reduction itself, in the same pass.
+    const double scale = options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
+    StepRecorder::Blocked blocked(recorder_.get());
+    bucket.work = shared_->all_reduce_async(bucket.offset, bucket.buffer.numel(), bucket.buffer.scalar_type(), scale);
+    return;
+  }
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
   // Starting is meant not to block, but a hook or a full transport queue may: whatever it takes here,
   // backward is not computing.
@@ -388,7 +416,12 @@ void Reducer::finalize_backward() {
   const int* used_anywhere = used.defined() ? used.data_ptr<int>() : nullptr;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    if (used_anywhere && used_anywhere[i] == 0) continue;
+    if (used_anywhere && used_anywhere[i] == 0) {
+      // Unused on every rank: .grad stays as it was. An optimizer skips a parameter without a gradient
+      // but would apply weight decay or momentum to a zero one.
+      if (options_.gradient_as_bucket_view && p.had_no_gradient) p.tensor.mutable_grad() = at::Tensor();
+      continue;
+    }
     if (options_.gradient_as_bucket_view) continue;  // the gradient is the slot
     if (p.tensor.grad().defined()) {
       p.tensor.mutable_grad().copy_(p.slot);

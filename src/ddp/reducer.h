@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/shared_buckets.h"
 #include "dtrain/ddp.h"
 #include "profile/step_recorder.h"
 
@@ -43,6 +44,7 @@ class Reducer {
  private:
   struct Bucket {
     at::Tensor buffer;            // flat gradients of the bucket's parameters
+    int64_t offset = 0;           // of the buffer in shared_'s region, in bytes
     std::vector<size_t> params;   // indices into params_
     size_t pending = 0;           // parameters whose gradient has not arrived in this backward
     Work work;                    // the plain all-reduce (no comm hook)
@@ -55,6 +57,7 @@ class Reducer {
     size_t bucket = 0;
     at::Tensor slot;                                       // this parameter's view into its bucket
     bool ready = false;                                    // its gradient arrived in this backward
+    bool had_no_gradient = false;                          // .grad was undefined when it became ready
   };
 
   void check_same_parameters_everywhere();
@@ -73,6 +76,9 @@ class Reducer {
   DistributedDataParallelOptions options_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
+  // Ranks on one host: the buckets live in shared memory and are reduced where they lie
+  // (Note [Gradient buckets in shared memory]); null otherwise.
+  std::unique_ptr<SharedBuckets> shared_;
   at::Tensor inverse_world_size_;  // 0-dim, multiplies gradients on their way into the buckets
   // World size 1: the local gradients already are the average. The hooks only track which parameters got
   // a gradient (for the unused-parameter error); no buckets, no copies, no collectives.

@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
 #include "dtrain/ddp.h"
 #include "support/equivalence.h"
 #include "support/thread_ranks.h"
@@ -78,7 +82,7 @@ std::vector<torch::Tensor> train_single(Optim kind, int steps = kSteps) {
 
 // Trains on `world` thread-ranks and returns each rank's final parameters.
 std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind, DistributedDataParallelOptions options,
-                                                  int steps = kSteps) {
+                                                  int steps = kSteps, bool shared_memory = true) {
   std::vector<std::vector<torch::Tensor>> results(world);
   auto initial = make_mlp();
   // Drawn here, not in the rank threads: the global generator is not for concurrent use.
@@ -102,13 +106,14 @@ std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind, Distrib
       optimizer->step();
     }
     for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
-  });
+  }, std::chrono::seconds(60), shared_memory);
   return results;
 }
 
-void expect_equivalent(int world, Optim kind, const DistributedDataParallelOptions& options) {
+void expect_equivalent(int world, Optim kind, const DistributedDataParallelOptions& options,
+                       bool shared_memory = true) {
   auto want = train_single(kind);
-  auto got = train_ddp(world, kind, options);
+  auto got = train_ddp(world, kind, options, kSteps, shared_memory);
   for (int rank = 0; rank < world; ++rank) {
     double error = relative_error(got[rank], want);
     EXPECT_LT(error, kTolerance) << "world " << world << " rank " << rank;
@@ -132,6 +137,22 @@ TEST_P(DdpEquivalence, ManySmallBucketsAndGradientViews) {
   expect_equivalent(GetParam(), Optim::kAdam, options);
 }
 
+TEST_P(DdpEquivalence, SeparateGradientsAndBuckets) {
+  DistributedDataParallelOptions options;
+  options.gradient_as_bucket_view = false;
+  expect_equivalent(GetParam(), Optim::kSgd, options);
+}
+
+TEST_P(DdpEquivalence, ThroughGlooWithAndWithoutGradientViews) {
+  // Without shared memory the buckets are private and Gloo all-reduces them.
+  for (bool views : {true, false}) {
+    SCOPED_TRACE(views ? "gradient views" : "separate gradients");
+    DistributedDataParallelOptions options;
+    options.gradient_as_bucket_view = views;
+    expect_equivalent(GetParam(), Optim::kAdam, options, /*shared_memory=*/false);
+  }
+}
+
 TEST_P(DdpEquivalence, WithoutOverlap) {
   DistributedDataParallelOptions options;
   options.overlap = false;
@@ -139,6 +160,50 @@ TEST_P(DdpEquivalence, WithoutOverlap) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpEquivalence, ::testing::Values(1, 2, 3, 4));
+
+// The file this process has mapped at `address` (/proc/self/maps), or "" if anonymous or unmapped.
+std::string mapping_of(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  while (std::getline(maps, line)) {
+    unsigned long long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx", &begin, &end) != 2 || at < begin || at >= end) continue;
+    auto slash = line.find('/');
+    return slash == std::string::npos ? "" : line.substr(slash);
+  }
+  return "";
+}
+
+TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
+  // Note [Gradient buckets in shared memory]: each rank's gradients are its slice of a segment every rank
+  // maps, and they stay valid after DDP (and its segment handle) is gone.
+  torch::set_num_threads(1);
+  for (bool views : {true, false}) {
+    SCOPED_TRACE(views ? "gradient views" : "separate gradients");
+    run_group(2, [&](int rank, ProcessGroup& group) {
+      std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
+      auto net = make_mlp();
+      at::Tensor expected_grad;
+      {
+        DistributedDataParallelOptions options;
+        options.gradient_as_bucket_view = views;
+        DistributedDataParallel ddp(net.ptr(), shared, options);
+        auto d = make_data(0);
+        shard_loss(ddp.forward(d.x.narrow(0, rank, 1)), d.y.narrow(0, rank, 1), 2).backward();
+        const at::Tensor& grad = net->parameters()[0].grad();
+        std::string file = mapping_of(grad.data_ptr());
+        if (views) {
+          EXPECT_EQ(file.rfind("/dev/shm/dtrain-", 0), 0u) << "gradient mapped from '" << file << "'";
+        } else {
+          EXPECT_EQ(file, "") << "separate gradients are private memory";
+        }
+        expected_grad = grad.clone();
+      }
+      EXPECT_TRUE(torch::equal(net->parameters()[0].grad(), expected_grad)) << "gradient changed after DDP died";
+    });
+  }
+}
 
 TEST(Ddp, TheTestCanFail) {
   // The tolerance is tight enough to see one step of difference: a guard against a vacuous comparison.

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -37,8 +38,13 @@ std::string env(const char* name) {
 // A few DDP steps of a small MLP on data that depends only on the rank.
 void train_ddp(int rank, int steps, const std::string& out) {
   auto pg = dtrain::init_process_group();
+  // Thread ranks share the global generator: seeding and drawing the weights must not interleave, or rank
+  // 0's starting point (which DDP broadcasts) would depend on the other thread's timing.
+  static std::mutex generator_mutex;
+  std::unique_lock<std::mutex> generator_lock(generator_mutex);
   torch::manual_seed(0);
   torch::nn::Sequential net(torch::nn::Linear(12, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  generator_lock.unlock();
   dtrain::DistributedDataParallel<torch::nn::SequentialImpl> ddp(net.ptr(), pg);
   torch::optim::SGD optimizer(net->parameters(), 0.1);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + rank);

@@ -1,0 +1,87 @@
+// Shared-memory segments mapped by every rank of a group; see shm_segment.h.
+#include "comm/shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "comm/store_bytes.h"
+
+namespace dtrain::detail {
+
+ShmSegment::~ShmSegment() { munmap(base_, bytes_); }
+
+std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank, int size,
+                                              size_t bytes, std::chrono::milliseconds timeout,
+                                              const std::function<void(char* base)>& on_mapped,
+                                              std::string& problem) {
+  problem.clear();
+  std::string name;
+  int fd = -1;
+  auto give_up_fd = [&](const char* what) {
+    problem = std::string(what) + ": " + std::strerror(errno);
+    if (fd >= 0) close(fd);
+    fd = -1;
+  };
+  if (rank == 0) {
+    std::random_device random;
+    name = "/dtrain-" + std::to_string(::getpid()) + "-" + std::to_string(random());
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      give_up_fd("shm_open");
+    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      errno = err;
+      give_up_fd("reserving the segment in /dev/shm");
+    }
+    if (fd < 0) {
+      shm_unlink(name.c_str());
+      name.clear();
+    }
+    store.set(key + "/name", bytes_of(name));  // empty: no shared memory
+  } else {
+    auto value = store.get(key + "/name");
+    name.assign(value.begin(), value.end());
+    if (!name.empty()) {
+      fd = shm_open(name.c_str(), O_RDWR, 0600);
+      if (fd < 0) give_up_fd("shm_open");
+    }
+  }
+  void* base = MAP_FAILED;
+  if (fd >= 0) {
+    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) problem = std::string("mmap: ") + std::strerror(errno);
+    close(fd);
+  }
+  const bool attached = base != MAP_FAILED;
+  if (attached) on_mapped(static_cast<char*>(base));
+  store.set(key + "/attached/" + std::to_string(rank), bytes_of(attached ? "1" : "0"));
+
+  // Everyone learns whether everyone attached: the segment is used only if all ranks can.
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key + "/attached/" + std::to_string(r));
+  bool all_attached = true;
+  try {
+    store.wait(keys, timeout);
+    for (const auto& k : keys) {
+      auto value = store.get(k);
+      all_attached = all_attached && value.size() == 1 && value[0] == '1';
+    }
+  } catch (...) {
+    if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
+    if (attached) munmap(base, bytes);
+    throw;
+  }
+  if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
+  if (!all_attached) {
+    if (attached) munmap(base, bytes);
+    return nullptr;
+  }
+  return std::make_unique<ShmSegment>(base, bytes);
+}
+
+}  // namespace dtrain::detail
