@@ -3,7 +3,8 @@
 // thread per rank. Rank 0 prints one line: dtrain-ddp world=W params=P ms/step=T
 //   dtrain run --nproc-per-node 2 -- build/bin/bench_ddp --hidden 1024 --batch 32 --steps 100
 // Knobs for the wrapper's own costs: --no-ddp (plain training, world size 1 only), --no-overlap (all
-// bucket all-reduces after backward), --bucket-mb X (bucket cap), --grad-views (gradient_as_bucket_view).
+// bucket all-reduces after backward), --bucket-mb X (bucket cap), --separate-grads (gradient_as_bucket_view
+// off: gradients copied into the buckets and back).
 // In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica;
 // --dp-gather: outputs gathered for one loss instead of a loss per replica),
 // --threads N (intra-op threads of a plain or DDP process).
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     int64_t hidden = 1024, batch = 32, steps = 100;
     double bucket_mb = 25;
-    bool use_ddp = true, overlap = true, grad_views = false;
+    bool use_ddp = true, overlap = true, grad_views = true;
     int64_t dp_replicas = 0, threads = 1;
     bool dp_gather = false, local = false;
     for (int i = 1; i < argc; ++i) {
@@ -67,12 +68,12 @@ int main(int argc, char** argv) {
         local = true;
       } else if (flag == "--no-overlap") {
         overlap = false;
-      } else if (flag == "--grad-views") {
-        grad_views = true;
+      } else if (flag == "--separate-grads") {
+        grad_views = false;
       } else {
         throw dtrain::UsageError("bench_ddp: unknown argument '" + flag +
                                  "' (or missing value); accepted: --hidden N --batch N --steps N --bucket-mb X "
-                                 "--no-ddp --local --no-overlap --grad-views --dp N --dp-gather --threads N");
+                                 "--no-ddp --local --no-overlap --separate-grads --dp N --dp-gather --threads N");
       }
     }
     torch::set_num_threads(static_cast<int>(threads));

@@ -3,7 +3,7 @@
 # 64 samples per step), in one command. REPEATS interleaved rounds of:
 #   A  1 process, 2 intra-op threads, 64 samples          (the reference of the 1.1x target)
 #   B  DDP, 2 ranks x 32 samples, default options
-#   C  DDP, 2 ranks x 32 samples, gradient_as_bucket_view
+#   C  DDP, 2 ranks x 32 samples, separate gradients (gradient_as_bucket_view off)
 #   D  2 ranks each training alone on 32 samples, side by side (B's computation without communication)
 #   E  1 rank alone, 32 samples                            (the same computation without a neighbour)
 # Prints the median ms/step of each and its ratio to A, then the mean per-step breakdown (DTRAIN_PROFILE)
@@ -28,7 +28,7 @@ echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for ((i = 0; i < repeats; i++)); do
   run A 1 --batch 64 --no-ddp --threads 2
   run B 2 --batch 32
-  run C 2 --batch 32 --grad-views
+  run C 2 --batch 32 --separate-grads
   run D 2 --batch 32 --local
   run E 1 --batch 32 --no-ddp
 done
@@ -41,7 +41,7 @@ for name in A B C D E; do
   case $name in
     A) label="A: 1 process, 2 intra-op threads, 64 samples" ;;
     B) label="B: DDP, 2 ranks x 32 samples" ;;
-    C) label="C: DDP, 2 ranks x 32, gradient_as_bucket_view" ;;
+    C) label="C: DDP, 2 ranks x 32, separate gradients" ;;
     D) label="D: 2 ranks alone side by side, 32 each, no communication" ;;
     E) label="E: 1 rank alone, 32 samples" ;;
   esac

@@ -38,7 +38,7 @@ point "overlap off, 25 MiB buckets" 2 --hidden 1024 --batch 32 --steps 60 --no-o
 for mb in 1 4 100; do
   point "overlap on, $mb MiB buckets" 2 --hidden 1024 --batch 32 --steps 60 --bucket-mb $mb
 done
-point "overlap on, 25 MiB, gradient_as_bucket_view" 2 --hidden 1024 --batch 32 --steps 60 --grad-views
+point "overlap on, 25 MiB, separate gradients (gradient_as_bucket_view off)" 2 --hidden 1024 --batch 32 --steps 60 --separate-grads
 DTRAIN_SHM=0 point "overlap on, 25 MiB buckets, Gloo only (DTRAIN_SHM=0)" 2 --hidden 1024 --batch 32 --steps 60
 
 

@@ -122,6 +122,19 @@ TEST(MultiProcess, RankThatDiesIsNamedWithoutWaitingForTheTimeout) {
       << result.output;
 }
 
+TEST(MultiProcess, RankThatDiesDuringADdpStepIsNamedWithoutWaitingForTheTimeout) {
+  // DDP's buckets are reduced in shared memory (Note [Gradient buckets in shared memory]); the waiting
+  // ranks see the dead peer's pid gone, as in a plain all-reduce.
+  auto result = run_command(
+      bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " ddp-vanish 1 100",
+      /*time_limit_s=*/60);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n"
+                                   << result.output;
+  EXPECT_NE(result.output.find("on group 'default' failed (group rank 1 (pid "), std::string::npos)
+      << result.output;
+}
+
 TEST(MultiProcess, PeerThatDiesBeforeItsSendIsNamedWithoutWaitingForTheTimeout) {
   // Point to point through shared memory: rank 0 waits in a recv from rank 2, which exits. The
   // timeout is 100 s, the command's limit 60 s.

@@ -7,6 +7,9 @@
 //   comm_worker recv-vanish RANK TIMEOUT_S   RANK exits instead of sending to rank 0, which waits
 //                                            in a recv (shared memory on one host) and must
 //                                            notice it at once
+//   comm_worker ddp-vanish RANK TIMEOUT_S    one DDP step, then RANK exits before the second backward;
+//                                            the others wait in the gradient all-reduce (buckets in
+//                                            shared memory on one host) and must notice it at once
 #include <torch/torch.h>
 
 #include <chrono>
@@ -16,12 +19,13 @@
 #include <unistd.h>
 
 #include "dtrain/comm.h"
+#include "dtrain/ddp.h"
 
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "sum";
   return dtrain::run_main([&] {
     dtrain::InitOptions options;
-    if (mode == "skip" || mode == "vanish" || mode == "recv-vanish") {
+    if (mode == "skip" || mode == "vanish" || mode == "recv-vanish" || mode == "ddp-vanish") {
       options.timeout = std::chrono::milliseconds(static_cast<int>(std::stod(argv[3]) * 1000));
     }
     auto pg = dtrain::init_process_group(options);
@@ -61,6 +65,14 @@ int main(int argc, char** argv) {
         pg->recv(never, vanishing, /*tag=*/9);
       } else {
         pg->send(torch::full({1000}, static_cast<float>(pg->rank())), 0, /*tag=*/9);
+      }
+    }
+    if (mode == "ddp-vanish") {
+      torch::nn::Linear net(64, 64);
+      dtrain::DistributedDataParallel<torch::nn::LinearImpl> ddp(net.ptr(), pg);
+      for (int step = 0; step < 2; ++step) {
+        if (step == 1 && pg->rank() == std::stoi(argv[2])) _exit(0);
+        ddp.forward(torch::ones({4, 64})).sum().backward();
       }
     }
     std::cout << "rank " << pg->rank() << " sum " << expected << std::endl;
