@@ -613,15 +613,27 @@ CommStats ProcessGroup::stats() const {
 
 namespace detail {
 
+// DTRAIN_SHM_BUCKETS: 1 (default) keeps DDP's gradient buckets in shared memory when the group has it.
+bool shared_buckets_enabled_by_env() {
+  const char* value = std::getenv("DTRAIN_SHM_BUCKETS");
+  if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
+  if (std::string(value) == "0") return false;
+  throw UsageError(std::string("environment variable DTRAIN_SHM_BUCKETS='") + value +
+                   "': expected 0 (DDP's gradient buckets in private memory, copied through the transport) or 1 "
+                   "(in shared memory when every rank is on one host)");
+}
+
 std::unique_ptr<SharedBuckets> SharedBuckets::create(ProcessGroup& group, int64_t bytes_per_rank) {
   GroupState& state = *group.state_;
   if (!state.shm || bytes_per_rank <= 0) return nullptr;
   check_usable(state);
+  const bool wanted = shared_buckets_enabled_by_env();
   const int64_t stride = (bytes_per_rank + 4095) / 4096 * 4096;  // each rank's region on its own pages
   const std::string key = "shared-buckets/" + std::to_string(state.shared_buckets_created++);
   std::string problem;
   auto segment = map_group_segment(*state.store, key, state.rank, state.size,
-                                   static_cast<size_t>(stride) * state.size, state.timeout, [](char*) {}, problem);
+                                   static_cast<size_t>(stride) * state.size, state.timeout, [](char*) {}, problem,
+                                   wanted);
   if (!segment) {
     if (!problem.empty()) {
       DTRAIN_LOG(kWarn, "shared memory unavailable for DDP's gradient buckets ("

@@ -31,8 +31,8 @@ class ShmSegment;
 class SharedBuckets {
  public:
   // Collective over `group`: one region of `bytes_per_rank` for each rank, in a segment every rank maps.
-  // nullptr on every rank when the group does not use shared memory or /dev/shm lacks the room (a warning
-  // says which), so the caller falls back to private buckets.
+  // nullptr on every rank when the group does not use shared memory, /dev/shm lacks the room (a warning
+  // says so) or any rank has DTRAIN_SHM_BUCKETS=0, so the caller falls back to private buckets.
   static std::unique_ptr<SharedBuckets> create(ProcessGroup& group, int64_t bytes_per_rank);
   ~SharedBuckets();
 

@@ -19,7 +19,7 @@ ShmSegment::~ShmSegment() { munmap(base_, bytes_); }
 std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank, int size,
                                               size_t bytes, std::chrono::milliseconds timeout,
                                               const std::function<void(char* base)>& on_mapped,
-                                              std::string& problem) {
+                                              std::string& problem, bool wanted) {
   problem.clear();
   std::string name;
   int fd = -1;
@@ -28,7 +28,9 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
     if (fd >= 0) close(fd);
     fd = -1;
   };
-  if (rank == 0) {
+  if (rank == 0 && !wanted) {
+    store.set(key + "/name", bytes_of(""));
+  } else if (rank == 0) {
     std::random_device random;
     name = "/dtrain-" + std::to_string(::getpid()) + "-" + std::to_string(random());
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -46,7 +48,7 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
   } else {
     auto value = store.get(key + "/name");
     name.assign(value.begin(), value.end());
-    if (!name.empty()) {
+    if (!name.empty() && wanted) {
       fd = shm_open(name.c_str(), O_RDWR, 0600);
       if (fd < 0) give_up_fd("shm_open");
     }

@@ -31,10 +31,11 @@ class ShmSegment {
 // has mapped it rank 0 unlinks the name, so nothing is left in /dev/shm whatever happens later.
 // `on_mapped` runs on this rank's mapping before any peer can learn that it is attached. Returns nullptr on
 // every rank when any rank could not map it; `problem` then holds what went wrong here (empty if it was
-// another rank). Throws only if the store times out (a peer never came).
+// another rank). `wanted` false: this rank takes part but declines, so every rank gets nullptr (ranks that
+// disagree on wanting it still agree on the outcome). Throws only if the store times out (a peer never came).
 std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank, int size,
                                               size_t bytes, std::chrono::milliseconds timeout,
                                               const std::function<void(char* base)>& on_mapped,
-                                              std::string& problem);
+                                              std::string& problem, bool wanted = true);
 
 }  // namespace dtrain::detail

@@ -205,6 +205,35 @@ TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
   }
 }
 
+TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
+  torch::set_num_threads(1);
+  struct RestoreEnv {
+    ~RestoreEnv() { unsetenv("DTRAIN_SHM_BUCKETS"); }
+  } restore;
+  setenv("DTRAIN_SHM_BUCKETS", "0", 1);
+  DistributedDataParallelOptions options;  // gradient views, the default
+  expect_equivalent(2, Optim::kSgd, options);
+  run_group(2, [&](int, ProcessGroup& group) {
+    auto net = make_mlp();
+    DistributedDataParallel ddp(net.ptr(), std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+    auto d = make_data(0);
+    ddp.forward(d.x).sum().backward();
+    EXPECT_EQ(mapping_of(net->parameters()[0].grad().data_ptr()), "") << "DTRAIN_SHM_BUCKETS=0 was ignored";
+  });
+  setenv("DTRAIN_SHM_BUCKETS", "no", 1);
+  run_group(2, [&](int, ProcessGroup& group) {
+    auto net = make_mlp();
+    try {
+      DistributedDataParallel ddp(net.ptr(), std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+      ADD_FAILURE() << "DTRAIN_SHM_BUCKETS=no was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("environment variable DTRAIN_SHM_BUCKETS='no': expected 0"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 TEST(Ddp, TheTestCanFail) {
   // The tolerance is tight enough to see one step of difference: a guard against a vacuous comparison.
   auto want = train_single(Optim::kSgd, kSteps);
