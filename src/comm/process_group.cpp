@@ -283,13 +283,17 @@ bool all_on_one_host(GroupState& group) {
   return true;
 }
 
-bool shared_memory_enabled_by_env() {
-  const char* value = std::getenv("DTRAIN_SHM");
+// An on/off environment switch: unset, empty or 1 is on, 0 is off, anything else a UsageError naming it.
+bool env_switch(const char* name, const char* off_means, const char* on_means) {
+  const char* value = std::getenv(name);
   if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
   if (std::string(value) == "0") return false;
-  throw UsageError(std::string("environment variable DTRAIN_SHM='") + value +
-                   "': expected 0 (all-reduce and send/recv through Gloo) or 1 (shared memory among ranks "
-                   "on one host)");
+  throw UsageError(std::string("environment variable ") + name + "='" + value + "': expected 0 (" + off_means +
+                   ") or 1 (" + on_means + ")");
+}
+
+bool shared_memory_enabled_by_env() {
+  return env_switch("DTRAIN_SHM", "all-reduce and send/recv through Gloo", "shared memory among ranks on one host");
 }
 
 // DTRAIN_CUDA_BACKEND: nccl (default) or gloo, which lets several ranks share one GPU (NCCL refuses that),
@@ -615,12 +619,8 @@ namespace detail {
 
 // DTRAIN_SHM_BUCKETS: 1 (default) keeps DDP's gradient buckets in shared memory when the group has it.
 bool shared_buckets_enabled_by_env() {
-  const char* value = std::getenv("DTRAIN_SHM_BUCKETS");
-  if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
-  if (std::string(value) == "0") return false;
-  throw UsageError(std::string("environment variable DTRAIN_SHM_BUCKETS='") + value +
-                   "': expected 0 (DDP's gradient buckets in private memory, copied through the transport) or 1 "
-                   "(in shared memory when every rank is on one host)");
+  return env_switch("DTRAIN_SHM_BUCKETS", "DDP's gradient buckets in private memory, copied through the transport",
+                    "in shared memory when every rank is on one host");
 }
 
 std::unique_ptr<SharedBuckets> SharedBuckets::create(ProcessGroup& group, int64_t bytes_per_rank) {
@@ -630,10 +630,11 @@ std::unique_ptr<SharedBuckets> SharedBuckets::create(ProcessGroup& group, int64_
   const bool wanted = shared_buckets_enabled_by_env();
   const int64_t stride = (bytes_per_rank + 4095) / 4096 * 4096;  // each rank's region on its own pages
   const std::string key = "shared-buckets/" + std::to_string(state.shared_buckets_created++);
+  SegmentOptions options;
+  options.bytes = static_cast<size_t>(stride) * state.size;
+  options.wanted = wanted;
   std::string problem;
-  auto segment = map_group_segment(*state.store, key, state.rank, state.size,
-                                   static_cast<size_t>(stride) * state.size, state.timeout, [](char*) {}, problem,
-                                   wanted);
+  auto segment = map_group_segment(*state.store, key, state.rank, state.size, state.timeout, options, problem);
   if (!segment) {
     if (!problem.empty()) {
       DTRAIN_LOG(kWarn, "shared memory unavailable for DDP's gradient buckets ("

@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,7 +13,6 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <random>
 #include <string>
 
 #include "comm/store_bytes.h"
@@ -163,98 +161,42 @@ PairControl& pair_of(void* base, int size, int from, int to) {
 
 std::unique_ptr<ShmPointToPoint> ShmPointToPoint::create(c10d::Store& store, int rank, int size,
                                                          std::chrono::milliseconds timeout) {
+  // Rank 0's ring size holds for everyone, so every rank maps the same layout.
   int64_t ring_bytes = ring_bytes_override.load();
   if (ring_bytes == 0) ring_bytes = kDefaultRingBytes;
-  std::string name;
-  std::string problem;
-  int fd = -1;
-  auto give_up_fd = [&](const char* what) {
-    problem = std::string(what) + ": " + std::strerror(errno);
-    if (fd >= 0) close(fd);
-    fd = -1;
-  };
   if (rank == 0) {
-    std::random_device random;
-    name = "/dtrain-p2p-" + std::to_string(::getpid()) + "-" + std::to_string(random());
-    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      give_up_fd("shm_open");
-    } else if (ftruncate(fd, static_cast<off_t>(segment_bytes(size, ring_bytes))) != 0) {
-      give_up_fd("sizing the segment");  // sparse: the rings take no memory until reserved
-    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(control_bytes(size)));
-               err != 0) {
-      errno = err;
-      give_up_fd("reserving the control records in /dev/shm");
-    }
-    if (fd < 0) {
-      shm_unlink(name.c_str());
-      name.clear();
-    }
-    // Empty: no shared memory for this group. The ring size travels along, so every rank agrees on
-    // it.
-    store.set("p2p/name", bytes_of(name.empty() ? "" : name + "|" + std::to_string(ring_bytes)));
+    store.set("p2p/ring-bytes", bytes_of(std::to_string(ring_bytes)));
   } else {
-    auto value = store.get("p2p/name");
-    std::string text(value.begin(), value.end());
-    auto bar = text.rfind('|');
-    if (bar != std::string::npos) {
-      name = text.substr(0, bar);
-      ring_bytes = std::stoll(text.substr(bar + 1));
-      fd = shm_open(name.c_str(), O_RDWR, 0600);
-      if (fd < 0) give_up_fd("shm_open");
-    }
+    auto value = store.get("p2p/ring-bytes");
+    ring_bytes = std::stoll(std::string(value.begin(), value.end()));
   }
-  const size_t bytes = segment_bytes(size, ring_bytes);
-  void* base = MAP_FAILED;
-  if (fd >= 0) {
-    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) give_up_fd("mmap");
-  }
-  bool attached = base != MAP_FAILED;
-  if (attached) {
+  SegmentOptions options;
+  options.bytes = segment_bytes(size, ring_bytes);
+  options.reserve_bytes = control_bytes(size);  // the rings take no memory until first used
+  options.keep_fd = true;                       // ...and are reserved through the file then
+  options.on_mapped = [rank](char* base) {
     // Before any peer can wait on this rank: from here on its death is recognized.
     records_of(base)[rank].pid_ns.store(own_pid_namespace());
     records_of(base)[rank].pid.store(static_cast<int32_t>(::getpid()));
-  }
-  store.set("p2p/attached/" + std::to_string(rank), bytes_of(attached ? "1" : "0"));
-
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back("p2p/attached/" + std::to_string(r));
-  bool all_attached = true;
-  try {
-    store.wait(keys, timeout);
-    for (const auto& key : keys) {
-      auto value = store.get(key);
-      all_attached = all_attached && value.size() == 1 && value[0] == '1';
-    }
-  } catch (...) {
-    if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
-    if (attached) munmap(base, bytes);
-    if (fd >= 0) close(fd);
-    throw;
-  }
-  if (rank == 0 && !name.empty())
-    shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
-  if (!all_attached) {
-    if (attached) munmap(base, bytes);
-    if (fd >= 0) close(fd);
+  };
+  std::string problem;
+  auto segment = map_group_segment(store, "p2p", rank, size, timeout, options, problem);
+  if (!segment) {
     if (!problem.empty()) {
-      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point ("
-                            << problem << "); send/recv go through Gloo");
+      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point (" << problem
+                                                                         << "); send/recv go through Gloo");
     }
     return nullptr;
   }
-  return std::unique_ptr<ShmPointToPoint>(
-      new ShmPointToPoint(rank, size, fd, base, bytes, ring_bytes));
+  return std::unique_ptr<ShmPointToPoint>(new ShmPointToPoint(rank, size, std::move(segment), ring_bytes));
 }
 
-ShmPointToPoint::ShmPointToPoint(int rank, int size, int fd, void* base, size_t bytes,
-                                 int64_t ring_bytes)
+ShmPointToPoint::ShmPointToPoint(int rank, int size, std::unique_ptr<ShmSegment> segment, int64_t ring_bytes)
     : rank_(rank),
       size_(size),
-      fd_(fd),
-      base_(base),
-      bytes_(bytes),
+      segment_(std::move(segment)),
+      fd_(segment_->fd()),
+      base_(segment_->base()),
       ring_bytes_(ring_bytes),
       outgoing_(size),
       incoming_(size) {
@@ -272,8 +214,6 @@ ShmPointToPoint::~ShmPointToPoint() {
   int32_t present = kPresent;
   records_of(base_)[rank_].gone.compare_exchange_strong(present, kClosed);
   for (int r = 0; r < size_; ++r) wake(r);
-  munmap(base_, bytes_);
-  close(fd_);
 }
 
 bool ShmPointToPoint::supports(const at::Tensor& tensor) {

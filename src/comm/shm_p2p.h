@@ -100,7 +100,7 @@ class ShmPointToPoint {
   struct Held;
   struct Outgoing;
   struct Incoming;
-  ShmPointToPoint(int rank, int size, int fd, void* base, size_t bytes, int64_t ring_bytes);
+  ShmPointToPoint(int rank, int size, std::unique_ptr<ShmSegment> segment, int64_t ring_bytes);
   void progress_locked();
   void push_locked(int dst);
   void pull_locked(int src);
@@ -114,9 +114,9 @@ class ShmPointToPoint {
 
   const int rank_;
   const int size_;
-  const int fd_;  // kept open: rings are reserved on first use
+  const std::unique_ptr<ShmSegment> segment_;
+  const int fd_;  // the segment's file, kept open: rings are reserved on first use
   void* const base_;
-  const size_t bytes_;
   const int64_t ring_bytes_;
 
   std::mutex mutex_;                // everything below, and every ring this rank writes or reads

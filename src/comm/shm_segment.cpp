@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -14,13 +15,17 @@
 
 namespace dtrain::detail {
 
-ShmSegment::~ShmSegment() { munmap(base_, bytes_); }
+ShmSegment::~ShmSegment() {
+  munmap(base_, bytes_);
+  if (fd_ >= 0) close(fd_);
+}
 
 std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank, int size,
-                                              size_t bytes, std::chrono::milliseconds timeout,
-                                              const std::function<void(char* base)>& on_mapped,
-                                              std::string& problem, bool wanted) {
+                                              std::chrono::milliseconds timeout, const SegmentOptions& options,
+                                              std::string& problem) {
   problem.clear();
+  const size_t bytes = options.bytes;
+  const bool wanted = options.wanted;
   std::string name;
   int fd = -1;
   auto give_up_fd = [&](const char* what) {
@@ -36,7 +41,10 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
       give_up_fd("shm_open");
-    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+    } else if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      give_up_fd("sizing the segment");
+    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(std::min(bytes, options.reserve_bytes)));
+               err != 0) {
       errno = err;
       give_up_fd("reserving the segment in /dev/shm");
     }
@@ -57,10 +65,13 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
   if (fd >= 0) {
     base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) problem = std::string("mmap: ") + std::strerror(errno);
-    close(fd);
+    if (base == MAP_FAILED || !options.keep_fd) {
+      close(fd);
+      fd = -1;
+    }
   }
   const bool attached = base != MAP_FAILED;
-  if (attached) on_mapped(static_cast<char*>(base));
+  if (attached && options.on_mapped) options.on_mapped(static_cast<char*>(base));
   store.set(key + "/attached/" + std::to_string(rank), bytes_of(attached ? "1" : "0"));
 
   // Everyone learns whether everyone attached: the segment is used only if all ranks can.
@@ -76,14 +87,16 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
   } catch (...) {
     if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
     if (attached) munmap(base, bytes);
+    if (fd >= 0) close(fd);
     throw;
   }
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
   if (!all_attached) {
     if (attached) munmap(base, bytes);
+    if (fd >= 0) close(fd);
     return nullptr;
   }
-  return std::make_unique<ShmSegment>(base, bytes);
+  return std::make_unique<ShmSegment>(base, bytes, fd);
 }
 
 }  // namespace dtrain::detail

@@ -164,11 +164,14 @@ std::unique_ptr<ShmTransport> ShmTransport::create(c10d::Store& store, int rank,
                                                    std::chrono::milliseconds timeout) {
   const size_t bytes = slots_offset(size) + 2 * static_cast<size_t>(size) * kChunkBytes;
   std::string problem;
-  auto segment = map_group_segment(store, "shm", rank, size, bytes, timeout, [rank](char* base) {
+  SegmentOptions options;
+  options.bytes = bytes;
+  options.on_mapped = [rank](char* base) {
     // Before anyone can wait on this rank: a rank that dies from here on is recognized as dead.
     records_of(base)[rank].pid_ns.store(own_pid_namespace());
     records_of(base)[rank].pid.store(static_cast<int32_t>(::getpid()));
-  }, problem);
+  };
+  auto segment = map_group_segment(store, "shm", rank, size, timeout, options, problem);
   if (!segment) {
     if (!problem.empty()) {
       DTRAIN_LOG(kWarn, "shared memory unavailable (" << problem << "); all-reduce goes through Gloo");
