@@ -74,7 +74,8 @@ int main(int argc, char** argv) {
     if (pg->rank() == 0) {
       std::printf("# all_reduce (sum, float32), %d ranks, algorithm: %s\n", n,
                   pg->uses_shared_memory()
-                      ? "dtrain shared-memory reduce-scatter + all-gather (all ranks on one host)"
+                      ? (n == 2 ? "dtrain shared memory, one step: every rank combines both slots (all ranks on one host)"
+                                : "dtrain shared-memory reduce-scatter + all-gather (all ranks on one host)")
                       : "Gloo ring all-reduce via c10d ProcessGroupGloo (2 threads)");
       std::printf("%12s %8s %12s %12s %12s %14s\n", "bytes", "iters", "time_us", "algbw_GB/s", "busbw_GB/s",
                   "memcpy_GB/s");

@@ -182,6 +182,7 @@ void Reducer::build_buckets() {
     p.bucket = it->second;
   }
   // Ranks on one host keep the buckets in shared memory, each at a 64-byte (cache-line) boundary.
+  std::vector<int64_t> numels;
   int64_t shared_bytes = 0;
   bool shareable = !options_.comm_hook && group_->uses_shared_memory();
   for (auto& bucket : buckets_) {
@@ -190,13 +191,14 @@ void Reducer::build_buckets() {
                 (first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble);
     int64_t numel = 0;
     for (size_t k : bucket.params) numel += params_[k].tensor.numel();
+    numels.push_back(numel);
     bucket.offset = shared_bytes;
     shared_bytes += (numel * static_cast<int64_t>(first.element_size()) + 63) / 64 * 64;
   }
   if (shareable) shared_ = SharedBuckets::create(*group_, shared_bytes);
-  for (auto& bucket : buckets_) {
-    int64_t numel = 0;
-    for (size_t k : bucket.params) numel += params_[k].tensor.numel();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    const int64_t numel = numels[b];
     const at::Tensor& first = params_[bucket.params.front()].tensor;
     if (shared_) {
       bucket.buffer = shared_->tensor(bucket.offset, numel, first.scalar_type());

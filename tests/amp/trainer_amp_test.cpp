@@ -15,12 +15,7 @@ namespace {
 
 using testing::bin;
 using testing::run_command;
-
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
-  return std::stod(match[1]);
-}
+using testing::json_number;
 
 TEST(TrainerAmp, BFloat16DdpReachesTheAccuracyBarInOneEpoch) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;

@@ -17,18 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using testing::bin;
 using testing::run_command;
-
-int64_t json_int(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9]+)"))) return -1;
-  return std::stoll(match[1]);
-}
-
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
-  return std::stod(match[1]);
-}
+using testing::json_int;
+using testing::json_number;
 
 std::string zero_trainer(int ranks, int stage, const std::string& flags) {
   return bin("dtrain") + " run --nproc-per-node " + std::to_string(ranks) + " -- " +

@@ -24,20 +24,10 @@ namespace {
 namespace fs = std::filesystem;
 using testing::bin;
 using testing::run_command;
+using testing::json_int;
+using testing::json_number;
 
 using testing::temp_dir;
-
-int64_t json_int(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9]+)"))) return -1;
-  return std::stoll(match[1]);
-}
-
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
-  return std::stod(match[1]);
-}
 
 std::string json_list(const std::string& output, const std::string& key) {
   std::smatch match;

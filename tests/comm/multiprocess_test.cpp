@@ -14,6 +14,7 @@ namespace {
 
 using testing::bin;
 using testing::run_command;
+using testing::json_number;
 
 TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
   auto result =
@@ -57,12 +58,6 @@ TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {
               std::string::npos)
         << result.output;
   }
-}
-
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
-  return std::stod(match[1]);
 }
 
 TEST(MultiProcess, PipelineAcrossTwoNodesEqualsSingleProcessModelParallel) {

@@ -14,18 +14,14 @@ namespace {
 
 using testing::bin;
 using testing::run_command;
+using testing::json_int;
+using testing::json_number;
 
 std::string temp_dir(const std::string& stem) {
   auto dir = std::filesystem::temp_directory_path() / (stem + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();
-}
-
-int64_t json_int(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9]+)"))) return -1;
-  return std::stoll(match[1]);
 }
 
 TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
@@ -59,12 +55,6 @@ TEST(Trainer, DataParallelStrategyTrains) {
   EXPECT_NE(result.output.find("\"strategy\": \"dp\", \"replicas\": 3"), std::string::npos)
       << result.output;
   EXPECT_EQ(json_int(result.output, "train_samples"), 30 * 60) << result.output;
-}
-
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
-  return std::stod(match[1]);
 }
 
 TEST(Trainer, ModelParallelReachesDdpAccuracyInOneEpoch) {
