@@ -6,7 +6,7 @@
 #   C  DDP, 2 ranks x 32 samples, separate gradients (gradient_as_bucket_view off)
 #   D  2 ranks each training alone on 32 samples, side by side (B's computation without communication)
 #   E  1 rank alone, 32 samples                            (the same computation without a neighbour)
-# Prints the median ms/step of each and its ratio to A, then the mean per-step breakdown (DTRAIN_PROFILE)
+# Prints the median ms/step of each and its ratio to A, the median of B's and D's per-round ratios to A, then the mean per-step breakdown (DTRAIN_PROFILE)
 # of the B, C and D runs, and the load average before and after.
 #   bench/ddp_breakdown.sh [build dir]          (REPEATS=5 STEPS=200 by default)
 set -euo pipefail
@@ -47,6 +47,13 @@ for name in A B C D E; do
   esac
   m=$(median <"$work/$name.ms")
   echo "| $label | $m | $(awk -v m="$m" -v a="$a" 'BEGIN {printf "%.2f", m / a}') |"
+done
+echo
+# On a shared VM the host's load drifts between rounds and moves every configuration at once; the ratio of
+# each round's B to the same round's A, taken minutes apart at most, is steadier than the ratio of medians.
+for name in B D; do
+  paired=$(paste -d' ' "$work/A.ms" "$work/$name.ms" | awk '{printf "%.3f\n", $2 / $1}')
+  echo "$name / A per round: $(echo $paired) -> median $(echo "$paired" | median)"
 done
 echo
 python3 - "$work" <<'PY'
