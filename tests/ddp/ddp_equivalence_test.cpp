@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -232,6 +235,61 @@ TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
           << e.what();
     }
   });
+}
+
+TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
+  // Shared buckets take /dev/shm room for every rank's gradients (Docker's default /dev/shm is 64 MB). Where
+  // rank 0 cannot reserve it, every rank must warn and average through the transport instead, not fail or
+  // hang. A file size limit makes the reservation fail as a full /dev/shm would, without filling one; it
+  // is set once the group's own segment exists, so only the buckets' segment meets it.
+  torch::set_num_threads(1);
+  auto initial = make_mlp();
+  const Data d = make_data(0);
+  std::vector<at::Tensor> want;
+  {
+    auto single = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    torch::nn::functional::cross_entropy(single->forward(d.x), d.y).backward();
+    for (auto& p : single->parameters()) want.push_back(p.grad().clone());
+  }
+  struct RestoreLimit {
+    rlimit saved{};
+    void (*handler)(int) = nullptr;
+    RestoreLimit() {
+      getrlimit(RLIMIT_FSIZE, &saved);
+      handler = std::signal(SIGXFSZ, SIG_IGN);  // a failed ftruncate returns EFBIG instead of killing us
+    }
+    void restore() const { setrlimit(RLIMIT_FSIZE, &saved); }
+    ~RestoreLimit() {
+      restore();
+      std::signal(SIGXFSZ, handler);
+    }
+  } limit;
+  ::testing::internal::CaptureStderr();
+  run_group(2, [&](int rank, ProcessGroup& group) {
+    group.barrier();  // every rank has its group (and the group its segment) before the limit
+    if (rank == 0) {
+      rlimit tiny = limit.saved;
+      // Below the buckets' segment (at least a page per rank), above what stderr (captured to a file, which
+      // the limit binds too) receives meanwhile.
+      tiny.rlim_cur = 4096;
+      setrlimit(RLIMIT_FSIZE, &tiny);
+    }
+    group.barrier();
+    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    DistributedDataParallel ddp(net, std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+    group.barrier();  // every rank has built its buckets
+    if (rank == 0) limit.restore();
+    auto [begin, count] = shard(kGlobalBatch, 2, rank);
+    shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), 2).backward();
+    std::vector<at::Tensor> got;
+    for (auto& p : net->parameters()) got.push_back(p.grad());
+    EXPECT_EQ(mapping_of(got[0].data_ptr()), "") << "rank " << rank << ": the gradient is still in shared memory";
+    EXPECT_LT(relative_error(got, want), kTolerance) << "rank " << rank;
+  });
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("shared memory unavailable for DDP's gradient buckets (sizing the segment: File too large"),
+            std::string::npos)
+      << log;
 }
 
 TEST(Ddp, TheTestCanFail) {
