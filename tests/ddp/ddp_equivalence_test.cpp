@@ -239,8 +239,8 @@ TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
 
 TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
   // Shared buckets take /dev/shm room for every rank's gradients (Docker's default /dev/shm is 64 MB). Where
-  // rank 0 cannot reserve it, every rank must warn and average through the transport instead, not fail or
-  // hang. A file size limit makes the reservation fail as a full /dev/shm would, without filling one; it
+  // rank 0 cannot reserve it, rank 0 must say so and every rank average through the transport instead, not
+  // fail or hang. A file size limit makes the reservation fail as a full /dev/shm would, without filling one; it
   // is set once the group's own segment exists, so only the buckets' segment meets it.
   torch::set_num_threads(1);
   auto initial = make_mlp();
