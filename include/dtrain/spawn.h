@@ -17,7 +17,11 @@
 // of fn) it stops the others (SIGTERM, then SIGKILL after `stop_grace`) and throws SpawnError
 // naming the rank and its exit status, signal or exception message. Workers die with the parent
 // (PR_SET_PDEATHSIG, plus a check that the parent is still the one that started them), so killing
-// the parent leaves no orphans.
+// the parent leaves no orphans. SIGINT, SIGTERM or SIGHUP reaching the parent while spawn() waits (a
+// scheduler preempting the job) stop the workers as `dtrain run` does: SIGTERM, so they can save a
+// checkpoint, SIGKILL after `stop_grace`; then the signal takes its usual course in the parent (by
+// default it ends there; if the program has its own handler, spawn() throws SpawnError with rank -1
+// once it returns). A signal the program ignores stays ignored, in the workers too.
 //
 // How a worker finds fn: the worker runs main() again from the top and reaches the same spawn()
 // call; an environment marker (DTRAIN_SPAWN_RANK) tells that call it is in worker R, so instead of
@@ -50,7 +54,8 @@ struct SpawnOptions {
   // Processes only: where rank 0 hosts the store. Port 0: a free port picked by the parent.
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
-  // Processes only: after the first failure, how long the others get between SIGTERM and SIGKILL.
+  // Processes only: after the first failure (or a signal to the parent), how long the workers get
+  // between SIGTERM and SIGKILL.
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
 };
 
@@ -60,9 +65,9 @@ class SpawnError : public Error {
  public:
   SpawnError(const std::string& what, int rank, int exit_status, int signal)
       : Error(what), rank(rank), exit_status(exit_status), signal(signal) {}
-  int rank;         // the rank that failed first
+  int rank;         // the rank that failed first (-1: a signal to the parent stopped them all)
   int exit_status;  // its exit status (-1: killed by a signal, or a thread rank)
-  int signal;       // the signal that killed it (0: none)
+  int signal;       // the signal that killed it, or that the parent received (0: none)
 };
 
 // Runs fn(rank) for rank = 0..nprocs-1 as described above. Throws UsageError for nprocs < 1 (or, in

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -157,6 +158,51 @@ std::string describe_status(int status) {
   return "exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
+// A signal meant for the whole job (Ctrl-C, a scheduler's SIGTERM, SIGHUP) that reaches the parent while it
+// waits stops the workers in order, as `dtrain run` does: SIGTERM first, so they can save a checkpoint,
+// SIGKILL after stop_grace; then the signal takes its usual course in the parent. The handler only records
+// the signal; the wait loop, which polls every few milliseconds anyway, does the rest. Signals the program
+// ignores stay ignored.
+volatile std::sig_atomic_t g_job_signal = 0;
+
+extern "C" void record_job_signal(int signo) { g_job_signal = signo; }
+
+class JobSignals {
+ public:
+  JobSignals() {
+    g_job_signal = 0;
+    for (int signo : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction current {};
+      if (::sigaction(signo, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
+      struct sigaction action {};
+      action.sa_handler = record_job_signal;
+      sigemptyset(&action.sa_mask);
+      action.sa_flags = SA_RESTART;
+      ::sigaction(signo, &action, &current);
+      caught_.push_back({signo, current});
+    }
+  }
+  ~JobSignals() { restore(); }
+  JobSignals(const JobSignals&) = delete;
+  JobSignals& operator=(const JobSignals&) = delete;
+
+  void restore() {
+    for (const auto& [signo, previous] : caught_) ::sigaction(signo, &previous, nullptr);
+    caught_.clear();
+  }
+  // Between fork and exec (async-signal-safe): until exec resets them, the signals are the worker's own.
+  void default_in_child() const {
+    for (const auto& entry : caught_) {
+      struct sigaction default_action {};
+      default_action.sa_handler = SIG_DFL;
+      ::sigaction(entry.first, &default_action, nullptr);
+    }
+  }
+
+ private:
+  std::vector<std::pair<int, struct sigaction>> caught_;
+};
+
 void spawn_processes(int nprocs, const SpawnOptions& options) {
   const std::vector<std::string> args = own_arguments();
   const int port = options.master_port > 0 ? options.master_port : free_port(options.master_addr);
@@ -176,6 +222,8 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+
+  JobSignals signals;
 
   std::vector<Worker> workers(nprocs);
   auto stop_all = [&](int signal) {
@@ -239,6 +287,7 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       // threads.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(127);  // the parent died before the line above
+      signals.default_in_child();
       ::fcntl(pipe_fds[1], F_SETFD, 0);         // the worker inherits the write end
       ::execve("/proc/self/exe", argv.data(), envp.data());
       ::_exit(127);
@@ -275,6 +324,16 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       text += "; the other ranks were stopped.";
       throw SpawnError(text, rank, WIFEXITED(w.status) ? WEXITSTATUS(w.status) : -1,
                        WIFSIGNALED(w.status) ? WTERMSIG(w.status) : 0);
+    }
+    if (int signo = g_job_signal; signo != 0) {
+      stop_and_reap_all();
+      const std::string text = std::string("dtrain::spawn: received SIG") + sigabbrev_np(signo) + "; stopped " +
+                               std::to_string(running) + " running worker(s): SIGTERM, SIGKILL after " +
+                               std::to_string(options.stop_grace.count()) + " ms";
+      std::cerr << text << std::endl;
+      signals.restore();  // the program's own dispositions again
+      ::raise(signo);     // by default this process ends here, killed by the signal as it would have been
+      throw SpawnError(text + "; the program's own handler returned", -1, -1, signo);
     }
     if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

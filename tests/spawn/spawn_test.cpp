@@ -1,5 +1,5 @@
 // dtrain::spawn: ranks as re-executed processes (success, a failing rank named, a crashing rank
-// named, no orphans after the parent is killed) and as threads (the same parameters as processes
+// named, no orphans after the parent is killed, SIGTERM to the parent reaching the workers) and as threads (the same parameters as processes
 // after k DDP steps). The spawning program is tests/workers/spawn_worker.cpp.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -115,6 +115,50 @@ TEST(Spawn, NoOrphansAfterTheParentIsKilled) {
   for (pid_t w : workers) {
     EXPECT_FALSE(process_alive(w)) << "worker " << w << " outlived its killed parent";
     if (process_alive(w)) ::kill(w, SIGKILL);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Spawn, SigtermToTheParentReachesTheWorkersBeforeItEnds) {
+  // A scheduler that preempts a job signals the process it started, the parent: the workers must get
+  // SIGTERM too and time to act on it (save a checkpoint), as under `dtrain run`, and the parent must
+  // still end by that SIGTERM. Before, the parent died at once and PDEATHSIG killed the workers outright.
+  std::string dir = temp_dir("spawn-sigterm");
+  std::filesystem::create_directories(dir);
+  pid_t parent = ::fork();
+  ASSERT_GE(parent, 0);
+  if (parent == 0) {
+    std::string program = bin("spawn_worker");
+    ::execl(program.c_str(), program.c_str(), "2", "term", dir.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  auto started = [&] {
+    return !read_file(dir + "/pid0").empty() && !read_file(dir + "/pid1").empty();
+  };
+  while (!started() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(started()) << "the workers never started";
+  ::kill(parent, SIGTERM);
+  int status = 0;
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  pid_t done = 0;
+  while ((done = ::waitpid(parent, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (done == 0) {
+    ::kill(parent, SIGKILL);
+    ::waitpid(parent, &status, 0);
+    FAIL() << "the parent did not end within 30 s of SIGTERM";
+  }
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
+      << "the parent should end by the SIGTERM it received; status " << status;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(read_file(dir + "/saved" + std::to_string(r)), "checkpoint")
+        << "rank " << r << " never got the SIGTERM (or no time to act on it)";
+    pid_t worker = std::atoi(read_file(dir + "/pid" + std::to_string(r)).c_str());
+    EXPECT_FALSE(process_alive(worker)) << "worker " << worker << " outlived its parent";
   }
   std::filesystem::remove_all(dir);
 }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -69,9 +70,11 @@ void train_ddp(int rank, int steps, const std::string& out) {
 
 }  // namespace
 
+volatile std::sig_atomic_t g_terminated = 0;
+
 int main(int argc, char** argv) {
   return dtrain::run_main([&] {
-    if (argc < 3) throw dtrain::UsageError("usage: spawn_worker N ok|fail|crash|hang|ddp ...");
+    if (argc < 3) throw dtrain::UsageError("usage: spawn_worker N ok|fail|crash|hang|term|ddp ...");
     const int nprocs = std::atoi(argv[1]);
     const std::string what = argv[2];
     const std::string arg = argc > 3 ? argv[3] : "";
@@ -93,6 +96,12 @@ int main(int argc, char** argv) {
           } else if (what == "hang") {
             write_file(arg + "/pid" + std::to_string(rank), std::to_string(::getpid()));
             std::this_thread::sleep_for(std::chrono::minutes(5));
+          } else if (what == "term") {
+            // Stands for a trainer that saves a checkpoint on SIGTERM before it exits.
+            std::signal(SIGTERM, [](int) { g_terminated = 1; });
+            write_file(arg + "/pid" + std::to_string(rank), std::to_string(::getpid()));
+            for (int i = 0; i < 6000 && !g_terminated; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            if (g_terminated) write_file(arg + "/saved" + std::to_string(rank), "checkpoint");
           } else if (what == "ddp") {
             train_ddp(rank, std::atoi(arg.c_str()), argv[4]);
           } else if (what == "fail" || what == "crash") {
