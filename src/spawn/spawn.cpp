@@ -314,6 +314,9 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       progressed = true;
       --running;
       if (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0) continue;
+      // A signal to the whole process group (Ctrl-C, a scheduler signalling every process of the job)
+      // reached the workers too: one that stopped on it has not failed; the signal is handled below.
+      if (g_job_signal != 0) continue;
       std::string message = read_message(w.error_read);
       const bool exec_failed =
           WIFEXITED(w.status) && WEXITSTATUS(w.status) == 127 && message.empty();
