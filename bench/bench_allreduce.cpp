@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtrain/comm.h"
+#include "flags.h"
 
 namespace {
 
@@ -40,34 +41,16 @@ double memcpy_gbps(int64_t bytes, int iterations) {
   return bytes * static_cast<double>(iterations) / seconds_since(start) / 1e9;
 }
 
-int64_t parse_count(const std::string& flag, const char* text, int64_t min) {
-  char* end = nullptr;
-  long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < min) {
-    throw dtrain::UsageError("bench_allreduce: " + flag + " '" + text + "': expected an integer of at least " +
-                             std::to_string(min));
-  }
-  return value;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     int64_t min_bytes = 4, max_bytes = int64_t{64} << 20, max_iterations = 1000;
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      if (flag == "--min-bytes" && i + 1 < argc) {
-        min_bytes = parse_count(flag, argv[++i], 4);
-      } else if (flag == "--max-bytes" && i + 1 < argc) {
-        max_bytes = parse_count(flag, argv[++i], 4);
-      } else if (flag == "--max-iters" && i + 1 < argc) {
-        max_iterations = parse_count(flag, argv[++i], 5);
-      } else {
-        throw dtrain::UsageError("bench_allreduce: unknown argument '" + flag +
-                                 "' (or missing value); accepted: --min-bytes N, --max-bytes N, --max-iters N");
-      }
-    }
+    bench::Flags("bench_allreduce", "all-reduce time and bandwidth by message size, doubling from --min-bytes")
+        .integer("--min-bytes", min_bytes, "smallest message", 4)
+        .integer("--max-bytes", max_bytes, "largest message", 4)
+        .integer("--max-iters", max_iterations, "iterations per size at most", 5)
+        .parse(argc, argv);
     torch::set_num_threads(1);
     auto pg = dtrain::init_process_group();
     const int n = pg->size();

@@ -25,6 +25,7 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/sharded_checkpoint.h"
+#include "flags.h"
 
 namespace {
 
@@ -55,7 +56,7 @@ double p90(std::vector<double> v) {
   return v[std::min(v.size() - 1, v.size() * 9 / 10)];
 }
 
-void bench(const std::string& kind, bool async, int saves, int steps_between,
+void bench_saves(const std::string& kind, bool async, int saves, int steps_between,
            const std::string& dir) {
   torch::manual_seed(0);
   auto model = make_model(kind);
@@ -207,45 +208,32 @@ void bench_sharded(const std::string& kind, const std::vector<int>& world_sizes,
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model = "both";
-  int saves = 20, steps_between = 100;
-  std::vector<int> sharded_world_sizes;  // --sharded: compare replicated with sharded saves
-  std::string dir =
-      (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid())))
-          .string();
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--model") {
-      model = value;
-    } else if (flag == "--saves") {
-      saves = std::max(1, std::stoi(value));
-    } else if (flag == "--steps-between") {
-      steps_between = std::max(1, std::stoi(value));
-    } else if (flag == "--dir") {
-      dir = value;
-    } else if (flag == "--sharded") {
-      std::stringstream list(value);
-      for (std::string item; std::getline(list, item, ',');)
-        sharded_world_sizes.push_back(std::max(1, std::stoi(item)));
-    } else {
-      std::cerr << "bench_checkpoint: unknown flag '" << flag
-                << "'; flags: --model mlp|cnn|wide|both --saves N --steps-between N --dir DIR "
-                   "--sharded 1,2,4\n";
-      return 2;
+  return dtrain::run_main([&] {
+    std::string model = "both";
+    int saves = 20, steps_between = 100;
+    std::vector<int> sharded_world_sizes;  // --sharded: compare replicated with sharded saves
+    std::string dir =
+        (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid()))).string();
+    bench::Flags("bench_checkpoint", "how long a checkpoint save holds the training loop, blocking vs asynchronous")
+        .text("--model", model, "which model (wide: with --sharded)", {"mlp", "cnn", "wide", "both"})
+        .integer("--saves", saves, "saves per mode")
+        .integer("--steps-between", steps_between, "training steps between saves")
+        .text("--dir", dir, "where the checkpoints go")
+        .integers("--sharded", sharded_world_sizes, "instead, replicated vs sharded saves at these world sizes")
+        .parse(argc, argv);
+    torch::set_num_threads(1);  // as one rank of the trainer
+    if (!sharded_world_sizes.empty()) {
+      for (const std::string kind : {"mlp", "wide"}) {
+        if (model != "both" && model != kind) continue;
+        bench_sharded(kind, sharded_world_sizes, saves, dir);
+      }
+      return 0;
     }
-  }
-  torch::set_num_threads(1);  // as one rank of the trainer
-  if (!sharded_world_sizes.empty()) {
-    for (const std::string kind : {"mlp", "wide"}) {
+    for (const std::string kind : {"mlp", "cnn"}) {
       if (model != "both" && model != kind) continue;
-      bench_sharded(kind, sharded_world_sizes, saves, dir);
+      bench_saves(kind, /*async=*/false, saves, steps_between, dir);
+      bench_saves(kind, /*async=*/true, saves, steps_between, dir);
     }
     return 0;
-  }
-  for (const std::string kind : {"mlp", "cnn"}) {
-    if (model != "both" && model != kind) continue;
-    bench(kind, /*async=*/false, saves, steps_between, dir);
-    bench(kind, /*async=*/true, saves, steps_between, dir);
-  }
-  return 0;
+  });
 }

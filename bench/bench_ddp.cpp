@@ -21,61 +21,30 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
 #include "dtrain/profile.h"
-
-namespace {
-
-int64_t parse_int(const std::string& flag, const char* text) {
-  char* end = nullptr;
-  long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < 1) {
-    throw dtrain::UsageError("bench_ddp: " + flag + " '" + text + "': expected a positive integer");
-  }
-  return value;
-}
-
-}  // namespace
+#include "flags.h"
 
 int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     int64_t hidden = 1024, batch = 32, steps = 100;
     double bucket_mb = 25;
-    bool use_ddp = true, overlap = true, grad_views = true;
     int64_t dp_replicas = 0, threads = 1;
     bool dp_gather = false, local = false;
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      bool has_value = i + 1 < argc;
-      if (flag == "--hidden" && has_value) {
-        hidden = parse_int(flag, argv[++i]);
-      } else if (flag == "--batch" && has_value) {
-        batch = parse_int(flag, argv[++i]);
-      } else if (flag == "--steps" && has_value) {
-        steps = parse_int(flag, argv[++i]);
-      } else if (flag == "--bucket-mb" && has_value) {
-        bucket_mb = std::atof(argv[++i]);
-        if (!(bucket_mb > 0)) throw dtrain::UsageError("bench_ddp: --bucket-mb: expected a positive number");
-      } else if (flag == "--dp" && has_value) {
-        dp_replicas = parse_int(flag, argv[++i]);
-        use_ddp = false;
-      } else if (flag == "--dp-gather") {
-        dp_gather = true;
-      } else if (flag == "--threads" && has_value) {
-        threads = parse_int(flag, argv[++i]);
-      } else if (flag == "--no-ddp") {
-        use_ddp = false;
-      } else if (flag == "--local") {
-        use_ddp = false;
-        local = true;
-      } else if (flag == "--no-overlap") {
-        overlap = false;
-      } else if (flag == "--separate-grads") {
-        grad_views = false;
-      } else {
-        throw dtrain::UsageError("bench_ddp: unknown argument '" + flag +
-                                 "' (or missing value); accepted: --hidden N --batch N --steps N --bucket-mb X "
-                                 "--no-ddp --local --no-overlap --separate-grads --dp N --dp-gather --threads N");
-      }
-    }
+    bool no_ddp = false, no_overlap = false, separate_grads = false;
+    bench::Flags("bench_ddp", "DDP step time on an MLP 784-H-H-10 (or the knobs below)")
+        .integer("--hidden", hidden, "H")
+        .integer("--batch", batch, "samples per rank per step")
+        .integer("--steps", steps, "timed steps")
+        .number("--bucket-mb", bucket_mb, "bucket cap, MiB")
+        .on("--no-ddp", no_ddp, "plain training, world size 1 only")
+        .on("--local", local, "every rank trains alone, in step with the others: DDP's computation alone")
+        .on("--no-overlap", no_overlap, "all bucket all-reduces after backward")
+        .on("--separate-grads", separate_grads, "gradient_as_bucket_view off")
+        .integer("--dp", dp_replicas, "DataParallel over N CPU replicas in one process, B samples each", 0)
+        .on("--dp-gather", dp_gather, "with --dp: outputs gathered for one loss")
+        .integer("--threads", threads, "intra-op threads")
+        .parse(argc, argv);
+    const bool use_ddp = !no_ddp && !local && dp_replicas == 0;
+    const bool overlap = !no_overlap, grad_views = !separate_grads;
     torch::set_num_threads(static_cast<int>(threads));
     auto pg = dtrain::init_process_group();
     if (!use_ddp && !local && pg->size() != 1) {

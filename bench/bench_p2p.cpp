@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dtrain/comm.h"
+#include "flags.h"
 
 namespace {
 
@@ -32,16 +33,6 @@ constexpr double kBudgetS =
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-int64_t parse_count(const std::string& flag, const char* text, int64_t min) {
-  char* end = nullptr;
-  long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < min) {
-    throw dtrain::UsageError("bench_p2p: " + flag + " '" + text +
-                             "': expected an integer of at least " + std::to_string(min));
-  }
-  return value;
 }
 
 // Rank 0 decides how often to repeat (from its own timing); rank 1 learns it with the first
@@ -122,27 +113,12 @@ int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     int64_t min_bytes = 4, max_bytes = int64_t{64} << 20, max_iterations = 20000;
     std::string transports = "shm,gloo";
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      if (flag == "--min-bytes" && i + 1 < argc) {
-        min_bytes = parse_count(flag, argv[++i], 1);
-      } else if (flag == "--max-bytes" && i + 1 < argc) {
-        max_bytes = parse_count(flag, argv[++i], 1);
-      } else if (flag == "--max-iters" && i + 1 < argc) {
-        max_iterations = parse_count(flag, argv[++i], 5);
-      } else if (flag == "--transports" && i + 1 < argc) {
-        transports = argv[++i];
-        if (transports != "shm,gloo" && transports != "shm" && transports != "gloo") {
-          throw dtrain::UsageError("bench_p2p: --transports '" + transports +
-                                   "': expected shm, gloo or shm,gloo");
-        }
-      } else {
-        throw dtrain::UsageError(
-            "bench_p2p: unknown argument '" + flag +
-            "' (or missing value); accepted: --min-bytes N, --max-bytes N, --max-iters N, "
-            "--transports shm,gloo");
-      }
-    }
+    bench::Flags("bench_p2p", "point-to-point send/recv time and bandwidth by message size, 2 ranks")
+        .integer("--min-bytes", min_bytes, "smallest message", 1)
+        .integer("--max-bytes", max_bytes, "largest message", 1)
+        .integer("--max-iters", max_iterations, "iterations per size at most", 5)
+        .text("--transports", transports, "which transports to measure", {"shm,gloo", "shm", "gloo"})
+        .parse(argc, argv);
     torch::set_num_threads(1);
     auto shm = dtrain::init_process_group();
     if (shm->size() != 2) {

@@ -25,6 +25,7 @@
 
 #include "dtrain/comm.h"
 #include "dtrain/pipeline.h"
+#include "flags.h"
 
 namespace {
 
@@ -81,37 +82,19 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "--distributed") {
-      a.distributed = true;
-      continue;
-    }
-    if (i + 1 >= argc) throw dtrain::UsageError("bench_pipeline: " + flag + " needs a value");
-    std::string v = argv[++i];
-    if (flag == "--mode")
-      a.mode = v;
-    else if (flag == "--stages")
-      a.stages = std::stoi(v);
-    else if (flag == "--micro-batches")
-      a.micro_batches = std::stoi(v);
-    else if (flag == "--virtual-stages")
-      a.virtual_stages = std::stoi(v);
-    else if (flag == "--schedule")
-      a.schedule = v;
-    else if (flag == "--steps")
-      a.steps = std::stoi(v);
-    else if (flag == "--forward-ms")
-      a.forward_ms = std::stod(v);
-    else if (flag == "--backward-ms")
-      a.backward_ms = std::stod(v);
-    else if (flag == "--hidden")
-      a.hidden = std::stoll(v);
-    else if (flag == "--batch")
-      a.batch = std::stoll(v);
-    else
-      throw dtrain::UsageError("bench_pipeline: unknown flag '" + flag + "'");
-  }
+  bench::Flags("bench_pipeline", "pipeline bubble with sleeping stages, or model parallelism on a real MLP")
+      .text("--mode", a.mode, "sleep: stages of controlled duration; mlp: a real MLP", {"sleep", "mlp"})
+      .on("--distributed", a.distributed, "sleep mode across processes (one stage per rank, under dtrain run)")
+      .integer("--stages", a.stages, "pipeline stages, in one process")
+      .integer("--micro-batches", a.micro_batches, "micro-batches per step")
+      .integer("--virtual-stages", a.virtual_stages, "chunks per stage, for the interleaved schedule")
+      .text("--schedule", a.schedule, "schedule", {"gpipe", "1f1b", "interleaved"})
+      .integer("--steps", a.steps, "timed steps")
+      .number("--forward-ms", a.forward_ms, "sleep per micro-batch forward", /*zero_allowed=*/true)
+      .number("--backward-ms", a.backward_ms, "sleep per micro-batch backward", /*zero_allowed=*/true)
+      .integer("--hidden", a.hidden, "mlp mode: hidden width")
+      .integer("--batch", a.batch, "mlp mode: samples per step")
+      .parse(argc, argv);
   return a;
 }
 
@@ -233,10 +216,8 @@ int main(int argc, char** argv) {
     Args a = parse(argc, argv);
     if (a.mode == "sleep") {
       sleep_mode(a);
-    } else if (a.mode == "mlp") {
-      mlp_mode(a);
     } else {
-      throw dtrain::UsageError("bench_pipeline: --mode '" + a.mode + "': expected sleep or mlp");
+      mlp_mode(a);
     }
     return 0;
   });

@@ -21,18 +21,9 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp.h"
 #include "dtrain/sharded.h"
+#include "flags.h"
 
 namespace {
-
-int64_t parse_int(const std::string& flag, const char* text) {
-  char* end = nullptr;
-  long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < 1) {
-    throw dtrain::UsageError("bench_sharded: " + flag + " '" + text +
-                             "': expected a positive integer");
-  }
-  return value;
-}
 
 // Bytes of distinct storages, by what they hold.
 struct Census {
@@ -170,31 +161,14 @@ int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     std::string mode = "ddp";
     int64_t hidden = 1024, layers = 4, batch = 32, steps = 20, budget_mb = 0;
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      bool has_value = i + 1 < argc;
-      if (flag == "--mode" && has_value) {
-        mode = argv[++i];
-        if (mode != "ddp" && mode != "1" && mode != "2" && mode != "3") {
-          throw dtrain::UsageError("bench_sharded: --mode '" + mode + "': expected ddp, 1, 2 or 3");
-        }
-      } else if (flag == "--hidden" && has_value) {
-        hidden = parse_int(flag, argv[++i]);
-      } else if (flag == "--layers" && has_value) {
-        layers = parse_int(flag, argv[++i]);
-      } else if (flag == "--batch" && has_value) {
-        batch = parse_int(flag, argv[++i]);
-      } else if (flag == "--steps" && has_value) {
-        steps = parse_int(flag, argv[++i]);
-      } else if (flag == "--budget-mb" && has_value) {
-        budget_mb = parse_int(flag, argv[++i]);
-      } else {
-        throw dtrain::UsageError(
-            "bench_sharded: unknown argument '" + flag +
-            "' (or missing value); accepted: --mode ddp|1|2|3 --hidden N --layers N "
-            "--batch N --steps N --budget-mb N");
-      }
-    }
+    bench::Flags("bench_sharded", "memory and step time of DDP against ShardedDataParallel stages 1-3")
+        .text("--mode", mode, "ddp, or the ZeRO stage", {"ddp", "1", "2", "3"})
+        .integer("--hidden", hidden, "hidden width")
+        .integer("--layers", layers, "hidden layers")
+        .integer("--batch", batch, "samples per rank per step")
+        .integer("--steps", steps, "timed steps")
+        .integer("--budget-mb", budget_mb, "instead, the widest MLP whose training state fits M MiB per rank (0: off)", 0)
+        .parse(argc, argv);
     torch::set_num_threads(1);
     auto pg = dtrain::init_process_group();
     const int n = pg->size();

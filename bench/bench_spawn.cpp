@@ -13,18 +13,9 @@
 #include "dtrain/comm.h"
 #include "dtrain/ddp.h"
 #include "dtrain/spawn.h"
+#include "flags.h"
 
 namespace {
-
-int64_t parse_int(const std::string& flag, const char* text) {
-  char* end = nullptr;
-  long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < 1) {
-    throw dtrain::UsageError("bench_spawn: " + flag + " '" + text +
-                             "': expected a positive integer");
-  }
-  return value;
-}
 
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -37,30 +28,13 @@ int main(int argc, char** argv) {
     int64_t hidden = 1024, batch = 32, steps = 100, ranks = 2;
     dtrain::SpawnOptions options;
     std::string mode = "processes";
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      bool has_value = i + 1 < argc;
-      if (flag == "--hidden" && has_value) {
-        hidden = parse_int(flag, argv[++i]);
-      } else if (flag == "--batch" && has_value) {
-        batch = parse_int(flag, argv[++i]);
-      } else if (flag == "--steps" && has_value) {
-        steps = parse_int(flag, argv[++i]);
-      } else if (flag == "--ranks" && has_value) {
-        ranks = parse_int(flag, argv[++i]);
-      } else if (flag == "--mode" && has_value) {
-        mode = argv[++i];
-        if (mode != "threads" && mode != "processes") {
-          throw dtrain::UsageError("bench_spawn: --mode '" + mode +
-                                   "': expected threads or processes");
-        }
-      } else {
-        throw dtrain::UsageError(
-            "bench_spawn: unknown argument '" + flag +
-            "' (or missing value); accepted: --mode threads|processes --ranks N --hidden N "
-            "--batch N --steps N");
-      }
-    }
+    bench::Flags("bench_spawn", "DDP ranks started by dtrain::spawn as threads or processes: start-up, step time")
+        .text("--mode", mode, "what a rank is", {"threads", "processes"})
+        .integer("--ranks", ranks, "ranks")
+        .integer("--hidden", hidden, "hidden width")
+        .integer("--batch", batch, "samples per rank per step")
+        .integer("--steps", steps, "timed steps")
+        .parse(argc, argv);
     if (mode == "threads") options.mode = dtrain::SpawnMode::kThreads;
     // The parent's start time reaches the process ranks through the environment (they re-run
     // main()).
