@@ -80,32 +80,43 @@ TEST(Spawn, ACrashingRankIsNamedWithItsSignal) {
       << result.output;
 }
 
-TEST(Spawn, NoOrphansAfterTheParentIsKilled) {
-  std::string dir = temp_dir("spawn-orphans");
-  std::filesystem::create_directories(dir);
+// Starts `spawn_worker 2 <what> <dir>` as a child of this test and returns its pid (the spawning parent)
+// once both workers wrote their pid files into `dir`, with the workers' pids in `workers`; -1 if they did
+// not within 60 s (the parent is killed then).
+pid_t start_spawn_parent(const char* what, const std::string& dir, std::vector<pid_t>& workers) {
   pid_t parent = ::fork();
-  ASSERT_GE(parent, 0);
   if (parent == 0) {
     std::string program = bin("spawn_worker");
-    ::execl(program.c_str(), program.c_str(), "2", "hang", dir.c_str(),
-            static_cast<char*>(nullptr));
+    ::execl(program.c_str(), program.c_str(), "2", what, dir.c_str(), static_cast<char*>(nullptr));
     ::_exit(127);
   }
-  std::vector<pid_t> workers;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (workers.size() < 2 && std::chrono::steady_clock::now() < deadline) {
+  while (parent > 0 && std::chrono::steady_clock::now() < deadline) {
     workers.clear();
     for (int r = 0; r < 2; ++r) {
       std::string text = read_file(dir + "/pid" + std::to_string(r));
       if (!text.empty()) workers.push_back(std::atoi(text.c_str()));
     }
+    if (workers.size() == 2) return parent;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ASSERT_EQ(workers.size(), 2u) << "the workers never started";
+  if (parent > 0) {
+    ::kill(parent, SIGKILL);
+    ::waitpid(parent, nullptr, 0);
+  }
+  return -1;
+}
+
+TEST(Spawn, NoOrphansAfterTheParentIsKilled) {
+  std::string dir = temp_dir("spawn-orphans");
+  std::filesystem::create_directories(dir);
+  std::vector<pid_t> workers;
+  pid_t parent = start_spawn_parent("hang", dir, workers);
+  ASSERT_GT(parent, 0) << "the workers never started";
   for (pid_t w : workers) ASSERT_TRUE(process_alive(w));
   ::kill(parent, SIGKILL);
   ::waitpid(parent, nullptr, 0);
-  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   bool any_alive = true;
   while (any_alive && std::chrono::steady_clock::now() < deadline) {
     any_alive = false;
@@ -125,24 +136,12 @@ TEST(Spawn, SigtermToTheParentReachesTheWorkersBeforeItEnds) {
   // still end by that SIGTERM. Before, the parent died at once and PDEATHSIG killed the workers outright.
   std::string dir = temp_dir("spawn-sigterm");
   std::filesystem::create_directories(dir);
-  pid_t parent = ::fork();
-  ASSERT_GE(parent, 0);
-  if (parent == 0) {
-    std::string program = bin("spawn_worker");
-    ::execl(program.c_str(), program.c_str(), "2", "term", dir.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  auto started = [&] {
-    return !read_file(dir + "/pid0").empty() && !read_file(dir + "/pid1").empty();
-  };
-  while (!started() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ASSERT_TRUE(started()) << "the workers never started";
+  std::vector<pid_t> workers;
+  pid_t parent = start_spawn_parent("term", dir, workers);
+  ASSERT_GT(parent, 0) << "the workers never started";
   ::kill(parent, SIGTERM);
   int status = 0;
-  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   pid_t done = 0;
   while ((done = ::waitpid(parent, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -157,8 +156,7 @@ TEST(Spawn, SigtermToTheParentReachesTheWorkersBeforeItEnds) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(read_file(dir + "/saved" + std::to_string(r)), "checkpoint")
         << "rank " << r << " never got the SIGTERM (or no time to act on it)";
-    pid_t worker = std::atoi(read_file(dir + "/pid" + std::to_string(r)).c_str());
-    EXPECT_FALSE(process_alive(worker)) << "worker " << worker << " outlived its parent";
+    EXPECT_FALSE(process_alive(workers[r])) << "worker " << workers[r] << " outlived its parent";
   }
   std::filesystem::remove_all(dir);
 }
