@@ -1,6 +1,7 @@
 // Progress records for naming missing ranks; see Note [Progress publishing off the hot path].
 #include "comm/progress.h"
 
+#include <chrono>
 #include <sstream>
 
 #include "comm/store_bytes.h"
@@ -11,6 +12,11 @@ namespace {
 
 std::string key_for(int rank) { return "progress/" + std::to_string(rank); }
 
+// Wall-clock time, comparable between hosts (unlike steady_clock) as far as their clocks agree.
+int64_t unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 }  // namespace
 
@@ -45,7 +51,7 @@ void ProgressTracker::publish_now() {
     op = op_;
   }
   if (seq == published_seq_) return;
-  std::string record = std::to_string(seq) + " " + op;
+  std::string record = std::to_string(seq) + " " + op + " " + std::to_string(unix_ms());
   try {
     store_->set(key_for(rank_), bytes_of(record));
     published_seq_ = seq;
@@ -77,11 +83,12 @@ std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<in
     if (r == rank_) continue;
     uint64_t seen = 0;
     std::string op = "nothing";
+    int64_t published_ms = 0;
     try {
       if (store_->check({key_for(r)})) {
         auto bytes = store_->get(key_for(r));
         std::istringstream record(std::string(bytes.begin(), bytes.end()));
-        record >> seen >> op;
+        record >> seen >> op >> published_ms;
       }
     } catch (const std::exception& e) {
       return "the store could not be read to find the missing ranks (" + std::string(e.what()) +
@@ -90,8 +97,14 @@ std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<in
     if (seen >= seq) continue;
     missing.push_back(r);
     if (missing.size() <= 4) {  // enough to act on; the set of ranks below names them all
-      where << (missing.size() > 1 ? ", " : "") << "rank " << to_global[r] << " last seen at "
+      where << (missing.size() > 1 ? "; " : "") << "rank " << to_global[r] << " last seen at "
             << (seen == 0 ? std::string("start-up") : op + " #" + std::to_string(seen));
+      // How long it has not moved on tells a dead or hung rank (many seconds) from one that is busy
+      // elsewhere. A peer whose clock runs ahead of ours would give a negative age: then none is given.
+      const int64_t age_ms = unix_ms() - published_ms;
+      if (seen != 0 && published_ms > 0 && age_ms >= 0) {
+        where << ", " << age_ms / 1000 << "." << age_ms % 1000 / 100 << " s ago";
+      }
     }
   }
   if (missing.empty()) {

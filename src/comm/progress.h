@@ -4,7 +4,7 @@
 // Note [Progress publishing off the hot path]
 // Writing to the store on every collective would cost a TCP round trip (tens of microseconds) per call, a
 // visible share of a small DDP step. Instead a collective only bumps an in-memory counter, and a background
-// thread publishes "<seq> <op>" to the store when it changed, at most every kPublishInterval. A rank that
+// thread publishes "<seq> <op> <unix ms>" to the store when it changed, at most every kPublishInterval. A rank that
 // times out has waited far longer than that interval, so by then every peer that reached the collective has
 // published it; the timed-out rank publishes its own record at once and reads everyone's.
 #pragma once
@@ -35,8 +35,9 @@ class ProgressTracker {
   uint64_t begin(const char* op);
 
   // One sentence naming the group ranks that have not reached collective `seq`, with where each was last
-  // seen, e.g. "ranks {3} never joined (rank 3 last seen at broadcast #36)". `to_global` maps group ranks
-  // to the job's ranks for the message.
+  // seen and how long ago (by the clocks of both hosts, to within kPublishInterval), e.g. "ranks {3} never
+  // joined (rank 3 last seen at broadcast #36, 30.1 s ago)". `to_global` maps group ranks to the job's
+  // ranks for the message.
   std::string describe_missing(uint64_t seq, const std::vector<int>& to_global);
 
  private:
