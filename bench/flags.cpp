@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 
@@ -26,7 +27,9 @@ CLI::Validator number_from(bool zero_allowed) {
   return CLI::Validator(
       [zero_allowed](std::string& text) -> std::string {
         double value = 0;
-        if (CLI::detail::lexical_cast(text, value) && (zero_allowed ? value >= 0 : value > 0)) return {};
+        if (CLI::detail::lexical_cast(text, value) && std::isfinite(value) && (zero_allowed ? value >= 0 : value > 0)) {
+          return {};
+        }
         return std::string("expected a number ") + (zero_allowed ? "of at least 0" : "above 0") + ", got '" +
                text + "'";
       },
@@ -46,6 +49,11 @@ CLI::Validator one_of(const std::vector<std::string>& choices) {
       "");
 }
 
+CLI::Validator non_empty() {
+  return CLI::Validator([](std::string& text) -> std::string { return text.empty() ? "expected a non-empty value" : ""; },
+                        "");
+}
+
 }  // namespace
 
 Flags::Flags(const std::string& program, const std::string& description)
@@ -53,17 +61,21 @@ Flags::Flags(const std::string& program, const std::string& description)
 
 Flags::~Flags() = default;
 
-Flags& Flags::integer(const std::string& name, int64_t& value, const std::string& help, int64_t low) {
-  app_->add_option(name, value, help + " (at least " + std::to_string(low) + ")")
+// The two integer widths differ only in the variable CLI11 writes.
+template <typename Int>
+void add_integer(CLI::App& app, const std::string& name, Int& value, const std::string& help, int64_t low) {
+  app.add_option(name, value, help + " (at least " + std::to_string(low) + ")")
       ->check(at_least(low))
       ->capture_default_str();
+}
+
+Flags& Flags::integer(const std::string& name, int64_t& value, const std::string& help, int64_t low) {
+  add_integer(*app_, name, value, help, low);
   return *this;
 }
 
 Flags& Flags::integer(const std::string& name, int& value, const std::string& help, int low) {
-  app_->add_option(name, value, help + " (at least " + std::to_string(low) + ")")
-      ->check(at_least(low))
-      ->capture_default_str();
+  add_integer(*app_, name, value, help, low);
   return *this;
 }
 
@@ -79,7 +91,11 @@ Flags& Flags::text(const std::string& name, std::string& value, const std::strin
   std::string listed;
   for (const auto& choice : choices) listed += (listed.empty() ? " (" : " | ") + choice;
   auto* option = app_->add_option(name, value, help + (listed.empty() ? "" : listed + ")"))->capture_default_str();
-  if (!choices.empty()) option->check(one_of(choices));
+  if (!choices.empty()) {
+    option->check(one_of(choices));
+  } else {
+    option->check(non_empty());
+  }
   return *this;
 }
 

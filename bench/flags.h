@@ -25,9 +25,9 @@ class Flags {
   // "--name N": an integer of at least `at_least`.
   Flags& integer(const std::string& name, int64_t& value, const std::string& help, int64_t at_least = 1);
   Flags& integer(const std::string& name, int& value, const std::string& help, int at_least = 1);
-  // "--name X": a number above zero, or at least zero with `zero_allowed`.
+  // "--name X": a finite number above zero, or at least zero with `zero_allowed`.
   Flags& number(const std::string& name, double& value, const std::string& help, bool zero_allowed = false);
-  // "--name TEXT": any text, or one of `choices` when given.
+  // "--name TEXT": any non-empty text, or one of `choices` when given.
   Flags& text(const std::string& name, std::string& value, const std::string& help,
               const std::vector<std::string>& choices = {});
   // "--name 1,2,4": integers of at least 1.

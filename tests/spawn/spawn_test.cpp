@@ -1,6 +1,7 @@
 // dtrain::spawn: ranks as re-executed processes (success, a failing rank named, a crashing rank
-// named, no orphans after the parent is killed, SIGTERM to the parent reaching the workers) and as threads (the same parameters as processes
-// after k DDP steps). The spawning program is tests/workers/spawn_worker.cpp.
+// named, no orphans after the parent is killed, SIGTERM to the parent reaching the workers) and as
+// threads (the same parameters as processes after k DDP steps). The spawning program is
+// tests/workers/spawn_worker.cpp.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
