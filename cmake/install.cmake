@@ -32,4 +32,4 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dtrainConfig.cmake.in
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
-  DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+  ${PROJECT_SOURCE_DIR}/cmake/dtrainFindTorch.cmake DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})

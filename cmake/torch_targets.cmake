@@ -12,9 +12,18 @@ if(NOT DTRAIN_GLOO_INCLUDE_DIR)
                       "-DDTRAIN_GLOO_INCLUDE_DIR=/path/to/folder-holding-gloo.")
 endif()
 
-# A CUDA LibTorch sets TORCH_CUDA_LIBRARIES; then dtrain also builds its NCCL paths.
+# A CUDA LibTorch sets TORCH_CUDA_LIBRARIES; then dtrain also builds its NCCL paths. c10d's
+# ProcessGroupNCCL.hpp includes <nccl.h>, which a wheel keeps in site-packages/nvidia/nccl/include.
 if(TORCH_CUDA_LIBRARIES)
   set(DTRAIN_WITH_CUDA ON)
+  get_filename_component(_dtrain_site "${TORCH_INSTALL_PREFIX}/.." ABSOLUTE)
+  find_path(DTRAIN_NCCL_INCLUDE_DIR nccl.h HINTS ${_dtrain_site}/nvidia/nccl/include ${CUDAToolkit_INCLUDE_DIRS}
+    DOC "Folder holding nccl.h (NCCL's header, which c10d's ProcessGroupNCCL.hpp includes)")
+  if(NOT DTRAIN_NCCL_INCLUDE_DIR)
+    message(FATAL_ERROR "LibTorch at ${TORCH_INSTALL_PREFIX} is a CUDA build, but nccl.h was found neither in "
+                        "${_dtrain_site}/nvidia/nccl/include nor in the CUDA toolkit: install the wheel's "
+                        "nvidia-nccl package, or pass -DDTRAIN_NCCL_INCLUDE_DIR=/path/to/folder-holding-nccl.h.")
+  endif()
 else()
   set(DTRAIN_WITH_CUDA OFF)
 endif()

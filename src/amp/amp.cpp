@@ -6,6 +6,7 @@
 #include "dtrain/amp.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
@@ -17,7 +18,6 @@
 #include <cstdlib>
 
 #include "amp/autocast_state.h"
-#include "common/compat.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 
@@ -27,19 +27,19 @@ namespace detail {
 
 AutocastState current_autocast_state() {
   AutocastState state;
-  state.cpu_enabled = compat::autocast_enabled(c10::DeviceType::CPU);
-  state.cpu_dtype = compat::autocast_dtype(c10::DeviceType::CPU);
-  state.cuda_enabled = compat::autocast_enabled(c10::DeviceType::CUDA);
-  state.cuda_dtype = compat::autocast_dtype(c10::DeviceType::CUDA);
+  state.cpu_enabled = at::autocast::is_autocast_enabled(c10::DeviceType::CPU);
+  state.cpu_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
+  state.cuda_enabled = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
+  state.cuda_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CUDA);
   return state;
 }
 
 namespace {
 void set_autocast_state(const AutocastState& state) {
-  compat::set_autocast_enabled(c10::DeviceType::CPU, state.cpu_enabled);
-  compat::set_autocast_dtype(c10::DeviceType::CPU, state.cpu_dtype);
-  compat::set_autocast_enabled(c10::DeviceType::CUDA, state.cuda_enabled);
-  compat::set_autocast_dtype(c10::DeviceType::CUDA, state.cuda_dtype);
+  at::autocast::set_autocast_enabled(c10::DeviceType::CPU, state.cpu_enabled);
+  at::autocast::set_autocast_dtype(c10::DeviceType::CPU, state.cpu_dtype);
+  at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, state.cuda_enabled);
+  at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, state.cuda_dtype);
 }
 }  // namespace
 
@@ -101,10 +101,10 @@ Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype) : device_
     throw UsageError(std::string("amp::Autocast: device type ") + c10::DeviceTypeName(device_type) +
                      ": expected CPU or CUDA");
   }
-  was_enabled_ = compat::autocast_enabled(device_type);
-  previous_dtype_ = compat::autocast_dtype(device_type);
-  compat::set_autocast_enabled(device_type, true);
-  compat::set_autocast_dtype(device_type, dtype);
+  was_enabled_ = at::autocast::is_autocast_enabled(device_type);
+  previous_dtype_ = at::autocast::get_autocast_dtype(device_type);
+  at::autocast::set_autocast_enabled(device_type, true);
+  at::autocast::set_autocast_dtype(device_type, dtype);
   at::autocast::increment_nesting();
 }
 
@@ -112,8 +112,8 @@ Autocast::~Autocast() {
   // As PyTorch's autocast.__exit__: the cache of casted weights lives as long as the outermost
   // scope (the weights may change before the next one).
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  compat::set_autocast_enabled(device_type_, was_enabled_);
-  compat::set_autocast_dtype(device_type_, previous_dtype_);
+  at::autocast::set_autocast_enabled(device_type_, was_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
 }
 
 // ---- GradScaler ----

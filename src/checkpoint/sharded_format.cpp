@@ -11,6 +11,7 @@
 
 #include "checkpoint/checkpoint_file.h"
 #include "checkpoint/state_parts.h"
+#include "common/compat.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::detail {
@@ -32,11 +33,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   std::ostringstream out;
   out << at::IntArrayRef(shape);
   return out.str();
-}
-
-std::string optimizer_key(const at::Tensor& param) {
-  // LibTorch's optimizers key their per-parameter state by the parameter's TensorImpl.
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
 }
 
 }  // namespace
@@ -125,7 +121,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_adam(const ParamOptimize
 ParamOptimizerState get_param_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                     const at::Tensor& param) {
   ParamOptimizerState out;
-  auto it = optimizer.state().find(optimizer_key(param));
+  auto it = optimizer.state().find(compat::optimizer_state_key(param));
   if (it == optimizer.state().end()) return out;
   switch (kind) {
     case OptimizerKind::kSgd: {
@@ -148,7 +144,7 @@ ParamOptimizerState get_param_state(torch::optim::Optimizer& optimizer, Optimize
 
 void set_param_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                      const at::Tensor& param, const ParamOptimizerState& state) {
-  const std::string key = optimizer_key(param);
+  const auto key = compat::optimizer_state_key(param);
   if (!state.present) {
     optimizer.state().erase(key);
     return;

@@ -1,15 +1,12 @@
 // dtrain::ProcessGroup over c10d: store set-up, the start-up rendezvous, Gloo (and NCCL in a CUDA build)
 // backends, collectives with timeouts, and errors that name the ranks that never arrived.
-#include "common/compat.h"  // first: it sets the macros c10d's backend headers need
+#include "comm/c10d_backends.h"  // first: it sets the macros c10d's backend headers need
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef DTRAIN_WITH_CUDA
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <unistd.h>
 
@@ -48,10 +45,10 @@ struct GroupState {
   std::chrono::milliseconds timeout{kDefaultTimeout};
   c10::intrusive_ptr<c10d::Store> root_store;  // unprefixed; sub-groups prefix it again
   c10::intrusive_ptr<c10d::Store> store;       // this group's keys
-  c10::intrusive_ptr<compat::Backend> gloo;
+  c10::intrusive_ptr<c10d::Backend> gloo;
 #ifdef DTRAIN_WITH_CUDA
   std::once_flag nccl_once;
-  c10::intrusive_ptr<compat::Backend> nccl;
+  c10::intrusive_ptr<c10d::Backend> nccl;
 #endif
   std::unique_ptr<ProgressTracker> progress;
   bool shared_memory_allowed = true;    // InitOptions::shared_memory and DTRAIN_SHM
@@ -386,7 +383,7 @@ void check_one_process_per_gpu(GroupState& group, int device) {
 
 // Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build (or Gloo with
 // DTRAIN_CUDA_BACKEND=gloo).
-compat::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
+c10d::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
   if (tensor.is_cuda() && !group.cuda_through_gloo) {
 #ifdef DTRAIN_WITH_CUDA
     std::call_once(group.nccl_once, [&] {
@@ -461,10 +458,8 @@ void check_gloo_dtype(const GroupState& group, const char* op, const at::Tensor&
     case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt:
     case at::kLong:
       return;
-#if TORCH_VERSION_MAJOR >= 2
     case at::kBFloat16: case at::kBool:
       return;
-#endif
     default:
       throw UsageError(group.who() + ": " + op + " on " + group.group_label() + ": Gloo cannot carry " +
                        std::string(c10::toString(tensor.scalar_type())) +

@@ -1,68 +1,28 @@
-// The one place where LibTorch versions differ for dtrain: Debian's 1.13 (CI) and 2.x (CUDA machines).
-//   - 1.13: c10d's ProcessGroupGloo/ProcessGroupNCCL derive from c10d::ProcessGroup.
-//   - 2.x:  they derive from c10d::Backend (ProcessGroup became a dispatcher over backends).
-// dtrain talks to the concrete backend objects directly, whose collective methods kept their signatures.
+// The one place where the LibTorch releases dtrain supports (2.11 to 2.15, cmake/dtrainFindTorch.cmake)
+// differ for dtrain. LibTorch 1.13 (Debian's libtorch-dev) was retired with the move to C++20: see the README.
 #pragma once
 
-#include <torch/csrc/api/include/torch/version.h>
+#include <torch/optim/optimizer.h>
 
-// c10d guards its backend headers with the macros its own build defines.
-#ifndef USE_C10D_GLOO
-#define USE_C10D_GLOO
-#endif
-#if defined(DTRAIN_WITH_CUDA) && !defined(USE_C10D_NCCL)
-#define USE_C10D_NCCL
-#endif
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <c10/util/string_utils.h>
 
 namespace dtrain::compat {
 
-#if TORCH_VERSION_MAJOR >= 2
-using Backend = c10d::Backend;
-#else
-using Backend = c10d::ProcessGroup;
-#endif
+// LibTorch's optimizers key their per-parameter state by the parameter's TensorImpl: older releases by its
+// address printed into a string, 2.15 by the pointer itself.
+using OptimizerStateKey =
+    typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 
-}  // namespace dtrain::compat
-
-// Autocast: 2.4 replaced the per-device functions (set_enabled for CUDA, set_cpu_enabled,
-// get_autocast_gpu_dtype, ...) by ones that take the device type, and later releases dropped the old
-// names. dtrain uses autocast on CPU and CUDA only.
-#include <ATen/autocast_mode.h>
-
-namespace dtrain::compat {
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
-inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
-  at::autocast::set_autocast_enabled(type, enabled);
-}
-inline c10::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
-inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
-  at::autocast::set_autocast_dtype(type, dtype);
-}
-#else
-inline bool autocast_enabled(c10::DeviceType type) {
-  return type == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
-}
-inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
-  if (type == c10::DeviceType::CUDA) {
-    at::autocast::set_enabled(enabled);
+inline OptimizerStateKey optimizer_state_key(const at::Tensor& param) {
+  if constexpr (std::is_same_v<OptimizerStateKey, std::string>) {
+    return c10::str(param.unsafeGetTensorImpl());
   } else {
-    at::autocast::set_cpu_enabled(enabled);
+    return param.unsafeGetTensorImpl();
   }
 }
-inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
-  return type == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype()
-                                       : at::autocast::get_autocast_cpu_dtype();
-}
-inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
-  if (type == c10::DeviceType::CUDA) {
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  } else {
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  }
-}
-#endif
 
 }  // namespace dtrain::compat
