@@ -14,7 +14,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -141,6 +144,7 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
                           {"DTRAIN_TEST_PASSTHROUGH", "kept as is"}});
   ASSERT_EQ(run.exit_code, 0) << run.err;
   std::string port;
+  std::string run_id;
   for (int local_rank = 0; local_rank < 3; ++local_rank) {
     SCOPED_TRACE("local rank " + std::to_string(local_rank));
     auto env = parse_env(read_file(dir_ / ("env." + std::to_string(local_rank))));
@@ -157,8 +161,15 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
     EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
     EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "2");
-    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "none");
+    // A single node with a free port is torchrun's standalone mode: a fresh uuid4 for the run,
+    // the same for every rank (torchrun_parity_test.cpp checks the shape).
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"].size(), 36u) << env["TORCHELASTIC_RUN_ID"];
+    if (local_rank == 0) run_id = env["TORCHELASTIC_RUN_ID"];
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], run_id);
     EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(env["TORCHELASTIC_SIGNALS_TO_HANDLE"], "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+    EXPECT_TRUE(env["TORCHELASTIC_ERROR_FILE"].ends_with("/attempt_0/" + rank + "/error.json"))
+        << env["TORCHELASTIC_ERROR_FILE"];
     EXPECT_EQ(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     EXPECT_EQ(env["DTRAIN_TEST_PASSTHROUGH"], "kept as is");
