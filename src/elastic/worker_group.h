@@ -175,7 +175,8 @@ class WorkerGroup {
   std::vector<Worker> workers_;
   int dev_null_ = -1;
   // A private temporary folder holding the workers' TORCHELASTIC_ERROR_FILEs; removed with the
-  // group. Empty until the first start().
+  // group (a SIGKILLed launcher leaves it behind, as torchrun leaves its folders every time). Empty
+  // until the first start().
   std::string error_file_root_;
 };
 
