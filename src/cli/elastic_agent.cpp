@@ -187,7 +187,7 @@ std::string describe_failure(const elastic::NodeInfo& self, const elastic::Worke
 
 int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
   // Installed before the first worker exists, so no signal slips between fork and the handler.
-  elastic::SignalPipe signals({SIGINT, SIGTERM, SIGHUP});
+  elastic::SignalPipe signals(elastic::kLauncherSignals);
 
   // The token: --rdzv-token, or DTRAIN_RDZV_TOKEN which stays out of process listings. Removed from
   // this process's environment so that the workers never see it.
@@ -229,8 +229,9 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
       std::to_string(options.rdzv_port) + " (" + options.rdzv_backend + ", --nnodes " +
       std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes) + ")");
 
-  // SIGTERM/SIGINT/SIGHUP while workers run: passed on to them (SIGTERM, SIGKILL after the grace
-  // period, the trainer checkpoints meanwhile), then this node leaves so the others shrink at once.
+  // SIGTERM/SIGINT/SIGHUP/SIGQUIT while workers run: passed on to them (SIGTERM, SIGKILL after the
+  // grace period, the trainer checkpoints meanwhile), then this node leaves so the others shrink at
+  // once.
   auto leave_on_signal = [&](int signo) {
     say("received " + elastic::signal_name(signo) + "; passing SIGTERM to " +
         std::to_string(group.running()) + " worker(s) (SIGKILL after " +

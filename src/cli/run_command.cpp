@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iomanip>
+#include <random>
 #include <sstream>
 #include <system_error>
 
@@ -99,12 +100,37 @@ void print_failure_summary(const WaitResult& result, const elastic::WorkerGroupR
   }
 }
 
+namespace {
+// A random (version 4) UUID in its usual text form, like Python's str(uuid.uuid4()).
+std::string random_uuid() {
+  std::random_device source;  // /dev/urandom on Linux
+  unsigned char bytes[16];
+  for (unsigned char& byte : bytes) byte = static_cast<unsigned char>(source() & 0xff);
+  bytes[6] = static_cast<unsigned char>((bytes[6] & 0x0f) | 0x40);  // version 4
+  bytes[8] = static_cast<unsigned char>((bytes[8] & 0x3f) | 0x80);  // RFC 4122 variant
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string text;
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) text += '-';
+    text += kHex[bytes[i] >> 4];
+    text += kHex[bytes[i] & 0x0f];
+  }
+  return text;
+}
+}  // namespace
+
 elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
                                                  const LaunchPlan& plan) {
   elastic::WorkerGroupOptions group_options;
   group_options.command = plan.command;
   group_options.local_world_size = options.nproc_per_node;
   group_options.run_id = options.run_id;
+  // torchrun runs a single node without --master-port (or with --standalone) as a standalone c10d
+  // rendezvous whose id is a fresh uuid4, so each such job's TORCHELASTIC_RUN_ID is unique. dtrain
+  // does the same, but keeps an id the user gave (torchrun's --standalone drops it).
+  bool standalone = !is_elastic(options) && options.nnodes == 1 &&
+                    (options.standalone || options.master_port == 0);
+  if (standalone && !options.run_id_given) group_options.run_id = random_uuid();
   group_options.max_restarts = options.max_restarts;
   group_options.log_dir = options.log_dir;
   group_options.grace_period =
@@ -126,7 +152,7 @@ namespace {
 
 int run_workers(const RunOptions& options, const LaunchPlan& plan) {
   // Installed before the first worker exists, so no Ctrl-C can slip between fork and the handler.
-  elastic::SignalPipe signals({SIGINT, SIGTERM, SIGHUP});
+  elastic::SignalPipe signals(elastic::kLauncherSignals);
   WorkerGroup group(worker_group_options(options, plan));
 
   for (int attempt = 0;; ++attempt) {

@@ -326,6 +326,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       case Flag::kRunId:
         if (value.empty()) bad_value(spec->name, "a non-empty id", value);
         options.run_id = value;
+        options.run_id_given = true;
         break;
       case Flag::kGracePeriod: {
         char* end = nullptr;
@@ -418,6 +419,17 @@ elastic nodes (one `dtrain run` agent per node, all with the same flags):
   every node's workers (TORCHELASTIC_RESTART_COUNT = round number); a lost node (no heartbeat) or
   one that leaves (SIGTERM) shrinks the job if MIN still holds, else the job ends naming it; a node
   that arrives later waits and the job grows at the next monitor interval.
+
+Each worker's environment is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (a fresh
+uuid on a single node without --master-port, unless --run-id), TORCHELASTIC_ERROR_FILE (in a
+temporary folder removed when dtrain run exits), TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,
+SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and OMP_NUM_THREADS=1 with several workers (each
+unless already set). Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher:
+rank 0 hosts it; torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on
+one node) where torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
+TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
 Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
 signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends

@@ -49,8 +49,11 @@ struct RunOptions {
   int max_restarts = 0;
   // When not empty, each rank's output is also appended to <log_dir>/rank<R>.log: --log-dir.
   std::string log_dir;
-  // TORCHELASTIC_RUN_ID: --run-id or torchrun's --rdzv-id; torchrun's default is "none".
+  // TORCHELASTIC_RUN_ID: --run-id or torchrun's --rdzv-id; torchrun's default is "none" (a single
+  // node with a free port gets a random one instead, see run_command.cpp).
   std::string run_id = "none";
+  // --run-id or --rdzv-id was given.
+  bool run_id_given = false;
   // Seconds between SIGTERM and SIGKILL when stopping workers: --grace-period.
   double grace_period_s = 5.0;
   // Run a .py program directly instead of through the Python interpreter: --no-python.

@@ -390,7 +390,7 @@ int scale_main(const std::vector<std::string>& args) {
   std::vector<RunResult> results;
   int exit_code = 0;
   {
-    elastic::SignalPipe signals({SIGINT, SIGTERM, SIGHUP});
+    elastic::SignalPipe signals(elastic::kLauncherSignals);
     Session session{options, plan, signals, dev_null};
     for (int workers : options.nproc) {
       tell("running " + std::to_string(workers) + " worker(s): " + join(plan.command));

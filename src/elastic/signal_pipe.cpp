@@ -33,7 +33,7 @@ extern "C" void on_signal(int signo) {
 
 }  // namespace
 
-SignalPipe::SignalPipe(std::initializer_list<int> signals) : signals_(signals) {
+SignalPipe::SignalPipe(std::span<const int> signals) : signals_(signals.begin(), signals.end()) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
     throw InternalError(std::string("dtrain run: cannot create the signal pipe: ") +

@@ -17,8 +17,11 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <filesystem>
+#include <system_error>
 
 #include "dtrain/errors.h"
+#include "elastic/signal_pipe.h"
 
 extern char** environ;
 
@@ -60,7 +63,9 @@ constexpr const char* kWorkerVariables[] = {"LOCAL_RANK",
                                             "TORCHELASTIC_RESTART_COUNT",
                                             "TORCHELASTIC_MAX_RESTARTS",
                                             "TORCHELASTIC_RUN_ID",
-                                            "TORCHELASTIC_USE_AGENT_STORE"};
+                                            "TORCHELASTIC_USE_AGENT_STORE",
+                                            "TORCHELASTIC_ERROR_FILE",
+                                            "TORCHELASTIC_SIGNALS_TO_HANDLE"};
 
 // Writes all of `data`, retrying short writes and EINTR. Output to a closed pipe (EPIPE: `dtrain
 // run | head`) or a broken terminal is dropped: losing relayed lines must never stop the launcher
@@ -266,6 +271,11 @@ WorkerGroup::~WorkerGroup() {
     close_worker(worker);
   }
   if (dev_null_ >= 0) close(dev_null_);
+  if (!error_file_root_.empty()) {
+    // A destructor must not throw; a leftover temporary folder is harmless.
+    std::error_code ignored;
+    std::filesystem::remove_all(error_file_root_, ignored);
+  }
 }
 
 int WorkerGroup::running() const {
@@ -329,6 +339,8 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   // "False": PyTorch's env:// init then lets rank 0 host the TCPStore at MASTER_ADDR:MASTER_PORT,
   // since this launcher runs no store of its own.
   set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  // What torchrun exports from its own --signals-to-handle; dtrain handles exactly that default.
+  set("TORCHELASTIC_SIGNALS_TO_HANDLE", kLauncherSignalNames);
   // torchrun's agent turns NCCL's async error handling on unless the user chose: a rank whose peer
   // died then fails instead of hanging in a collective, and the launcher can restart the group.
   if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr &&
@@ -336,6 +348,7 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
   }
 
+  std::vector<std::string> error_files = make_error_files();
   workers_.resize(static_cast<std::size_t>(options_.local_world_size));
   // Open every log before forking anything, so a bad --log-dir fails with no worker started.
   for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
@@ -357,6 +370,8 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
 
   for (Worker& worker : workers_) {
     std::vector<std::string> env = shared_env;
+    env.push_back("TORCHELASTIC_ERROR_FILE=" +
+                  error_files[static_cast<std::size_t>(worker.local_rank)]);
     env.push_back("LOCAL_RANK=" + std::to_string(worker.local_rank));
     env.push_back("RANK=" + std::to_string(worker.global_rank));
     env.push_back("ROLE_RANK=" + std::to_string(worker.global_rank));
@@ -369,6 +384,39 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
       throw;
     }
   }
+}
+
+std::vector<std::string> WorkerGroup::make_error_files() {
+  namespace fs = std::filesystem;
+  if (error_file_root_.empty()) {
+    // torchrun's place: a fresh folder under $TMPDIR (Python's tempfile.gettempdir()).
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/dtrain_run_XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) {
+      throw UsageError("dtrain run: cannot create a folder for TORCHELASTIC_ERROR_FILE like " +
+                       pattern + ": " + std::strerror(errno) +
+                       "; set TMPDIR to a writable directory");
+    }
+    error_file_root_ = pattern;
+  }
+  // One folder per attempt and local rank, as torchrun lays them out, so no attempt finds an older
+  // attempt's file (PyTorch's @record would warn and overwrite it).
+  std::vector<std::string> files;
+  for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
+    fs::path folder = fs::path(error_file_root_) /
+                      ("attempt_" + std::to_string(round_.restart_count)) /
+                      std::to_string(local_rank);
+    std::error_code error;
+    fs::create_directories(folder, error);
+    if (error) {
+      throw UsageError("dtrain run: cannot create " + folder.string() +
+                       " for TORCHELASTIC_ERROR_FILE: " + error.message() +
+                       "; set TMPDIR to a writable directory");
+    }
+    files.push_back((folder / "error.json").string());
+  }
+  return files;
 }
 
 void WorkerGroup::spawn(Worker& worker, const std::string& executable,

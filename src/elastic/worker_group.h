@@ -126,7 +126,8 @@ class WorkerGroup {
 
   // Spawns local_world_size workers for `round`. Each worker: its own process group, SIGKILL when
   // this process dies (PR_SET_PDEATHSIG), stdin from /dev/null, stdout and stderr to pipes read by
-  // wait()/stop(). Throws dtrain::UsageError when a log file cannot be opened,
+  // wait()/stop(), TORCHELASTIC_ERROR_FILE in a temporary folder that goes with the group. Throws
+  // dtrain::UsageError when a log file or the error file's folder cannot be made,
   // dtrain::InternalError when pipes or fork fail; in both cases no worker of this round is left
   // running. Requires the previous round stopped.
   void start(const WorkerGroupRound& round);
@@ -151,6 +152,10 @@ class WorkerGroup {
   struct Stream;
   struct Worker;
 
+  // TORCHELASTIC_ERROR_FILE of each local rank for the current round: <root>/attempt_<restart
+  // count>/<local rank>/error.json, the folders created (the root on first use). Throws
+  // dtrain::UsageError when they cannot be.
+  std::vector<std::string> make_error_files();
   void spawn(Worker& worker, const std::string& executable, const std::vector<std::string>& env);
   // Polls the pipes (and the extra fd) for up to timeout_ms; relays what arrived. Returns true when
   // extra_fd is readable.
@@ -169,6 +174,10 @@ class WorkerGroup {
   WorkerGroupRound round_;
   std::vector<Worker> workers_;
   int dev_null_ = -1;
+  // A private temporary folder holding the workers' TORCHELASTIC_ERROR_FILEs; removed with the
+  // group (a SIGKILLed launcher leaves it behind, as torchrun leaves its folders every time). Empty
+  // until the first start().
+  std::string error_file_root_;
 };
 
 // "SIGKILL" for 9, "signal 42" for numbers without a name.

@@ -14,7 +14,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -141,6 +144,7 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
                           {"DTRAIN_TEST_PASSTHROUGH", "kept as is"}});
   ASSERT_EQ(run.exit_code, 0) << run.err;
   std::string port;
+  std::string run_id;
   for (int local_rank = 0; local_rank < 3; ++local_rank) {
     SCOPED_TRACE("local rank " + std::to_string(local_rank));
     auto env = parse_env(read_file(dir_ / ("env." + std::to_string(local_rank))));
@@ -157,8 +161,15 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
     EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
     EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "2");
-    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "none");
+    // A single node with a free port is torchrun's standalone mode: a fresh uuid4 for the run,
+    // the same for every rank (torchrun_parity_test.cpp checks the shape).
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"].size(), 36u) << env["TORCHELASTIC_RUN_ID"];
+    if (local_rank == 0) run_id = env["TORCHELASTIC_RUN_ID"];
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], run_id);
     EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(env["TORCHELASTIC_SIGNALS_TO_HANDLE"], "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+    EXPECT_TRUE(env["TORCHELASTIC_ERROR_FILE"].ends_with("/attempt_0/" + rank + "/error.json"))
+        << env["TORCHELASTIC_ERROR_FILE"];
     EXPECT_EQ(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     EXPECT_EQ(env["DTRAIN_TEST_PASSTHROUGH"], "kept as is");
@@ -392,7 +403,8 @@ TEST_P(LauncherSignalTest, ForwardsToEveryWorkerAndItsChildren) {
   expect_all_gone(children, "children of workers");
 }
 
-INSTANTIATE_TEST_SUITE_P(Signals, LauncherSignalTest, testing::Values(SIGTERM, SIGINT, SIGHUP),
+INSTANTIATE_TEST_SUITE_P(Signals, LauncherSignalTest,
+                         testing::Values(SIGTERM, SIGINT, SIGHUP, SIGQUIT),
                          [](const testing::TestParamInfo<int>& info) {
                            return dtrain::elastic::signal_name(info.param);
                          });
@@ -548,6 +560,85 @@ TEST_F(LauncherTest, TorchAllReduceAcrossTwoRanks) {
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("[rank0]: sum 3.0\n"), std::string::npos) << run.out << run.err;
   EXPECT_NE(run.out.find("[rank1]: sum 3.0\n"), std::string::npos) << run.out << run.err;
+}
+
+// ---- PyTorch training programs (tests/python): ranks agree, and match one process
+// ------------------------------------------------------------------------------
+
+// "sum=S weighted=W" as tests/python/equivalence.py's checksum() prints it.
+struct Checksum {
+  double sum = 0;
+  double weighted = 0;
+};
+std::optional<Checksum> parse_checksum(const std::string& text) {
+  Checksum checksum;
+  if (std::sscanf(text.c_str(), "sum=%lf weighted=%lf", &checksum.sum, &checksum.weighted) != 2) {
+    return std::nullopt;
+  }
+  return checksum;
+}
+
+// The text after `marker` on the first of `lines` that starts with it; empty if none does.
+std::string text_after(const std::vector<std::string>& lines, const std::string& marker) {
+  for (const std::string& line : lines) {
+    if (line.rfind(marker, 0) == 0) return line.substr(marker.size());
+  }
+  return "";
+}
+
+// Float32 parameters summed in another order (an all-reduce of per-rank gradients vs one batch):
+// the reference and the ranks differ by about 1e-7 relative. 1e-5 leaves a wide margin, while a
+// wrong learning rate, a rank's missing data or a sum instead of a mean moves them by 1e-2 or more.
+constexpr double kReferenceTolerance = 1e-5;
+
+class TrainingScriptTest : public LauncherTest {
+ protected:
+  // Trains tests/python/<script> (which prints "<name> checksum rank=R sum=.. weighted=..") on two
+  // ranks under `dtrain run`, and with --reference 2 in one process on the data of both ranks.
+  // Checks that both ranks print the same checksum (bit for bit: every rank must hold the same
+  // parameters) and that it matches the reference within kReferenceTolerance.
+  void expect_ranks_agree_with_reference(const std::string& script, const std::string& name) {
+    const std::string python = dtrain::testing::python_with_torch();
+    if (python.empty()) GTEST_SKIP() << dtrain::testing::kNoPythonWithTorch;
+    const std::string path = std::string(DTRAIN_TEST_PYTHON_SCRIPTS) + "/" + script;
+    // The reference trains meanwhile: both are mostly Python start-up.
+    ChildProcess reference({dtrain::elastic::find_executable(python), path, "--reference", "2"},
+                           dir_ / "reference.out", dir_ / "reference.err");
+    RunResult run = dtrain({"run", "--nproc-per-node", "2", "--", python, path}, {}, 120s);
+    ASSERT_TRUE(reference.wait(120s)) << "the reference run did not finish";
+    ASSERT_EQ(reference.exit_code(), 0) << read_file(dir_ / "reference.err");
+    ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
+
+    std::string rank0 = text_after(lines_of(run.out, 0), name + " checksum rank=0 ");
+    std::string rank1 = text_after(lines_of(run.out, 1), name + " checksum rank=1 ");
+    ASSERT_TRUE(parse_checksum(rank0)) << "rank 0 printed no checksum\n" << run.out << run.err;
+    EXPECT_EQ(rank0, rank1) << "the ranks hold different parameters after training";
+
+    std::string reference_text = read_file(dir_ / "reference.out");
+    std::optional<Checksum> expected =
+        parse_checksum(text_after({reference_text}, name + " checksum reference "));
+    ASSERT_TRUE(expected) << "the reference printed no checksum: " << reference_text;
+    for (const std::string& text : {rank0, rank1}) {
+      std::optional<Checksum> actual = parse_checksum(text);
+      ASSERT_TRUE(actual) << text;
+      EXPECT_NEAR(actual->sum, expected->sum,
+                  kReferenceTolerance * std::max(1.0, std::abs(expected->sum)))
+          << "parameter sum, distributed vs one process";
+      EXPECT_NEAR(actual->weighted, expected->weighted,
+                  kReferenceTolerance * std::max(1.0, std::abs(expected->weighted)))
+          << "position-weighted parameter sum, distributed vs one process";
+    }
+  }
+};
+
+TEST_F(TrainingScriptTest, TorchDdpRanksAgreeWithOneProcess) {
+  expect_ranks_agree_with_reference("ddp_smoke.py", "ddp");
+}
+
+// FSDP2 (torch.distributed.fsdp.fully_shard) on CPU over gloo: each rank gathers the full
+// parameters (DTensor.full_tensor()) before printing.
+TEST_F(TrainingScriptTest, TorchFsdp2RanksAgreeWithOneProcess) {
+  expect_ranks_agree_with_reference("fsdp2_smoke.py", "fsdp2");
 }
 
 }  // namespace
