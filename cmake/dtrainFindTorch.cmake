@@ -61,6 +61,20 @@ macro(dtrain_find_torch torch_dir_hint)
   endif()
 
   find_package(Torch REQUIRED)
+  # A wheel records the CUDA it was built for; a toolkit of another minor version would be linked in its place.
+  if(EXISTS "${TORCH_INSTALL_PREFIX}/version.py" AND CUDAToolkit_VERSION)
+    file(STRINGS "${TORCH_INSTALL_PREFIX}/version.py" _dtrain_wheel_cuda REGEX "^cuda[:= ]")
+    if(_dtrain_wheel_cuda MATCHES "'([0-9]+\\.[0-9]+)'")
+      set(_dtrain_wheel_cuda "${CMAKE_MATCH_1}")
+      if(NOT "${CUDAToolkit_VERSION_MAJOR}.${CUDAToolkit_VERSION_MINOR}" STREQUAL _dtrain_wheel_cuda)
+        message(FATAL_ERROR "LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX} is built for CUDA "
+                            "${_dtrain_wheel_cuda}, but the CUDA toolkit found is ${CUDAToolkit_VERSION} "
+                            "(${CUDAToolkit_BIN_DIR}): pip install 'cuda-toolkit[nvcc]==${_dtrain_wheel_cuda}.*' "
+                            "into the wheel's environment (scripts/bootstrap does), or set CUDAToolkit_ROOT to a "
+                            "${_dtrain_wheel_cuda} toolkit.")
+      endif()
+    endif()
+  endif()
   if(Torch_VERSION VERSION_LESS DTRAIN_TORCH_MIN_VERSION OR
      Torch_VERSION VERSION_GREATER_EQUAL "${DTRAIN_TORCH_MAX_VERSION}.99")
     message(FATAL_ERROR "dtrain supports LibTorch ${DTRAIN_TORCH_MIN_VERSION} to ${DTRAIN_TORCH_MAX_VERSION}, but "

@@ -17,12 +17,23 @@ namespace dtrain::compat {
 using OptimizerStateKey =
     typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 
-inline OptimizerStateKey optimizer_state_key(const at::Tensor& param) {
-  if constexpr (std::is_same_v<OptimizerStateKey, std::string>) {
+template <typename Key = OptimizerStateKey>  // a template, so that the branch not taken is not compiled
+Key optimizer_state_key(const at::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
     return c10::str(param.unsafeGetTensorImpl());
   } else {
     return param.unsafeGetTensorImpl();
   }
 }
+
+}  // namespace dtrain::compat
+
+#include <torch/csrc/autograd/variable.h>
+
+namespace dtrain::compat {
+
+// What owns a parameter's gradient accumulator (the autograd Node whose hooks tell DDP and ZeRO that a
+// gradient is ready): a std::shared_ptr in older releases, a c10::intrusive_ptr in 2.15.
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 }  // namespace dtrain::compat

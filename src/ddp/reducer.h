@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/shared_buckets.h"
+#include "common/compat.h"
 #include "dtrain/ddp.h"
 #include "profile/step_recorder.h"
 
@@ -52,7 +53,7 @@ class Reducer {
   struct Param {
     at::Tensor tensor;
     std::string name;                                      // module path, for error messages
-    std::shared_ptr<torch::autograd::Node> accumulator;    // kept alive: the hook lives on it
+    compat::GradAccumulatorPtr accumulator;  // kept alive: the hook lives on it
     uintptr_t hook_key = 0;
     size_t bucket = 0;
     at::Tensor slot;                                       // this parameter's view into its bucket

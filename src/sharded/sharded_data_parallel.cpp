@@ -18,6 +18,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "common/compat.h"
 #include "dtrain/sharded.h"
 #include "sharded/flat_storage.h"
 
@@ -95,7 +96,7 @@ struct ShardedParam {
   at::Tensor parked;     // stage 3: what the parameter holds while its unit is freed (shape {0})
   at::Tensor
       sentinel;  // the placeholder gradient left after a reduction (see check_full_parameters)
-  std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive: the hook lives on it
+  compat::GradAccumulatorPtr accumulator;  // kept alive: the hook lives on it
   uintptr_t post_hook = 0;
   int64_t version = 0;  // tensor._version() when dtrain last looked
   bool placeholder = false;  // its .grad is `sentinel`, set after the last reduction
