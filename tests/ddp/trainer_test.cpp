@@ -49,9 +49,11 @@ TEST(Trainer, ResumedAtAnotherWorldSizeSeesTheRestOfTheEpochOnce) {
   std::filesystem::remove_all(dir);
 }
 
-// The trainer's defaults at world sizes that do not divide the old global batch of 64 (3, 5) and
-// at 1 and 8: --batch-size is per rank (32), so each trains on 32 x ranks samples per step, and
-// five steps leave a finite loss no higher than an untrained model's (ln 10 = 2.30).
+// The trainer's defaults at a world size that does not divide the old global batch of 64 (3) and at
+// the ends of 1..8: --batch-size is per rank (32), so each trains on 32 x ranks samples per step,
+// and five steps leave a finite loss about an untrained model's (ln 10 = 2.30) or below and a test
+// accuracy well above chance (0.1). About 4, 9 and 24 s on 2 busy cores: 5 and 7 take no other
+// path.
 class TrainerDefaults : public ::testing::TestWithParam<int> {};
 
 TEST_P(TrainerDefaults, TrainAtThisWorldSize) {
@@ -69,9 +71,10 @@ TEST_P(TrainerDefaults, TrainAtThisWorldSize) {
   const double loss = json_number(result.output, "final_loss");  // -1 when null (not finite)
   EXPECT_GT(loss, 0) << result.output;
   EXPECT_LT(loss, 2.35) << result.output;
+  EXPECT_GT(json_number(result.output, "test_accuracy"), 0.2) << result.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, TrainerDefaults, ::testing::Values(1, 3, 5, 8),
+INSTANTIATE_TEST_SUITE_P(WorldSizes, TrainerDefaults, ::testing::Values(1, 3, 8),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return "ranks" + std::to_string(info.param);
                          });
@@ -129,8 +132,9 @@ TEST(Trainer, DataParallelStrategyTrains) {
 
 TEST(Trainer, ModelParallelReachesDdpAccuracyInOneEpoch) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
-  auto result =
-      run_command(bin("train_fashion_mnist") + " --strategy mp --devices 2 --micro-batches 4");
+  // One pipeline reads the whole global batch: 64, as the DDP main job's 2 ranks of 32.
+  auto result = run_command(bin("train_fashion_mnist") +
+                            " --strategy mp --devices 2 --micro-batches 4 --batch-size 64");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_GE(json_number(result.output, "test_accuracy"), 0.84) << result.output;
   EXPECT_NE(result.output.find("\"strategy\": \"mp\""), std::string::npos) << result.output;
@@ -145,7 +149,8 @@ TEST(Trainer, PipelineOfTwoStagesReachesDdpAccuracyInOneEpoch) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto result =
       run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_fashion_mnist") +
-                  " --strategy pipeline --stages 2 --micro-batches 4 --schedule gpipe");
+                  " --strategy pipeline --stages 2 --micro-batches 4 --schedule gpipe"
+                  " --batch-size 64");  // one pipeline: the main job's global batch
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_GE(json_number(result.output, "test_accuracy"), 0.84) << result.output;
   EXPECT_EQ(json_int(result.output, "train_samples"), 60000) << result.output;
