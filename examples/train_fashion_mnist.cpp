@@ -11,6 +11,9 @@
 //                                                                    (ZeRO: sharded state; sharded
 //                                                                    checkpoints, see below)
 // Rank 0 shows progress and test accuracy per epoch; the last line of output is one JSON object.
+// --batch-size (default 32) is per data-parallel rank, as in PyTorch: the main job's 2 ranks train
+// on a global batch of 64, and any number of ranks trains (see Note [Batch size per data-parallel
+// rank]).
 //
 // Checkpoints (--checkpoint-dir, through dtrain::Checkpointer): at the end of every epoch, every
 // --checkpoint-every steps, and on SIGTERM. A run restarted by its launcher
@@ -59,7 +62,7 @@ const char* kUsage =
     "                           [--stages P (pipeline)] [--micro-batches M (mp, pipeline)]\n"
     "                           [--schedule gpipe|1f1b|interleaved] [--virtual-stages V "
     "(interleaved)]\n"
-    "                           [--epochs N] [--batch-size N (global)]\n"
+    "                           [--epochs N] [--batch-size N (per data-parallel rank)]\n"
     "                           [--lr X] [--seed N] [--data DIR] [--checkpoint-dir DIR] "
     "[--resume]\n"
     "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
@@ -76,7 +79,9 @@ struct Flags {
   std::string schedule = "1f1b";  // mp, pipeline
   int64_t virtual_stages = 1;     // chunks per stage (interleaved schedule)
   int64_t epochs = 1;
-  int64_t batch_size = 64;  // global: split evenly over the ranks
+  // Rows one data-parallel rank reads per step, as a PyTorch DataLoader's batch_size: the global
+  // batch is batch_size x data-parallel ranks (Note [Batch size per data-parallel rank]).
+  int64_t batch_size = 32;
   double lr = 0.02;
   int64_t seed = 0;
   std::string data = dtrain::default_fashion_mnist_dir();
@@ -615,17 +620,25 @@ int run(int argc, char** argv) {
                              " processes; run a multiple of --stages processes (world = "
                              "data-parallel pipelines x stages)");
   }
-  // Data-parallel replicas: each takes its own share of the global batch. A pipeline's stages share
-  // one.
+  // Note [Batch size per data-parallel rank]
+  // --batch-size is what one data-parallel rank reads per step, as a PyTorch DataLoader's
+  // batch_size under torchrun: any world size trains, and the global batch is
+  // local_batch x replicas.
+  //   ddp, zero  every process is a replica and reads its own local_batch rows.
+  //   pipeline   the world / stages pipelines are the replicas; the stages of one pipeline work
+  //              on the same local_batch rows, cut into --micro-batches.
+  //   mp         one process, one pipeline: the global batch is local_batch.
+  //   dp         one process whose batch DataParallel scatters over its --devices replicas, as
+  //              torch.nn.DataParallel does: the global batch is local_batch, in slices one row
+  //              apart when --devices does not divide it. The gradient is still exactly that of
+  //              the whole batch's mean loss: DataParallel weights each slice's mean loss by its
+  //              share of the rows (src/dp/replica_set.cpp; tests/dp checks 13 rows on 1-4).
+  // A checkpoint's position is in samples (DistributedSampler), so a run resumed at another world
+  // size, and so with another global batch, still sees the rest of the epoch once.
   const int replicas =
       flags.strategy == "pipeline" ? world / static_cast<int>(flags.stages) : world;
-  if (flags.batch_size % replicas != 0) {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --batch-size " + std::to_string(flags.batch_size) +
-        " does not split evenly over " + std::to_string(replicas) +
-        " data-parallel replicas; use a multiple of " + std::to_string(replicas));
-  }
-  const int64_t local_batch = flags.batch_size / replicas;
+  const int64_t local_batch = flags.batch_size;
+  const int64_t global_batch = local_batch * replicas;
   torch::set_num_threads(
       1);  // one core per rank; `dtrain run` sets OMP_NUM_THREADS=1 for the same reason
 
@@ -829,7 +842,7 @@ int run(int argc, char** argv) {
       ++at.steps;
       if (leader) {
         last_loss = loss.item<double>();
-        progress.update(step + 1, (step + 1) * local_batch * replicas, last_loss);
+        progress.update(step + 1, (step + 1) * global_batch, last_loss);
       }
       if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
         std::raise(kill_at.signal);
@@ -895,8 +908,9 @@ int run(int argc, char** argv) {
     json << "{\"test_accuracy\": " << accuracy << ", \"epochs\": " << flags.epochs
          << ", \"world_size\": " << world << ", \"strategy\": \"" << flags.strategy
          << "\", \"replicas\": " << (dp ? flags.devices : replicas) << ", \"model\": \""
-         << flags.model << "\", \"global_batch\": " << flags.batch_size
-         << ", \"train_samples\": " << samples_processed << ", \"train_time_s\": " << train_seconds
+         << flags.model << "\", \"global_batch\": " << global_batch
+         << ", \"per_rank_batch\": " << local_batch << ", \"train_samples\": " << samples_processed
+         << ", \"train_time_s\": " << train_seconds
          << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)
          << ", \"final_loss\": " << number(last_loss) << ", \"steps\": " << at.steps
          << ", \"restarts\": " << restarts << ", \"epoch_samples\": [";

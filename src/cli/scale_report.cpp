@@ -626,13 +626,14 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
         prediction.scaling = "strong";
         evidence = "strong scaling: the global batch of " +
                    format("%.0f", fitted->samples_per_rank_step * fitted->workers) +
-                   " samples is split over the workers (" + seen +
-                   "; train_fashion_mnist's --batch-size is global and works this way)";
+                   " samples is split over the workers (" + seen + ")";
+      } else if (std::abs(ratio - 1) < 0.15) {
+        prediction.scaling = "weak";
+        evidence = "weak scaling: each worker keeps its batch (" + seen +
+                   "; train_fashion_mnist's --batch-size is per rank and works this way)";
       } else {
         prediction.scaling = "weak";
-        evidence =
-            std::string(std::abs(ratio - 1) < 0.15 ? "weak scaling" : "assumed weak scaling") +
-            ": each worker keeps its batch (" + seen + ")";
+        evidence = "assumed weak scaling: each worker keeps its batch (" + seen + ")";
       }
     }
     prediction.assumptions.push_back(evidence);

@@ -76,7 +76,9 @@ TEST(TrainerAmp, FlagsThisMachineCannotHonourAreOneLine) {
 // Tier 3: float16 with loss scaling, one GPU per rank.
 TEST(TrainerAmp, Float16OnCudaReachesTheAccuracyBar) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  auto result = run_command(bin("train_fashion_mnist") + " --device cuda --amp fp16", 300);
+  // One rank: --batch-size 64 keeps the main job's global batch (the default is 32 per rank).
+  auto result =
+      run_command(bin("train_fashion_mnist") + " --device cuda --amp fp16 --batch-size 64", 300);
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_GE(json_number(result.output, "test_accuracy"), 0.84) << result.output;
   EXPECT_NE(

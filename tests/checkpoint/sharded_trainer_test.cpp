@@ -48,14 +48,14 @@ INSTANTIATE_TEST_SUITE_P(Stages, ZeroTrainer, ::testing::Values(2, 3));
 TEST(ZeroTrainerResume, SavedAt2RanksStage3ResumesAt3RanksStage1) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   const std::string dir = testing::temp_dir("dtrain-zero-resume");
-  // 40 steps of 60 samples on 2 ranks, then the rest of the epoch on 3 ranks.
+  // 40 steps of 60 samples (30 per rank) on 2 ranks, then the rest of the epoch on 3 ranks.
   auto first = run_command(
-      zero_trainer(2, 3, "--batch-size 60 --max-steps 40 --checkpoint-dir " + dir), 120);
+      zero_trainer(2, 3, "--batch-size 30 --max-steps 40 --checkpoint-dir " + dir), 120);
   ASSERT_EQ(first.exit_code, 0) << first.output;
   EXPECT_EQ(json_int(first.output, "train_samples"), 40 * 60) << first.output;
 
   auto second =
-      run_command(zero_trainer(3, 1, "--batch-size 60 --resume --checkpoint-dir " + dir), 300);
+      run_command(zero_trainer(3, 1, "--batch-size 20 --resume --checkpoint-dir " + dir), 300);
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from " + dir +
                                "/checkpoint-40 at epoch 1, 2400 samples into it, step 40"),

@@ -99,7 +99,7 @@ TEST(TrainerFaults, DamagedNewestCheckpointResumesFromTheOneBefore) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   std::string dir = temp_dir("dtrain-fault-damaged");
   auto first = run_command(bin("dtrain") + " run --nproc-per-node 2" + kTrainer +
-                           "--batch-size 60 --max-steps 40 --checkpoint-every 10 "
+                           "--batch-size 30 --max-steps 40 --checkpoint-every 10 "
                            "--checkpoint-dir " +
                            dir);
   ASSERT_EQ(first.exit_code, 0) << first.output;
@@ -108,7 +108,7 @@ TEST(TrainerFaults, DamagedNewestCheckpointResumesFromTheOneBefore) {
   fs::resize_file(newest, fs::file_size(newest) / 2);  // a torn write
 
   auto resumed = run_command(bin("dtrain") + " run --nproc-per-node 2" + kTrainer +
-                             "--batch-size 60 --max-steps 50 --resume --checkpoint-dir " + dir);
+                             "--batch-size 30 --max-steps 50 --resume --checkpoint-dir " + dir);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("checkpoint " + newest + " is damaged and skipped: truncated"),
             std::string::npos)

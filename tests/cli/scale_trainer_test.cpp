@@ -23,7 +23,7 @@ TEST(ScaleTrainer, ReportFromTheTrainersRecordsAtOneAndTwoWorkers) {
   ChildProcess scale(
       {std::string(DTRAIN_BIN_DIR) + "/dtrain", "scale", "--nproc", "1,2", "--steps", "10",
        "--json", "--plot", plot, "--", std::string(DTRAIN_BIN_DIR) + "/train_fashion_mnist",
-       "--strategy", "ddp", "--batch-size", "64"},
+       "--strategy", "ddp", "--batch-size", "32"},
       dir / "out", dir / "err");
   ASSERT_TRUE(scale.wait(240s)) << read_file(dir / "err");
   ASSERT_EQ(scale.exit_code(), 0) << read_file(dir / "err");
@@ -35,7 +35,7 @@ TEST(ScaleTrainer, ReportFromTheTrainersRecordsAtOneAndTwoWorkers) {
     EXPECT_EQ(run["source"], "profile");
     EXPECT_EQ(run["measured_steps"], 10);
     EXPECT_EQ(run["ranks_recorded"], workers);
-    EXPECT_EQ(run["samples_per_rank_step"].get<double>(), 64.0 / workers);
+    EXPECT_EQ(run["samples_per_rank_step"].get<double>(), 32.0);  // --batch-size is per rank
     EXPECT_GT(run["samples_per_s"].get<double>(), 0);
     EXPECT_GT(run["compute_s"].get<double>(), 0);
     // The parts of a step add up to the step (the records' own promise), and the step interval
@@ -54,7 +54,14 @@ TEST(ScaleTrainer, ReportFromTheTrainersRecordsAtOneAndTwoWorkers) {
 
   const nlohmann::json& prediction = report["prediction"];
   ASSERT_TRUE(prediction["available"].get<bool>()) << prediction.dump();
-  EXPECT_EQ(prediction["scaling"], "strong");  // --batch-size is global
+  EXPECT_EQ(prediction["scaling"], "weak");  // --batch-size is per rank
+  const std::string weak =
+      "weak scaling: each worker keeps its batch (per-rank samples per step went from 32 at 1 "
+      "worker to 32 at 2 workers; train_fashion_mnist's --batch-size is per rank";
+  bool named = false;
+  for (const nlohmann::json& assumption : prediction["assumptions"])
+    named = named || assumption.get<std::string>().rfind(weak, 0) == 0;
+  EXPECT_TRUE(named) << prediction["assumptions"].dump();
   EXPECT_EQ(prediction["fitted_on_workers"], 2);
   bool reproduced = false;
   for (const nlohmann::json& point : prediction["points"]) {
