@@ -1,7 +1,7 @@
-// What some tests need from the machine beyond dtrain's build: a Python with torch (the PyTorch peer
-// tests; scripts/bootstrap's .venv/) and Fashion-MNIST (the trainer tests; Debian's package at a fixed
-// path). Other machines say where through the environment. A test that cannot find them skips with the
-// reason instead of failing. Header-only and LibTorch-free (tests/cli uses it).
+// What some tests need from the machine beyond dtrain's build: a Python with torch (the PyTorch
+// peer tests; scripts/bootstrap's .venv/) and Fashion-MNIST (the trainer tests; Debian's package at
+// a fixed path). Other machines say where through the environment. A test that cannot find them
+// skips with the reason instead of failing. Header-only and LibTorch-free (tests/cli uses it).
 #pragma once
 
 #include <sys/stat.h>
@@ -11,17 +11,15 @@
 
 namespace dtrain::testing {
 
-// A Python interpreter that imports torch.distributed: $DTRAIN_TEST_PYTHON, else the one this build was
-// configured with (DTRAIN_PYTHON: scripts/bootstrap's .venv/bin/python), else python3 on PATH. Empty when
-// none does. Probed once per test process.
-#ifndef DTRAIN_TEST_PYTHON_DEFAULT
-#define DTRAIN_TEST_PYTHON_DEFAULT ""
-#endif
+// A Python interpreter that imports torch.distributed: $DTRAIN_TEST_PYTHON, else
+// $DTRAIN_BUILD_PYTHON (ctest sets it to the build's DTRAIN_PYTHON: scripts/bootstrap's
+// .venv/bin/python), else python3 on PATH. Empty when none does. Probed once per test process.
 inline const std::string& python_with_torch() {
   static const std::string found = [] {
     const char* configured = std::getenv("DTRAIN_TEST_PYTHON");
+    const char* build = std::getenv("DTRAIN_BUILD_PYTHON");
     for (std::string candidate : {std::string(configured ? configured : ""),
-                                  std::string(DTRAIN_TEST_PYTHON_DEFAULT), std::string("python3")}) {
+                                  std::string(build ? build : ""), std::string("python3")}) {
       if (candidate.empty()) continue;
       const std::string probe = "'" + candidate + "' -c 'import torch.distributed' >/dev/null 2>&1";
       if (std::system(probe.c_str()) == 0) return candidate;
@@ -31,7 +29,8 @@ inline const std::string& python_with_torch() {
   return found;
 }
 inline constexpr const char* kNoPythonWithTorch =
-    "no Python that imports torch.distributed (tried $DTRAIN_TEST_PYTHON, the build's DTRAIN_PYTHON and "
+    "no Python that imports torch.distributed (tried $DTRAIN_TEST_PYTHON, the build's "
+    "DTRAIN_PYTHON and "
     "python3; scripts/bootstrap installs torch into .venv/)";
 
 // Where the trainer will look for Fashion-MNIST (as dtrain::default_fashion_mnist_dir()).
