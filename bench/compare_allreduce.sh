@@ -32,7 +32,8 @@ side() {
            "$max_bytes" "$max_iters" 2>&1) || true ;;
   esac
   local rows
-  rows=$(awk '$1 ~ /^[0-9]+$/ && NF >= 5 {print $1, $3}' <<<"$out")
+  # dtrain run prefixes each line of a rank's output with "[rankN]: "
+  rows=$(sed 's/^\[rank[0-9]*\]: *//' <<<"$out" | awk '$1 ~ /^[0-9]+$/ && NF >= 5 {print $1, $3}')
   [ "$(wc -l <<<"$rows")" -ge "$(wc -w <<<"$sizes")" ] ||
     { echo "bench/compare_allreduce.sh: side $1 at $2 ranks printed no table: $(tail -1 <<<"$out")" >&2; exit 1; }
   echo "$rows"

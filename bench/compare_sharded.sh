@@ -31,7 +31,7 @@ side() {
   local name=$1 nproc=$2 out line
   shift 2
   out=$("$build/bin/dtrain" run --nproc-per-node "$nproc" -- "$@" 2>&1) || true
-  line=$(grep '"rank": *0' <<<"$out" | grep ms_per_step | head -1)
+  line=$(grep '"rank": *0' <<<"$out" | grep ms_per_step | head -1 | sed 's/^\[rank[0-9]*\]: *//')
   [ -n "$line" ] || { echo "bench/compare_sharded.sh: $name at $nproc ranks printed no result: $(tail -1 <<<"$out")" >&2; exit 1; }
   echo "$line"
 }
