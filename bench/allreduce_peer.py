@@ -1,5 +1,6 @@
-"""PyTorch's own dist.all_reduce over gloo, the same sizes and timing rule as bench_allreduce.
-Run: dtrain run --nproc-per-node 3 -- /usr/bin/python3 bench/allreduce_peer.py [max_bytes]"""
+"""PyTorch's own dist.all_reduce over gloo, the same sizes and timing rule as bench_allreduce
+(max_iters as its --max-iters, default 1000). bench/compare_allreduce.sh runs the two alternately.
+Run: dtrain run --nproc-per-node 3 -- .venv/bin/python bench/allreduce_peer.py [max_bytes [max_iters]]"""
 import sys
 import time
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 max_bytes = int(sys.argv[1]) if len(sys.argv) > 1 else 64 << 20
+max_iters = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 n = dist.get_world_size()
@@ -16,7 +18,7 @@ if dist.get_rank() == 0:
 size = 4
 while size <= max_bytes:
     buf = torch.ones(size // 4)
-    iters = min(max((64 << 20) // size, 5), 1000)
+    iters = min(max((64 << 20) // size, 5), max_iters)
     for _ in range(3):
         dist.all_reduce(buf)
     dist.barrier()

@@ -2,20 +2,29 @@
 # The main job against its PyTorch peer, side by side in one run: one epoch of 2-rank data-parallel training
 # of the MLP on Fashion-MNIST, dtrain's train_fashion_mnist against shared/peers/torch_fmnist.py (Python DDP,
 # DistributedSampler, DataLoader), both under `dtrain run --nproc-per-node 2` (OMP_NUM_THREADS=1 per rank),
-# same model, optimizer, global batch 64 and learning rate. Alternates the two REPEATS times and prints the
-# medians of samples/s (training loop only) and test accuracy, and their ratio.
-#   bench/main_job.sh [build dir] [peer dir] [extra trainer flags...]     (REPEATS=3, NPROC=2)
+# same data, model, optimizer, learning rate and global batch. Each round runs both once, alternating which
+# goes first; prints the medians of samples/s (training loop only) and test accuracy, and the median of the
+# paired ratios dtrain / PyTorch of samples/s (above 1: dtrain faster), with their range.
+#   bench/main_job.sh [build dir] [peer dir] [extra trainer flags...]
+# Environment: BUILD, PEERS, PYTHON (the peer's python, default <repo>/.venv/bin/python), REPEATS=5, NPROC=2.
+#
+# The batch: the trainer runs with its own default --batch-size (none is passed). That default was a global
+# 64 and becomes 32 per rank (64 global at 2 ranks); either way the trainer reports the global batch it used
+# ("global_batch" in its JSON line) and the peer is given that same global batch (torch_fmnist.py's
+# --batch-size is global). Where the trainer does not report it, the peer gets PEER_BATCH (default 64).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-build=${1:-$here/build}
-peers=${2:-$here/../shared/peers}
+. "$here/bench/paired.sh"
+command="$0 $*"
+build=${1:-${BUILD:-$here/build}}
+peers=${2:-$(find_peers)}
 shift $(( $# > 2 ? 2 : $# ))
-repeats=${REPEATS:-3}
+python=${PYTHON:-$here/.venv/bin/python}
+repeats=${REPEATS:-5}
 nproc=${NPROC:-2}
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 field() { grep -o "\"$1\": *[0-9.]*" | tail -1 | sed 's/.*: *//'; }
-for need in "$build/bin/dtrain" "$build/bin/train_fashion_mnist" "$peers/torch_fmnist.py"; do
-  [ -e "$need" ] || { echo "bench/main_job.sh: $need not found (build dir: $build, peer dir: $peers)" >&2; exit 2; }
+for need in "$build/bin/dtrain" "$build/bin/train_fashion_mnist" "$peers/torch_fmnist.py" "$python"; do
+  [ -e "$need" ] || { echo "bench/main_job.sh: $need not found (BUILD=$build, PEERS=$peers, PYTHON=$python)" >&2; exit 2; }
 done
 # run NAME COMMAND...: the program's final JSON line, or one line naming what failed and exit 1
 run() {
@@ -31,19 +40,31 @@ run() {
   fi
   grep samples_per_s <<<"$output" | tail -1
 }
-ours_rate=() ours_acc=() theirs_rate=() theirs_acc=()
+bench_header "$python" "$command (REPEATS=$repeats NPROC=$nproc)"
+ours_rate="" ours_acc="" theirs_rate="" theirs_acc="" batch="" batch_note=""
 for ((i = 0; i < repeats; i++)); do
-  line=$(run "dtrain train_fashion_mnist" "$build/bin/train_fashion_mnist" "$@")
-  ours_rate+=("$(field samples_per_s <<<"$line")") ours_acc+=("$(field test_accuracy <<<"$line")")
-  line=$(run "PyTorch torch_fmnist.py" /usr/bin/python3 "$peers/torch_fmnist.py")
-  theirs_rate+=("$(field samples_per_s <<<"$line")") theirs_acc+=("$(field test_accuracy <<<"$line")")
+  # the trainer goes first in round 0 (it tells the peer's batch), then the order alternates
+  for who in $( ((i % 2)) && echo "theirs ours" || echo "ours theirs"); do
+    if [ "$who" = ours ]; then
+      line=$(run "dtrain train_fashion_mnist" "$build/bin/train_fashion_mnist" "$@")
+      ours_rate+="$(field samples_per_s <<<"$line") " ours_acc+="$(field test_accuracy <<<"$line") "
+      if [ -z "$batch" ]; then
+        batch=$(field global_batch <<<"$line")
+        [ -n "$batch" ] || { batch=${PEER_BATCH:-64}; batch_note=" (the trainer did not report global_batch; PEER_BATCH)"; }
+      fi
+    else
+      line=$(run "PyTorch torch_fmnist.py" "$python" "$peers/torch_fmnist.py" --batch-size "$batch")
+      theirs_rate+="$(field samples_per_s <<<"$line") " theirs_acc+="$(field test_accuracy <<<"$line") "
+    fi
+  done
 done
-ours=$(printf '%s\n' "${ours_rate[@]}" | median)
-theirs=$(printf '%s\n' "${theirs_rate[@]}" | median)
+echo "# global batch: $batch on both sides$batch_note; trainer flags: ${*:-(defaults)}"
+echo
 echo "| program ($nproc ranks, 1 epoch) | samples/s (median of $repeats) | test accuracy (median) |"
 echo "|---|---:|---:|"
-echo "| dtrain train_fashion_mnist $* | $ours | $(printf '%s\n' "${ours_acc[@]}" | median) |"
-echo "| PyTorch torch_fmnist.py | $theirs | $(printf '%s\n' "${theirs_acc[@]}" | median) |"
+echo "| dtrain train_fashion_mnist $* | $(list_median "$ours_rate") | $(list_median "$ours_acc") |"
+echo "| PyTorch torch_fmnist.py | $(list_median "$theirs_rate") | $(list_median "$theirs_acc") |"
 echo
-echo "dtrain / PyTorch samples/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN {printf "%.2f", a / b}')"
-echo "runs: dtrain ${ours_rate[*]}; PyTorch ${theirs_rate[*]}"
+echo "dtrain / PyTorch samples/s, median of paired ratios (range): $(ratio_summary "$ours_rate" "$theirs_rate")"
+echo "rounds: samples/s dtrain ${ours_rate% }; PyTorch ${theirs_rate% }"
+echo "rounds: accuracy dtrain ${ours_acc% }; PyTorch ${theirs_acc% }"
