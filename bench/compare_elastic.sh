@@ -16,7 +16,7 @@
 # Environment: BUILD (default ./build: bin/dtrain, bin/train_fashion_mnist), TRAINER (another trainer binary),
 # TORCHRUN (default .venv/bin/torchrun), SETTINGS=matched|defaults (default matched: both launchers with a
 # 0.5 s monitor interval, heartbeats every 1 s with 3 missed = lost, last_call_timeout 5 s; defaults: each
-# launcher's own), CKPT_EVERY (100), KILL_AT (150), KEEP=1 keeps the logs.
+# launcher's own), CKPT_EVERY (500), KILL_AT (750), KEEP=1 keeps the logs.
 # torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for a dtrain trainer (set here): by default its rank-0
 # agent hosts the workers' store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), where dtrain's rank 0
 # wants to host it itself.
