@@ -13,6 +13,9 @@
 // chunks by parameters): pipelined with --micro-batches M against naive placement (M = 1: one stage
 // works at a time).
 //   bench_pipeline --mode mlp --stages 2 --micro-batches 4 --hidden 2048 --batch 256
+// The same MLP across processes, one stage per rank (P·V chunks by parameters; the cut is printed as
+// "boundaries" so that bench/pipelining_peer.py can run PyTorch's schedules on the same chunks):
+//   dtrain run --nproc-per-node 2 -- bench_pipeline --mode mlp --distributed --schedule 1f1b
 // Each prints one JSON line per measurement.
 #include <torch/torch.h>
 
@@ -84,7 +87,7 @@ Args parse(int argc, char** argv) {
   Args a;
   bench::Flags("bench_pipeline", "pipeline bubble with sleeping stages, or model parallelism on a real MLP")
       .text("--mode", a.mode, "sleep: stages of controlled duration; mlp: a real MLP", {"sleep", "mlp"})
-      .on("--distributed", a.distributed, "sleep mode across processes (one stage per rank, under dtrain run)")
+      .on("--distributed", a.distributed, "across processes: one stage per rank, under dtrain run")
       .integer("--stages", a.stages, "pipeline stages, in one process")
       .integer("--micro-batches", a.micro_batches, "micro-batches per step")
       .integer("--virtual-stages", a.virtual_stages, "chunks per stage, for the interleaved schedule")
@@ -175,16 +178,56 @@ void sleep_mode(const Args& a) {
   std::printf("}\n");
 }
 
-void mlp_mode(const Args& a) {
+torch::nn::Sequential make_mlp(int64_t hidden) {
   torch::manual_seed(0);
-  torch::nn::Sequential model(torch::nn::Linear(784, a.hidden), torch::nn::ReLU(),
-                              torch::nn::Linear(a.hidden, a.hidden), torch::nn::ReLU(),
-                              torch::nn::Linear(a.hidden, a.hidden), torch::nn::ReLU(),
-                              torch::nn::Linear(a.hidden, 10));
+  return torch::nn::Sequential(torch::nn::Linear(784, hidden), torch::nn::ReLU(),
+                               torch::nn::Linear(hidden, hidden), torch::nn::ReLU(),
+                               torch::nn::Linear(hidden, hidden), torch::nn::ReLU(),
+                               torch::nn::Linear(hidden, 10));
+}
+
+torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& t) {
+  return torch::nn::functional::cross_entropy(out, t);
+}
+
+// One stage per rank; rank 0 prints its median step (one warm-up step first). The step is what
+// bench/pipelining_peer.py times on PyTorch's side: gradients set to None, then forward + backward
+// of every micro-batch through the schedule (here also the loss's return to every rank).
+void mlp_distributed(const Args& a) {
+  auto pg = dtrain::init_process_group();
+  const int stages = pg->size();
+  auto mesh = dtrain::make_rank_mesh(*pg, stages);
+  auto model = make_mlp(a.hidden);
+  auto boundaries = dtrain::balance_by_parameters(model, stages * a.virtual_stages);
+  dtrain::PipelineOptions options;
+  options.micro_batches = a.micro_batches;
+  options.schedule = dtrain::parse_schedule_kind(a.schedule);
+  options.virtual_stages = a.virtual_stages;
+  torch::set_num_threads(1);
+  dtrain::DistributedPipeline pipe(dtrain::split_sequential(model, boundaries), mesh, options);
+  auto params = pipe.parameters();
   auto x = torch::randn({a.batch, 784}), y = torch::randint(10, {a.batch});
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) {
-    return torch::nn::functional::cross_entropy(out, t);
-  };
+  double ms = median_step_ms(a.steps, [&] {
+    for (auto& p : params) p.mutable_grad() = torch::Tensor();
+    pipe.forward_backward(x, y, cross_entropy);
+  });
+  if (pg->rank() != 0) return;
+  std::string cuts;
+  for (size_t i = 0; i < boundaries.size(); ++i)
+    cuts += (i ? ", " : "") + std::to_string(boundaries[i]);
+  std::printf(
+      "{\"mode\": \"mlp\", \"distributed\": true, \"hidden\": %lld, \"batch\": %lld, "
+      "\"stages\": %d, \"virtual_stages\": %d, \"micro_batches\": %d, \"schedule\": \"%s\", "
+      "\"boundaries\": [%s], \"step_ms\": %.2f}\n",
+      static_cast<long long>(a.hidden), static_cast<long long>(a.batch), stages, a.virtual_stages,
+      a.micro_batches, a.schedule.c_str(), cuts.c_str(), ms);
+  std::fflush(stdout);
+}
+
+void mlp_mode(const Args& a) {
+  auto model = make_mlp(a.hidden);
+  auto x = torch::randn({a.batch, 784}), y = torch::randint(10, {a.batch});
+  auto loss_fn = cross_entropy;
   auto chunks = dtrain::split_sequential(model, dtrain::balance_by_parameters(model, a.stages));
   torch::set_num_threads(1);
   double single = median_step_ms(a.steps, [&] {
@@ -216,6 +259,8 @@ int main(int argc, char** argv) {
     Args a = parse(argc, argv);
     if (a.mode == "sleep") {
       sleep_mode(a);
+    } else if (a.distributed) {
+      mlp_distributed(a);
     } else {
       mlp_mode(a);
     }

@@ -67,7 +67,7 @@ const char* kUsage =
     "[--resume]\n"
     "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
     "[--async-checkpoints]\n"
-    "                           [--max-steps N] [--spawn N (start N DDP ranks itself)]\n"
+    "                           [--max-steps N] [--log-every N] [--spawn N (start N DDP ranks itself)]\n"
     "                           [--device cpu|cuda|auto] [--amp bf16|fp16 (ddp, dp)]";
 
 struct Flags {
@@ -92,6 +92,9 @@ struct Flags {
   bool async_checkpoints =
       false;              // write checkpoints on a background thread while training goes on
   int64_t max_steps = 0;  // stop after N steps in all (0: no limit); for tests of resumption
+  // rank 0 prints "step S loss L" after every N-th step (0: never): a per-step marker for
+  // benchmarks of restarts (the progress bar moves every 10% of an epoch)
+  int64_t log_every = 0;
   // zero: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
   int64_t zero_stage = 1;
   int64_t spawn = 0;      // start N ranks of this program itself (dtrain::spawn), no launcher needed
@@ -124,7 +127,7 @@ const char* const kValueFlags[] = {"--model",          "--strategy",
                                    "--batch-size",     "--lr",
                                    "--seed",           "--data",
                                    "--checkpoint-dir", "--checkpoint-every",
-                                   "--max-steps",      "--keep-checkpoints",
+                                   "--max-steps",      "--keep-checkpoints", "--log-every",
                                    "--zero-stage", "--spawn", "--device", "--amp"};
 
 Flags parse_flags(int argc, char** argv) {
@@ -192,6 +195,8 @@ Flags parse_flags(int argc, char** argv) {
       flags.keep_checkpoints = parse_int(flag, value, 1, 1 << 20);
     } else if (flag == "--max-steps") {
       flags.max_steps = parse_int(flag, value, 0);
+    } else if (flag == "--log-every") {
+      flags.log_every = parse_int(flag, value, 0);
     } else if (flag == "--zero-stage") {
       flags.zero_stage = parse_int(flag, value, 1, 3);
     } else if (flag == "--spawn") {
@@ -843,6 +848,9 @@ int run(int argc, char** argv) {
       if (leader) {
         last_loss = loss.item<double>();
         progress.update(step + 1, (step + 1) * global_batch, last_loss);
+        if (flags.log_every > 0 && at.steps % flags.log_every == 0) {
+          std::cout << "step " << at.steps << " loss " << last_loss << std::endl;
+        }
       }
       if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
         std::raise(kill_at.signal);
