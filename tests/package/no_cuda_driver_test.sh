@@ -10,8 +10,10 @@ while IFS= read -r -d '' file; do
   head -c 4 "$file" | grep -q 'ELF' || continue
   checked=$((checked + 1))
   # ldd lists what the loader would load, transitively; "libcuda.so" also catches "not found" entries.
-  if ldd "$file" 2>/dev/null | grep -q 'libcuda\.so'; then
-    bad+=("$file: $(ldd "$file" | grep 'libcuda\.so' | head -1 | tr -s ' \t' ' ')")
+  # Its output is taken whole first: under pipefail, `ldd | grep -q` can fail on ldd's SIGPIPE.
+  needs=$(ldd "$file" 2>/dev/null || true)
+  if grep -q 'libcuda\.so' <<<"$needs"; then
+    bad+=("$file: $(grep -m1 'libcuda\.so' <<<"$needs" | tr -s ' \t' ' ')")
   fi
 done < <(find "$build/bin" "$build/lib" -maxdepth 1 -type f \( -perm -u+x -o -name '*.so*' \) -print0)
 if ((checked == 0)); then
