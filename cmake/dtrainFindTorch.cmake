@@ -49,15 +49,11 @@ macro(dtrain_find_torch torch_dir_hint)
       endforeach()
     endif()
   endif()
-  # Torch's CUDA set-up asks nvcc for CMAKE_CXX_STANDARD (20), which CMake before 3.26 cannot express for nvcc;
-  # dtrain compiles no CUDA, so any standard nvcc knows will do.
+  # Torch's CUDA set-up asks nvcc for CMAKE_CXX_STANDARD (20), which Debian 12's CMake (3.25) cannot express
+  # for nvcc ("CUDA20 ... not supported"); dtrain compiles no CUDA, so a standard nvcc knows will do. A project
+  # that compiles its own kernels sets CMAKE_CUDA_STANDARD itself.
   if(NOT DEFINED CMAKE_CUDA_STANDARD)
     set(CMAKE_CUDA_STANDARD 17)
-  endif()
-  # Without a list Torch probes the machine's GPUs by compiling and running a CUDA program at every configure;
-  # dtrain compiles no kernels, so the list only has to be valid.
-  if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
-    set(TORCH_CUDA_ARCH_LIST 9.0)
   endif()
 
   find_package(Torch REQUIRED)
