@@ -23,6 +23,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/paired.sh"  # median
 build=${BUILD:-$here/build}
 dtrain=$build/bin/dtrain
 trainer=${TRAINER:-$build/bin/train_fashion_mnist}
@@ -217,7 +218,6 @@ for i in $(seq 1 "$runs"); do
   for l in $order; do once "$l" "$i" | tee -a "$work/results"; done
 done
 
-median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.2f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo "# launcher | respawned s | resumed s | first step s | steps redone: median [min..max]; world sizes"
 for l in dtrain torchrun; do
   col() { awk -v l="$l" -v c="$1" '$1 == l { print $c }' "$work/results"; }

@@ -19,6 +19,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/paired.sh"  # median
 build=${BUILD:-$here/build}
 dtrain=$build/bin/dtrain
 bench=${BENCH_PIPELINE:-$build/bin/bench_pipeline}
@@ -77,7 +78,6 @@ for r in $(seq 1 "$rounds"); do
   done
 done
 
-median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo "# schedule | dtrain ms (median) | torch ms (median) | dtrain/torch: median of paired ratios [min..max]"
 echo "# (torch:<zero-bubble> rows: dtrain's fastest schedule of each round against PyTorch's zero-bubble schedule)"
 for s in $(awk '{ print $2 }' "$work/pairs" | awk '!seen[$0]++'); do
