@@ -1,6 +1,6 @@
 // The one place where the LibTorch releases dtrain supports (2.11 to 2.15,
 // cmake/dtrainFindTorch.cmake) differ for dtrain. LibTorch 1.13 (Debian's libtorch-dev) was retired
-// with the move to C++20: see the README.
+// with the move to C++20: see doc/building.md.
 #pragma once
 
 #include <c10/util/string_utils.h>

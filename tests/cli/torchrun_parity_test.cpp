@@ -5,8 +5,8 @@
 // doing and are left out. A variable torchrun sets must be set by dtrain too, and with the same
 // value, except where the value is run-specific (ports, run ids, temporary paths: compared by
 // shape) or the difference is intended (kIntendedDifferences, each with its reason, mirrored in
-// `dtrain run --help` and README). A variable only dtrain sets fails too, unless it is one of
-// dtrain's own DTRAIN_*.
+// `dtrain run --help` and doc/launcher.md). A variable only dtrain sets fails too, unless it is
+// one of dtrain's own DTRAIN_*.
 //
 // Skips where no python imports torch. Each test starts torchrun once (a few seconds of Python
 // start-up); every launch is bounded by kLaunchTimeout.
@@ -79,7 +79,7 @@ const std::map<std::string, Shape> kRunSpecific = {
 };
 
 // Where dtrain run deliberately differs from torchrun 2.15 (also listed in `dtrain run --help` and
-// README's `dtrain run` environment).
+// doc/launcher.md's workers' environment).
 struct IntendedDifference {
   enum class Kind {
     kDtrainValue,  // dtrain always sets `dtrain_value`, whatever torchrun says
