@@ -83,7 +83,7 @@ struct CollectiveOptions {
 namespace detail {
 struct GroupState;
 struct WorkState;
-class SharedBuckets;
+struct GroupInternals;  // src/comm/group_state.h
 }  // namespace detail
 
 // A handle to a collective in flight.
@@ -97,8 +97,7 @@ class Work {
   bool is_completed() const;
 
  private:
-  friend class ProcessGroup;
-  friend class detail::SharedBuckets;
+  friend struct detail::GroupInternals;
   explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
   std::shared_ptr<detail::WorkState> state_;
 };
@@ -167,14 +166,18 @@ class ProcessGroup {
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::string name = "");
 
  private:
-  friend std::shared_ptr<ProcessGroup> init_process_group(const InitOptions&);
-  friend class detail::SharedBuckets;  // DDP's gradient buckets in shared memory (src/comm/shared_buckets.h)
+  friend struct detail::GroupInternals;
   explicit ProcessGroup(std::shared_ptr<detail::GroupState> state);
   std::shared_ptr<detail::GroupState> state_;  // shared with the Works in flight
 };
 
 // Creates the job's default group: meets every rank (throws TimeoutError naming the ranks that never came),
-// then connects Gloo (and, in a CUDA build, NCCL on first use of a CUDA tensor). Blocks up to the timeout.
+// then connects Gloo (and, in a CUDA build, NCCL on first use of a CUDA tensor). Blocks up to the timeout,
+// all of it counted against one deadline; a rank whose master is not up yet keeps trying until then.
+// Gloo talks on the interface that routes to MASTER_ADDR (as NCCL picks its socket), or on
+// GLOO_SOCKET_IFNAME when set; DTRAIN_LOG=debug names it. Under a launcher (TORCHELASTIC_RUN_ID set) it
+// also makes stdout line-buffered, so that the launcher relays each line as it is written and none is
+// lost when the worker is killed.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
 // A 3-D arrangement of a group's ranks for data × pipeline × tensor parallelism:
