@@ -1,19 +1,15 @@
-// Parsing `dtrain run`'s flags (see run_options.h). Accepted spellings follow torchrun: "--flag
-// value",
-// "--flag=value", and the underscore forms ("--nproc_per_node") that torchrun also takes.
+// Parsing `dtrain run`'s flags (see run_options.h) with CLI11 (flags.h). Accepted spellings follow
+// torchrun: "--flag value", "--flag=value", and the underscore forms ("--nproc_per_node") that
+// torchrun also takes.
 #include "cli/run_options.h"
 
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
-#include <cmath>
-#include <cstdlib>
-#include <optional>
 #include <string_view>
 
-#include "cli/parse_integer.h"
+#include "cli/flags.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::cli {
@@ -23,27 +19,22 @@ namespace {
 
 [[noreturn]] void bad_value(std::string_view flag, std::string_view expected,
                             std::string_view got) {
-  fail(std::string(flag) + ": expected " + std::string(expected) + ", got '" + std::string(got) +
-       "'");
+  fail(std::string(flag) + ": " + expected_but_got(expected, got));
 }
 
-int parse_in_range(std::string_view flag, std::string_view text, long long low, long long high,
-                   std::string_view expected) {
-  std::optional<long long> value = parse_integer(text);
-  if (!value || *value < low || *value > high) bad_value(flag, expected, text);
-  return static_cast<int>(*value);
-}
-
-// A number of seconds in (low, high]: "0.5", "30".
-double parse_seconds(std::string_view flag, const std::string& value, double low, double high,
-                     std::string_view expected) {
-  char* end = nullptr;
-  double seconds = std::strtod(value.c_str(), &end);
-  if (value.empty() || *end != '\0' || !std::isfinite(seconds) || seconds <= low ||
-      seconds > high) {
-    bad_value(flag, expected, value);
-  }
-  return seconds;
+// --nnodes N or MIN:MAX.
+void parse_nnodes(const std::string& value, RunOptions& options) {
+  constexpr std::string_view kFlag = "--nnodes";
+  constexpr std::string_view kExpected = "a positive integer N or a range MIN:MAX";
+  std::string_view text = value;
+  std::size_t colon = text.find(':');
+  std::optional<long long> low = integer_in(text.substr(0, colon), 1, 1 << 20);
+  std::optional<long long> high = low;
+  if (colon != std::string_view::npos) high = integer_in(text.substr(colon + 1), 1, 1 << 20);
+  if (!low || !high) bad_value(kFlag, kExpected, value);
+  if (*low > *high) bad_value(kFlag, "MIN:MAX with MIN <= MAX", value);
+  options.min_nodes = static_cast<int>(*low);
+  options.nnodes = static_cast<int>(*high);
 }
 
 // --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT.
@@ -72,7 +63,12 @@ void parse_endpoint(const std::string& value, RunOptions& options) {
     bad_value(kFlag, kExpected, value);
   }
   options.rdzv_host = host;
-  options.rdzv_port = port.empty() ? 0 : parse_in_range(kFlag, port, 1, 65535, kExpected);
+  options.rdzv_port = 0;
+  if (!port.empty()) {
+    std::optional<long long> number = integer_in(port, 1, 65535);
+    if (!number) bad_value(kFlag, kExpected, value);
+    options.rdzv_port = static_cast<int>(*number);
+  }
 }
 
 // --rdzv-conf key=value,key=value.
@@ -93,18 +89,26 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
     std::string key = item.substr(0, equals);
     std::string text = item.substr(equals + 1);
     std::string name = std::string(kFlag) + " " + key;
+    // A number of seconds in (low, high], or [low, high] with `from_low`.
+    auto seconds = [&](double low, double high, std::string_view expected, bool from_low = false) {
+      std::optional<double> number = number_in(text, low, high, from_low);
+      if (!number) bad_value(name, expected, text);
+      return *number;
+    };
     constexpr std::string_view kSeconds = "a number of seconds above 0 (at most a week)";
     constexpr double kWeek = 7 * 86400.0;
     if (key == "timeout") {
-      conf.timeout_s = parse_seconds(name, text, 0, kWeek, kSeconds);
+      conf.timeout_s = seconds(0, kWeek, kSeconds);
     } else if (key == "last_call_timeout") {
-      conf.last_call_timeout_s = parse_seconds(name, text, -1e-9, kWeek, "a number of seconds");
+      conf.last_call_timeout_s = seconds(0, kWeek, "a number of seconds", true);
     } else if (key == "join_timeout") {
-      conf.join_timeout_s = parse_seconds(name, text, 0, kWeek, kSeconds);
+      conf.join_timeout_s = seconds(0, kWeek, kSeconds);
     } else if (key == "keep_alive_interval") {
-      conf.keep_alive_interval_s = parse_seconds(name, text, 0.009, 3600, "seconds in 0.01..3600");
+      conf.keep_alive_interval_s = seconds(0.009, 3600, "seconds in 0.01..3600");
     } else if (key == "keep_alive_max_attempt") {
-      conf.keep_alive_max_attempt = parse_in_range(name, text, 1, 1000, "an integer in 1..1000");
+      std::optional<long long> attempts = integer_in(text, 1, 1000);
+      if (!attempts) bad_value(name, "an integer in 1..1000", text);
+      conf.keep_alive_max_attempt = static_cast<int>(*attempts);
     } else {
       fail(std::string(kFlag) + ": unknown key '" + key +
            "'; expected one of: " + std::string(kKeys));
@@ -112,71 +116,14 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
   }
 }
 
-// The CPUs this process may run on (its affinity mask, which taskset and container limits narrow),
-// which is what 'auto' means on a machine without GPUs.
-int usable_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
-}
-
-enum class Flag {
-  kNprocPerNode,
-  kNnodes,
-  kNodeRank,
-  kMasterAddr,
-  kMasterPort,
-  kMaxRestarts,
-  kLogDir,
-  kRunId,
-  kGracePeriod,
-  kNoPython,
-  kStandalone,
-  kRdzvBackend,
-  kRdzvEndpoint,
-  kRdzvConf,
-  kRdzvToken,
-  kMonitorInterval,
-  kHelp,
-};
-
-struct FlagSpec {
-  std::string_view name;  // canonical dash spelling, as in error messages
-  Flag flag;
-  bool takes_value;
-};
-
-constexpr FlagSpec kFlags[] = {
-    {"--nproc-per-node", Flag::kNprocPerNode, true},
-    {"--nnodes", Flag::kNnodes, true},
-    {"--node-rank", Flag::kNodeRank, true},
-    {"--master-addr", Flag::kMasterAddr, true},
-    {"--master-port", Flag::kMasterPort, true},
-    {"--max-restarts", Flag::kMaxRestarts, true},
-    {"--log-dir", Flag::kLogDir, true},
-    {"--run-id", Flag::kRunId, true},
-    {"--rdzv-id", Flag::kRunId, true},  // torchrun's name for the run id
-    {"--rdzv-backend", Flag::kRdzvBackend, true},
-    {"--rdzv-endpoint", Flag::kRdzvEndpoint, true},
-    {"--rdzv-conf", Flag::kRdzvConf, true},
-    {"--rdzv-token", Flag::kRdzvToken, true},
-    {"--monitor-interval", Flag::kMonitorInterval, true},
-    {"--grace-period", Flag::kGracePeriod, true},
-    {"--no-python", Flag::kNoPython, false},
-    {"--standalone", Flag::kStandalone, false},
-    {"--help", Flag::kHelp, false},
-    {"-h", Flag::kHelp, false},
-};
-
-const FlagSpec* find_flag(std::string_view name) {
-  // torchrun accepts "--nproc_per_node" as well as "--nproc-per-node": compare with '_' read as
-  // '-'.
-  std::string dashed(name);
-  std::replace(dashed.begin() + std::min<std::size_t>(2, dashed.size()), dashed.end(), '_', '-');
-  for (const FlagSpec& spec : kFlags) {
-    if (spec.name == dashed) return &spec;
-  }
-  return nullptr;
+// --nproc-per-node 'auto' or 'cpu': one worker per usable CPU (then checked as any number).
+CLI::Validator usable_cpus_for_auto() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text == "auto" || text == "cpu") text = std::to_string(usable_cpus());
+        return {};
+      },
+      "");
 }
 
 void check_combinations(RunOptions& options, bool port_given, bool node_rank_given,
@@ -238,142 +185,63 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
 
 RunOptions parse_run_options(const std::vector<std::string>& args) {
   RunOptions options;
-  bool port_given = false;
-  bool node_rank_given = false;
-  bool master_addr_given = false;
-  std::size_t i = 0;
-  for (; i < args.size(); ++i) {
-    std::string_view arg = args[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    // The first word that is not a flag starts the program; its own flags are its business.
-    if (arg.empty() || arg[0] != '-' || arg == "-") break;
+  CLI::App app;
+  prepare_command_line(app, "dtrain run");
+  // A flag that takes a value, in both of torchrun's spellings.
+  auto valued = [&app](std::string_view name, auto& target,
+                       std::vector<CLI::Validator> checks = {}) {
+    return add_valued_flag(app, with_underscores(name), target, std::move(checks));
+  };
+  valued("--nproc-per-node", options.nproc_per_node,
+         {usable_cpus_for_auto(), integer(1, 1 << 20, "a positive integer or 'auto'")});
+  std::string nnodes;
+  CLI::Option* nnodes_flag = valued("--nnodes", nnodes);
+  CLI::Option* node_rank =
+      valued("--node-rank", options.node_rank, {integer(0, 1 << 20, "a non-negative integer")});
+  CLI::Option* master_addr =
+      valued("--master-addr", options.master_addr, {non_empty("a host name or address")});
+  CLI::Option* master_port = valued("--master-port", options.master_port,
+                                    {integer(0, 65535, "a port in 1..65535, or 0 for a free one")});
+  valued("--max-restarts", options.max_restarts, {integer(0, 1 << 30, "a non-negative integer")});
+  valued("--log-dir", options.log_dir, {non_empty("a directory")});
+  // torchrun's --rdzv-id is dtrain's --run-id.
+  CLI::Option* run_id =
+      add_valued_flag(app, with_underscores("--run-id") + "," + with_underscores("--rdzv-id"),
+                      options.run_id, {non_empty("a non-empty id")});
+  // A day is far beyond any sane grace period; the bound also keeps the milliseconds in range.
+  valued("--grace-period", options.grace_period_s,
+         {number(0, 86400, "a number of seconds in 0..86400", /*low_inclusive=*/true)});
+  valued("--rdzv-backend", options.rdzv_backend, {one_of({"c10d", "etcd", "static"})});
+  std::string endpoint;
+  CLI::Option* endpoint_flag = valued("--rdzv-endpoint", endpoint);
+  std::string conf;
+  CLI::Option* conf_flag = valued("--rdzv-conf", conf);
+  valued("--rdzv-token", options.rdzv_token, {non_empty("a non-empty token")});
+  valued("--monitor-interval", options.monitor_interval_s,
+         {number(0.009, 3600, "a number of seconds in 0.01..3600")});
+  add_switch(app, with_underscores("--no-python"), options.no_python);
+  add_switch(app, "--standalone", options.standalone);
 
-    std::string_view name = arg;
-    std::optional<std::string> inline_value;
-    if (std::size_t equals = arg.find('=');
-        equals != std::string_view::npos && arg.rfind("--", 0) == 0) {
-      name = arg.substr(0, equals);
-      inline_value = std::string(arg.substr(equals + 1));
-    }
-    const FlagSpec* spec = find_flag(name);
-    if (spec == nullptr) {
-      fail("unknown flag '" + std::string(name) +
-           "'; see `dtrain run --help` (put the program's own flags after the program)");
-    }
-    std::string value;
-    if (spec->takes_value) {
-      if (inline_value) {
-        value = *inline_value;
-      } else if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
-        value = args[++i];
-      } else {
-        fail(std::string(spec->name) + ": missing value");
-      }
-    } else if (inline_value) {
-      fail(std::string(spec->name) + ": takes no value, got '" + *inline_value + "'");
-    }
-
-    switch (spec->flag) {
-      case Flag::kNprocPerNode:
-        if (value == "auto" || value == "cpu") {
-          options.nproc_per_node = usable_cpus();
-        } else {
-          options.nproc_per_node =
-              parse_in_range(spec->name, value, 1, 1 << 20, "a positive integer or 'auto'");
-        }
-        break;
-      case Flag::kNnodes: {
-        std::string_view text = value;
-        std::size_t colon = text.find(':');
-        constexpr std::string_view kExpected = "a positive integer N or a range MIN:MAX";
-        int low = parse_in_range(spec->name, text.substr(0, colon), 1, 1 << 20, kExpected);
-        int high = low;
-        if (colon != std::string_view::npos) {
-          high = parse_in_range(spec->name, text.substr(colon + 1), 1, 1 << 20, kExpected);
-        }
-        if (low > high) {
-          bad_value(spec->name, "MIN:MAX with MIN <= MAX", value);
-        }
-        options.min_nodes = low;
-        options.nnodes = high;
-        break;
-      }
-      case Flag::kNodeRank:
-        options.node_rank = parse_in_range(spec->name, value, 0, 1 << 20, "a non-negative integer");
-        node_rank_given = true;
-        break;
-      case Flag::kMasterAddr:
-        if (value.empty()) bad_value(spec->name, "a host name or address", value);
-        options.master_addr = value;
-        master_addr_given = true;
-        break;
-      case Flag::kMasterPort:
-        options.master_port =
-            parse_in_range(spec->name, value, 0, 65535, "a port in 1..65535, or 0 for a free one");
-        port_given = true;
-        break;
-      case Flag::kMaxRestarts:
-        options.max_restarts =
-            parse_in_range(spec->name, value, 0, 1 << 30, "a non-negative integer");
-        break;
-      case Flag::kLogDir:
-        if (value.empty()) bad_value(spec->name, "a directory", value);
-        options.log_dir = value;
-        break;
-      case Flag::kRunId:
-        if (value.empty()) bad_value(spec->name, "a non-empty id", value);
-        options.run_id = value;
-        options.run_id_given = true;
-        break;
-      case Flag::kGracePeriod: {
-        char* end = nullptr;
-        double seconds = std::strtod(value.c_str(), &end);
-        // A day is far beyond any sane grace period; the bound also keeps the milliseconds in
-        // range.
-        if (value.empty() || *end != '\0' || !std::isfinite(seconds) || seconds < 0 ||
-            seconds > 86400) {
-          bad_value(spec->name, "a number of seconds in 0..86400", value);
-        }
-        options.grace_period_s = seconds;
-        break;
-      }
-      case Flag::kRdzvBackend:
-        if (value != "static" && value != "c10d" && value != "etcd") {
-          bad_value(spec->name, "one of c10d, etcd, static", value);
-        }
-        options.rdzv_backend = value;
-        break;
-      case Flag::kRdzvEndpoint:
-        parse_endpoint(value, options);
-        break;
-      case Flag::kRdzvConf:
-        parse_rdzv_conf(value, options.rdzv_conf);
-        break;
-      case Flag::kRdzvToken:
-        if (value.empty()) bad_value(spec->name, "a non-empty token", value);
-        options.rdzv_token = value;
-        break;
-      case Flag::kMonitorInterval:
-        options.monitor_interval_s =
-            parse_seconds(spec->name, value, 0.009, 3600, "a number of seconds in 0.01..3600");
-        break;
-      case Flag::kNoPython:
-        options.no_python = true;
-        break;
-      case Flag::kStandalone:
-        options.standalone = true;
-        break;
-      case Flag::kHelp:
-        options.help = true;
-        return options;  // help wins over everything else on the line, as in torchrun
-    }
+  std::optional<std::vector<std::string>> command = parse_command_line(app, args);
+  if (!command) {
+    options.help = true;  // wins over everything else on the line, as in torchrun
+    return options;
   }
-  options.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  check_combinations(options, port_given, node_rank_given, master_addr_given);
+  options.command = std::move(*command);
+  if (nnodes_flag->count() > 0) parse_nnodes(nnodes, options);
+  if (endpoint_flag->count() > 0) parse_endpoint(endpoint, options);
+  if (conf_flag->count() > 0) parse_rdzv_conf(conf, options.rdzv_conf);
+  options.run_id_given = run_id->count() > 0;
+  check_combinations(options, master_port->count() > 0, node_rank->count() > 0,
+                     master_addr->count() > 0);
   return options;
+}
+
+int usable_cpus() {
+  // The affinity mask, which taskset and container limits narrow.
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
 std::string run_usage() {

@@ -74,6 +74,10 @@ RunOptions parse_run_options(const std::vector<std::string>& args);
 // Whether the options ask for the elastic agent (a c10d or etcd rendezvous).
 inline bool is_elastic(const RunOptions& options) { return options.rdzv_backend != "static"; }
 
+// The CPUs this process may run on (its affinity mask, which taskset and container limits narrow):
+// what --nproc-per-node auto means on a machine without GPUs.
+int usable_cpus();
+
 // The text `dtrain run --help` prints.
 std::string run_usage();
 

@@ -1,15 +1,12 @@
-// Parsing `dtrain scale`'s flags (see scale_options.h). Spellings as in `dtrain run`: "--flag
-// value" and "--flag=value"; the first word that is not a flag (or the word after "--") starts the
-// program.
+// Parsing `dtrain scale`'s flags (see scale_options.h) with CLI11 (flags.h), spelled as in `dtrain
+// run`: "--flag value" and "--flag=value"; the first word that is not a flag (or the word after
+// "--") starts the program.
 #include "cli/scale_options.h"
 
 #include <algorithm>
-#include <charconv>
-#include <cmath>
-#include <cstdlib>
 #include <string_view>
 
-#include "cli/parse_integer.h"
+#include "cli/flags.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::cli {
@@ -17,53 +14,25 @@ namespace {
 
 [[noreturn]] void fail(const std::string& message) { throw UsageError("dtrain scale: " + message); }
 
-[[noreturn]] void bad_value(std::string_view flag, std::string_view expected,
-                            std::string_view got) {
-  fail(std::string(flag) + ": expected " + std::string(expected) + ", got '" + std::string(got) +
-       "'");
-}
-
-int parse_int(std::string_view flag, std::string_view text, long long low, long long high) {
-  std::optional<long long> value = parse_integer(text);
-  if (!value || *value < low || *value > high) {
-    bad_value(flag, "an integer in " + std::to_string(low) + ".." + std::to_string(high), text);
-  }
-  return static_cast<int>(*value);
-}
-
-// A number in (low, high].
-double parse_number(std::string_view flag, const std::string& text, double low, double high,
-                    std::string_view expected) {
-  char* end = nullptr;
-  double value = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !std::isfinite(value) || value <= low || value > high) {
-    bad_value(flag, expected, text);
-  }
-  return value;
-}
-
 constexpr int kMaxWorkers = 1024;
 
 // "1,2,4": ascending after sorting, no duplicates.
 std::vector<int> parse_nproc(const std::string& text) {
-  constexpr std::string_view kFlag = "--nproc";
   const std::string expected =
       "worker counts like 1,2,4 (integers in 1.." + std::to_string(kMaxWorkers) + ")";
+  auto bad = [&](const std::string& what) { fail("--nproc: " + expected_but_got(what, text)); };
   std::vector<int> counts;
   std::string_view rest = text;
   do {
     std::size_t comma = rest.find(',');
-    std::string_view item = rest.substr(0, comma);
+    std::optional<long long> value = integer_in(rest.substr(0, comma), 1, kMaxWorkers);
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
-    std::optional<long long> value = parse_integer(item);
-    if (!value || *value < 1 || *value > kMaxWorkers) bad_value(kFlag, expected, text);
+    if (!value || (comma != std::string_view::npos && rest.empty())) bad(expected);
     counts.push_back(static_cast<int>(*value));
-    if (comma != std::string_view::npos && rest.empty()) bad_value(kFlag, expected, text);
   } while (!rest.empty());
   std::sort(counts.begin(), counts.end());
-  if (std::adjacent_find(counts.begin(), counts.end()) != counts.end()) {
-    bad_value(kFlag, expected + ", each once", text);
-  }
+  if (std::adjacent_find(counts.begin(), counts.end()) != counts.end())
+    bad(expected + ", each once");
   return counts;
 }
 
@@ -76,89 +45,45 @@ bool ends_with(const std::string& text, std::string_view suffix) {
 
 ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
   ScaleOptions options;
-  bool steps_given = false;
-  std::size_t i = 0;
-  for (; i < args.size(); ++i) {
-    std::string_view arg = args[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg.empty() || arg[0] != '-' || arg == "-") break;
+  CLI::App app;
+  prepare_command_line(app, "dtrain scale");
+  auto integer_range = [](long long low, long long high) {
+    return integer(low, high, "an integer in " + std::to_string(low) + ".." + std::to_string(high));
+  };
+  std::string nproc;
+  CLI::Option* nproc_flag = add_valued_flag(app, "--nproc", nproc);
+  CLI::Option* steps = add_valued_flag(app, "--steps", options.steps, {integer_range(1, 1000000)});
+  double seconds = 0;
+  CLI::Option* seconds_flag = add_valued_flag(
+      app, "--seconds", seconds, {number(0, 86400, "a number of seconds in (0, 86400]")});
+  add_valued_flag(app, "--warmup-steps", options.warmup_steps, {integer_range(0, 1000000)});
+  add_valued_flag(app, "--time-limit", options.time_limit_s,
+                  {number(0, 7 * 86400.0, "a number of seconds above 0 (at most a week)")});
+  double link_gbps = 0;
+  CLI::Option* link_gbps_flag = add_valued_flag(
+      app, "--link-gbps", link_gbps, {number(0, 1e6, "a bandwidth in Gbit/s above 0 (e.g. 100)")});
+  CLI::Option* plot =
+      add_valued_flag(app, "--plot", options.plot_path, {non_empty("a file name ending in .svg")});
+  add_valued_flag(app, "--log-dir", options.log_dir, {non_empty("a directory")});
+  add_valued_flag(app, "--grace-period", options.grace_period_s,
+                  {number(0, 3600, "a number of seconds in (0, 3600]")});
+  add_switch(app, "--json", options.json);
+  add_switch(app, "--no-python", options.no_python);
 
-    std::string name(arg);
-    std::optional<std::string> inline_value;
-    if (std::size_t equals = arg.find('='); equals != std::string_view::npos) {
-      name = std::string(arg.substr(0, equals));
-      inline_value = std::string(arg.substr(equals + 1));
-    }
-    auto is_switch = [&](std::string_view flag) {
-      if (name != flag) return false;
-      if (inline_value) fail(name + ": takes no value, got '" + *inline_value + "'");
-      return true;
-    };
-    if (is_switch("--help") || is_switch("-h")) {
-      options.help = true;
-      continue;
-    }
-    if (is_switch("--json")) {
-      options.json = true;
-      continue;
-    }
-    if (is_switch("--no-python")) {
-      options.no_python = true;
-      continue;
-    }
-    static constexpr std::string_view kValued[] = {
-        "--nproc",     "--steps", "--seconds", "--warmup-steps", "--time-limit",
-        "--link-gbps", "--plot",  "--log-dir", "--grace-period"};
-    if (std::find(std::begin(kValued), std::end(kValued), name) == std::end(kValued)) {
-      fail("unknown flag '" + name +
-           "'; see `dtrain scale --help` (the program's own flags go "
-           "after the program, or after --)");
-    }
-    std::string value;
-    if (inline_value) {
-      value = *inline_value;
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      fail(name + ": expected a value, got none");
-    }
-
-    if (name == "--nproc") {
-      options.nproc = parse_nproc(value);
-    } else if (name == "--steps") {
-      options.steps = parse_int(name, value, 1, 1000000);
-      steps_given = true;
-    } else if (name == "--seconds") {
-      options.seconds = parse_number(name, value, 0, 86400, "a number of seconds in (0, 86400]");
-    } else if (name == "--warmup-steps") {
-      options.warmup_steps = parse_int(name, value, 0, 1000000);
-    } else if (name == "--time-limit") {
-      options.time_limit_s =
-          parse_number(name, value, 0, 7 * 86400.0, "a number of seconds above 0 (at most a week)");
-    } else if (name == "--link-gbps") {
-      options.link_gbps =
-          parse_number(name, value, 0, 1e6, "a bandwidth in Gbit/s above 0 (e.g. 100)");
-    } else if (name == "--plot") {
-      if (value.empty()) bad_value(name, "a file name ending in .svg", value);
-      if (!ends_with(value, ".svg")) {
-        fail("--plot: only SVG is supported (a file name ending in .svg), got '" + value +
-             "'; convert it afterwards, e.g. `rsvg-convert -o plot.png plot.svg`");
-      }
-      options.plot_path = value;
-    } else if (name == "--log-dir") {
-      if (value.empty()) bad_value(name, "a directory", value);
-      options.log_dir = value;
-    } else if (name == "--grace-period") {
-      options.grace_period_s =
-          parse_number(name, value, 0, 3600, "a number of seconds in (0, 3600]");
-    }
+  std::optional<std::vector<std::string>> command = parse_command_line(app, args);
+  if (!command) {
+    options.help = true;
+    return options;
   }
-  options.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  if (options.help) return options;
-  if (steps_given && options.seconds) {
+  options.command = std::move(*command);
+  if (nproc_flag->count() > 0) options.nproc = parse_nproc(nproc);
+  if (seconds_flag->count() > 0) options.seconds = seconds;
+  if (link_gbps_flag->count() > 0) options.link_gbps = link_gbps;
+  if (plot->count() > 0 && !ends_with(options.plot_path, ".svg")) {
+    fail("--plot: only SVG is supported (a file name ending in .svg), got '" + options.plot_path +
+         "'; convert it afterwards, e.g. `rsvg-convert -o plot.png plot.svg`");
+  }
+  if (steps->count() > 0 && options.seconds) {
     fail(
         "--steps and --seconds: give one of the two (stop after K measured steps, or after S "
         "seconds)");

@@ -56,6 +56,17 @@ TEST(RunOptions, ProgramStartsAtFirstNonFlagAndKeepsItsOwnFlags) {
   EXPECT_EQ(options.command, Args({"prog", "--nproc-per-node", "7", "--", "-v"}));
 }
 
+TEST(RunOptions, ProgramWordsPassUntouched) {
+  // Words the launcher's own flags would read differently: an empty value after '=', a flag of
+  // the launcher, "--" and -h, all belonging to the program.
+  Args program = {"prog", "--log-dir=", "--nproc-per-node", "--", "-h", "--x=a=b", "", "-"};
+  Args args = {"--nproc_per_node=2", "--"};
+  args.insert(args.end(), program.begin(), program.end());
+  EXPECT_EQ(parse_run_options(args).command, program);
+  EXPECT_EQ(parse_run_options({"--", "--log-dir="}).command, Args({"--log-dir="}));
+  EXPECT_EQ(parse_run_options({"--master-port=0", "-"}).command, Args({"-"}));
+}
+
 TEST(RunOptions, AutoAndCpuMeanOneWorkerPerUsableCpu) {
   EXPECT_GE(parse_run_options({"--nproc-per-node", "auto", "p"}).nproc_per_node, 1);
   EXPECT_EQ(parse_run_options({"--nproc-per-node=cpu", "p"}).nproc_per_node,

@@ -79,7 +79,7 @@ INSTANTIATE_TEST_SUITE_P(
                     BadFlags{{"--seconds", "-1", "p"}, "--seconds"},
                     BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
                     BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
-                    BadFlags{{"--steps"}, "--steps: expected a value"},
+                    BadFlags{{"--steps"}, "--steps: missing value"},
                     BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"}));
 
 // ---------------------------------------------------------------------------------------------
