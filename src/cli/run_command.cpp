@@ -272,6 +272,17 @@ LaunchPlan prepare_launch(const RunOptions& options) {
   return plan;
 }
 
+std::string oversubscription_warning(int ranks, int cores) {
+  if (ranks <= cores) return {};
+  // Each rank of a CPU job wants a core of its own: with fewer, the kernel time-slices them, every
+  // collective waits for the slowest, and the job runs slower than with fewer ranks.
+  return "warning: --nproc-per-node " + std::to_string(ranks) + " starts " + std::to_string(ranks) +
+         " ranks on this node, but this process may use only " + std::to_string(cores) +
+         " CPU core(s) (its affinity mask): the ranks share cores and " +
+         "every step slows down; run at most " + std::to_string(cores) +
+         " rank(s) here, and keep OMP_NUM_THREADS at 1";
+}
+
 int run_main(const std::vector<std::string>& args) {
   RunOptions options;
   LaunchPlan plan;
@@ -287,6 +298,10 @@ int run_main(const std::vector<std::string>& args) {
   } catch (const UsageError& error) {
     print_error(error);
     return 2;
+  }
+  if (std::string warning = oversubscription_warning(options.nproc_per_node, usable_cpus());
+      !warning.empty()) {
+    say(warning);
   }
   try {
     return is_elastic(options) ? run_elastic(options, plan) : run_workers(options, plan);

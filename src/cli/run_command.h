@@ -24,6 +24,10 @@ struct LaunchPlan {
 // master. Throws dtrain::UsageError with a one-line message.
 LaunchPlan prepare_launch(const RunOptions& options);
 
+// The warning `dtrain run` gives when `ranks` workers on this node outnumber the `cores` CPU cores
+// the launcher may use (usable_cpus()), or "" when they fit.
+std::string oversubscription_warning(int ranks, int cores);
+
 // Entry point of `dtrain run ARGS...`: returns the process exit code (see run_usage()). Prints the
 // usage for --help, one line and 2 for bad input; blocks until the workers are done.
 int run_main(const std::vector<std::string>& args);

@@ -30,6 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include "cli/run_command.h"
+#include "cli/run_options.h"
 #include "elastic/ports.h"
 #include "elastic/worker_group.h"
 #include "support/system.h"
@@ -230,6 +232,29 @@ TEST_F(LauncherTest, OmpNumThreadsIsOnlySetWhenUnsetAndSeveralWorkers) {
 // ---- output and logs
 // -----------------------------------------------------------------------------
 
+// More ranks than the CPU cores the launcher may use (the workers inherit its affinity): one
+// warning line naming both numbers and the cost, and the job still runs.
+TEST_F(LauncherTest, WarnsWhenRanksOutnumberTheUsableCores) {
+  EXPECT_EQ(dtrain::cli::oversubscription_warning(4, 4), "");
+  EXPECT_NE(dtrain::cli::oversubscription_warning(5, 4), "");
+  int cores = dtrain::cli::usable_cpus();
+  std::string ranks = std::to_string(cores + 1);
+  RunResult over = dtrain({"run", "--nproc-per-node", ranks, "--", "/bin/true"});
+  ASSERT_EQ(over.exit_code, 0) << over.err;
+  EXPECT_EQ(count(over.err, "\n"), 1) << over.err;
+  EXPECT_EQ(over.err.rfind("dtrain run: warning: --nproc-per-node " + ranks + " starts " + ranks +
+                               " ranks on this node, but this process may use only " +
+                               std::to_string(cores) + " CPU core(s)",
+                           0),
+            0u)
+      << over.err;
+  EXPECT_NE(over.err.find("the ranks share cores and every step slows down"), std::string::npos)
+      << over.err;
+  RunResult fits = dtrain({"run", "--nproc-per-node", std::to_string(cores), "--", "/bin/true"});
+  ASSERT_EQ(fits.exit_code, 0) << fits.err;
+  EXPECT_EQ(fits.err, "");
+}
+
 TEST_F(LauncherTest, PrefixesEachLineWithItsRankOnTheSameStream) {
   RunResult run =
       dtrain(concat({"run", "--nproc-per-node", "2", "--"},
@@ -244,7 +269,9 @@ TEST_F(LauncherTest, PrefixesEachLineWithItsRankOnTheSameStream) {
     EXPECT_EQ(lines_of(run.err, rank), Args({"err " + r})) << run.err;
   }
   EXPECT_EQ(count(run.out, "\n"), 6) << run.out;
-  EXPECT_EQ(count(run.err, "\n"), 2) << run.err;
+  // On a single core the launcher also warns that its 2 ranks share it.
+  int launcher_lines = dtrain::cli::usable_cpus() < 2 ? 1 : 0;
+  EXPECT_EQ(count(run.err, "\n"), 2 + launcher_lines) << run.err;
   EXPECT_EQ(run.out.find("err"), std::string::npos) << run.out;
   EXPECT_EQ(run.err.find("out"), std::string::npos) << run.err;
 }
@@ -555,8 +582,8 @@ TEST_F(LauncherTest, TorchAllReduceAcrossTwoRanks) {
              "t = torch.ones(1) * (dist.get_rank() + 1)\n"
              "dist.all_reduce(t)\n"
              "print('sum', t.item())\n");
-  RunResult run = dtrain(
-      {"run", "--nproc-per-node", "2", "--", python, dir_ / "allreduce.py"}, {}, 120s);
+  RunResult run =
+      dtrain({"run", "--nproc-per-node", "2", "--", python, dir_ / "allreduce.py"}, {}, 120s);
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("[rank0]: sum 3.0\n"), std::string::npos) << run.out << run.err;
   EXPECT_NE(run.out.find("[rank1]: sum 3.0\n"), std::string::npos) << run.out << run.err;
