@@ -150,7 +150,9 @@ struct WorkerGroup::Stream {
   int fd = -1;         // read end of the worker's pipe (non-blocking); -1 after EOF or close
   int target_fd = -1;  // where the prefixed lines go
   bool is_stderr = false;
-  std::string partial;  // bytes after the last newline, waiting for the rest of their line
+  std::string partial;  // bytes after the last line end, waiting for the rest of their line
+  // The last line ended with '\r': a '\n' that comes next belongs to it ("\r\n").
+  bool after_carriage_return = false;
 };
 
 struct WorkerGroup::Worker {
@@ -674,9 +676,14 @@ void WorkerGroup::emit_lines(Worker& worker, Stream& stream, std::string_view da
       while (worker.stderr_tail.size() > options_.stderr_tail_lines) worker.stderr_tail.pop_front();
     }
   };
+  // A line ends at '\n', at "\r\n" and at a lone '\r': a progress bar redrawn with '\r' is relayed
+  // as one line per redraw, as it is written, not as one line at its end. A '\r' that ends nothing
+  // (the bar's first character, "\r\r") is dropped; the '\n' of a "\r\n" may come in the next read.
   while (!data.empty()) {
-    std::size_t newline = data.find('\n');
-    if (newline == std::string_view::npos) {
+    if (stream.after_carriage_return && data.front() == '\n') data.remove_prefix(1);
+    stream.after_carriage_return = false;
+    std::size_t end = data.find_first_of("\r\n");
+    if (end == std::string_view::npos) {
       stream.partial.append(data);
       if (stream.partial.size() >= kMaxLineBytes) {
         emit(stream.partial);
@@ -684,14 +691,18 @@ void WorkerGroup::emit_lines(Worker& worker, Stream& stream, std::string_view da
       }
       break;
     }
+    bool carriage_return = data[end] == '\r';
+    std::string_view piece = data.substr(0, end);
+    data.remove_prefix(end + 1);
+    if (carriage_return && piece.empty() && stream.partial.empty()) continue;
     if (stream.partial.empty()) {
-      emit(data.substr(0, newline));
+      emit(piece);
     } else {
-      stream.partial.append(data.substr(0, newline));
+      stream.partial.append(piece);
       emit(stream.partial);
       stream.partial.clear();
     }
-    data.remove_prefix(newline + 1);
+    stream.after_carriage_return = carriage_return;
   }
   if (flush_partial && !stream.partial.empty()) {
     emit(stream.partial);

@@ -276,6 +276,61 @@ TEST_F(LauncherTest, PrefixesEachLineWithItsRankOnTheSameStream) {
   EXPECT_EQ(run.err.find("out"), std::string::npos) << run.err;
 }
 
+// A progress bar redrawn with '\r' is relayed one line per redraw, to the terminal and the log;
+// "\r\n" is one line end, also when its '\n' comes in a later write.
+TEST_F(LauncherTest, CarriageReturnsEndRelayedLines) {
+  std::string log_dir = dir_ / "logs";
+  RunResult run = dtrain(
+      concat({"run", "--log-dir", log_dir, "--"},
+             sh("printf 'a\\rb\\rc\\n'; printf 'x\\r\\ny\\r'; sleep 0.2; printf '\\ndone\\n';"
+                " printf '\\r10%%\\r20%%\\r\\n\\r\\n' >&2")));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(lines_of(run.out, 0), Args({"a", "b", "c", "x", "y", "done"})) << run.out;
+  EXPECT_EQ(count(run.out, "\n"), 6) << run.out;
+  // The bar's leading '\r' ends nothing; an empty "\r\n" line stays an empty line.
+  EXPECT_EQ(lines_of(run.err, 0), Args({"10%", "20%", ""})) << run.err;
+  EXPECT_EQ(run.err.find('\r'), std::string::npos) << run.err;
+  std::string log = read_file(log_dir + "/rank0.log");
+  EXPECT_NE(log.find("[rank0]: a\n[rank0]: b\n[rank0]: c\n"), std::string::npos) << log;
+}
+
+// A line ended by '\r' is relayed when it is written, not when a '\n' finally comes: the worker
+// waits for the test to see its first line before it writes the second.
+TEST_F(LauncherTest, ALineEndedByCarriageReturnIsRelayedAtOnce) {
+  ChildProcess launcher(concat({DTRAIN_LAUNCHER, "run", "--"},
+                               sh("printf 'step 1\\r'; i=0;"
+                                  " while [ ! -e \"$1/go\" ] && [ $i -lt 400 ]; do"
+                                  "   sleep 0.05; i=$((i+1)); done; printf 'step 2\\n'")),
+                        dir_ / "out", dir_ / "err");
+  bool relayed = wait_until(
+      [&] { return read_file(dir_ / "out").find("[rank0]: step 1\n") != std::string::npos; }, 10s);
+  EXPECT_TRUE(relayed) << read_file(dir_ / "out");
+  write_file(dir_ / "go", "");
+  ASSERT_TRUE(launcher.wait(kRunTimeout));
+  EXPECT_EQ(launcher.exit_code(), 0) << read_file(dir_ / "err");
+  EXPECT_EQ(read_file(dir_ / "out"), "[rank0]: step 1\n[rank0]: step 2\n");
+}
+
+// Output without a final newline is not lost when its worker dies: rank 0 SIGKILLs itself after
+// writing, rank 1 is stopped by the launcher (SIGTERM to its group) after writing.
+TEST_F(LauncherTest, UnterminatedLastOutputOfAKilledWorkerIsRelayed) {
+  RunResult run =
+      dtrain(concat({"run", "--nproc-per-node", "2", "--grace-period", "2", "--"},
+                    sh("if [ $RANK = 0 ]; then"
+                       "  while [ ! -s \"$1/ready.1\" ]; do sleep 0.05; done;"
+                       "  printf 'out 0'; printf 'last words 0' >&2; kill -9 $$;"
+                       "fi; printf 'out 1'; printf 'last words 1' >&2; echo 1 > \"$1/ready.1\";"
+                       " exec sleep 300")));
+  EXPECT_EQ(run.exit_code, 128 + SIGKILL) << run.err;
+  EXPECT_LT(run.seconds, 20) << "rank 1 was not stopped promptly";
+  EXPECT_EQ(lines_of(run.out, 0), Args({"out 0"})) << run.out;
+  EXPECT_EQ(lines_of(run.out, 1), Args({"out 1"})) << run.out;
+  EXPECT_EQ(lines_of(run.err, 1), Args({"last words 1"})) << run.err;
+  // Rank 0's, relayed and in the failure summary.
+  EXPECT_NE(run.err.find("[rank0]: last words 0\n"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("dtrain run:   [rank0]: last words 0\n"), std::string::npos) << run.err;
+}
+
 TEST_F(LauncherTest, ManyLinesFromSeveralRanksArriveWhole) {
   constexpr int kLines = 2000;
   RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--"},
