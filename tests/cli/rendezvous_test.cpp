@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <map>
@@ -30,6 +31,7 @@ using dtrain::elastic::NodeInfo;
 using dtrain::elastic::Rendezvous;
 using dtrain::elastic::RendezvousBackend;
 using dtrain::elastic::RendezvousSettings;
+using dtrain::elastic::RendezvousState;
 using dtrain::elastic::RoundAssignment;
 using dtrain::elastic::Verdict;
 using dtrain::elastic::VersionedState;
@@ -105,6 +107,18 @@ class RendezvousTest : public testing::Test {
     EXPECT_TRUE(round.has_value());
     return round.value_or(RoundAssignment{});
   }
+  // Blocks until `rendezvous`'s node is a participant of the stored round, so that a join meant to
+  // come first is registered before the next one starts (bounded).
+  void wait_until_joined(const Rendezvous& rendezvous) {
+    auto joined = [&] {
+      std::lock_guard<std::mutex> lock(store_->mutex);
+      if (!store_->state) return false;
+      std::vector<std::string> ids = RendezvousState::from_json(store_->state->state).participants;
+      return std::find(ids.begin(), ids.end(), rendezvous.self().id) != ids.end();
+    };
+    for (int i = 0; i < 10000 && !joined(); ++i) std::this_thread::sleep_for(1ms);
+    ASSERT_TRUE(joined()) << rendezvous.self().id << " did not join within 10 s";
+  }
   // Polls check() until it says something (bounded).
   static Verdict check_until_news(Rendezvous& rendezvous) {
     for (int i = 0; i < 200; ++i) {
@@ -131,7 +145,7 @@ TEST_F(RendezvousTest, MaxNodesCloseTheRoundWithRanksAndMaster) {
   auto a = node("a", settings(1, 2), 2);
   auto b = node("b", settings(1, 2), 1);
   auto first = join(*a, 1001);
-  std::this_thread::sleep_for(50ms);
+  wait_until_joined(*a);
   auto second = join(*b, 1002);
   RoundAssignment ra = get(first);
   RoundAssignment rb = get(second);
