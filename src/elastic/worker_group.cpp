@@ -144,7 +144,7 @@ std::string local_time_now() {
 
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------------
+// -------------------------------------------------------------------------------------------------
 
 struct WorkerGroup::Stream {
   int fd = -1;         // read end of the worker's pipe (non-blocking); -1 after EOF or close
@@ -247,7 +247,7 @@ std::string find_executable(const std::string& name, std::string* why) {
   return {};
 }
 
-// ---------------------------------------------------------------------------------------------------
+// -------------------------------------------------------------------------------------------------
 
 WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {
   if (options_.command.empty()) throw UsageError("dtrain run: no program to run");
@@ -526,7 +526,7 @@ void WorkerGroup::spawn(Worker& worker, const std::string& executable,
                         ", started " + local_time_now() + " ====\n");
 }
 
-// ---------------------------------------------------------------------------------------------------
+// -------------------------------------------------------------------------------------------------
 
 WaitResult WorkerGroup::wait(int interrupt_fd) {
   WaitResult result;
@@ -607,7 +607,7 @@ std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd) {
   return exits;
 }
 
-// ---------------------------------------------------------------------------------------------------
+// -------------------------------------------------------------------------------------------------
 
 bool WorkerGroup::pump(int timeout_ms, int extra_fd) {
   std::vector<struct pollfd> fds;

@@ -388,8 +388,9 @@ TEST_F(RendezvousTest, TimeoutNamesPresentNodesAndTheMinimum) {
 }
 
 // RFC 4231, test case 2.
-// Note [Reusing a run id]: a job that finished leaves its state behind (etcd keeps it); a new agent
-// under the same id starts a new job at round 0 instead of waiting in the old one until its timeout.
+// Note [Reusing a run id]: a job that finished leaves its state behind (etcd keeps it); a new
+// agent under the same id starts a new job at round 0 instead of waiting in the old one until its
+// timeout.
 TEST_F(RendezvousTest, FinishedJobsStateStartsOverForANewAgent) {
   auto a = node("a", settings(1, 1));
   auto first = join(*a, 1001);
