@@ -81,9 +81,11 @@ TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
       150);
   ASSERT_EQ(both.exit_code, 0) << both.output;
   EXPECT_NE(both.output.find("\"world_size\": 2"), std::string::npos) << both.output;
-  const double loss = json_number(single.output, "final_loss");
-  ASSERT_GT(loss, 0) << single.output;
-  EXPECT_NEAR(json_number(both.output, "final_loss"), loss, 1e-4 * loss)
+  // The final model, judged on the 10000 test images: the same predictions up to a few images that sit
+  // on a decision boundary (final_loss is rank 0's own half of the last batch, so it differs).
+  const double accuracy = json_number(single.output, "test_accuracy");
+  ASSERT_GT(accuracy, 0.3) << single.output;
+  EXPECT_NEAR(json_number(both.output, "test_accuracy"), accuracy, 5e-4)
       << single.output << both.output;
 }
 
