@@ -48,7 +48,7 @@ struct SamplerState {
 //   auto loader = torch::data::make_data_loader(dataset, sampler,
 //                                               torch::data::DataLoaderOptions(32));  // per rank
 //   for (int64_t epoch = sampler.epoch(); epoch < epochs; ++epoch) {
-//     if (epoch != sampler.epoch()) sampler.set_epoch(epoch);  // not the resumed one
+//     sampler.set_epoch(epoch);  // keeps a position just loaded by load_state (see set_epoch)
 //     for (auto& batch : *loader) { ...one step...; checkpoint sampler.state() when you like }
 //   }
 //
@@ -99,7 +99,11 @@ class DistributedSampler {
   DistributedSampler& operator=(const DistributedSampler&) = default;
   ~DistributedSampler();
 
-  // Starts epoch `epoch` (>= 0) from its beginning: samples_consumed goes back to 0.
+  // Starts epoch `epoch` (>= 0) from its beginning: samples_consumed goes back to 0. Except after a
+  // resume: set_epoch with the epoch that load_state loaded keeps the loaded position, until a
+  // sample is consumed or another epoch is set. So a resumed program that calls set_epoch(epoch) at
+  // the top of every epoch, as PyTorch programs do, continues where the checkpoint stood instead of
+  // replaying the epoch; every later set_epoch, the resumed epoch's included, starts at 0.
   void set_epoch(int64_t epoch);
   int64_t epoch() const;
 
@@ -121,8 +125,9 @@ class DistributedSampler {
 
   SamplerState state() const;
   // Moves to state.epoch with state.samples_consumed samples of its order consumed. The state may
-  // come from a run with another world size (see the class comment). Throws UsageError if the epoch
-  // is negative or samples_consumed is outside 0..dataset_size.
+  // come from a run with another world size (see the class comment); set_epoch(state.epoch) keeps
+  // it (see set_epoch). Throws UsageError if the epoch is negative or samples_consumed is outside
+  // 0..dataset_size.
   void load_state(const SamplerState& state);
 
   // The torch::data::samplers::Sampler interface, which torch::data's loaders call (declared here

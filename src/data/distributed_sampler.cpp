@@ -56,6 +56,9 @@ struct DistributedSampler::Impl {
   int64_t epoch = 0;
   int64_t pass_start = 0;
   int64_t pass_consumed = 0;
+  // Set by load_state; while set, set_epoch(epoch) keeps the loaded position (see set_epoch in
+  // data.h). Cleared once a sample is consumed or another epoch is set.
+  bool resumed = false;
   bool warned_repeat = false;
   // The epoch order of order_epoch (-1: none drawn yet), drawn once per epoch for next() and
   // indices() instead of once per call.
@@ -147,6 +150,12 @@ void DistributedSampler::set_epoch(int64_t epoch) {
     throw UsageError(rank_of(s.rank, s.world_size) + ": DistributedSampler::set_epoch: epoch is " +
                      std::to_string(epoch) + "; accepted: epoch >= 0.");
   }
+  // Note [set_epoch after a resume]: a PyTorch program calls set_epoch(epoch) at the top of every
+  // epoch, the one it resumes in included; restarting that epoch at 0 would replay what the
+  // checkpoint already trained on. So the loaded position stands for the loaded epoch until the
+  // program consumes a sample or moves to another epoch.
+  if (s.resumed && epoch == s.epoch) return;
+  s.resumed = false;
   s.start_epoch(epoch);
 }
 
@@ -185,6 +194,7 @@ void DistributedSampler::advance(int64_t global_samples) {
     throw UsageError(message.str());
   }
   s.pass_consumed += global_samples;
+  if (global_samples > 0) s.resumed = false;
 }
 
 SamplerState DistributedSampler::state() const {
@@ -207,6 +217,7 @@ void DistributedSampler::load_state(const SamplerState& state) {
   s.epoch = state.epoch;
   s.pass_start = state.samples_consumed;
   s.pass_consumed = 0;
+  s.resumed = true;
 }
 
 void DistributedSampler::reset(std::optional<size_t> new_size) {
@@ -254,6 +265,7 @@ std::optional<DistributedSampler::BatchRequestType> DistributedSampler::next(siz
   // Every rank took `count`, so all together took count * W positions of the pass. (min: only a
   // position advance() left unaligned to W could overshoot the pass end.)
   s.pass_consumed = std::min(s.pass_consumed + count * s.world_size, s.pass_length());
+  s.resumed = false;
   return batch;
 }
 

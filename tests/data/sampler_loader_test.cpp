@@ -1,7 +1,7 @@
 // Tests for DistributedSampler as a torch::data sampler: torch::data::make_data_loader takes it as
 // it is, its batches are this rank's split with a per-rank batch size, the position follows the
 // batches handed out so that a checkpoint between two batches resumes exactly (at any world size,
-// through state() or a LibTorch archive).
+// through state() or a LibTorch archive), and set_epoch after a resume keeps the loaded position.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -170,6 +170,7 @@ void check_resume_through_loader(int64_t n, int old_world, size_t batch, int64_t
     EXPECT_EQ(sampler.state().epoch, 1);
     EXPECT_EQ(sampler.state().samples_consumed,
               std::min<int64_t>(n, batches * static_cast<int64_t>(batch) * old_world));
+    sampler.set_epoch(1);  // at the top of the resumed epoch, as a PyTorch program does
     auto loader = make_loader(n, sampler, batch + 1);
     for (int64_t index : flatten(one_pass(*loader))) ++seen[index];
   }
@@ -186,6 +187,54 @@ TEST(SamplerLoader, CheckpointBetweenBatchesResumesExactlyAtAnyWorldSize) {
     }
     check_resume_through_loader(120, 3, 4, 5, new_world);
   }
+}
+
+TEST(SamplerLoader, SetEpochAfterLoadStateKeepsThePositionOnlyForTheLoadedEpoch) {
+  DistributedSampler sampler(100, 4, 2);
+  const SamplerState saved{3, 40};
+
+  sampler.load_state(saved);
+  sampler.set_epoch(3);  // the resumed epoch: continues at 40
+  sampler.set_epoch(3);  // again, nothing consumed yet: still 40
+  EXPECT_EQ(sampler.state().epoch, 3);
+  EXPECT_EQ(sampler.state().samples_consumed, 40);
+  EXPECT_EQ(sampler.num_samples(), 15);
+  ASSERT_TRUE(sampler.next(5).has_value());  // consumes 20 over 4 ranks
+  EXPECT_EQ(sampler.state().samples_consumed, 60);
+  sampler.set_epoch(3);  // once samples were consumed, set_epoch restarts the epoch
+  EXPECT_EQ(sampler.state().samples_consumed, 0);
+
+  sampler.load_state(saved);
+  sampler.set_epoch(4);  // a new epoch starts at 0
+  EXPECT_EQ(sampler.state().epoch, 4);
+  EXPECT_EQ(sampler.state().samples_consumed, 0);
+  EXPECT_EQ(sampler.num_samples(), 25);
+  sampler.set_epoch(3);  // another epoch was set in between: the loaded position is gone
+  EXPECT_EQ(sampler.state().samples_consumed, 0);
+
+  sampler.load_state(saved);
+  sampler.advance(8);  // consumed through advance(), the trainer's path
+  sampler.set_epoch(3);
+  EXPECT_EQ(sampler.state().samples_consumed, 0);
+
+  sampler.load_state(saved);
+  sampler.advance(0);  // consumes nothing
+  sampler.set_epoch(3);
+  EXPECT_EQ(sampler.state().samples_consumed, 40);
+}
+
+// A checkpoint written at the end of an epoch resumes into an empty rest of that epoch, not a
+// replay of it, and the next epoch is whole.
+TEST(SamplerLoader, ResumeAtTheEndOfAnEpochMovesOnToTheNext) {
+  DistributedSampler sampler(30, 3, 0);
+  sampler.load_state({2, 30});
+  auto loader = make_loader(30, sampler, 4);
+  sampler.set_epoch(2);
+  EXPECT_TRUE(one_pass(*loader).empty());
+  sampler.set_epoch(3);
+  DistributedSampler fresh(30, 3, 0);
+  fresh.set_epoch(3);
+  EXPECT_EQ(flatten(one_pass(*loader)), fresh.indices());
 }
 
 // Without set_epoch between two passes, the second repeats the epoch in the same order (as
