@@ -140,9 +140,9 @@ class DistributedSampler {
   // Throws UsageError if new_size is given and differs from dataset_size.
   void reset(std::optional<size_t> new_size = std::nullopt);
   // The next up to batch_size (>= 1; per rank) of this rank's indices, or nullopt when this epoch
-  // has none left. Moves the position by world_size times the count, as advance() does: a checkpoint
-  // taken after a batch resumes with the batch after it. With DataLoaderOptions::workers > 0 the
-  // loader asks for batches ahead of the one it hands out (max_jobs of them, 2 * workers by
+  // has none left. Moves the position by world_size times the count, as advance() does: a
+  // checkpoint taken after a batch resumes with the batch after it. With DataLoaderOptions::workers
+  // > 0 the loader asks for batches ahead of the one it hands out (max_jobs of them, 2 * workers by
   // default), so the position runs ahead by those and a checkpoint skips them on resume: keep
   // workers at 0 (the default) where a resume must be exact.
   std::optional<BatchRequestType> next(size_t batch_size);
@@ -190,7 +190,6 @@ struct MnistSplit {
 // samples) from dir: the gzip'd IDX files <name>.gz, or uncompressed files named without .gz.
 // Throws UsageError, naming the file, if a file is missing, has the wrong magic number or size,
 // holds a label outside 0..9, or the image and label counts differ.
-MnistSplit load_fashion_mnist(const std::string& dir = default_fashion_mnist_dir(),
-                              bool train = true);
+MnistSplit load_fashion_mnist(const std::string& dir = default_fashion_mnist_dir(), bool train = true);
 
 }  // namespace dtrain
