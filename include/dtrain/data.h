@@ -5,11 +5,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
 namespace dtrain {
+
+class ProcessGroup;
 
 struct DistributedSamplerOptions {
   // Visit the dataset in a fresh random order every epoch (randperm seeded with seed + epoch).
@@ -29,7 +39,27 @@ struct SamplerState {
 };
 
 // Splits the indices 0..dataset_size-1 over world_size ranks; one instance per rank, all built with
-// the same dataset_size and options.
+// the same dataset_size and options. A torch::data sampler as well: give it to
+// torch::data::make_data_loader as it is, and the loader's batches follow the position.
+//
+//   auto pg = dtrain::init_process_group();
+//   auto dataset = MyDataset().map(torch::data::transforms::Stack<>());
+//   dtrain::DistributedSampler sampler(dataset.size().value(), pg);
+//   auto loader = torch::data::make_data_loader(dataset, sampler,
+//                                               torch::data::DataLoaderOptions(32));  // per rank
+//   for (int64_t epoch = sampler.epoch(); epoch < epochs; ++epoch) {
+//     sampler.set_epoch(epoch);  // keeps a position just loaded by load_state (see set_epoch)
+//     for (auto& batch : *loader) { ...one step...; checkpoint sampler.state() when you like }
+//   }
+//
+// Batch sizes are per rank, as in PyTorch: DataLoaderOptions::batch_size and the batch_size of
+// next() are this rank's share of a step, and one step of all ranks consumes world_size times as
+// many samples (the global batch). The position (state(), advance()) counts samples of all ranks
+// together.
+//
+// A DistributedSampler is a handle, as a torch::Tensor is: copies (and moves, which copy) share one
+// sampler. make_data_loader keeps a copy, so set_epoch() and state() on the sampler the program
+// holds act on the loader's sampler too.
 //
 // Epoch order: with shuffle, at::randperm(dataset_size) from a CPU generator seeded with
 // seed + epoch, the permutation Python's sampler draws:
@@ -40,29 +70,45 @@ struct SamplerState {
 // iterating Python's DistributedSampler yields, and after every rank has taken k samples the
 // samples consumed are the first k * W entries of the epoch order.
 //
-// Resuming: the trainer calls advance(W * per-rank batch) after every step and checkpoints state().
-// Loading that state, at this or any other world size, makes indices() return the remaining
-// positions [samples_consumed, dataset_size) of the epoch order, interleaved over THIS sampler's
-// world size and then padded (by repeating the remainder from its start) or cut per drop_last.
-// Without drop_last every sample of the epoch is therefore seen exactly once across the old and new
-// runs, plus padding duplicates at the end. state() clamps samples_consumed to dataset_size:
-// padding sits only at the end of the order, so a count beyond dataset_size means every real sample
-// is consumed, and the old world size's padding never reaches the new run.
+// Resuming: the position moves as next() hands out batches (the loader's path), or by advance(W *
+// per-rank batch) after every step (a loop over indices(), as the example trainer's); a checkpoint
+// stores state(). Loading that state, at this or any other world size, makes indices() and next()
+// return the remaining positions [samples_consumed, dataset_size) of the epoch order, interleaved
+// over THIS sampler's world size and then padded (by repeating the remainder from its start) or cut
+// per drop_last. Without drop_last every sample of the epoch is therefore seen exactly once across
+// the old and new runs, plus padding duplicates at the end. state() clamps samples_consumed to
+// dataset_size: padding sits only at the end of the order, so a count beyond dataset_size means
+// every real sample is consumed, and the old world size's padding never reaches the new run.
 //
-// Not thread-safe: each rank owns its sampler.
+// Not thread-safe: each rank owns its sampler, and LibTorch's loader calls it from the thread that
+// iterates the loader only.
 class DistributedSampler {
  public:
+  // What next() returns: the indices that a torch::data dataset's get_batch takes.
+  using BatchRequestType = std::vector<size_t>;
+
   // Throws UsageError unless dataset_size >= 1, world_size >= 1 and 0 <= rank < world_size.
   DistributedSampler(int64_t dataset_size, int world_size, int rank,
                      DistributedSamplerOptions options = {});
+  // Takes rank and world size from `group`: the job's group from init_process_group(), or the data
+  // group of a RankMesh where ranks also split the model. Throws UsageError if group is null.
+  DistributedSampler(int64_t dataset_size, const std::shared_ptr<ProcessGroup>& group,
+                     DistributedSamplerOptions options = {});
+  // Copies share the sampler; a move copies too, so the source stays usable.
+  DistributedSampler(const DistributedSampler&) = default;
+  DistributedSampler& operator=(const DistributedSampler&) = default;
+  ~DistributedSampler();
 
-  // Starts epoch `epoch` (>= 0) from its beginning: samples_consumed goes back to 0.
+  // Starts epoch `epoch` (>= 0) from its beginning: samples_consumed goes back to 0. Except after a
+  // resume: set_epoch with the epoch that load_state loaded keeps the loaded position, until a
+  // sample is consumed or another epoch is set. So a resumed program that calls set_epoch(epoch) at
+  // the top of every epoch, as PyTorch programs do, continues where the checkpoint stood instead of
+  // replaying the epoch; every later set_epoch, the resumed epoch's included, starts at 0.
   void set_epoch(int64_t epoch);
-  int64_t epoch() const { return epoch_; }
+  int64_t epoch() const;
 
-  // This rank's indices of the current epoch that advance() has not yet consumed, in the order to
-  // visit them. Draws the epoch's permutation on every call: call it once per epoch, not once per
-  // step.
+  // This rank's indices of the current epoch that have not yet been consumed, in the order to visit
+  // them. The epoch's permutation is drawn once per epoch and kept.
   std::vector<int64_t> indices() const;
   // The length of indices(), computed without drawing the permutation. At the start of an epoch it
   // equals len(sampler) in Python.
@@ -79,30 +125,47 @@ class DistributedSampler {
 
   SamplerState state() const;
   // Moves to state.epoch with state.samples_consumed samples of its order consumed. The state may
-  // come from a run with another world size (see the class comment). Throws UsageError if the epoch
-  // is negative or samples_consumed is outside 0..dataset_size.
+  // come from a run with another world size (see the class comment); set_epoch(state.epoch) keeps
+  // it (see set_epoch). Throws UsageError if the epoch is negative or samples_consumed is outside
+  // 0..dataset_size.
   void load_state(const SamplerState& state);
 
-  int64_t dataset_size() const { return dataset_size_; }
-  int world_size() const { return world_size_; }
-  int rank() const { return rank_; }
-  const DistributedSamplerOptions& options() const { return options_; }
+  // The torch::data::samplers::Sampler interface, which torch::data's loaders call (declared here
+  // without deriving from it, so that this header needs no LibTorch include).
+  //
+  // Called by the loader when a pass over it begins (loader->begin()). Keeps the position, so a
+  // loader started after load_state continues from the checkpoint; except that a pass next() has
+  // run to its end starts the same epoch again from 0 (with a warning: call set_epoch at the top of
+  // every epoch), as Python's sampler repeats its order when iterated again without set_epoch.
+  // Throws UsageError if new_size is given and differs from dataset_size.
+  void reset(std::optional<size_t> new_size = std::nullopt);
+  // The next up to batch_size (>= 1; per rank) of this rank's indices, or nullopt when this epoch
+  // has none left. Moves the position by world_size times the count, as advance() does: a
+  // checkpoint taken after a batch resumes with the batch after it. With DataLoaderOptions::workers
+  // > 0 the loader asks for batches ahead of the one it hands out (max_jobs of them, 2 * workers by
+  // default), so the position runs ahead by those and a checkpoint skips them on resume: keep
+  // workers at 0 (the default) where a resume must be exact.
+  std::optional<BatchRequestType> next(size_t batch_size);
+  // state() to and from a LibTorch archive (int64 entries "epoch" and "samples_consumed"); with the
+  // operators below, torch::save(sampler, path) and torch::load(sampler, path) work too. load()
+  // throws UsageError if an entry is missing, and as load_state otherwise.
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+  int64_t dataset_size() const;
+  int world_size() const;
+  int rank() const;
+  const DistributedSamplerOptions& options() const;
 
  private:
-  // The current pass runs over epoch order positions [pass_start_, dataset_size_), padded or cut to
-  // pass_length(); pass_consumed_ of its entries are consumed. A pass starts at set_epoch (at 0)
-  // and at load_state (at the loaded position).
-  int64_t pass_length() const;
-  int64_t rank_count_from(int64_t pass_position) const;
-
-  int64_t dataset_size_;
-  int world_size_;
-  int rank_;
-  DistributedSamplerOptions options_;
-  int64_t epoch_ = 0;
-  int64_t pass_start_ = 0;
-  int64_t pass_consumed_ = 0;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
 };
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const DistributedSampler& sampler);
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           DistributedSampler& sampler);
 
 // Fashion-MNIST as Debian's dataset-fashion-mnist package installs it.
 inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
