@@ -2,7 +2,7 @@
 // rendezvous writes this node's heartbeats on a thread of its own, so they continue while the loop
 // blocks stopping workers. The loop wakes on three things, through one epoll descriptor that
 // WorkerGroup::wait() polls: a worker's exit, a signal (self-pipe), and the monitor timer.
-#include "cli/elastic_agent.h"
+#include "launcher/cli/elastic_agent.h"
 
 #include <sys/epoll.h>
 #include <sys/timerfd.h>
@@ -14,13 +14,14 @@
 #include <random>
 
 #include "dtrain/errors.h"
-#include "elastic/c10d_backend.h"
-#include "elastic/ports.h"
-#include "elastic/rendezvous.h"
-#include "elastic/signal_pipe.h"
-#include "elastic/worker_group.h"
-#ifdef DTRAIN_HAVE_ETCD_BACKEND  // set by src/cli/CMakeLists.txt when the etcd backend is there
-#include "elastic/etcd_backend.h"
+#include "launcher/elastic/c10d_backend.h"
+#include "launcher/elastic/ports.h"
+#include "launcher/elastic/rendezvous.h"
+#include "launcher/elastic/signal_pipe.h"
+#include "launcher/elastic/worker_group.h"
+// DTRAIN_HAVE_ETCD_BACKEND: set by src/launcher/cli/CMakeLists.txt when the etcd backend is there.
+#ifdef DTRAIN_HAVE_ETCD_BACKEND
+#include "launcher/elastic/etcd_backend.h"
 #endif
 
 namespace dtrain::cli {

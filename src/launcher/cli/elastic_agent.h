@@ -5,8 +5,8 @@
 // elastic/rendezvous.h describes.
 #pragma once
 
-#include "cli/run_command.h"
-#include "cli/run_options.h"
+#include "launcher/cli/run_command.h"
+#include "launcher/cli/run_options.h"
 
 namespace dtrain::cli {
 

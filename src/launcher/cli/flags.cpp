@@ -1,5 +1,5 @@
 // The launcher's command lines over CLI11 (see flags.h).
-#include "cli/flags.h"
+#include "launcher/cli/flags.h"
 
 #include <algorithm>
 #include <charconv>

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "cli/run_command.h"
-#include "cli/scale_command.h"
+#include "launcher/cli/run_command.h"
+#include "launcher/cli/scale_command.h"
 
 namespace {
 

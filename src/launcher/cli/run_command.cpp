@@ -8,7 +8,7 @@
 // collective and fail too (then their launchers restart them). The attempt counters of different
 // nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
 // (elastic_agent.h), whose rendezvous restarts every node's group together.
-#include "cli/run_command.h"
+#include "launcher/cli/run_command.h"
 
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -21,11 +21,11 @@
 #include <sstream>
 #include <system_error>
 
-#include "cli/elastic_agent.h"
 #include "dtrain/errors.h"
-#include "elastic/ports.h"
-#include "elastic/signal_pipe.h"
-#include "elastic/worker_group.h"
+#include "launcher/cli/elastic_agent.h"
+#include "launcher/elastic/ports.h"
+#include "launcher/elastic/signal_pipe.h"
+#include "launcher/elastic/worker_group.h"
 
 namespace dtrain::cli {
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "cli/run_options.h"
-#include "elastic/worker_group.h"
+#include "launcher/cli/run_options.h"
+#include "launcher/elastic/worker_group.h"
 
 namespace dtrain::cli {
 

@@ -1,7 +1,7 @@
 // Parsing `dtrain run`'s flags (see run_options.h) with CLI11 (flags.h). Accepted spellings follow
 // torchrun: "--flag value", "--flag=value", and the underscore forms ("--nproc_per_node") that
 // torchrun also takes.
-#include "cli/run_options.h"
+#include "launcher/cli/run_options.h"
 
 #include <sched.h>
 #include <unistd.h>
@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <string_view>
 
-#include "cli/flags.h"
 #include "dtrain/errors.h"
+#include "launcher/cli/flags.h"
 
 namespace dtrain::cli {
 namespace {

@@ -6,7 +6,7 @@
 // report or its JSON) and DTRAIN_PROFILE=<folder>/profile.jsonl. While the workers run, a 100 ms
 // timer wakes the wait so the profile file is read as it grows: with --steps K the workers get
 // SIGTERM (then SIGKILL after the grace period) as soon as every rank recorded warm-up + K steps.
-#include "cli/scale_command.h"
+#include "launcher/cli/scale_command.h"
 
 #include <fcntl.h>
 #include <sys/epoll.h>
@@ -21,13 +21,13 @@
 #include <map>
 #include <optional>
 
-#include "cli/run_command.h"
-#include "cli/scale_options.h"
-#include "cli/scale_report.h"
 #include "dtrain/errors.h"
-#include "elastic/ports.h"
-#include "elastic/signal_pipe.h"
-#include "elastic/worker_group.h"
+#include "launcher/cli/run_command.h"
+#include "launcher/cli/scale_options.h"
+#include "launcher/cli/scale_report.h"
+#include "launcher/elastic/ports.h"
+#include "launcher/elastic/signal_pipe.h"
+#include "launcher/elastic/worker_group.h"
 
 namespace dtrain::cli {
 namespace {

@@ -1,13 +1,13 @@
 // Parsing `dtrain scale`'s flags (see scale_options.h) with CLI11 (flags.h), spelled as in `dtrain
 // run`: "--flag value" and "--flag=value"; the first word that is not a flag (or the word after
 // "--") starts the program.
-#include "cli/scale_options.h"
+#include "launcher/cli/scale_options.h"
 
 #include <algorithm>
 #include <string_view>
 
-#include "cli/flags.h"
 #include "dtrain/errors.h"
+#include "launcher/cli/flags.h"
 
 namespace dtrain::cli {
 namespace {

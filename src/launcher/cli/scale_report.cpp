@@ -28,7 +28,7 @@
 // overlap as measured; above 1 when steps also wait for the slower rank). Throughput
 // N b(N) / T(N); speed-up against the measured baseline. At N = M this gives back M's measured
 // throughput whatever the fit's error, which the tests check.
-#include "cli/scale_report.h"
+#include "launcher/cli/scale_report.h"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // The c10d rendezvous store and its client (see c10d_backend.h for the protocol).
-#include "elastic/c10d_backend.h"
+#include "launcher/elastic/c10d_backend.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

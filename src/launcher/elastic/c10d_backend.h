@@ -34,7 +34,7 @@
 #include <string>
 #include <thread>
 
-#include "elastic/rendezvous_backend.h"
+#include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::elastic {
 

@@ -1,6 +1,6 @@
 // EtcdBackend (see etcd_backend.h): the rendezvous state as one etcd key, through etcd's v3 JSON
 // gateway over libcurl.
-#include "elastic/etcd_backend.h"
+#include "launcher/elastic/etcd_backend.h"
 
 #include <curl/curl.h>
 

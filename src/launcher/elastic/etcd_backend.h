@@ -28,7 +28,7 @@
 #include <optional>
 #include <string>
 
-#include "elastic/rendezvous_backend.h"
+#include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::elastic {
 

@@ -1,5 +1,5 @@
 // TCP port helpers for launchers (see ports.h).
-#include "elastic/ports.h"
+#include "launcher/elastic/ports.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -1,5 +1,5 @@
 // The elastic rendezvous over a RendezvousBackend (see rendezvous.h and Note [Rounds] there).
-#include "elastic/rendezvous.h"
+#include "launcher/elastic/rendezvous.h"
 
 #include <poll.h>
 
@@ -361,7 +361,8 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
 // never pulled into the new one. Only a newcomer does this: an agent of the old job (in its nodes)
 // is told how that job ended.
 bool Rendezvous::ended_and_abandoned(const RendezvousState& state) const {
-  if (state.nodes.count(self_.id) > 0) return false;  // this agent took part: it learns how it ended
+  if (state.nodes.count(self_.id) > 0)
+    return false;  // this agent took part: it learns how it ended
   bool all_finished = state.complete && !state.participants.empty() &&
                       std::all_of(state.participants.begin(), state.participants.end(),
                                   [&](const auto& id) { return contains(state.finished, id); });

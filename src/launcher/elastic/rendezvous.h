@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-#include "elastic/rendezvous_backend.h"
+#include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::elastic {
 

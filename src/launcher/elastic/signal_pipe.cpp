@@ -1,6 +1,6 @@
 // SignalPipe: the self-pipe that lets the launcher's poll loop react to signals (see
 // signal_pipe.h).
-#include "elastic/signal_pipe.h"
+#include "launcher/elastic/signal_pipe.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // WorkerGroup: spawning, watching, relaying and stopping the local worker processes (see
 // worker_group.h).
-#include "elastic/worker_group.h"
+#include "launcher/elastic/worker_group.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -21,7 +21,7 @@
 #include <system_error>
 
 #include "dtrain/errors.h"
-#include "elastic/signal_pipe.h"
+#include "launcher/elastic/signal_pipe.h"
 
 extern char** environ;
 

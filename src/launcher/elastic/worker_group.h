@@ -2,7 +2,7 @@
 // relaying their output line by line with a rank prefix (and into per-rank log files), watching for
 // the first failure, and stopping them all (SIGTERM to each worker's process group, SIGKILL after a
 // grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop;
-// the elastic agent (src/cli/elastic_agent.cpp) drives the same class from its rendezvous rounds.
+// the elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds.
 //
 // Limits: a worker's children are signalled through its process group, so one that moves to a group
 // of its own (setsid, a daemon) escapes stop(). If the launcher is SIGKILLed, the kernel kills the

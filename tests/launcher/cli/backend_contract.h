@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include "elastic/rendezvous_backend.h"
+#include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::cli::testing_support {
 

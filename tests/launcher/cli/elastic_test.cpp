@@ -10,8 +10,8 @@
 // workers die with them through PR_SET_PDEATHSIG).
 //
 // The scenarios that do not depend on the c10d store run for each backend (test parameter): c10d
-// always, etcd when the etcd backend and its test server (tests/elastic/etcd_server.h) are in the
-// build and /usr/bin/etcd is installed (else skipped with the reason).
+// always, etcd when the etcd backend and its test server (tests/launcher/elastic/etcd_server.h) are
+// in the build and /usr/bin/etcd is installed (else skipped with the reason).
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -21,10 +21,10 @@
 #include <regex>
 #include <set>
 
-#include "elastic/ports.h"
+#include "launcher/elastic/ports.h"
 #include "test_support.h"
 #ifdef DTRAIN_HAVE_ETCD_SERVER_FIXTURE
-#include "../elastic/etcd_server.h"
+#include "launcher/elastic/etcd_server.h"
 #endif
 
 namespace {

@@ -30,10 +30,10 @@
 #include <utility>
 #include <vector>
 
-#include "cli/run_command.h"
-#include "cli/run_options.h"
-#include "elastic/ports.h"
-#include "elastic/worker_group.h"
+#include "launcher/cli/run_command.h"
+#include "launcher/cli/run_options.h"
+#include "launcher/elastic/ports.h"
+#include "launcher/elastic/worker_group.h"
 #include "support/system.h"
 #include "test_support.h"
 

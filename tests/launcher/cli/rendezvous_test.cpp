@@ -2,7 +2,7 @@
 // one in-memory backend, with heartbeats of 50 ms, so every rule of Note [Rounds] is checked in
 // milliseconds; the backend contract for the in-memory and the c10d backends; the c10d store's
 // address binding and token handshake.
-#include "elastic/rendezvous.h"
+#include "launcher/elastic/rendezvous.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -19,8 +19,8 @@
 
 #include "backend_contract.h"
 #include "dtrain/errors.h"
-#include "elastic/c10d_backend.h"
-#include "elastic/ports.h"
+#include "launcher/elastic/c10d_backend.h"
+#include "launcher/elastic/ports.h"
 
 namespace {
 

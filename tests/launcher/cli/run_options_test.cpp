@@ -1,7 +1,7 @@
 // Flag parsing of `dtrain run`, in-process: every accepted spelling, and every rejected input
 // naming its flag in a single line. The same inputs through the real binary are covered in
 // launcher_test.cpp.
-#include "cli/run_options.h"
+#include "launcher/cli/run_options.h"
 
 #include <gtest/gtest.h>
 

@@ -12,9 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
-#include "cli/scale_options.h"
-#include "cli/scale_report.h"
 #include "dtrain/errors.h"
+#include "launcher/cli/scale_options.h"
+#include "launcher/cli/scale_report.h"
 #include "test_support.h"
 
 namespace dtrain::cli {

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "elastic/ports.h"
-#include "elastic/worker_group.h"
+#include "launcher/elastic/ports.h"
+#include "launcher/elastic/worker_group.h"
 #include "support/system.h"
 #include "test_support.h"
 

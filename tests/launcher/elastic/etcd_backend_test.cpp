@@ -1,7 +1,7 @@
 // EtcdBackend against a real etcd (Debian's etcd-server, started per test on free loopback ports):
 // the compare-and-set contract of RendezvousBackend, a race of two agents that only a working CAS
 // survives, binary state, job isolation, and the errors when etcd is paused, stopped or not etcd.
-#include "elastic/etcd_backend.h"
+#include "launcher/elastic/etcd_backend.h"
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -16,9 +16,9 @@
 #include <thread>
 
 #include "dtrain/errors.h"
-#include "elastic/etcd_server.h"  // tests/elastic/etcd_server.h
+#include "launcher/elastic/etcd_server.h"  // tests/launcher/elastic/etcd_server.h
 #ifdef DTRAIN_HAVE_BACKEND_CONTRACT
-#include "cli/backend_contract.h"
+#include "launcher/cli/backend_contract.h"
 #endif
 
 namespace dtrain::elastic {
