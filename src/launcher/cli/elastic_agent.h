@@ -2,7 +2,7 @@
 // rendezvous, runs the local WorkerGroup for each completed round with that round's WORLD_SIZE,
 // ranks and MASTER_ADDR/PORT, watches its workers and the rendezvous (failures, lost and waiting
 // nodes, new rounds), and restarts, shrinks, grows or ends the job as Note [Rounds] in
-// elastic/rendezvous.h describes.
+// launcher/elastic/rendezvous.h describes.
 #pragma once
 
 #include "launcher/cli/run_command.h"

@@ -1,8 +1,8 @@
-// The contract of a RendezvousBackend (elastic/rendezvous_backend.h), as gtest expectations that
-// any backend must pass on a fresh job id: nothing stored at first; a write that expects nothing
-// succeeds once; a write with a stale version loses and returns the winner; versions change on
-// every write. Used for the in-memory test backend and the c10d store here, and meant for the etcd
-// backend's tests too (include "../cli/backend_contract.h").
+// The contract of a RendezvousBackend (launcher/elastic/rendezvous_backend.h), as gtest
+// expectations that any backend must pass on a fresh job id: nothing stored at first; a write that
+// expects nothing succeeds once; a write with a stale version loses and returns the winner;
+// versions change on every write. Used for the in-memory test backend and the c10d store here
+// (rendezvous_test.cpp) and for the etcd backend (tests/launcher/elastic/etcd_backend_test.cpp).
 #pragma once
 
 #include <gtest/gtest.h>
