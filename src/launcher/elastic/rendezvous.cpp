@@ -25,12 +25,6 @@ bool erase(std::vector<std::string>& list, const std::string& id) {
   return true;
 }
 
-int64_t wall_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 std::string seconds_text(std::chrono::milliseconds duration) {
   double seconds = static_cast<double>(duration.count()) / 1000.0;
   std::string text = std::to_string(seconds);
@@ -122,40 +116,51 @@ Rendezvous::~Rendezvous() {
 
 void Rendezvous::start_keep_alive() {
   if (keep_alive_thread_.joinable()) return;
-  keep_alive_thread_ = std::thread([this] { keep_alive_loop(); });
+  // The first heartbeat is due one interval after this call, not after the thread got going.
+  Clock::time_point first = now() + settings_.keep_alive_interval;
+  keep_alive_thread_ = std::thread([this, first] { keep_alive_loop(first); });
 }
 
-void Rendezvous::keep_alive_loop() {
-  Clock::time_point next = Clock::now() + settings_.keep_alive_interval;
+void Rendezvous::keep_alive_loop(Clock::time_point next) {
   while (!stopping_) {
-    if (Clock::now() < next) {
+    if (now() < next) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
     next += settings_.keep_alive_interval;
-    std::lock_guard<std::mutex> lock(mutex_);
     try {
-      update([&](RendezvousState& state) {
-        auto found = state.keep_alive.find(self_.id);
-        if (found == state.keep_alive.end()) return false;  // not (or no longer) in the job
-        found->second = ++heartbeat_;
-        return true;
-      });
+      keep_alive();
     } catch (const std::exception&) {
       // The main thread's next call to the backend meets the same problem and reports it.
     }
   }
 }
 
+void Rendezvous::keep_alive() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  update([&](RendezvousState& state) {
+    auto found = state.keep_alive.find(self_.id);
+    if (found == state.keep_alive.end()) return false;  // not (or no longer) in the job
+    found->second = ++heartbeat_;
+    return true;
+  });
+}
+
+int64_t Rendezvous::wall_ms() const {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             settings_.clock.wall().time_since_epoch())
+      .count();
+}
+
 RendezvousState Rendezvous::read() {
-  Clock::time_point start = Clock::now();
+  Clock::time_point start = now();
   try {
     cached_ = backend_->get_state();
   } catch (...) {
     store_was_blind_ = true;
     throw;
   }
-  forgive_blind_time(Clock::now() - start);
+  forgive_blind_time(now() - start);
   RendezvousState state = cached_ ? RendezvousState::from_json(cached_->state) : RendezvousState{};
   observe(state);
   return state;
@@ -172,8 +177,8 @@ void Rendezvous::forgive_blind_time(Clock::duration call_took) {
       call_took * 2 <= settings_.keep_alive_interval * settings_.keep_alive_max_attempt) {
     return;
   }
-  Clock::time_point now = Clock::now();
-  for (auto& [id, seen] : seen_) seen.changed = now;
+  Clock::time_point time = now();
+  for (auto& [id, seen] : seen_) seen.changed = time;
   store_was_blind_ = false;
 }
 
@@ -202,10 +207,10 @@ RendezvousState Rendezvous::update(Change change) {
 }
 
 void Rendezvous::observe(const RendezvousState& state) {
-  Clock::time_point now = Clock::now();
+  Clock::time_point time = now();
   for (const auto& [id, counter] : state.keep_alive) {
     auto found = seen_.find(id);
-    if (found == seen_.end() || found->second.counter != counter) seen_[id] = Seen{counter, now};
+    if (found == seen_.end() || found->second.counter != counter) seen_[id] = Seen{counter, time};
   }
   // A node that left the state and comes back starts with a fresh clock, not a stale one.
   for (auto it = seen_.begin(); it != seen_.end();) {
@@ -217,7 +222,7 @@ bool Rendezvous::is_dead(const std::string& id) const {
   if (id == self_.id) return false;
   auto found = seen_.find(id);
   if (found == seen_.end()) return false;
-  return Clock::now() - found->second.changed >
+  return now() - found->second.changed >
          settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
 }
 
@@ -373,7 +378,7 @@ bool Rendezvous::ended_and_abandoned(const RendezvousState& state) const {
 
 std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd) {
   self_.port = port;
-  Clock::time_point deadline = Clock::now() + settings_.timeout;
+  Clock::time_point deadline = now() + settings_.timeout;
   for (;;) {
     RendezvousState state;
     {
@@ -431,7 +436,7 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
       round_ = state.round;
       return assignment(state);
     }
-    if (Clock::now() >= deadline) {
+    if (now() >= deadline) {
       std::string present;
       for (const std::string& id : state.participants) {
         present += (present.empty() ? "" : ", ") + describe_node(state, id);
@@ -489,7 +494,7 @@ Verdict Rendezvous::report_failure(const std::string& what) {
   // the time to expire before ending the job for what may be its doing.
   std::chrono::milliseconds heartbeat_timeout =
       settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
-  Clock::time_point wait_until = Clock::now() + heartbeat_timeout + settings_.keep_alive_interval;
+  Clock::time_point wait_until = now() + heartbeat_timeout + settings_.keep_alive_interval;
   for (;;) {
     RendezvousState state;
     {
@@ -498,7 +503,7 @@ Verdict Rendezvous::report_failure(const std::string& what) {
     }
     if (!state.shutdown.empty() || state.round != round_ || !state.complete ||
         state.failures < settings_.max_restarts || !state.leaving.empty() ||
-        !state.finished.empty() || Clock::now() >= wait_until) {
+        !state.finished.empty() || now() >= wait_until) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -555,8 +560,8 @@ void Rendezvous::finish() {
 }
 
 void Rendezvous::wait_for_others(std::chrono::milliseconds timeout, int interrupt_fd) {
-  Clock::time_point deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
+  Clock::time_point deadline = now() + timeout;
+  while (now() < deadline) {
     RendezvousState state;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -580,8 +585,8 @@ void Rendezvous::end_job(const std::string& why) {
 }
 
 void Rendezvous::wait_until_others_left(std::chrono::milliseconds timeout) {
-  Clock::time_point deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
+  Clock::time_point deadline = now() + timeout;
+  while (now() < deadline) {
     RendezvousState state;
     {
       std::lock_guard<std::mutex> lock(mutex_);

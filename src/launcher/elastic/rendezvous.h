@@ -24,11 +24,13 @@
 //     running one, or ends the job if fewer than MIN nodes remain).
 //   - Only the last-call deadline uses wall-clock time from another machine (as PyTorch does); skew
 //     only lengthens or shortens that window.
+//   - The time is read through RendezvousSettings::clock (Note [The rendezvous clock]).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,6 +42,23 @@
 #include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::elastic {
+
+// Note [The rendezvous clock]: the two clocks the rendezvous reads. `steady` times this agent's own
+// deadlines (next_round's timeout, report_failure's wait, the waits before exiting, the keep-alive
+// period) and the age of the heartbeats it observes; `wall` stamps what goes into the shared state
+// for the other machines (the last-call deadline, the time of the last counted failure). The
+// defaults are the system's clocks. Tests give a fake clock that they advance by hand, so that a
+// deadline passes exactly when the test says. Only readings go through it: the pauses between two
+// polls of the state (20 to 100 ms) stay real, so a loop waiting for a deadline of a fake clock
+// notices it at its first poll after the test moved the time past it.
+struct RendezvousClock {
+  std::function<std::chrono::steady_clock::time_point()> steady = [] {
+    return std::chrono::steady_clock::now();
+  };
+  std::function<std::chrono::system_clock::time_point()> wall = [] {
+    return std::chrono::system_clock::now();
+  };
+};
 
 struct RendezvousSettings {
   std::string job_id = "none";
@@ -54,6 +73,8 @@ struct RendezvousSettings {
   int keep_alive_max_attempt = 3;
   // --max-restarts: worker failures the job survives (membership changes do not count).
   int max_restarts = 0;
+  // Where the time comes from (Note [The rendezvous clock]); tests replace it.
+  RendezvousClock clock;
 };
 
 // One node as the others see it.
@@ -120,9 +141,13 @@ class Rendezvous {
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
 
-  // Starts the thread that writes this node's heartbeat every keep_alive_interval. It ignores
-  // backend errors: the main thread's next call meets the same error and reports it.
+  // Starts the thread that writes this node's heartbeat every keep_alive_interval (on
+  // settings.clock). It ignores backend errors: the main thread's next call meets the same error
+  // and reports it.
   void start_keep_alive();
+  // Writes this node's heartbeat once, what the keep-alive thread does every interval (tests call
+  // it by hand instead). Does nothing for a node not in the job; throws what the backend throws.
+  void keep_alive();
 
   // Joins the next round (or the waiting list) and blocks until a round that includes this node is
   // complete. `port` is this node's fresh MASTER_PORT candidate. Returns nullopt when
@@ -192,7 +217,10 @@ class Rendezvous {
   bool try_close(RendezvousState& state);
   RoundAssignment assignment(const RendezvousState& state) const;
   std::string describe_node(const RendezvousState& state, const std::string& id) const;
-  void keep_alive_loop();
+  void keep_alive_loop(std::chrono::steady_clock::time_point first);
+  // settings_.clock's readings.
+  std::chrono::steady_clock::time_point now() const { return settings_.clock.steady(); }
+  int64_t wall_ms() const;  // ms since the epoch
 
   std::unique_ptr<RendezvousBackend> backend_;
   RendezvousSettings settings_;

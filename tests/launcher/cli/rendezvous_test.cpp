@@ -1,7 +1,9 @@
-// The rendezvous in-process: several Rendezvous objects (one per simulated node, on threads) over
-// one in-memory backend, with heartbeats of 50 ms, so every rule of Note [Rounds] is checked in
-// milliseconds; the backend contract for the in-memory and the c10d backends; the c10d store's
-// address binding and token handshake.
+// The rendezvous in-process: several Rendezvous objects (one per simulated node, their blocking
+// calls on threads) over one in-memory backend and one fake clock (Note [The rendezvous clock]).
+// The time stands still until a test moves it on, and heartbeats land only when the test writes
+// them, so every deadline of Note [Rounds] is checked to the millisecond and no test sleeps through
+// one. Then the backend contract for the in-memory and the c10d backends; the c10d store's address
+// binding and token handshake.
 #include "launcher/elastic/rendezvous.h"
 
 #include <arpa/inet.h>
@@ -12,10 +14,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "backend_contract.h"
 #include "dtrain/errors.h"
@@ -30,6 +35,7 @@ using dtrain::elastic::C10dStoreServer;
 using dtrain::elastic::NodeInfo;
 using dtrain::elastic::Rendezvous;
 using dtrain::elastic::RendezvousBackend;
+using dtrain::elastic::RendezvousClock;
 using dtrain::elastic::RendezvousSettings;
 using dtrain::elastic::RendezvousState;
 using dtrain::elastic::RoundAssignment;
@@ -42,14 +48,23 @@ struct MemoryStore {
   std::optional<VersionedState> state;
   uint64_t next_version = 1;
   std::atomic<bool> unreachable{false};  // every call fails, as a stalled etcd's would
+  std::function<void()> stall;           // run (once) inside the next get_state: a slow store
 };
 
 class MemoryBackend : public RendezvousBackend {
  public:
-  explicit MemoryBackend(std::shared_ptr<MemoryStore> store) : store_(std::move(store)) {}
+  MemoryBackend(std::shared_ptr<MemoryStore> store, std::shared_ptr<std::atomic<int>> reads)
+      : store_(std::move(store)), reads_(std::move(reads)) {}
   std::string name() const override { return "memory"; }
   std::optional<VersionedState> get_state() override {
+    ++*reads_;
     fail_if_unreachable();
+    std::function<void()> stall;
+    {
+      std::lock_guard<std::mutex> lock(store_->mutex);
+      std::swap(stall, store_->stall);
+    }
+    if (stall) stall();
     std::lock_guard<std::mutex> lock(store_->mutex);
     return store_->state;
   }
@@ -67,75 +82,143 @@ class MemoryBackend : public RendezvousBackend {
     if (store_->unreachable) throw dtrain::TimeoutError("memory store: unreachable (test)");
   }
   std::shared_ptr<MemoryStore> store_;
+  std::shared_ptr<std::atomic<int>> reads_;  // get_state calls: one per poll of a blocking call
 };
+
+// The time the rendezvous reads: it stands still until the test advances it.
+class FakeClock {
+ public:
+  void advance(std::chrono::milliseconds time) { ms_ += time.count(); }
+  RendezvousClock clock() {
+    return {
+        [this] { return std::chrono::steady_clock::time_point(std::chrono::milliseconds(ms_)); },
+        [this] {
+          return std::chrono::system_clock::time_point(std::chrono::milliseconds(kStart + ms_));
+        }};
+  }
+
+ private:
+  static constexpr int64_t kStart = 1'700'000'000'000;  // the wall clock at 0 (2023-11-14)
+  std::atomic<int64_t> ms_{0};
+};
+
+constexpr auto kInterval = 50ms;                   // the heartbeat period of settings() ...
+constexpr auto kHeartbeatTimeout = 3 * kInterval;  // ... and the silence that makes a node dead
 
 class RendezvousTest : public testing::Test {
  protected:
-  RendezvousSettings settings(int min_nodes, int max_nodes) const {
+  RendezvousSettings settings(int min_nodes, int max_nodes) {
     RendezvousSettings s;
     s.job_id = "test";
     s.min_nodes = min_nodes;
     s.max_nodes = max_nodes;
     s.timeout = 10s;
     s.last_call_timeout = 5s;
-    s.keep_alive_interval = 50ms;
+    s.keep_alive_interval = kInterval;
     s.keep_alive_max_attempt = 3;
     s.max_restarts = 1;
+    s.clock = clock_.clock();
     return s;
   }
-  // A simulated node; it beats unless `beat` is false (a node that died silently).
+  // A simulated node. Its keep-alive thread is not started: pass() writes its heartbeats.
   std::unique_ptr<Rendezvous> node(const std::string& name, const RendezvousSettings& s,
-                                   int nproc = 1, bool beat = true) {
+                                   int nproc = 1) {
     NodeInfo info;
     info.id = name + "_1_0";
     info.host = name;
     info.addr = "10.0.0." + std::to_string(++nodes_);
     info.nproc = nproc;
-    auto rendezvous =
-        std::make_unique<Rendezvous>(std::make_unique<MemoryBackend>(store_), s, info);
-    if (beat) rendezvous->start_keep_alive();
-    return rendezvous;
+    auto reads = std::make_shared<std::atomic<int>>(0);
+    reads_[info.id] = reads;
+    return std::make_unique<Rendezvous>(std::make_unique<MemoryBackend>(store_, reads), s, info);
   }
   // next_round on a thread; the port identifies the node's MASTER_PORT candidate.
   std::future<std::optional<RoundAssignment>> join(Rendezvous& rendezvous, int port) {
     return std::async(std::launch::async,
                       [&rendezvous, port] { return rendezvous.next_round(port, -1); });
   }
-  static RoundAssignment get(std::future<std::optional<RoundAssignment>>& future) {
-    EXPECT_EQ(future.wait_for(10s), std::future_status::ready) << "round did not complete";
-    std::optional<RoundAssignment> round = future.get();
+  // report_failure on a thread, for the cases where it waits for a loss that would explain it.
+  static std::future<Verdict> report(Rendezvous& rendezvous, const std::string& what) {
+    return std::async(std::launch::async,
+                      [&rendezvous, what] { return rendezvous.report_failure(what); });
+  }
+  // What a blocking call started on a thread returned (or threw). One that has not returned within
+  // 10 s is a failure; the time then jumps a day ahead, past every deadline, so that the call
+  // returns and the test reports the rest instead of hanging.
+  template <typename T>
+  T settle(std::future<T>& future, const std::string& what) {
+    if (future.wait_for(10s) != std::future_status::ready) {
+      ADD_FAILURE() << what << " within 10 s";
+      clock_.advance(24h);
+    }
+    return future.get();
+  }
+  RoundAssignment get(std::future<std::optional<RoundAssignment>>& future) {
+    std::optional<RoundAssignment> round = settle(future, "the round did not complete");
     EXPECT_TRUE(round.has_value());
     return round.value_or(RoundAssignment{});
   }
-  // Blocks until `rendezvous`'s node is a participant of the stored round, so that a join meant to
-  // come first is registered before the next one starts (bounded).
-  void wait_until_joined(const Rendezvous& rendezvous) {
-    auto joined = [&] {
-      std::lock_guard<std::mutex> lock(store_->mutex);
-      if (!store_->state) return false;
-      std::vector<std::string> ids = RendezvousState::from_json(store_->state->state).participants;
-      return std::find(ids.begin(), ids.end(), rendezvous.self().id) != ids.end();
-    };
-    for (int i = 0; i < 10000 && !joined(); ++i) std::this_thread::sleep_for(1ms);
-    ASSERT_TRUE(joined()) << rendezvous.self().id << " did not join within 10 s";
+  Verdict get(std::future<Verdict>& future) {
+    return settle(future, "report_failure did not return");
   }
-  // Polls check() until it says something (bounded).
-  static Verdict check_until_news(Rendezvous& rendezvous) {
-    for (int i = 0; i < 200; ++i) {
-      Verdict verdict = rendezvous.check();
-      if (verdict.kind != Verdict::Kind::kKeepRunning) return verdict;
-      std::this_thread::sleep_for(10ms);
+  // Moves the time on by `time` in steps of one heartbeat interval; after each whole interval every
+  // node in `beating` writes its heartbeat, as its keep-alive thread would (ignoring errors, as the
+  // thread does). The other nodes are silent. When `blocked` is a node whose call waits on another
+  // thread, each step first lets that call poll (wait_for_polls), so that it sees every heartbeat
+  // as it lands and every time in between, as it would on a real clock.
+  void pass(std::chrono::milliseconds time, const std::vector<Rendezvous*>& beating,
+            const Rendezvous* blocked = nullptr) {
+    while (time > 0ms) {
+      if (blocked != nullptr) wait_for_polls(*blocked);
+      std::chrono::milliseconds step = std::min(time, std::chrono::milliseconds(kInterval));
+      clock_.advance(step);
+      time -= step;
+      if (step < kInterval) continue;
+      for (Rendezvous* node : beating) {
+        try {
+          node->keep_alive();
+        } catch (const std::exception&) {
+        }
+      }
     }
-    ADD_FAILURE() << "check() saw nothing within 2 s";
-    return {};
+  }
+  // Blocks until the call that `rendezvous` is blocked in (on another thread) has read the state
+  // twice more: the first of those reads began after this was called, and the second one shows
+  // that the call looked at the time after it and went on waiting (bounded).
+  void wait_for_polls(const Rendezvous& rendezvous) {
+    std::atomic<int>& reads = *reads_.at(rendezvous.self().id);
+    int target = reads + 2;
+    for (int i = 0; i < 10000 && reads < target; ++i) std::this_thread::sleep_for(1ms);
+    ASSERT_GE(reads, target) << rendezvous.self().id << " stopped polling within 10 s";
+  }
+  RendezvousState stored() {
+    std::lock_guard<std::mutex> lock(store_->mutex);
+    return store_->state ? RendezvousState::from_json(store_->state->state) : RendezvousState{};
+  }
+  // Blocks until the stored state satisfies `holds`, e.g. a join meant to come first is registered
+  // before the next one starts (bounded).
+  void wait_until_stored(const std::function<bool(const RendezvousState&)>& holds,
+                         const std::string& what) {
+    for (int i = 0; i < 10000 && !holds(stored()); ++i) std::this_thread::sleep_for(1ms);
+    ASSERT_TRUE(holds(stored())) << what << " not within 10 s";
+  }
+  void wait_until_joined(const Rendezvous& rendezvous) {
+    wait_until_stored(
+        [&](const RendezvousState& state) {
+          return std::count(state.participants.begin(), state.participants.end(),
+                            rendezvous.self().id) > 0;
+        },
+        rendezvous.self().id + " joined");
   }
 
   std::shared_ptr<MemoryStore> store_ = std::make_shared<MemoryStore>();
+  FakeClock clock_;
+  std::map<std::string, std::shared_ptr<std::atomic<int>>> reads_;  // per node id
   int nodes_ = 0;
 };
 
 TEST_F(RendezvousTest, MemoryBackendKeepsTheContract) {
-  MemoryBackend backend(store_);
+  MemoryBackend backend(store_, std::make_shared<std::atomic<int>>(0));
   dtrain::cli::testing_support::expect_backend_contract(backend);
 }
 
@@ -162,31 +245,38 @@ TEST_F(RendezvousTest, MaxNodesCloseTheRoundWithRanksAndMaster) {
   EXPECT_EQ(rb.master_port, 1001);
 }
 
-// MIN nodes and the last call: the round closes after the window, not before.
+// MIN nodes and the last call: the round closes when the window is over, not a millisecond before.
 TEST_F(RendezvousTest, MinNodesCloseAfterTheLastCall) {
   RendezvousSettings s = settings(1, 2);
   s.last_call_timeout = 300ms;
   auto a = node("a", s);
-  auto start = std::chrono::steady_clock::now();
   auto round = join(*a, 1);
+  wait_until_joined(*a);  // the window opens with the MIN-th join
+  clock_.advance(299ms);
+  wait_for_polls(*a);
+  EXPECT_FALSE(stored().complete) << "closed 1 ms before the end of the last call";
+  clock_.advance(1ms);
   RoundAssignment ra = get(round);
-  EXPECT_GE(std::chrono::steady_clock::now() - start, 300ms);
   EXPECT_EQ(ra.group_world_size, 1);
 }
 
-// A node whose heartbeat stops is dead after 3 intervals: a new round without it, or the end of the
-// job when fewer than MIN remain, naming it.
+// A node whose heartbeat stops is dead once it has been silent for longer than 3 intervals: a new
+// round without it, or the end of the job when fewer than MIN remain, naming it.
 TEST_F(RendezvousTest, SilentNodeIsLostAndTheJobShrinksOrEnds) {
   for (int min_nodes : {1, 2}) {
     SCOPED_TRACE("min " + std::to_string(min_nodes));
     store_ = std::make_shared<MemoryStore>();
     auto a = node("a", settings(min_nodes, 2));
-    auto b = node("b", settings(min_nodes, 2), 1, /*beat=*/false);  // dies once the round closed
+    auto b = node("b", settings(min_nodes, 2));  // silent: it dies once the round closed
     auto first = join(*a, 1);
     auto second = join(*b, 2);
     get(first);
     get(second);
-    Verdict verdict = check_until_news(*a);
+    pass(kHeartbeatTimeout, {a.get()});
+    Verdict verdict = a->check();
+    EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << "lost after exactly the timeout";
+    pass(1ms, {a.get()});
+    verdict = a->check();
     EXPECT_NE(verdict.message.find("host b (node b_1_0) lost: no heartbeat for 0.15 s"),
               std::string::npos)
         << verdict.message;
@@ -209,14 +299,15 @@ TEST_F(RendezvousTest, SilentNodeIsLostAndTheJobShrinksOrEnds) {
 // the job again without the finished node's share (the rule report_failure follows too).
 TEST_F(RendezvousTest, NodeLostAfterAnotherFinishedEndsTheJob) {
   auto a = node("a", settings(1, 3));
-  auto b = node("b", settings(1, 3), 1, /*beat=*/false);  // dies once the round closed
+  auto b = node("b", settings(1, 3));  // silent: it dies once the round closed
   auto c = node("c", settings(1, 3));
   auto joined_a = join(*a, 1), joined_b = join(*b, 2), joined_c = join(*c, 3);
   get(joined_a);
   get(joined_b);
   get(joined_c);
   a->finish();
-  Verdict verdict = check_until_news(*c);
+  pass(kHeartbeatTimeout + 1ms, {c.get()});
+  Verdict verdict = c->check();
   EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
   EXPECT_NE(verdict.message.find("not restarting: host a (node a_1_0) had already finished"),
             std::string::npos)
@@ -233,7 +324,7 @@ TEST_F(RendezvousTest, FinishAfterAnotherNodesFailureEndsTheJob) {
   get(joined_b);
   EXPECT_EQ(b->report_failure("worker rank 1 exited with code 1").kind, Verdict::Kind::kNewRound);
   a->finish();
-  Verdict verdict = check_until_news(*b);
+  Verdict verdict = b->check();
   EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
   EXPECT_NE(verdict.message.find("not restarting: host a (node a_1_0) had already finished"),
             std::string::npos)
@@ -241,7 +332,8 @@ TEST_F(RendezvousTest, FinishAfterAnotherNodesFailureEndsTheJob) {
 }
 
 // A store that nobody could reach for longer than the heartbeat timeout: no heartbeat landed, and
-// that is not evidence that anyone died; once it answers again, the job keeps running.
+// that is not evidence that anyone died; once it answers again, the job keeps running, and the
+// count of a silent node's heartbeat timeout starts over from then.
 TEST_F(RendezvousTest, StoreOutageIsNotTakenForLostNodes) {
   auto a = node("a", settings(1, 2));
   auto b = node("b", settings(1, 2));
@@ -250,13 +342,31 @@ TEST_F(RendezvousTest, StoreOutageIsNotTakenForLostNodes) {
   get(joined_b);
   EXPECT_EQ(a->check().kind, Verdict::Kind::kKeepRunning);
   store_->unreachable = true;
-  std::this_thread::sleep_for(400ms);  // heartbeat timeout: 3 x 50 ms
+  pass(400ms, {a.get(), b.get()});  // every heartbeat write fails
   store_->unreachable = false;
-  for (int i = 0; i < 30; ++i) {
-    Verdict verdict = a->check();
-    ASSERT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
-    std::this_thread::sleep_for(10ms);
-  }
+  Verdict verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+  pass(kHeartbeatTimeout, {a.get()});  // b stays silent from here
+  verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+  pass(1ms, {a.get()});
+  verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound) << verdict.message;
+  EXPECT_NE(verdict.message.find("host b (node b_1_0) lost"), std::string::npos) << verdict.message;
+}
+
+// One store call that took longer than half the heartbeat timeout: no heartbeat could land while
+// it hung either, so the silence it covers is no evidence of death.
+TEST_F(RendezvousTest, SlowStoreCallIsNotTakenForLostNodes) {
+  auto a = node("a", settings(1, 2));
+  auto b = node("b", settings(1, 2));
+  auto joined_a = join(*a, 1), joined_b = join(*b, 2);
+  get(joined_a);
+  get(joined_b);
+  EXPECT_EQ(a->check().kind, Verdict::Kind::kKeepRunning);
+  store_->stall = [&] { clock_.advance(kHeartbeatTimeout + 50ms); };
+  Verdict verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
 }
 
 // A worker failure opens a new round for every node, counted against --max-restarts (1 here).
@@ -275,7 +385,9 @@ TEST_F(RendezvousTest, FailuresRestartEveryNodeUpToMaxRestarts) {
   jb = join(*b, 2);
   EXPECT_EQ(get(ja).round, 1);
   EXPECT_EQ(get(jb).round, 1);
-  Verdict last = a->report_failure("worker rank 0 exited with code 4");
+  auto reported = report(*a, "worker rank 0 exited with code 4");
+  pass(kHeartbeatTimeout + kInterval, {a.get(), b.get()}, a.get());  // no loss explains it
+  Verdict last = get(reported);
   EXPECT_EQ(last.kind, Verdict::Kind::kShutdown);
   EXPECT_NE(last.message.find("no restarts left (--max-restarts 1)"), std::string::npos);
   EXPECT_EQ(b->check().kind, Verdict::Kind::kShutdown);
@@ -290,18 +402,35 @@ TEST_F(RendezvousTest, FailureCausedByALostNodeSpendsNoRestart) {
     RendezvousSettings s = settings(1, 2);
     s.max_restarts = max_restarts;
     auto a = node("a", s);
-    auto b = node("b", s, 1, /*beat=*/false);  // dies as soon as the round runs
+    auto b = node("b", s);  // silent: it dies as soon as the round runs
     auto ja = join(*a, 1);
     auto jb = join(*b, 2);
     get(ja);
     get(jb);
-    Verdict failed = a->report_failure("worker rank 0 exited with code 1");
+    // With no restart left, report_failure waits for b's heartbeat to expire; with one left, it
+    // spends it at once, and the next round waits for b (expected back) until it expires. Nobody
+    // is left to miss a's heartbeats: the time may jump.
+    auto reported = report(*a, "worker rank 0 exited with code 1");
+    if (max_restarts == 0) {
+      wait_for_polls(*a);
+      clock_.advance(kHeartbeatTimeout + 1ms);
+    }
+    Verdict failed = get(reported);
     ASSERT_EQ(failed.kind, Verdict::Kind::kNewRound) << failed.message;
     ja = join(*a, 1);
+    if (max_restarts == 1) {
+      wait_for_polls(*a);
+      clock_.advance(kHeartbeatTimeout + 1ms);
+    }
     RoundAssignment alone = get(ja);
     EXPECT_EQ(alone.world_size, 1);
     // The failure was refunded (or never counted): a real one now still has its restart.
-    Verdict real = a->report_failure("worker rank 0 exited with code 2");
+    reported = report(*a, "worker rank 0 exited with code 2");
+    if (max_restarts == 0) {
+      wait_for_polls(*a);
+      clock_.advance(kHeartbeatTimeout + kInterval);
+    }
+    Verdict real = get(reported);
     if (max_restarts == 1) {
       EXPECT_EQ(real.kind, Verdict::Kind::kNewRound) << real.message;
       EXPECT_EQ(real.message, "worker rank 0 exited with code 2 (restart 1 of 1)");
@@ -311,8 +440,8 @@ TEST_F(RendezvousTest, FailureCausedByALostNodeSpendsNoRestart) {
   }
 }
 
-// With no restarts left and every peer alive, the failure ends the job (after one heartbeat
-// timeout of waiting for a loss that would explain it).
+// With no restarts left and every peer alive, the failure ends the job after one heartbeat timeout
+// and one interval of waiting for a loss that would explain it, not a millisecond before.
 TEST_F(RendezvousTest, FailureWithNoRestartsLeftEndsTheJob) {
   RendezvousSettings s = settings(2, 2);
   s.max_restarts = 0;
@@ -322,23 +451,33 @@ TEST_F(RendezvousTest, FailureWithNoRestartsLeftEndsTheJob) {
   auto jb = join(*b, 2);
   get(ja);
   get(jb);
-  Verdict failed = a->report_failure("worker rank 0 exited with code 1");
+  auto reported = report(*a, "worker rank 0 exited with code 1");
+  pass(kHeartbeatTimeout + kInterval - 1ms, {a.get(), b.get()}, a.get());
+  wait_for_polls(*a);
+  EXPECT_EQ(reported.wait_for(0s), std::future_status::timeout) << "returned 1 ms early";
+  pass(1ms, {a.get(), b.get()}, a.get());
+  Verdict failed = get(reported);
   EXPECT_EQ(failed.kind, Verdict::Kind::kShutdown);
   EXPECT_NE(failed.message.find("no restarts left (--max-restarts 0)"), std::string::npos);
   EXPECT_EQ(b->check().kind, Verdict::Kind::kShutdown);
 }
 
-// A node arriving while a round runs waits; the running node admits it at its next check.
+// A node arriving while a round runs waits; the running node admits it at its next check. (The
+// time moves only to close the first round: the second one, which ever node joins it first, stays
+// open for the other, the last call never ending.)
 TEST_F(RendezvousTest, WaitingNodeMakesTheJobGrow) {
   RendezvousSettings s = settings(1, 2);
-  s.last_call_timeout = 0ms;
   auto a = node("a", s);
   auto c = node("c", s);
   auto ja = join(*a, 1);
+  wait_until_joined(*a);
+  clock_.advance(s.last_call_timeout);
   EXPECT_EQ(get(ja).world_size, 1);
   auto jc = join(*c, 3);
-  EXPECT_EQ(jc.wait_for(200ms), std::future_status::timeout) << "joined a running round";
-  Verdict grow = check_until_news(*a);
+  wait_until_stored([](const RendezvousState& state) { return state.waiting.size() == 1; },
+                    "c on the waiting list");
+  EXPECT_EQ(jc.wait_for(0s), std::future_status::timeout) << "joined a running round";
+  Verdict grow = a->check();
   EXPECT_EQ(grow.kind, Verdict::Kind::kNewRound);
   EXPECT_NE(grow.message.find("host c (node c_1_0) waiting to join"), std::string::npos);
   ja = join(*a, 1);
@@ -350,12 +489,11 @@ TEST_F(RendezvousTest, WaitingNodeMakesTheJobGrow) {
   EXPECT_EQ(rc.group_rank, 1);
 }
 
-// A node that leaves (SIGTERM) makes the others shrink at once, without a heartbeat timeout.
+// A node that leaves (SIGTERM) makes the others shrink at once, without a heartbeat timeout: no
+// time passes in this test.
 TEST_F(RendezvousTest, LeavingNodeShrinksTheJobAtOnce) {
-  RendezvousSettings s = settings(1, 2);
-  s.keep_alive_interval = 10s;  // a heartbeat timeout would take 30 s
-  auto a = node("a", s);
-  auto b = node("b", s);
+  auto a = node("a", settings(1, 2));
+  auto b = node("b", settings(1, 2));
   auto ja = join(*a, 1);
   auto jb = join(*b, 2);
   get(ja);
@@ -370,13 +508,20 @@ TEST_F(RendezvousTest, LeavingNodeShrinksTheJobAtOnce) {
   EXPECT_EQ(a->report_failure("again").message, "again (restart 1 of 1)");
 }
 
-// A round that cannot complete names who came and how many were needed.
+// A round that cannot complete fails at its timeout, not a millisecond before, naming who came and
+// how many were needed.
 TEST_F(RendezvousTest, TimeoutNamesPresentNodesAndTheMinimum) {
   RendezvousSettings s = settings(2, 3);
   s.timeout = 200ms;
   auto a = node("a", s);
+  auto round = join(*a, 1);
+  wait_until_joined(*a);
+  clock_.advance(199ms);
+  wait_for_polls(*a);
+  EXPECT_EQ(round.wait_for(0s), std::future_status::timeout) << "gave up 1 ms early";
+  clock_.advance(1ms);
   try {
-    a->next_round(1, -1);
+    settle(round, "next_round did not give up");
     FAIL() << "no timeout";
   } catch (const dtrain::TimeoutError& error) {
     EXPECT_NE(std::string(error.what())
@@ -387,7 +532,6 @@ TEST_F(RendezvousTest, TimeoutNamesPresentNodesAndTheMinimum) {
   }
 }
 
-// RFC 4231, test case 2.
 // Note [Reusing a run id]: a job that finished leaves its state behind (etcd keeps it); a new
 // agent under the same id starts a new job at round 0 instead of waiting in the old one until its
 // timeout.
@@ -413,15 +557,45 @@ TEST_F(RendezvousTest, ShutDownJobsStateStartsOverOnceItsAgentsAreGone) {
   auto a = node("a", s);
   auto first = join(*a, 1001);
   EXPECT_EQ(get(first).round, 0);
-  EXPECT_EQ(a->report_failure("worker rank 0 exited with code 1").kind, Verdict::Kind::kShutdown);
+  auto reported = report(*a, "worker rank 0 exited with code 1");
+  wait_for_polls(*a);
+  clock_.advance(kHeartbeatTimeout + kInterval);  // its wait for a loss that would explain it
+  EXPECT_EQ(get(reported).kind, Verdict::Kind::kShutdown);
   a.reset();  // its agent exits without leaving: only its silence frees the state
   auto c = node("c", s);
   auto again = join(*c, 1003);
+  wait_for_polls(*c);  // c has seen a's last heartbeat
+  clock_.advance(kHeartbeatTimeout);
+  wait_for_polls(*c);
+  EXPECT_EQ(again.wait_for(0s), std::future_status::timeout) << "a was not silent for long enough";
+  clock_.advance(1ms);
   RoundAssignment rc = get(again);
   EXPECT_EQ(rc.round, 0);
   EXPECT_EQ(rc.master_port, 1003);
 }
 
+// The keep-alive thread beats on the rendezvous clock: once per interval of it, catching up after
+// a jump. (The interval is an hour: a thread on the real clock would never beat here.)
+TEST_F(RendezvousTest, KeepAliveThreadBeatsOnTheRendezvousClock) {
+  RendezvousSettings s = settings(1, 1);
+  s.keep_alive_interval = 1h;
+  auto a = node("a", s);
+  auto round = join(*a, 1);
+  get(round);
+  std::string id = a->self().id;
+  uint64_t start = stored().keep_alive.at(id);
+  a->start_keep_alive();
+  clock_.advance(1h);
+  wait_until_stored(
+      [&](const RendezvousState& state) { return state.keep_alive.at(id) == start + 1; },
+      "one heartbeat after one interval");
+  clock_.advance(2h);
+  wait_until_stored(
+      [&](const RendezvousState& state) { return state.keep_alive.at(id) == start + 3; },
+      "two more heartbeats after two more intervals");
+}
+
+// RFC 4231, test case 2.
 TEST(C10dStore, HmacSha256MatchesTheRfc) {
   std::string mac = dtrain::elastic::hmac_sha256("Jefe", "what do ya want for nothing?");
   std::string hex;
