@@ -1,5 +1,5 @@
 """What tests/python's training scripts share: the model, each rank's data, the single-process
-reference and the checksum the C++ tests compare (tests/cli/launcher_test.cpp).
+reference and the checksum the C++ tests compare (tests/launcher/cli/launcher_test.cpp).
 
 The reference trains one process on every rank's batch at once. With a mean loss and equal batch
 sizes, its gradient is the average of the ranks' gradients, which is what DDP's all-reduce and

@@ -1,7 +1,7 @@
 // What some tests need from the machine beyond dtrain's build: a Python with torch (the PyTorch
 // peer tests; scripts/bootstrap's .venv/) and Fashion-MNIST (the trainer tests; Debian's package at
 // a fixed path). Other machines say where through the environment. A test that cannot find them
-// skips with the reason instead of failing. Header-only and LibTorch-free (tests/cli uses it).
+// skips with the reason instead of failing. Header-only, LibTorch-free: the launcher tests use it.
 #pragma once
 
 #include <sys/stat.h>

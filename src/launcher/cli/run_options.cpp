@@ -1,0 +1,308 @@
+// Parsing `dtrain run`'s flags (see run_options.h) with CLI11 (flags.h). Accepted spellings follow
+// torchrun: "--flag value", "--flag=value", and the underscore forms ("--nproc_per_node") that
+// torchrun also takes.
+#include "launcher/cli/run_options.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string_view>
+
+#include "dtrain/errors.h"
+#include "launcher/cli/flags.h"
+
+namespace dtrain::cli {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw UsageError("dtrain run: " + message); }
+
+[[noreturn]] void bad_value(std::string_view flag, std::string_view expected,
+                            std::string_view got) {
+  fail(std::string(flag) + ": " + expected_but_got(expected, got));
+}
+
+// --nnodes N or MIN:MAX.
+void parse_nnodes(const std::string& value, RunOptions& options) {
+  constexpr std::string_view kFlag = "--nnodes";
+  constexpr std::string_view kExpected = "a positive integer N or a range MIN:MAX";
+  std::string_view text = value;
+  std::size_t colon = text.find(':');
+  std::optional<long long> low = integer_in(text.substr(0, colon), 1, 1 << 20);
+  std::optional<long long> high = low;
+  if (colon != std::string_view::npos) high = integer_in(text.substr(colon + 1), 1, 1 << 20);
+  if (!low || !high) bad_value(kFlag, kExpected, value);
+  if (*low > *high) bad_value(kFlag, "MIN:MAX with MIN <= MAX", value);
+  options.min_nodes = static_cast<int>(*low);
+  options.nnodes = static_cast<int>(*high);
+}
+
+// --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT.
+void parse_endpoint(const std::string& value, RunOptions& options) {
+  constexpr std::string_view kFlag = "--rdzv-endpoint";
+  constexpr std::string_view kExpected = "HOST:PORT (a host name or address, a port in 1..65535)";
+  std::string host = value;
+  std::string port;
+  if (!value.empty() && value.front() == '[') {
+    std::size_t close = value.find(']');
+    if (close == std::string::npos) bad_value(kFlag, kExpected, value);
+    host = value.substr(1, close - 1);
+    std::string rest = value.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest.front() != ':') bad_value(kFlag, kExpected, value);
+      port = rest.substr(1);
+      if (port.empty()) bad_value(kFlag, kExpected, value);
+    }
+  } else if (std::size_t colon = value.find(':'); colon != std::string::npos) {
+    if (value.find(':', colon + 1) != std::string::npos) bad_value(kFlag, kExpected, value);
+    host = value.substr(0, colon);
+    port = value.substr(colon + 1);
+    if (port.empty()) bad_value(kFlag, kExpected, value);
+  }
+  if (host.empty() || host.find_first_of(" /\t") != std::string::npos) {
+    bad_value(kFlag, kExpected, value);
+  }
+  options.rdzv_host = host;
+  options.rdzv_port = 0;
+  if (!port.empty()) {
+    std::optional<long long> number = integer_in(port, 1, 65535);
+    if (!number) bad_value(kFlag, kExpected, value);
+    options.rdzv_port = static_cast<int>(*number);
+  }
+}
+
+// --rdzv-conf key=value,key=value.
+void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
+  constexpr std::string_view kFlag = "--rdzv-conf";
+  constexpr std::string_view kKeys =
+      "timeout, last_call_timeout, join_timeout, keep_alive_interval, keep_alive_max_attempt";
+  std::string_view rest = value;
+  while (!rest.empty()) {
+    std::size_t comma = rest.find(',');
+    std::string item(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    std::size_t equals = item.find('=');
+    if (equals == std::string::npos || equals == 0) {
+      bad_value(kFlag, "key=value pairs separated by commas (keys: " + std::string(kKeys) + ")",
+                item);
+    }
+    std::string key = item.substr(0, equals);
+    std::string text = item.substr(equals + 1);
+    std::string name = std::string(kFlag) + " " + key;
+    // A number of seconds in (low, high], or [low, high] with `from_low`.
+    auto seconds = [&](double low, double high, std::string_view expected, bool from_low = false) {
+      std::optional<double> number = number_in(text, low, high, from_low);
+      if (!number) bad_value(name, expected, text);
+      return *number;
+    };
+    constexpr std::string_view kSeconds = "a number of seconds above 0 (at most a week)";
+    constexpr double kWeek = 7 * 86400.0;
+    if (key == "timeout") {
+      conf.timeout_s = seconds(0, kWeek, kSeconds);
+    } else if (key == "last_call_timeout") {
+      conf.last_call_timeout_s = seconds(0, kWeek, "a number of seconds", true);
+    } else if (key == "join_timeout") {
+      conf.join_timeout_s = seconds(0, kWeek, kSeconds);
+    } else if (key == "keep_alive_interval") {
+      conf.keep_alive_interval_s = seconds(0.009, 3600, "seconds in 0.01..3600");
+    } else if (key == "keep_alive_max_attempt") {
+      std::optional<long long> attempts = integer_in(text, 1, 1000);
+      if (!attempts) bad_value(name, "an integer in 1..1000", text);
+      conf.keep_alive_max_attempt = static_cast<int>(*attempts);
+    } else {
+      fail(std::string(kFlag) + ": unknown key '" + key +
+           "'; expected one of: " + std::string(kKeys));
+    }
+  }
+}
+
+// --nproc-per-node 'auto' or 'cpu': one worker per usable CPU (then checked as any number).
+CLI::Validator usable_cpus_for_auto() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text == "auto" || text == "cpu") text = std::to_string(usable_cpus());
+        return {};
+      },
+      "");
+}
+
+void check_combinations(RunOptions& options, bool port_given, bool node_rank_given,
+                        bool master_addr_given) {
+  if (is_elastic(options)) {
+    std::string backend = "--rdzv-backend " + options.rdzv_backend;
+    if (options.standalone) {
+      fail("--standalone: runs a single static node; drop it or " + backend);
+    }
+    if (options.rdzv_host.empty()) {
+      fail("--rdzv-endpoint: required with " + backend + ", got none; expected HOST:PORT of " +
+           (options.rdzv_backend == "etcd" ? "the etcd server" : "the node hosting the store"));
+    }
+    if (options.rdzv_port == 0) options.rdzv_port = options.rdzv_backend == "etcd" ? 2379 : 29400;
+    if (node_rank_given || master_addr_given || port_given) {
+      fail(std::string(node_rank_given     ? "--node-rank"
+                       : master_addr_given ? "--master-addr"
+                                           : "--master-port") +
+           ": decided by the rendezvous with " + backend + "; drop it");
+    }
+    if (options.command.empty()) {
+      fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
+    }
+    return;
+  }
+  if (options.min_nodes != options.nnodes) {
+    fail("--nnodes: an elastic range " + std::to_string(options.min_nodes) + ":" +
+         std::to_string(options.nnodes) +
+         " needs --rdzv-backend c10d or etcd (and --rdzv-endpoint); for a static job give N");
+  }
+  if (!options.rdzv_host.empty()) {
+    fail("--rdzv-endpoint: used only with --rdzv-backend c10d or etcd, got it with static");
+  }
+  if (options.standalone) {
+    if (options.nnodes != 1) {
+      fail("--standalone: runs a single node, but --nnodes is " + std::to_string(options.nnodes) +
+           "; drop one of the two");
+    }
+    if (port_given && options.master_port != 0) {
+      fail("--master-port: --standalone picks a free port itself; drop one of the two, got '" +
+           std::to_string(options.master_port) + "'");
+    }
+  }
+  if (options.node_rank >= options.nnodes) {
+    fail("--node-rank: expected an integer in 0.." + std::to_string(options.nnodes - 1) +
+         " (below --nnodes " + std::to_string(options.nnodes) + "), got '" +
+         std::to_string(options.node_rank) + "'");
+  }
+  if (options.nnodes > 1 && options.master_port == 0) {
+    fail("--master-port: required with --nnodes " + std::to_string(options.nnodes) +
+         " (every node must name the same port), got " + (port_given ? "'0'" : "none"));
+  }
+  if (options.command.empty()) {
+    fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
+  }
+}
+
+}  // namespace
+
+RunOptions parse_run_options(const std::vector<std::string>& args) {
+  RunOptions options;
+  CLI::App app;
+  prepare_command_line(app, "dtrain run");
+  // A flag that takes a value, in both of torchrun's spellings.
+  auto valued = [&app](std::string_view name, auto& target,
+                       std::vector<CLI::Validator> checks = {}) {
+    return add_valued_flag(app, with_underscores(name), target, std::move(checks));
+  };
+  valued("--nproc-per-node", options.nproc_per_node,
+         {usable_cpus_for_auto(), integer(1, 1 << 20, "a positive integer or 'auto'")});
+  std::string nnodes;
+  CLI::Option* nnodes_flag = valued("--nnodes", nnodes);
+  CLI::Option* node_rank =
+      valued("--node-rank", options.node_rank, {integer(0, 1 << 20, "a non-negative integer")});
+  CLI::Option* master_addr =
+      valued("--master-addr", options.master_addr, {non_empty("a host name or address")});
+  CLI::Option* master_port = valued("--master-port", options.master_port,
+                                    {integer(0, 65535, "a port in 1..65535, or 0 for a free one")});
+  valued("--max-restarts", options.max_restarts, {integer(0, 1 << 30, "a non-negative integer")});
+  valued("--log-dir", options.log_dir, {non_empty("a directory")});
+  // torchrun's --rdzv-id is dtrain's --run-id.
+  CLI::Option* run_id =
+      add_valued_flag(app, with_underscores("--run-id") + "," + with_underscores("--rdzv-id"),
+                      options.run_id, {non_empty("a non-empty id")});
+  // A day is far beyond any sane grace period; the bound also keeps the milliseconds in range.
+  valued("--grace-period", options.grace_period_s,
+         {number(0, 86400, "a number of seconds in 0..86400", /*low_inclusive=*/true)});
+  valued("--rdzv-backend", options.rdzv_backend, {one_of({"c10d", "etcd", "static"})});
+  std::string endpoint;
+  CLI::Option* endpoint_flag = valued("--rdzv-endpoint", endpoint);
+  std::string conf;
+  CLI::Option* conf_flag = valued("--rdzv-conf", conf);
+  valued("--rdzv-token", options.rdzv_token, {non_empty("a non-empty token")});
+  valued("--monitor-interval", options.monitor_interval_s,
+         {number(0.009, 3600, "a number of seconds in 0.01..3600")});
+  add_switch(app, with_underscores("--no-python"), options.no_python);
+  add_switch(app, "--standalone", options.standalone);
+
+  std::optional<std::vector<std::string>> command = parse_command_line(app, args);
+  if (!command) {
+    options.help = true;  // wins over everything else on the line, as in torchrun
+    return options;
+  }
+  options.command = std::move(*command);
+  if (nnodes_flag->count() > 0) parse_nnodes(nnodes, options);
+  if (endpoint_flag->count() > 0) parse_endpoint(endpoint, options);
+  if (conf_flag->count() > 0) parse_rdzv_conf(conf, options.rdzv_conf);
+  options.run_id_given = run_id->count() > 0;
+  check_combinations(options, master_port->count() > 0, node_rank->count() > 0,
+                     master_addr->count() > 0);
+  return options;
+}
+
+int usable_cpus() {
+  // The affinity mask, which taskset and container limits narrow.
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
+std::string run_usage() {
+  return R"(usage: dtrain run [flags] [--] program [args...]
+
+Starts --nproc-per-node copies of `program` on this node with the environment torchrun gives its
+workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE,
+ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), relays their output prefixed with [rank<R>]:,
+stops them all when one fails and restarts them up to --max-restarts times. A program ending in .py
+runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
+
+flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
+  --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
+  --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
+  --max-restarts K       worker failures the job restarts from (default 0)
+  --log-dir DIR          also append each rank's output to DIR/rank<R>.log
+  --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
+  --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
+  --no-python            run a .py program directly instead of through python
+  --standalone           single node with a free port (torchrun compatibility)
+  -h, --help             this text
+
+static nodes (--rdzv-backend static, the default):
+  --node-rank R          this node's rank, 0 <= R < nnodes (default 0)
+  --master-addr HOST     host of the node running rank 0 (default 127.0.0.1)
+  --master-port PORT     store port on the master; 0 or absent: a free one (single node only)
+  Every node runs `dtrain run` with its own --node-rank and the same master; restarts are local.
+
+elastic nodes (one `dtrain run` agent per node, all with the same flags):
+  --rdzv-backend B       c10d: a store hosted by the agent that can bind --rdzv-endpoint (if that
+                         agent dies the job ends); etcd: an etcd server (no single point of failure)
+  --rdzv-endpoint H:P    where the store or etcd listens (default port 29400 c10d, 2379 etcd)
+  --rdzv-id JOB          the job's id: agents with the same id form one job
+  --rdzv-conf K=V,...    timeout=900 (s a round may take to complete), last_call_timeout=30 (s
+                         to wait for more nodes once MIN joined), join_timeout=60 (s to reach the
+                         store at start; any later call at most 15 s), keep_alive_interval=1
+                         (s between heartbeats), keep_alive_max_attempt=3 (missed heartbeats =
+                         node dead)
+  --monitor-interval S   how often the agent looks at the rendezvous while workers run (0.5)
+  --rdzv-token TOKEN     require this token from every agent (c10d); better: the variable
+                         DTRAIN_RDZV_TOKEN, which stays out of process listings
+  A round starts when MAX nodes joined, or MIN and the last call passed. A failed worker restarts
+  every node's workers (TORCHELASTIC_RESTART_COUNT = round number); a lost node (no heartbeat) or
+  one that leaves (SIGTERM) shrinks the job if MIN still holds, else the job ends naming it; a node
+  that arrives later waits and the job grows at the next monitor interval.
+
+Each worker's environment is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (a fresh
+uuid on a single node without --master-port, unless --run-id), TORCHELASTIC_ERROR_FILE (in a
+temporary folder removed when dtrain run exits), TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,
+SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and OMP_NUM_THREADS=1 with several workers (each
+unless already set). Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher:
+rank 0 hosts it; torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on
+one node) where torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
+TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
+
+Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
+signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
+for another reason (lost nodes, rendezvous timeout); 2 for bad flags.
+)";
+}
+
+}  // namespace dtrain::cli

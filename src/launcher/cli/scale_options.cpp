@@ -1,0 +1,135 @@
+// Parsing `dtrain scale`'s flags (see scale_options.h) with CLI11 (flags.h), spelled as in `dtrain
+// run`: "--flag value" and "--flag=value"; the first word that is not a flag (or the word after
+// "--") starts the program.
+#include "launcher/cli/scale_options.h"
+
+#include <algorithm>
+#include <string_view>
+
+#include "dtrain/errors.h"
+#include "launcher/cli/flags.h"
+
+namespace dtrain::cli {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw UsageError("dtrain scale: " + message); }
+
+constexpr int kMaxWorkers = 1024;
+
+// "1,2,4": ascending after sorting, no duplicates.
+std::vector<int> parse_nproc(const std::string& text) {
+  const std::string expected =
+      "worker counts like 1,2,4 (integers in 1.." + std::to_string(kMaxWorkers) + ")";
+  auto bad = [&](const std::string& what) { fail("--nproc: " + expected_but_got(what, text)); };
+  std::vector<int> counts;
+  std::string_view rest = text;
+  do {
+    std::size_t comma = rest.find(',');
+    std::optional<long long> value = integer_in(rest.substr(0, comma), 1, kMaxWorkers);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    if (!value || (comma != std::string_view::npos && rest.empty())) bad(expected);
+    counts.push_back(static_cast<int>(*value));
+  } while (!rest.empty());
+  std::sort(counts.begin(), counts.end());
+  if (std::adjacent_find(counts.begin(), counts.end()) != counts.end())
+    bad(expected + ", each once");
+  return counts;
+}
+
+bool ends_with(const std::string& text, std::string_view suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
+  ScaleOptions options;
+  CLI::App app;
+  prepare_command_line(app, "dtrain scale");
+  auto integer_range = [](long long low, long long high) {
+    return integer(low, high, "an integer in " + std::to_string(low) + ".." + std::to_string(high));
+  };
+  std::string nproc;
+  CLI::Option* nproc_flag = add_valued_flag(app, "--nproc", nproc);
+  CLI::Option* steps = add_valued_flag(app, "--steps", options.steps, {integer_range(1, 1000000)});
+  double seconds = 0;
+  CLI::Option* seconds_flag = add_valued_flag(
+      app, "--seconds", seconds, {number(0, 86400, "a number of seconds in (0, 86400]")});
+  add_valued_flag(app, "--warmup-steps", options.warmup_steps, {integer_range(0, 1000000)});
+  add_valued_flag(app, "--time-limit", options.time_limit_s,
+                  {number(0, 7 * 86400.0, "a number of seconds above 0 (at most a week)")});
+  double link_gbps = 0;
+  CLI::Option* link_gbps_flag = add_valued_flag(
+      app, "--link-gbps", link_gbps, {number(0, 1e6, "a bandwidth in Gbit/s above 0 (e.g. 100)")});
+  CLI::Option* plot =
+      add_valued_flag(app, "--plot", options.plot_path, {non_empty("a file name ending in .svg")});
+  add_valued_flag(app, "--log-dir", options.log_dir, {non_empty("a directory")});
+  add_valued_flag(app, "--grace-period", options.grace_period_s,
+                  {number(0, 3600, "a number of seconds in (0, 3600]")});
+  add_switch(app, "--json", options.json);
+  add_switch(app, "--no-python", options.no_python);
+
+  std::optional<std::vector<std::string>> command = parse_command_line(app, args);
+  if (!command) {
+    options.help = true;
+    return options;
+  }
+  options.command = std::move(*command);
+  if (nproc_flag->count() > 0) options.nproc = parse_nproc(nproc);
+  if (seconds_flag->count() > 0) options.seconds = seconds;
+  if (link_gbps_flag->count() > 0) options.link_gbps = link_gbps;
+  if (plot->count() > 0 && !ends_with(options.plot_path, ".svg")) {
+    fail("--plot: only SVG is supported (a file name ending in .svg), got '" + options.plot_path +
+         "'; convert it afterwards, e.g. `rsvg-convert -o plot.png plot.svg`");
+  }
+  if (steps->count() > 0 && options.seconds) {
+    fail(
+        "--steps and --seconds: give one of the two (stop after K measured steps, or after S "
+        "seconds)");
+  }
+  if (options.seconds && *options.seconds >= options.time_limit_s) {
+    fail("--time-limit: must exceed --seconds " + std::to_string(*options.seconds) + ", got '" +
+         std::to_string(options.time_limit_s) + "'");
+  }
+  if (options.command.empty()) {
+    fail("no program given; expected `dtrain scale [flags] [--] program [args...]`");
+  }
+  return options;
+}
+
+std::string scale_usage() {
+  return R"(usage: dtrain scale [flags] [--] program [args...]
+
+Runs the program at each worker count under the same launcher as `dtrain run`, for a bounded time
+each, with DTRAIN_PROFILE pointed at a temporary file, and reports whether more workers pay off:
+samples/s, speed-up, parallel efficiency, where a step's time goes, a verdict per count with its
+reason, and a prediction for 8, 16 and 64 workers from an alpha-beta model of the all-reduce.
+
+flags:
+  --nproc LIST          worker counts to run, e.g. 1,2,4 (default 1,2)
+  --steps K             stop each run once every rank recorded K steps after the warm-up
+                        (default 20)
+  --seconds S           stop each run after S seconds instead (excludes --steps)
+  --warmup-steps W      records of each rank dropped before measuring (default 3)
+  --time-limit S        longest run of one count; a run still short of its steps then is stopped
+                        and reported as over the limit (default 300)
+  --link-gbps G         also predict with this interconnect bandwidth (Gbit/s)
+  --plot FILE.svg       draw speed-up against workers: ideal, measured, predicted (SVG only)
+  --json                print one JSON document on stdout instead of the table
+  --log-dir DIR         keep each run's worker logs and profile records in DIR/workers<N>/
+                        (default: a temporary folder, removed at the end)
+  --grace-period S      seconds between SIGTERM and SIGKILL when stopping workers (default 5)
+  --no-python           run a .py program directly, not through python3
+  -h, --help            this text
+
+Programs built on dtrain's DDP or DataParallel write the per-step records themselves. Any other
+program (a PyTorch script) is measured by what it prints: the last "<number> samples/s" text or
+JSON "samples_per_s" field of the lowest rank that prints one is taken as the whole job's
+throughput; without one, only its run time (start to exit) is compared, which assumes it does the
+same total work at every count. Exit code: 0 when every count ran, 1 when one failed (it is
+reported in the table), 2 for bad flags.
+)";
+}
+
+}  // namespace dtrain::cli

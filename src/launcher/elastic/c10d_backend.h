@@ -1,0 +1,101 @@
+// The c10d rendezvous backend: a small TCP key/value store that one agent of the job hosts at
+// --rdzv-endpoint, and a RendezvousBackend client that every agent (the host included) talks to it
+// through. The name follows torchrun's `--rdzv-backend c10d`, whose store is also hosted by the
+// agent that can bind the endpoint; the store itself is not PyTorch's TCPStore (the launcher does
+// not link LibTorch, and TCPStore has no authentication).
+//
+// Protocol, length-prefixed frames ([u32 big-endian length][payload]) over one TCP connection:
+//   server hello (unframed, 38 bytes): "DTRS", version 1, token_required (0/1), server_nonce[32]
+//   client hello: 'H', client_nonce[32], client_mac[32]
+//   server reply: status (0 welcome, 1 wrong token, 2 token required), server_mac[32]
+//   then requests  'G' key                               -> get
+//                  'S' key has_expected expected value   -> compare-and-set
+//   answered by    written has_state version value
+// client_mac = HMAC-SHA256(token, "dtrain-rdzv-client" | server_nonce | client_nonce) and
+// server_mac the same over "dtrain-rdzv-server" | client_nonce | server_nonce: each side proves it
+// knows the token without sending it, and a recorded exchange cannot be replayed (fresh nonces).
+// Without a token the macs are zeros and the store is open, as torchrun's is.
+//
+// Security: the server listens on the endpoint's address only (never on every interface), compares
+// macs in constant time, refuses and logs (with the peer's address) anyone without the token, gives
+// an unauthenticated peer 5 s and 1 KiB for its hello, and never reads a request before the hello.
+// What it does not do: encrypt, or authenticate each message after the hello. The token keeps
+// strangers out; it does not protect against an attacker on the network path who can hijack a TCP
+// connection (run jobs on a private network, or use etcd with TLS).
+//
+// Limit: the store lives in the hosting agent's process. If that agent dies, the job cannot
+// continue (torchrun's c10d backend has the same single point of failure); the etcd backend has
+// none.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "launcher/elastic/rendezvous_backend.h"
+
+namespace dtrain::elastic {
+
+// Serves the store on a thread of its own until destroyed.
+class C10dStoreServer {
+ public:
+  // Binds host:port (host resolved to one address of this machine) and starts serving, or returns
+  // nullptr when this process cannot host it: the port is taken (another agent hosts it) or the
+  // address is not this machine's. `log` receives one line per refused peer. An empty token means
+  // an open store. Throws dtrain::UsageError when `host` does not resolve.
+  static std::unique_ptr<C10dStoreServer> try_host(const std::string& host, int port,
+                                                   std::string token,
+                                                   std::function<void(const std::string&)> log);
+  ~C10dStoreServer();
+  C10dStoreServer(const C10dStoreServer&) = delete;
+  C10dStoreServer& operator=(const C10dStoreServer&) = delete;
+
+  // "127.0.0.1:29400": where it listens.
+  const std::string& address() const { return address_; }
+
+ private:
+  C10dStoreServer() = default;
+  void serve();
+
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string address_;
+  std::thread thread_;
+};
+
+// A client of the store at host:port for one job (the job id is the key of its state).
+class C10dBackend : public RendezvousBackend {
+ public:
+  // Connects lazily, on the first call. `timeout` bounds every call (connect, hello, request).
+  C10dBackend(std::string host, int port, std::string job_id, std::string token,
+              std::chrono::milliseconds timeout);
+  ~C10dBackend() override;
+
+  std::string name() const override { return "c10d"; }
+  std::optional<VersionedState> get_state() override;
+  SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
+
+  // The local address of the connection to the store: an address of this machine that the other
+  // nodes can reach (they reach the store through the same network). Connects if needed.
+  std::string local_address();
+
+ private:
+  // One request/response; reconnects once when the connection broke since the last call.
+  std::string call(const std::string& request);
+  void connect_and_authenticate(std::chrono::steady_clock::time_point deadline);
+  void disconnect();
+
+  std::string host_;
+  int port_;
+  std::string job_id_;
+  std::string token_;
+  std::chrono::milliseconds timeout_;
+  int fd_ = -1;
+};
+
+// HMAC-SHA256 of `message` under `key` (32 bytes), exposed for tests.
+std::string hmac_sha256(const std::string& key, const std::string& message);
+
+}  // namespace dtrain::elastic

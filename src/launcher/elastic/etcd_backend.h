@@ -1,0 +1,107 @@
+// EtcdBackend: the rendezvous state kept in an etcd server (`--rdzv-backend etcd`), so that no
+// single agent hosts it and the loss of any agent leaves the job's rendezvous intact.
+//
+// The state is one key, <key_prefix><run id>/state (by default /dtrain/rdzv/<run id>/state),
+// read and replaced through etcd's v3 JSON gateway over HTTP (libcurl):
+//   get_state()  POST /v3/kv/range
+//   set_state()  POST /v3/kv/txn, writing only if the key's mod_revision is still the version the
+//                caller read (for a first write: only if the key was never created).
+// The version handed out is the key's mod_revision: etcd's store-wide revision of the last write,
+// never 0 for a stored key and different after every write. The /v3 gateway path needs etcd 3.4
+// or newer (Debian 12 ships 3.4.23; etcd 3.3 only had /v3beta).
+//
+// Errors (the contract of rendezvous_backend.h): every HTTP call is bounded by `timeout`,
+// connecting included, and then throws dtrain::TimeoutError naming the endpoint; a refused
+// connection, an HTTP error or an error etcd reports throws dtrain::CommError naming the
+// endpoint and, where etcd gave one, etcd's message. A malformed endpoint or an empty run id
+// throws dtrain::UsageError at construction.
+//
+// A set_state() that timed out may still be applied later (the request can already be in etcd's
+// hands): read the state again before deciding what to write next, as after a lost race.
+//
+// Plain HTTP only: no TLS, no etcd user authentication (etcd's error says so if it needs them).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "launcher/elastic/rendezvous_backend.h"
+
+namespace dtrain::elastic {
+
+class EtcdBackend : public RendezvousBackend {
+ public:
+  // etcd's registered client port, used when the endpoint names only a host (as torchrun does).
+  static constexpr int kDefaultPort = 2379;
+  // Where the state lives unless told otherwise; the run id and "/state" follow.
+  static constexpr const char* kDefaultKeyPrefix = "/dtrain/rdzv/";
+
+  // endpoint: "HOST:PORT", "HOST" (port 2379), "[IPv6]:PORT", optionally prefixed with "http://".
+  // run_id: the job's --rdzv-id; jobs with different ids never see each other's state.
+  // timeout: the bound on each call below (connecting, sending and receiving together).
+  // Does not touch the network; call check_reachable() for an early, clear error.
+  EtcdBackend(const std::string& endpoint, const std::string& run_id,
+              std::chrono::milliseconds timeout, std::string key_prefix = kDefaultKeyPrefix);
+  ~EtcdBackend() override;
+  EtcdBackend(const EtcdBackend&) = delete;
+  EtcdBackend& operator=(const EtcdBackend&) = delete;
+
+  std::string name() const override { return "etcd"; }
+  std::optional<VersionedState> get_state() override;
+  SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
+
+  // Checks, once, at start-up, that an etcd 3.4+ answers at the endpoint and serves the v3 gateway:
+  // `GET /version`, then a range read of the state key. Blocks at most 2 x timeout. Throws
+  // TimeoutError or CommError with a one-line message saying what to do ("is etcd running there?
+  // ..."); a launcher prints it and exits 2 before starting any worker.
+  void check_reachable();
+
+  // Every `revisions` etcd revisions, the agent whose write lands on the mark compacts etcd's
+  // history older than `revisions` (Note [Compacting etcd's history] in etcd_backend.cpp): without
+  // it, heartbeats would fill an etcd that does not compact itself. 0 turns it off (for an etcd
+  // whose operator compacts it); tests set a small interval.
+  static constexpr uint64_t kDefaultCompactionInterval = 1000;
+  void set_compaction_interval(uint64_t revisions) { compaction_interval_ = revisions; }
+
+  // Opt-in: every write attaches the state to an etcd lease of `ttl`, so that a state nobody writes
+  // any more (the job ended or all its agents died) disappears between ttl/2 and ttl after the last
+  // write, and a later job may reuse the run id. It must exceed the longest pause between writes
+  // of a live job (the agents' heartbeat interval, with a wide margin). 0 (the default): the state
+  // stays until deleted. etcd raises a TTL under its minimum (about 2 s) to that minimum.
+  void set_state_ttl(std::chrono::seconds ttl) { state_ttl_ = ttl; }
+
+  // "HOST:PORT" as the messages name it.
+  const std::string& endpoint() const { return endpoint_; }
+  // The etcd key holding this job's state.
+  const std::string& key() const { return key_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Http;  // the libcurl handle, reused between calls for a kept-alive connection
+
+  // One HTTP request (POST with a body, GET without), given until `deadline`. `operation` names the
+  // call in messages ("read the rendezvous state"). Returns the response body of an HTTP 200;
+  // throws as described above for anything else.
+  std::string request(const std::string& path, const std::string* post_body,
+                      const std::string& operation, Clock::time_point deadline);
+
+  void maybe_compact(uint64_t written_revision, Clock::time_point deadline);
+  // The lease to attach the next write to (0: none), granting a new one when the current one is
+  // older than half the TTL, so that a write always leaves the state at least ttl/2 to live.
+  int64_t lease_for_write(Clock::time_point deadline);
+
+  std::string endpoint_;  // HOST:PORT
+  std::string base_url_;  // http://HOST:PORT
+  std::string key_;
+  std::chrono::milliseconds timeout_;
+  uint64_t compaction_interval_ = kDefaultCompactionInterval;
+  std::chrono::seconds state_ttl_{0};
+  int64_t lease_id_ = 0;
+  Clock::time_point lease_granted_;
+  std::unique_ptr<Http> http_;
+};
+
+}  // namespace dtrain::elastic

@@ -1,0 +1,132 @@
+// TCP port helpers for launchers (see ports.h).
+#include "launcher/elastic/ports.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::elastic {
+namespace {
+
+// A socket closed on every path out of the scope that made it.
+class Socket {
+ public:
+  explicit Socket(int family) : fd_(socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0)) {}
+  ~Socket() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// bind() result for `address` with its port replaced by `port`: 0, or the errno.
+int try_bind(const sockaddr* address, socklen_t length, int port) {
+  sockaddr_storage copy{};
+  std::memcpy(&copy, address, length);
+  if (copy.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&copy)->sin_port = htons(static_cast<uint16_t>(port));
+  } else if (copy.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&copy)->sin6_port = htons(static_cast<uint16_t>(port));
+  } else {
+    return EAFNOSUPPORT;
+  }
+  Socket socket(copy.ss_family);
+  if (socket.fd() < 0) return errno;
+  int on = 1;
+  setsockopt(socket.fd(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  if (bind(socket.fd(), reinterpret_cast<sockaddr*>(&copy), length) != 0) return errno;
+  return 0;
+}
+
+// The wildcard address of `family` with the given port.
+int try_bind_wildcard(int family, int port) {
+  if (family == AF_INET6) {
+    sockaddr_in6 any{};
+    any.sin6_family = AF_INET6;
+    any.sin6_addr = in6addr_any;
+    return try_bind(reinterpret_cast<sockaddr*>(&any), sizeof(any), port);
+  }
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_ANY);
+  return try_bind(reinterpret_cast<sockaddr*>(&any), sizeof(any), port);
+}
+
+}  // namespace
+
+int pick_free_port() {
+  Socket socket(AF_INET);
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_ANY);
+  any.sin_port = 0;
+  if (socket.fd() < 0 || bind(socket.fd(), reinterpret_cast<sockaddr*>(&any), sizeof(any)) != 0) {
+    throw InternalError(
+        std::string("dtrain run: cannot bind a socket to pick a free master port: ") +
+        std::strerror(errno) + "; pass --master-port explicitly");
+  }
+  socklen_t length = sizeof(any);
+  getsockname(socket.fd(), reinterpret_cast<sockaddr*>(&any), &length);
+  return ntohs(any.sin_port);
+}
+
+PortProbe probe_port(const std::string& addr, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* results = nullptr;
+  if (getaddrinfo(addr.c_str(), nullptr, &hints, &results) != 0 || results == nullptr) {
+    return PortProbe::kUnresolvable;
+  }
+  PortProbe verdict = PortProbe::kNotLocal;
+  for (addrinfo* result = results; result != nullptr; result = result->ai_next) {
+    // Port 0 always binds on a local address; EADDRNOTAVAIL means the address is another machine's.
+    if (try_bind(result->ai_addr, result->ai_addrlen, 0) != 0) continue;
+    verdict = PortProbe::kFree;
+    if (try_bind(result->ai_addr, result->ai_addrlen, port) == EADDRINUSE ||
+        try_bind_wildcard(result->ai_family, port) == EADDRINUSE) {
+      verdict = PortProbe::kInUse;
+      break;
+    }
+  }
+  freeaddrinfo(results);
+  return verdict;
+}
+
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;  // MASTER_ADDR for Gloo and TCPStore: IPv4 is what works everywhere
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* results = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0 ||
+      results == nullptr) {
+    return "";
+  }
+  std::string address;
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && connect(fd, results->ai_addr, results->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t length = sizeof(local);
+    char text[INET_ADDRSTRLEN] = "";
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
+      address = text;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(results);
+  return address;
+}
+
+}  // namespace dtrain::elastic

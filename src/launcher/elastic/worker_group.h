@@ -1,0 +1,191 @@
+// WorkerGroup: the local worker processes of one node - spawning them with torchrun's environment,
+// relaying their output line by line with a rank prefix (and into per-rank log files), watching for
+// the first failure, and stopping them all (SIGTERM to each worker's process group, SIGKILL after a
+// grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop;
+// the elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds.
+//
+// Limits: a worker's children are signalled through its process group, so one that moves to a group
+// of its own (setsid, a daemon) escapes stop(). If the launcher is SIGKILLed, the kernel kills the
+// workers (PR_SET_PDEATHSIG) but not their children; a worker that wants those gone should set the
+// same flag.
+//
+// Contract: single-threaded use from one thread; start() forks, so the calling process should not
+// hold locks in other threads across it. No method installs signal handlers: the caller passes a
+// file descriptor (a self-pipe, see signal_pipe.h) that wakes wait() and stop() when a signal
+// arrives.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace dtrain::elastic {
+
+// What stays fixed for the lifetime of the group, across restarts.
+struct WorkerGroupOptions {
+  // argv of every worker; command[0] is a path or a name looked up on PATH when start() runs.
+  std::vector<std::string> command;
+  // Workers on this node (LOCAL_WORLD_SIZE).
+  int local_world_size = 1;
+  // ROLE_NAME; torchrun's default role.
+  std::string role = "default";
+  // TORCHELASTIC_RUN_ID; "none" is torchrun's default when no --rdzv-id is given.
+  std::string run_id = "none";
+  // TORCHELASTIC_MAX_RESTARTS; only exported, the caller owns the restart loop.
+  int max_restarts = 0;
+  // When not empty: append each worker's output to <log_dir>/rank<GLOBAL_RANK>.log (the folder must
+  // exist).
+  std::string log_dir;
+  // Time between SIGTERM and SIGKILL when stopping workers.
+  std::chrono::milliseconds grace_period{5000};
+  // Where the prefixed worker lines go: stdout lines to out_fd, stderr lines to err_fd.
+  int out_fd = 1;
+  int err_fd = 2;
+  // How many of each worker's last stderr lines are kept for the failure summary.
+  std::size_t stderr_tail_lines = 20;
+  // Set when this process is a child subreaper (prctl PR_SET_CHILD_SUBREAPER) and every child it
+  // has is this group's: then processes the workers leave behind are reparented here, and the group
+  // reaps them with waitpid(-1) so none stays a zombie. Leave it false in a process with other
+  // children.
+  bool reap_orphans = false;
+  // Extra variables for every worker, applied after the inherited environment and before
+  // torchrun's.
+  std::vector<std::pair<std::string, std::string>> extra_env;
+};
+
+// What one attempt of the group runs as: fixed by the static launcher, decided by a rendezvous
+// round in the elastic agent.
+struct WorkerGroupRound {
+  // GROUP_RANK: this node's rank among the nodes.
+  int group_rank = 0;
+  // GROUP_WORLD_SIZE: number of nodes.
+  int group_world_size = 1;
+  // RANK of local rank 0; the static launcher uses group_rank * local_world_size.
+  int base_rank = 0;
+  // WORLD_SIZE: workers over all nodes.
+  int world_size = 1;
+  // MASTER_ADDR / MASTER_PORT: where rank 0 hosts the store (TORCHELASTIC_USE_AGENT_STORE=False).
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  // TORCHELASTIC_RESTART_COUNT: 0 for the first attempt.
+  int restart_count = 0;
+};
+
+// How a worker process ended.
+struct WorkerExit {
+  int global_rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  // Exit code when the worker exited, -1 when a signal killed it.
+  int exit_code = -1;
+  // Signal number when a signal killed it, 0 otherwise.
+  int signal = 0;
+  // TORCHELASTIC_RESTART_COUNT of the attempt it belonged to.
+  int restart_count = 0;
+  // Its last stderr lines (without the rank prefix), oldest first.
+  std::vector<std::string> stderr_tail;
+
+  bool succeeded() const { return signal == 0 && exit_code == 0; }
+  // Exit code 2: how dtrain programs, Python's argparse and most command-line tools say "bad flag,
+  // variable or file". A restart would fail the same way (or, worse, resume from a folder the user
+  // named by mistake), so launchers do not restart for it.
+  bool usage_error() const { return signal == 0 && exit_code == 2; }
+  // "exited with code 3" or "killed by signal 9 (SIGKILL)".
+  std::string describe() const;
+  // The exit code a launcher reports for it: the worker's code, or 128 + signal; never 0 for a
+  // failure.
+  int launcher_exit_code() const;
+};
+
+// What wait() saw.
+struct WaitResult {
+  enum class State {
+    kSucceeded,    // every worker exited with code 0
+    kFailed,       // a worker failed; the others may still run (call stop())
+    kInterrupted,  // the interrupt fd became readable; workers still run (call stop())
+  };
+  State state = State::kSucceeded;
+  // The failures reaped in the wake-up that ended wait(), first observed first; failures[0] is the
+  // root cause. Set with kFailed, and also with kInterrupted when the interrupt fd and a failure
+  // came in the same wake-up (those exits are reaped: a later wait() does not report them again).
+  std::vector<WorkerExit> failures;
+};
+
+class WorkerGroup {
+ public:
+  explicit WorkerGroup(WorkerGroupOptions options);
+  // Kills (SIGKILL, no grace) and reaps workers still running: the owner is going away.
+  ~WorkerGroup();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  // Spawns local_world_size workers for `round`. Each worker: its own process group, SIGKILL when
+  // this process dies (PR_SET_PDEATHSIG), stdin from /dev/null, stdout and stderr to pipes read by
+  // wait()/stop(), TORCHELASTIC_ERROR_FILE in a temporary folder that goes with the group. Throws
+  // dtrain::UsageError when a log file or the error file's folder cannot be made,
+  // dtrain::InternalError when pipes or fork fail; in both cases no worker of this round is left
+  // running. Requires the previous round stopped.
+  void start(const WorkerGroupRound& round);
+
+  // Blocks until every worker exited with code 0, a worker failed, or `interrupt_fd` (if >= 0)
+  // became readable, relaying output meanwhile. It does not read from interrupt_fd. No timeout of
+  // its own: workers run as long as they run; the interrupt fd is the way out.
+  WaitResult wait(int interrupt_fd = -1);
+
+  // Stops every worker still running: SIGTERM to each worker's process group (which also reaches
+  // its children), SIGKILL to the groups after options.grace_period or as soon as `interrupt_fd`
+  // (if >= 0) becomes readable (a second Ctrl-C), then reaps them. Relays their last output,
+  // flushes unterminated last lines and closes the pipes and logs. Blocks at most about
+  // grace_period plus a few seconds. Returns how each worker that was still running ended.
+  std::vector<WorkerExit> stop(int interrupt_fd = -1);
+
+  // Workers of the current round not yet reaped.
+  int running() const;
+  const WorkerGroupOptions& options() const { return options_; }
+
+ private:
+  struct Stream;
+  struct Worker;
+
+  // TORCHELASTIC_ERROR_FILE of each local rank for the current round: <root>/attempt_<restart
+  // count>/<local rank>/error.json, the folders created (the root on first use). Throws
+  // dtrain::UsageError when they cannot be.
+  std::vector<std::string> make_error_files();
+  void spawn(Worker& worker, const std::string& executable, const std::vector<std::string>& env);
+  // Polls the pipes (and the extra fd) for up to timeout_ms; relays what arrived. Returns true when
+  // extra_fd is readable.
+  bool pump(int timeout_ms, int extra_fd);
+  void read_stream(Worker& worker, Stream& stream, std::size_t max_bytes);
+  void emit_lines(Worker& worker, Stream& stream, std::string_view data, bool flush_partial);
+  // Reaps exited workers without blocking; appends their exits to `exits` in the order seen.
+  void reap(std::vector<WorkerExit>* exits);
+  void record_exit(Worker& worker, int status, std::vector<WorkerExit>* exits);
+  void signal_groups(int signo);
+  bool any_group_alive();
+  void close_worker(Worker& worker);
+  void write_log(Worker& worker, const std::string& text);
+
+  WorkerGroupOptions options_;
+  WorkerGroupRound round_;
+  std::vector<Worker> workers_;
+  int dev_null_ = -1;
+  // A private temporary folder holding the workers' TORCHELASTIC_ERROR_FILEs; removed with the
+  // group (a SIGKILLed launcher leaves it behind, as torchrun leaves its folders every time). Empty
+  // until the first start().
+  std::string error_file_root_;
+};
+
+// "SIGKILL" for 9, "signal 42" for numbers without a name.
+std::string signal_name(int signo);
+
+// The path exec would run for `name`: `name` itself when it contains '/', else the first executable
+// match on PATH. Empty when there is none; `*why` then says "not found on PATH" or "not
+// executable".
+std::string find_executable(const std::string& name, std::string* why = nullptr);
+
+}  // namespace dtrain::elastic

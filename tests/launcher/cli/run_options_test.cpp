@@ -1,0 +1,211 @@
+// Flag parsing of `dtrain run`, in-process: every accepted spelling, and every rejected input
+// naming its flag in a single line. The same inputs through the real binary are covered in
+// launcher_test.cpp.
+#include "launcher/cli/run_options.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::cli {
+namespace {
+
+using Args = std::vector<std::string>;
+
+TEST(RunOptions, DefaultsMatchTorchrun) {
+  RunOptions options = parse_run_options({"./train"});
+  EXPECT_EQ(options.nproc_per_node, 1);
+  EXPECT_EQ(options.nnodes, 1);
+  EXPECT_EQ(options.node_rank, 0);
+  EXPECT_EQ(options.master_addr, "127.0.0.1");
+  EXPECT_EQ(options.master_port, 0);
+  EXPECT_EQ(options.max_restarts, 0);
+  EXPECT_EQ(options.log_dir, "");
+  EXPECT_EQ(options.run_id, "none");
+  EXPECT_DOUBLE_EQ(options.grace_period_s, 5.0);
+  EXPECT_FALSE(options.no_python);
+  EXPECT_FALSE(options.standalone);
+  EXPECT_EQ(options.command, Args({"./train"}));
+}
+
+TEST(RunOptions, AcceptsSpaceEqualsAndUnderscoreSpellings) {
+  RunOptions options = parse_run_options(
+      {"--nproc-per-node", "3", "--nnodes=2:2", "--node_rank", "1", "--master_addr=10.0.0.1",
+       "--master-port", "29501", "--max_restarts=4", "--log-dir", "logs", "--rdzv_id", "job7",
+       "--grace-period=0.5", "--no_python", "--", "./train", "--epochs", "3"});
+  EXPECT_EQ(options.nproc_per_node, 3);
+  EXPECT_EQ(options.nnodes, 2);
+  EXPECT_EQ(options.node_rank, 1);
+  EXPECT_EQ(options.master_addr, "10.0.0.1");
+  EXPECT_EQ(options.master_port, 29501);
+  EXPECT_EQ(options.max_restarts, 4);
+  EXPECT_EQ(options.log_dir, "logs");
+  EXPECT_EQ(options.run_id, "job7");
+  EXPECT_DOUBLE_EQ(options.grace_period_s, 0.5);
+  EXPECT_TRUE(options.no_python);
+  EXPECT_EQ(options.command, Args({"./train", "--epochs", "3"}));
+}
+
+TEST(RunOptions, ProgramStartsAtFirstNonFlagAndKeepsItsOwnFlags) {
+  RunOptions options =
+      parse_run_options({"--run-id", "x", "prog", "--nproc-per-node", "7", "--", "-v"});
+  EXPECT_EQ(options.nproc_per_node, 1);
+  EXPECT_EQ(options.command, Args({"prog", "--nproc-per-node", "7", "--", "-v"}));
+}
+
+TEST(RunOptions, ProgramWordsPassUntouched) {
+  // Words the launcher's own flags would read differently: an empty value after '=', a flag of
+  // the launcher, "--" and -h, all belonging to the program.
+  Args program = {"prog", "--log-dir=", "--nproc-per-node", "--", "-h", "--x=a=b", "", "-"};
+  Args args = {"--nproc_per_node=2", "--"};
+  args.insert(args.end(), program.begin(), program.end());
+  EXPECT_EQ(parse_run_options(args).command, program);
+  EXPECT_EQ(parse_run_options({"--", "--log-dir="}).command, Args({"--log-dir="}));
+  EXPECT_EQ(parse_run_options({"--master-port=0", "-"}).command, Args({"-"}));
+}
+
+TEST(RunOptions, AutoAndCpuMeanOneWorkerPerUsableCpu) {
+  EXPECT_GE(parse_run_options({"--nproc-per-node", "auto", "p"}).nproc_per_node, 1);
+  EXPECT_EQ(parse_run_options({"--nproc-per-node=cpu", "p"}).nproc_per_node,
+            parse_run_options({"--nproc-per-node=auto", "p"}).nproc_per_node);
+}
+
+TEST(RunOptions, StandaloneIsOneNodeWithAFreePort) {
+  RunOptions options = parse_run_options({"--standalone", "--nproc-per-node", "2", "p"});
+  EXPECT_TRUE(options.standalone);
+  EXPECT_EQ(options.nnodes, 1);
+  EXPECT_EQ(options.master_port, 0);
+}
+
+TEST(RunOptions, HelpWinsOverWhatFollowsIt) {
+  EXPECT_TRUE(parse_run_options({"-h", "--nproc-per-node", "0"}).help);
+  EXPECT_TRUE(parse_run_options({"--help"}).help);
+  EXPECT_TRUE(parse_run_options({"-h", "--bogus"}).help);
+  EXPECT_NE(run_usage().find("--nproc-per-node"), std::string::npos);
+}
+
+// A rejected input and the text its one-line message must contain.
+struct BadInput {
+  Args args;
+  std::string expected;
+};
+
+class RunOptionsRejects : public testing::TestWithParam<BadInput> {};
+
+TEST_P(RunOptionsRejects, WithOneLineNamingTheFlag) {
+  const BadInput& input = GetParam();
+  try {
+    parse_run_options(input.args);
+    FAIL() << "accepted: " << testing::PrintToString(input.args);
+  } catch (const UsageError& error) {
+    std::string message = error.what();
+    EXPECT_EQ(message.rfind("dtrain run: ", 0), 0u) << message;
+    EXPECT_NE(message.find(input.expected), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+TEST(RunOptions, ElasticFlagsAsTorchrunSpellsThem) {
+  RunOptions options =
+      parse_run_options({"--nnodes=1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "node0:29555",
+                         "--rdzv-id", "job7", "--rdzv-conf",
+                         "timeout=20,last_call_timeout=0,join_timeout=5,keep_alive_interval="
+                         "0.2,keep_alive_max_attempt=4",
+                         "--monitor-interval", "0.1", "--max-restarts", "2", "p"});
+  EXPECT_TRUE(is_elastic(options));
+  EXPECT_EQ(options.min_nodes, 1);
+  EXPECT_EQ(options.nnodes, 3);
+  EXPECT_EQ(options.rdzv_host, "node0");
+  EXPECT_EQ(options.rdzv_port, 29555);
+  EXPECT_EQ(options.run_id, "job7");
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.timeout_s, 20);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.last_call_timeout_s, 0);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.join_timeout_s, 5);
+  EXPECT_DOUBLE_EQ(options.rdzv_conf.keep_alive_interval_s, 0.2);
+  EXPECT_EQ(options.rdzv_conf.keep_alive_max_attempt, 4);
+  EXPECT_DOUBLE_EQ(options.monitor_interval_s, 0.1);
+
+  // Default ports as torchrun's c10d and etcd's client port; IPv6 in brackets.
+  EXPECT_EQ(parse_run_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "h", "p"}).rdzv_port,
+            29400);
+  EXPECT_EQ(parse_run_options({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h", "p"}).rdzv_port,
+            2379);
+  RunOptions v6 = parse_run_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]:7", "p"});
+  EXPECT_EQ(v6.rdzv_host, "::1");
+  EXPECT_EQ(v6.rdzv_port, 7);
+  EXPECT_FALSE(is_elastic(parse_run_options({"p"})));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Flags, RunOptionsRejects,
+    testing::Values(
+        BadInput{{"--bogus", "p"}, "unknown flag '--bogus'"},
+        BadInput{{"-x", "p"}, "unknown flag '-x'"},
+        BadInput{{"--nproc-per-node"}, "--nproc-per-node: missing value"},
+        BadInput{{"--nproc-per-node", "--nnodes", "2", "p"}, "--nproc-per-node: missing value"},
+        BadInput{{"--nproc-per-node", "abc", "p"},
+                 "--nproc-per-node: expected a positive integer or 'auto', got 'abc'"},
+        BadInput{{"--nproc-per-node", "0", "p"},
+                 "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got '0'"},
+        BadInput{{"--nproc-per-node=2x", "p"}, "got '2x'"},
+        BadInput{{"--nproc-per-node", "99999999999999999999", "p"}, "--nproc-per-node"},
+        BadInput{{"--nnodes", "0", "p"},
+                 "--nnodes: expected a positive integer N or a range MIN:MAX, got '0'"},
+        BadInput{{"--nnodes", "1:4", "p"},
+                 "--nnodes: an elastic range 1:4 needs --rdzv-backend c10d or etcd"},
+        BadInput{{"--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "p"},
+                 "--nnodes: expected MIN:MAX with MIN <= MAX, got '3:2'"},
+        BadInput{{"--rdzv-backend", "zookeeper", "p"},
+                 "--rdzv-backend: expected one of c10d, etcd, static, got 'zookeeper'"},
+        BadInput{{"--nnodes", "1:2", "--rdzv-backend", "c10d", "p"},
+                 "--rdzv-endpoint: required with --rdzv-backend c10d"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:port", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:70000", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "a:1:2", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT"},
+        BadInput{{"--rdzv-endpoint", "h:1", "p"}, "--rdzv-endpoint: used only with"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "speed=9", "p"},
+            "--rdzv-conf: unknown key 'speed'; expected one of: timeout, last_call_timeout"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout", "p"},
+            "--rdzv-conf: expected key=value pairs"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=-1", "p"},
+            "--rdzv-conf timeout: expected a number of seconds above 0"},
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--node-rank", "1", "p"},
+                 "--node-rank: decided by the rendezvous"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--master-port", "5", "p"},
+                 "--master-port: decided by the rendezvous"},
+        BadInput{
+            {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--monitor-interval", "0", "p"},
+            "--monitor-interval: expected a number of seconds in 0.01..3600, got '0'"},
+        BadInput{{"--nnodes", "2:x", "p"}, "--nnodes"},
+        BadInput{{"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
+                 "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
+        BadInput{{"--node-rank", "1", "p"}, "--node-rank"},
+        BadInput{{"--node-rank", "-1", "p"},
+                 "--node-rank: expected a non-negative integer, got '-1'"},
+        BadInput{{"--nnodes", "2", "p"}, "--master-port: required with --nnodes 2"},
+        BadInput{{"--master-port", "70000", "p"},
+                 "--master-port: expected a port in 1..65535, or 0 for a free one, got '70000'"},
+        BadInput{{"--master-port", "-1", "p"}, "--master-port"},
+        BadInput{{"--master-addr=", "p"}, "--master-addr"},
+        BadInput{{"--max-restarts", "-1", "p"}, "--max-restarts: expected a non-negative integer"},
+        BadInput{{"--grace-period", "soon", "p"}, "--grace-period"},
+        BadInput{{"--grace-period", "-2", "p"}, "--grace-period"},
+        BadInput{{"--standalone=yes", "p"}, "--standalone: takes no value"},
+        BadInput{{"--standalone", "--nnodes", "2", "--master-port", "1234", "p"}, "--standalone"},
+        BadInput{{"--standalone", "--master-port", "1234", "p"}, "--master-port"},
+        BadInput{{"--nproc-per-node", "2"}, "no program given"},
+        BadInput{{"--"}, "no program given"}, BadInput{{}, "no program given"}));
+
+}  // namespace
+}  // namespace dtrain::cli

@@ -1,0 +1,487 @@
+// Tests of `dtrain scale`: flag parsing and the analysis in-process (known numbers in, known
+// verdict and prediction out), and the whole command through build/bin/dtrain with scale_worker, a
+// stand-in program whose DTRAIN_PROFILE records follow a known model (see scale_worker.cpp).
+//
+// The worker's default model, used throughout: a global batch of 64 samples, 0.1 ms compute per
+// sample, 0.5 ms optimizer, a ring all-reduce of 1 MB in 2 ops with alpha 20 us and 8 Gbit/s,
+// all of it exposed. So at 1 worker a step takes 6.4 + 0.5 = 6.9 ms (9275.4 samples/s); at 2
+// workers 3.2 + (4 * 0.02 + 1.0) + 0.5 = 4.78 ms for 64 samples (13389.1 samples/s): 1.4435x, 72%.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "dtrain/errors.h"
+#include "launcher/cli/scale_options.h"
+#include "launcher/cli/scale_report.h"
+#include "test_support.h"
+
+namespace dtrain::cli {
+namespace {
+
+using namespace testing_support;
+using scale::RunResult;
+using scale::StepRecord;
+
+constexpr double kRate1 = 64 / 6.9e-3;
+constexpr double kRate2 = 64 / 4.78e-3;
+
+// ---------------------------------------------------------------------------------------------
+// Flags.
+
+TEST(ScaleOptions, DefaultsAndAList) {
+  ScaleOptions options = parse_scale_options({"prog", "--its-own-flag"});
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2}));
+  EXPECT_EQ(options.steps, 20);
+  EXPECT_FALSE(options.seconds);
+  EXPECT_EQ(options.command, (std::vector<std::string>{"prog", "--its-own-flag"}));
+
+  options = parse_scale_options({"--nproc", "4,1,2", "--seconds=2.5", "--link-gbps", "100",
+                                 "--plot", "a.svg", "--json", "--", "prog", "--json"});
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2, 4}));
+  EXPECT_EQ(*options.seconds, 2.5);
+  EXPECT_EQ(*options.link_gbps, 100);
+  EXPECT_EQ(options.plot_path, "a.svg");
+  EXPECT_TRUE(options.json);
+  EXPECT_EQ(options.command, (std::vector<std::string>{"prog", "--json"}));
+}
+
+struct BadFlags {
+  Args args;
+  std::string message;  // a part of the one line
+};
+
+class ScaleOptionsRejects : public testing::TestWithParam<BadFlags> {};
+
+TEST_P(ScaleOptionsRejects, WithOneLineNamingTheFlag) {
+  try {
+    parse_scale_options(GetParam().args);
+    FAIL() << "accepted";
+  } catch (const UsageError& error) {
+    std::string message = error.what();
+    EXPECT_NE(message.find(GetParam().message), std::string::npos) << message;
+    EXPECT_EQ(message.rfind("dtrain scale: ", 0), 0u) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Usage, ScaleOptionsRejects,
+    testing::Values(BadFlags{{}, "no program given"}, BadFlags{{"--nproc", "2"}, "no program"},
+                    BadFlags{{"--nproc", "0", "p"}, "--nproc: expected worker counts"},
+                    BadFlags{{"--nproc", "1,x", "p"}, "got '1,x'"},
+                    BadFlags{{"--nproc", "1,", "p"}, "got '1,'"},
+                    BadFlags{{"--nproc", "2,2", "p"}, "each once"},
+                    BadFlags{{"--nproc", "", "p"}, "--nproc"},
+                    BadFlags{{"--steps", "5", "--seconds", "2", "p"}, "--steps and --seconds"},
+                    BadFlags{{"--steps", "0", "p"}, "--steps: expected an integer in 1.."},
+                    BadFlags{{"--seconds", "-1", "p"}, "--seconds"},
+                    BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
+                    BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
+                    BadFlags{{"--steps"}, "--steps: missing value"},
+                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"}));
+
+// ---------------------------------------------------------------------------------------------
+// Records and printed throughput.
+
+TEST(ScaleRecords, ParsesTheProfileFormatAndRejectsIncompleteLines) {
+  std::optional<StepRecord> record = scale::parse_record(
+      R"({"rank":1,"world_size":2,"strategy":"ddp","step":12,"step_s":0.0081,"forward_s":0.002,)"
+      R"("backward_s":0.004,"exposed_comm_s":0.001,"optimizer_s":0.0005,"comm_s":0.0015,)"
+      R"("comm_bytes":7340032,"comm_ops":3,"samples":32,"time":1763891234.123,"extra":[1]})");
+  ASSERT_TRUE(record);
+  EXPECT_EQ(record->rank, 1);
+  EXPECT_EQ(record->world_size, 2);
+  EXPECT_EQ(record->comm_bytes, 7340032);
+  EXPECT_EQ(record->samples, 32);
+  std::string why;
+  EXPECT_FALSE(scale::parse_record(R"({"rank":1,"world_size":2})", &why));
+  EXPECT_NE(why.find("'step'"), std::string::npos) << why;
+  EXPECT_FALSE(scale::parse_record(R"({"rank":1,"world_si)", &why));
+}
+
+TEST(ScaleRecords, FindsPrintedThroughput) {
+  EXPECT_EQ(*scale::printed_samples_per_s("[rank0]: epoch 1: 1234.5 samples/s"), 1234.5);
+  EXPECT_EQ(*scale::printed_samples_per_s("throughput: 99samples/s"), 99);
+  EXPECT_EQ(*scale::printed_samples_per_s(R"({"test_accuracy": 0.8, "samples_per_s": 4.5e3})"),
+            4500);
+  EXPECT_FALSE(scale::printed_samples_per_s("samples/s"));
+  EXPECT_FALSE(scale::printed_samples_per_s("loss 0.3"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Analysis with records built here.
+
+// Records of one run as scale_worker writes them (its model, in code), `steps` per rank.
+RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary_bytes = false) {
+  RunResult run;
+  run.workers = workers;
+  run.ending = "stopped";
+  double n = workers, samples = 64.0 / workers;
+  for (int rank = 0; rank < workers; ++rank) {
+    double clock = 1000;
+    for (int step = 0; step < steps; ++step) {
+      StepRecord r;
+      r.rank = rank;
+      r.world_size = workers;
+      r.step = step;
+      double compute = 1e-4 * samples * (1 + contention * (n - 1));
+      r.comm_bytes = workers > 1 ? 1e6 * (vary_bytes ? 1 + step % 3 : 1) : 0;
+      r.comm_ops = workers > 1 ? 2 : 0;
+      r.comm_s = workers > 1 ? 2 * (n - 1) * 2 * 20e-6 + 2 * (n - 1) / n * r.comm_bytes / 1e9 : 0;
+      r.exposed_comm_s = r.comm_s;
+      r.forward_s = compute / 3;
+      r.backward_s = compute * 2 / 3;
+      r.optimizer_s = 5e-4;
+      r.step_s = compute + r.comm_s + r.optimizer_s;
+      r.samples = samples;
+      clock += r.step_s;
+      r.time = clock;
+      run.records.push_back(r);
+    }
+  }
+  return run;
+}
+
+TEST(ScaleAnalysis, TableNumbersVerdictAndReason) {
+  scale::Report report = scale::analyze({synthetic_run(2, 13), synthetic_run(1, 13)}, {});
+  ASSERT_EQ(report.rows.size(), 2u);
+  const scale::Row& one = report.rows[0];
+  const scale::Row& two = report.rows[1];
+  EXPECT_EQ(one.workers, 1);
+  EXPECT_NEAR(one.samples_per_s, kRate1, kRate1 * 1e-6);
+  EXPECT_NEAR(two.samples_per_s, kRate2, kRate2 * 1e-6);
+  EXPECT_EQ(two.measured_steps, 10);  // 13 minus 3 warm-up
+  EXPECT_NEAR(two.compute_s, 3.2e-3, 1e-9);
+  EXPECT_NEAR(two.exposed_comm_s, 1.08e-3, 1e-9);
+  EXPECT_NEAR(two.speedup, kRate2 / kRate1, 1e-6);
+  EXPECT_NEAR(two.efficiency, kRate2 / kRate1 / 2, 1e-6);
+  EXPECT_EQ(two.verdict,
+            "2 workers: 1.44x faster, 72% efficient: marginal; the extra device buys 44% over 1 "
+            "worker");
+  EXPECT_EQ(two.reason.rfind("communication-bound: the step waits 1.08 ms of 4.78 ms", 0), 0u)
+      << two.reason;
+  // The lost time splits exactly into its causes.
+  EXPECT_NEAR(two.lost_s, two.lost_contention_s + two.lost_comm_s + two.lost_fixed_s, 1e-12);
+  EXPECT_NEAR(two.lost_comm_s, 1.08e-3, 1e-9);
+  EXPECT_NEAR(two.lost_fixed_s, 0.25e-3, 1e-9);  // the optimizer did not halve with the batch
+}
+
+TEST(ScaleAnalysis, ComputeSlowingWithWorkersIsContention) {
+  scale::Report report = scale::analyze({synthetic_run(1, 13, 0.8), synthetic_run(2, 13, 0.8)}, {});
+  const scale::Row& two = report.rows[1];
+  EXPECT_EQ(
+      two.reason.rfind("contention: compute per sample rose from 0.100 to 0.180 ms (+80%)", 0), 0u)
+      << two.reason;
+  EXPECT_NE(two.verdict.find("not worth it"), std::string::npos) << two.verdict;
+}
+
+TEST(ScaleAnalysis, VerdictRulesAndWhatTheExtraDevicesBuy) {
+  // Rates chosen to hit each verdict: 1.6x at 2 (80%), 1.7x at 4 (43%), 0.8x at 8.
+  auto printed = [](int workers, double rate) {
+    RunResult run;
+    run.workers = workers;
+    run.printed_samples_per_s = rate;
+    return run;
+  };
+  scale::Report report =
+      scale::analyze({printed(1, 1000), printed(2, 1600), printed(4, 1700), printed(8, 800)}, {});
+  EXPECT_EQ(report.rows[1].verdict, "2 workers: 1.60x faster, 80% efficient: worth it");
+  EXPECT_EQ(report.rows[2].verdict,
+            "4 workers: 1.70x faster, 42% efficient: not worth it; the extra 2 devices buy 6% over "
+            "2 workers");
+  EXPECT_EQ(report.rows[3].verdict, "8 workers: 0.80x: slower than 1 worker: not worth it");
+  EXPECT_NE(report.rows[1].reason.find("limited to what was measured"), std::string::npos);
+  EXPECT_FALSE(report.prediction.available);
+  EXPECT_NE(report.prediction.why_not.find("profile records"), std::string::npos);
+}
+
+TEST(ScaleAnalysis, FitRecoversLatencyAndBandwidthAndReproducesTheMeasuredPoint) {
+  scale::AnalysisSettings settings;
+  settings.link_gbps = 100;
+  scale::Report report = scale::analyze(
+      {synthetic_run(1, 13), synthetic_run(2, 33, 0, /*vary_bytes=*/true)}, settings);
+  ASSERT_TRUE(report.model.fitted) << report.model.how;
+  EXPECT_NEAR(report.model.alpha_s, 20e-6, 1e-9);
+  EXPECT_NEAR(report.model.bytes_per_s, 1e9, 1e3);
+  ASSERT_TRUE(report.prediction.available) << report.prediction.why_not;
+  EXPECT_EQ(report.prediction.scaling, "strong");
+  EXPECT_EQ(report.prediction.fitted_on_workers, 2);
+  const scale::Row& two = report.rows[1];
+  scale::PredictionPoint at_two = scale::predict(report, 2);
+  EXPECT_NEAR(at_two.speedup, two.speedup, two.speedup * 1e-3);
+  // Beyond: a faster link helps, and 64 workers cannot beat what the fixed costs allow.
+  scale::PredictionPoint at_64 = scale::predict(report, 64);
+  EXPECT_TRUE(at_64.possible);
+  EXPECT_GT(at_64.speedup_at_link, at_64.speedup);
+  // At 64 workers each rank computes 1 sample (0.1 ms) + 0.5 ms optimizer + the all-reduce.
+  double comm_64 = 2 * 63.0 * 2 * 20e-6 + 2 * 63.0 / 64 * 2e6 / 1e9;  // mean bytes: 2 MB
+  EXPECT_NEAR(at_64.samples_per_s, 64 / (0.1e-3 + 0.5e-3 + comm_64), 1.0);
+  bool has_8 = false;
+  for (const auto& point : report.prediction.points) has_8 |= point.workers == 8;
+  EXPECT_TRUE(has_8);
+}
+
+TEST(ScaleAnalysis, CountsThatOversubscribeTheHostAreNamedAndNotFittedOn) {
+  scale::AnalysisSettings settings;
+  settings.host_cpus = 2;
+  std::vector<RunResult> runs = {synthetic_run(1, 13, 0.5), synthetic_run(2, 13, 0.5),
+                                 synthetic_run(4, 13, 0.5)};
+  scale::Report report = scale::analyze(runs, settings);
+  EXPECT_NE(report.rows[2].reason.find("4 workers on 2 CPU(s) oversubscribe this host"),
+            std::string::npos)
+      << report.rows[2].reason;
+  EXPECT_EQ(report.rows[1].reason.find("oversubscribe"), std::string::npos);
+  ASSERT_TRUE(report.prediction.available);
+  EXPECT_EQ(report.prediction.fitted_on_workers, 2);
+  settings.host_cpus = 8;
+  EXPECT_EQ(scale::analyze(runs, settings).prediction.fitted_on_workers, 4);
+}
+
+TEST(ScaleAnalysis, AFailedCountIsReportedAndTheOthersStillCount) {
+  RunResult failed;
+  failed.workers = 2;
+  failed.ok = false;
+  failed.ending = "rank 1 exited with code 3";
+  failed.exit_code = 3;
+  failed.failure_line = "boom";
+  scale::Report report = scale::analyze({synthetic_run(1, 13), failed, synthetic_run(4, 13)}, {});
+  EXPECT_TRUE(report.any_failed);
+  EXPECT_EQ(report.rows[1].status, "rank 1 exited with code 3");
+  EXPECT_EQ(report.rows[1].verdict, "2 workers: failed (rank 1 exited with code 3)");
+  EXPECT_TRUE(std::isfinite(report.rows[2].speedup));
+  std::string text = scale::render_text(report, "t");
+  EXPECT_NE(text.find("rank 1 exited with code 3"), std::string::npos) << text;
+  EXPECT_NE(text.find("boom"), std::string::npos) << text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SVG structure: well-formed XML (every tag closed in order, attributes quoted) with the parts the
+// plot must have.
+
+struct XmlCheck {
+  bool well_formed = true;
+  std::string error;
+  std::string root;
+  std::map<std::string, int> elements;
+  std::vector<std::string> ids;
+};
+
+XmlCheck check_xml(const std::string& text) {
+  XmlCheck check;
+  std::vector<std::string> open;
+  std::size_t at = 0;
+  auto fail = [&](const std::string& why) {
+    check.well_formed = false;
+    check.error = why + " at offset " + std::to_string(at);
+    return check;
+  };
+  if (text.rfind("<?xml", 0) == 0) at = text.find("?>") + 2;
+  while ((at = text.find('<', at)) != std::string::npos) {
+    std::size_t end = text.find('>', at);
+    if (end == std::string::npos) return fail("unterminated tag");
+    std::string tag = text.substr(at + 1, end - at - 1);
+    if (!tag.empty() && tag[0] == '/') {
+      if (open.empty() || open.back() != tag.substr(1)) return fail("mismatched </" + tag + ">");
+      open.pop_back();
+    } else {
+      bool self_closing = !tag.empty() && tag.back() == '/';
+      if (self_closing) tag.pop_back();
+      std::string name = tag.substr(0, tag.find_first_of(" \n"));
+      if (name.empty() || !std::isalpha(static_cast<unsigned char>(name[0]))) {
+        return fail("bad element name");
+      }
+      // Attributes: name="value" pairs, nothing else.
+      static const std::regex attributes(R"(^\s*([\w:-]+="[^"<]*"\s*)*$)");
+      if (!std::regex_match(tag.substr(name.size()), attributes)) return fail("bad attributes");
+      static const std::regex id(R"(\bid="([^"]*)\")");
+      std::smatch match;
+      std::string rest = tag.substr(name.size());
+      if (std::regex_search(rest, match, id)) check.ids.push_back(match[1]);
+      if (check.root.empty()) check.root = name;
+      ++check.elements[name];
+      if (!self_closing) open.push_back(name);
+    }
+    // Text between tags must not hold a raw '&' that starts no entity.
+    std::size_t next = text.find('<', end);
+    std::string content =
+        text.substr(end + 1, next == std::string::npos ? std::string::npos : next - end - 1);
+    static const std::regex raw_ampersand(R"(&(?!(amp|lt|gt|quot|apos);))");
+    if (std::regex_search(content, raw_ampersand)) return fail("raw '&' in text");
+    at = end + 1;
+  }
+  if (!open.empty()) return fail("unclosed <" + open.back() + ">");
+  return check;
+}
+
+TEST(ScaleAnalysis, SvgIsWellFormedWithIdealMeasuredAndPredicted) {
+  scale::AnalysisSettings settings;
+  settings.link_gbps = 100;
+  scale::Report report = scale::analyze({synthetic_run(1, 13), synthetic_run(2, 13)}, settings);
+  XmlCheck svg = check_xml(scale::render_svg(report, "a & b <title>"));
+  ASSERT_TRUE(svg.well_formed) << svg.error;
+  EXPECT_EQ(svg.root, "svg");
+  EXPECT_EQ(svg.elements["circle"], 2 + 1);  // two measured points and the legend's
+  for (const char* id : {"ideal", "predicted", "predicted-link", "measured", "legend"}) {
+    EXPECT_NE(std::find(svg.ids.begin(), svg.ids.end(), id), svg.ids.end()) << id;
+  }
+  EXPECT_FALSE(check_xml("<svg><g></svg></g>").well_formed);  // the checker can fail
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command, end to end.
+
+class ScaleCommand : public testing::Test {
+ protected:
+  struct Outcome {
+    int exit_code = -1;
+    std::string out, err;
+  };
+  Outcome scale(const Args& flags, const Args& worker_flags = {}) {
+    Args argv = {DTRAIN_LAUNCHER, "scale"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back("--");
+    argv.push_back(DTRAIN_SCALE_WORKER);
+    argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
+    ChildProcess child(argv, dir_ / "out", dir_ / "err");
+    Outcome outcome;
+    EXPECT_TRUE(child.wait(60s)) << "dtrain scale did not finish in 60 s";
+    outcome.exit_code = child.exit_code();
+    outcome.out = read_file(dir_ / "out");
+    outcome.err = read_file(dir_ / "err");
+    return outcome;
+  }
+  TempDir dir_;
+};
+
+TEST_F(ScaleCommand, TableVerdictPredictionAndPlotAtOneAndTwoWorkers) {
+  std::string plot = dir_ / "speedup.svg";
+  Outcome run = scale({"--nproc", "1,2", "--steps", "10", "--link-gbps", "100", "--plot", plot});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  // Rows: workers, samples/s, speed-up, efficiency, step, compute, exposed, other, bandwidth.
+  EXPECT_TRUE(std::regex_search(
+      run.out,
+      std::regex(R"(\n\s+1\s+9275\.4\s+1\.00x\s+100%\s+6\.90\s+6\.40\s+0\.00\s+0\.50\s+-\s+ok)")))
+      << run.out;
+  EXPECT_TRUE(std::regex_search(
+      run.out,
+      std::regex(
+          R"(\n\s+2\s+13389\.1\s+1\.44x\s+72%\s+4\.78\s+3\.20\s+1\.08\s+0\.50\s+7\.41\s+ok)")))
+      << run.out;
+  EXPECT_NE(run.out.find("2 workers: 1.44x faster, 72% efficient: marginal"), std::string::npos);
+  EXPECT_NE(run.out.find("why: communication-bound"), std::string::npos);
+  EXPECT_NE(run.out.find("prediction (fitted on 2 workers, strong scaling)"), std::string::npos);
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex(R"(\n\s+2\s+13389\.1\s+1\.44x\s+72%\s+\S+x\s+\(measured point\))")))
+      << run.out;
+  for (const char* n : {"\n        8 ", "\n       16 ", "\n       64 "}) {
+    EXPECT_NE(run.out.find(n), std::string::npos) << n << run.out;
+  }
+  EXPECT_NE(run.out.find("assumptions:"), std::string::npos);
+  XmlCheck svg = check_xml(read_file(plot));
+  ASSERT_TRUE(svg.well_formed) << svg.error;
+  EXPECT_EQ(svg.root, "svg");
+  EXPECT_EQ(svg.elements["circle"], 3);
+}
+
+TEST_F(ScaleCommand, JsonForMachines) {
+  // Steps 3..8 measured: bytes 1, 2, 3, 1, 2, 3 MB, 2 MB on average, so a 2-worker step takes
+  // 3.2 + 0.08 + 2.0 + 0.5 = 5.78 ms.
+  Outcome run = scale({"--nproc", "1,2", "--steps", "6", "--json"}, {"--vary-bytes"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  nlohmann::json report = nlohmann::json::parse(run.out);  // throws if stdout holds anything else
+  ASSERT_EQ(report["runs"].size(), 2u);
+  EXPECT_EQ(report["runs"][1]["workers"], 2);
+  EXPECT_EQ(report["runs"][1]["measured_steps"], 6);
+  EXPECT_NEAR(report["runs"][1]["speedup"].get<double>(), 64 / 5.78e-3 / kRate1, 1e-4);
+  EXPECT_NEAR(report["comm_model"]["alpha_s"].get<double>(), 20e-6, 1e-7);
+  EXPECT_NEAR(report["comm_model"]["bandwidth_gbps"].get<double>(), 8, 0.01);
+  ASSERT_TRUE(report["prediction"]["available"].get<bool>());
+  for (const auto& point : report["prediction"]["points"]) {
+    if (point["workers"] == 2) {
+      EXPECT_NEAR(point["speedup"].get<double>(), report["runs"][1]["speedup"].get<double>(), 1e-3);
+    }
+  }
+}
+
+TEST_F(ScaleCommand, FailingCountIsReportedAndTheOthersRun) {
+  Outcome run = scale({"--nproc", "1,2,3", "--steps", "5"}, {"--fail-at-world", "2"});
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_TRUE(
+      std::regex_search(run.out, std::regex(R"(\n\s+2\s+-\s+-\s+-.*rank 1 exited with code 3)")))
+      << run.out;
+  EXPECT_TRUE(std::regex_search(run.out, std::regex(R"(\n\s+3\s+\d+\.\d\s+\d\.\d\dx.*ok)")))
+      << run.out;
+  EXPECT_NE(run.out.find("failing on purpose at world size 2"), std::string::npos) << run.out;
+  Outcome json = scale({"--nproc", "1,2", "--steps", "5", "--json"}, {"--fail-at-world", "2"});
+  EXPECT_EQ(json.exit_code, 1) << json.err;
+  nlohmann::json report = nlohmann::json::parse(json.out);
+  EXPECT_EQ(report["runs"][1]["exit_code"], 3);
+  EXPECT_FALSE(report["runs"][1]["ok"].get<bool>());
+  EXPECT_TRUE(report["failed"].get<bool>());
+}
+
+TEST_F(ScaleCommand, ProgramWithoutRecordsIsJudgedByWhatItPrints) {
+  Outcome run = scale({"--nproc", "1,2", "--seconds", "0.5"}, {"--no-profile", "--print-samples"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(
+      std::regex_search(run.out, std::regex(R"(\n\s+2\s+13389\.1\s+1\.44x\s+72%.*ok \(printed\))")))
+      << run.out;
+  EXPECT_NE(run.out.find("limited to what was measured"), std::string::npos);
+  EXPECT_NE(run.out.find("prediction: not available"), std::string::npos);
+}
+
+TEST_F(ScaleCommand, ProgramThatPrintsNothingIsTimedWhenItFinishes) {
+  Outcome run = scale({"--nproc", "1,2"}, {"--no-profile", "--steps", "30"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(std::regex_search(run.out,
+                                std::regex(R"(\n\s+2\s+-\s+\d\.\d\dx.*ok \(run time \d\.\d+ s\))")))
+      << run.out;
+  EXPECT_NE(run.out.find("same total work at every count"), std::string::npos) << run.out;
+}
+
+TEST_F(ScaleCommand, ProgramThatNeverRecordsIsStoppedAtTheTimeLimit) {
+  Outcome run = scale({"--nproc", "1", "--time-limit", "1", "--json"}, {"--no-profile"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  nlohmann::json report = nlohmann::json::parse(run.out);
+  EXPECT_EQ(report["runs"][0]["status"], "time limit");
+  EXPECT_EQ(report["runs"][0]["source"], "none");
+  EXPECT_NE(report["runs"][0]["verdict"].get<std::string>().find("nothing measured"),
+            std::string::npos);
+}
+
+TEST_F(ScaleCommand, RanksThatNeverRecordDoNotHoldTheRunUntilTheTimeLimit) {
+  // Rank 1 writes nothing: 5 s after rank 0 reached its steps, the run is stopped anyway.
+  Outcome run =
+      scale({"--nproc", "2", "--steps", "5", "--time-limit", "30"}, {"--only-rank0-profile"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.err.find("measured steps of the 1 rank(s) that write records"), std::string::npos)
+      << run.err;
+  EXPECT_NE(run.out.find("only 1 of 2 ranks wrote measured records"), std::string::npos) << run.out;
+}
+
+TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
+  for (const Args& flags :
+       {Args{"--nproc", "0"}, Args{"--steps", "3", "--seconds", "1"}, Args{"--plot", "x.png"}}) {
+    Outcome run = scale(flags);
+    EXPECT_EQ(run.exit_code, 2) << run.err;
+    EXPECT_EQ(count(run.err, "\n"), 1) << run.err;
+    EXPECT_EQ(run.err.rfind("dtrain scale: ", 0), 0u) << run.err;
+    EXPECT_TRUE(run.out.empty());
+  }
+  ChildProcess missing({DTRAIN_LAUNCHER, "scale", "--", dir_ / "no-such-program"}, dir_ / "out",
+                       dir_ / "err");
+  ASSERT_TRUE(missing.wait(10s));
+  EXPECT_EQ(missing.exit_code(), 2);
+  EXPECT_EQ(read_file(dir_ / "err"),
+            "dtrain scale: program '" + (dir_ / "no-such-program") +
+                "': no such file; expected an executable (a path or a name on PATH)\n");
+  ChildProcess none({DTRAIN_LAUNCHER, "scale", "--nproc", "2"}, dir_ / "out", dir_ / "err");
+  ASSERT_TRUE(none.wait(10s));
+  EXPECT_EQ(none.exit_code(), 2);
+  EXPECT_NE(read_file(dir_ / "err").find("no program given"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dtrain::cli
