@@ -31,7 +31,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The trainer's two models (examples/train_fashion_mnist.cpp), as Sequentials.
+// The trainer's two models (tools/trainer/models.h), as Sequentials.
 torch::nn::Sequential make_model(const std::string& kind) {
   namespace nn = torch::nn;
   if (kind == "cnn") {

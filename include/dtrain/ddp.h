@@ -23,7 +23,7 @@
 //
 // Unequal local batches: the averaged gradient is the mean of the ranks' gradients. To get the gradient of
 // the whole batch when ranks hold different numbers of samples, scale each rank's summed loss by
-// world_size / global_batch (see examples/train_fashion_mnist.cpp).
+// world_size / global_batch (see tools/trainer/strategies.cpp).
 #pragma once
 
 #include <cstdint>

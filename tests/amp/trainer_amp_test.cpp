@@ -1,7 +1,6 @@
-// Tier-2 tests of the trainer's --amp and --device flags (examples/train_fashion_mnist): bf16
-// autocast reaches the accuracy bar in one epoch under DDP, DataParallel trains under it, the final
-// JSON line names the device and the precision, and flags this machine cannot honour are one line
-// with exit code 2.
+// Tier-2 tests of the trainer's --amp and --device flags (tools/trainer): bf16 autocast reaches the
+// accuracy bar in one epoch under DDP, DataParallel trains under it, the final JSON line names the
+// device and the precision, and flags this machine cannot honour are one line with exit code 2.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 

@@ -1,7 +1,6 @@
-// Tier-2 tests of the trainer's --strategy zero (examples/train_fashion_mnist) through `dtrain
-// run`: each stage reaches DDP's accuracy bar in one epoch while saving sharded checkpoints, and a
-// run saved at 2 ranks with stage 3 resumes at 3 ranks with stage 1, seeing the rest of the epoch
-// once.
+// Tier-2 tests of the trainer's --strategy zero (tools/trainer) through `dtrain run`: each stage
+// reaches DDP's accuracy bar in one epoch while saving sharded checkpoints, and a run saved at 2
+// ranks with stage 3 resumes at 3 ranks with stage 1, seeing the rest of the epoch once.
 #include <gtest/gtest.h>
 
 #include <filesystem>

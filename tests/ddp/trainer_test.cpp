@@ -1,7 +1,7 @@
-// Tier-2 tests of the Fashion-MNIST trainer (examples/train_fashion_mnist): its defaults train at
-// any world size (--batch-size is per rank), a run stopped mid-epoch and resumed at another world
-// size processes every remaining training sample exactly once, and bad flags or data get one clear
-// line and exit code 2.
+// Tier-2 tests of the Fashion-MNIST trainer (tools/trainer): its defaults train at any world size
+// (--batch-size is per rank), a run stopped mid-epoch and resumed at another world size processes
+// every remaining training sample exactly once, and bad flags or data get one clear line and exit
+// code 2.
 #include <gtest/gtest.h>
 
 #include <filesystem>

@@ -1,0 +1,85 @@
+// The trainer's five strategies (--strategy) and where it trains (--device):
+//   ddp       dtrain::DistributedDataParallel: one process per rank, under `dtrain run` or --spawn
+//   dp        dtrain::DataParallel: --devices replicas in this one process
+//   mp        dtrain::Pipeline: the model cut into --devices stages in this one process
+//   pipeline  dtrain::DistributedPipeline: world / --stages data-parallel pipelines of --stages
+//             processes
+//   zero      dtrain::ShardedDataParallel: DDP with sharded state (--zero-stage)
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "dtrain/amp.h"
+#include "dtrain/comm.h"
+#include "dtrain/data.h"
+#include "dtrain/ddp.h"
+#include "dtrain/dp.h"
+#include "dtrain/pipeline.h"
+#include "dtrain/sharded.h"
+#include "flags.h"
+#include "models.h"
+
+namespace trainer {
+
+// --device: where this process trains (see place()).
+struct Placement {
+  c10::Device device{c10::kCPU};        // the module's (dp: the first replica's)
+  std::vector<c10::Device> dp_devices;  // dp on GPUs: one per replica; empty: CPU threads
+};
+
+// Decided before the process group starts, so that a wrong flag is one line on every rank at once.
+Placement place(const Flags& flags, const dtrain::LaunchInfo& launch);
+
+// The data-parallel replicas of --strategy on `world` processes (Note [Batch size per data-parallel
+// rank]). Throws UsageError when the strategy cannot run on that many processes.
+int data_parallel_replicas(const Flags& flags, int world);
+
+// A batch's rows on their way to `device`. On a GPU they are gathered straight into pinned
+// (page-locked) host memory, whose copy to the device is asynchronous and overlaps the GPU's work;
+// `stay_on_host`: DataParallel scatters the pinned batch to its replicas itself.
+torch::Tensor batch_rows(const torch::Tensor& data, const torch::Tensor& rows,
+                         const c10::Device& device, bool stay_on_host);
+
+// The model of --model as --strategy trains it, built in two steps around the loading of a
+// checkpoint: the constructor makes the model and what owns its parameters (`trained`, which the
+// optimizer steps, and `model`, which a checkpoint saves); wrap() then puts DistributedDataParallel
+// or DataParallel around it, which start from the parameters as loaded.
+struct Strategy {
+  Strategy(const Flags& flags, const c10::Device& device,
+           const std::shared_ptr<dtrain::ProcessGroup>& pg);
+
+  // ddp, dp: wraps the model (DDP broadcasts rank 0's parameters); the others: nothing to do.
+  void wrap(const Placement& placement);
+  // One step's forward and backward on a batch, the forward under --amp's autocast and the loss
+  // scaled by `scaler`: the gradients of `trained` are then ready for scaler.step(). Returns the
+  // batch's mean loss, unscaled.
+  torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y,
+                                 dtrain::amp::GradScaler& scaler);
+  // The whole model's accuracy on the test split, the same on every rank.
+  double test_accuracy(const dtrain::MnistSplit& test);
+  // This process's index among the data-parallel replicas: the share of the data it reads.
+  int data_rank() const { return pipeline ? mesh.data_index : pg->rank(); }
+
+  const Flags& flags;
+  c10::Device device;
+  std::shared_ptr<dtrain::ProcessGroup> pg;
+  // ddp, dp and zero train NetImpl; mp and pipeline its Sequential form, cut into chunks.
+  std::shared_ptr<NetImpl> net;
+  torch::nn::Sequential layers{nullptr};
+  std::shared_ptr<torch::nn::Module> model;  // what is checkpointed and evaluated
+  std::function<torch::Tensor(const torch::Tensor&)> model_forward;
+  dtrain::PipelineOptions pipeline_options;
+  std::unique_ptr<dtrain::Pipeline> mp;
+  std::unique_ptr<dtrain::DistributedPipeline> pipeline;
+  dtrain::RankMesh mesh;
+  std::vector<torch::Tensor> trained;  // what this process's optimizer steps
+  std::unique_ptr<dtrain::ShardedDataParallel<NetImpl>> sdp;
+  std::unique_ptr<dtrain::DistributedDataParallel<NetImpl>> ddp;
+  std::unique_ptr<dtrain::DataParallel<NetImpl>> dp;
+};
+
+}  // namespace trainer
