@@ -1,186 +1,202 @@
-// parse_flags: the trainer's command line, read by hand.
+// parse_flags over CLI11 (Debian: libcli11-dev), included by this file alone: its headers double
+// the compile time of a file that includes them (doc/benchmarks.md, "Build time of one benchmark
+// with CLI11's headers").
 #include "flags.h"
 
-#include <algorithm>
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "dtrain/errors.h"
 
 namespace trainer {
 namespace {
 
-const char* kUsage =
-    "usage: train_fashion_mnist [--model mlp|cnn] [--strategy ddp|dp|mp|pipeline|zero]\n"
-    "                           [--devices N (dp, mp)] [--zero-stage 1|2|3 (zero)]\n"
-    "                           [--stages P (pipeline)] [--micro-batches M (mp, pipeline)]\n"
-    "                           [--schedule gpipe|1f1b|interleaved] [--virtual-stages V "
-    "(interleaved)]\n"
-    "                           [--epochs N] [--batch-size N (per data-parallel rank)]\n"
-    "                           [--lr X] [--seed N] [--data DIR] [--checkpoint-dir DIR] "
-    "[--resume]\n"
-    "                           [--checkpoint-every STEPS] [--keep-checkpoints K] "
-    "[--async-checkpoints]\n"
-    "                           [--max-steps N] [--log-every N] [--spawn N (start N DDP ranks "
-    "itself)]\n"
-    "                           [--device cpu|cuda|auto] [--amp bf16|fp16 (ddp, dp)]";
+constexpr const char* kProgram = "train_fashion_mnist";
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
                            const std::string& accepted) {
-  throw dtrain::UsageError("train_fashion_mnist: " + flag + " '" + value + "': expected " +
+  throw dtrain::UsageError(std::string(kProgram) + ": " + flag + " '" + value + "': expected " +
                            accepted);
 }
 
-int64_t parse_int(const std::string& flag, const std::string& value, int64_t min,
-                  int64_t max = int64_t{1} << 40) {
-  char* end = nullptr;
-  errno = 0;
-  long long parsed = std::strtoll(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || errno == ERANGE || parsed < min || parsed > max) {
-    bad_flag(flag, value, "an integer in " + std::to_string(min) + ".." + std::to_string(max));
-  }
-  return parsed;
+// The checks below throw the trainer's one-line UsageError themselves, "train_fashion_mnist:
+// --flag 'value': expected ...", where a CLI11 validator would return a message that CLI11 prefixes
+// with the flag but not the value. CLI11 catches only its own ValidationError there, so the
+// UsageError leaves app.parse() as it is.
+
+// An integer in min..max, written in base 10. The text is rewritten in canonical form: CLI11 reads
+// integers in any base (strtoll's base 0), so "010" would otherwise be 8.
+CLI::Validator integer_in(const std::string& flag, int64_t min, int64_t max = int64_t{1} << 40) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long parsed = std::strtoll(text.c_str(), &end, 10);
+        if (text.empty() || *end != '\0' || errno == ERANGE || parsed < min || parsed > max) {
+          bad_flag(flag, text, "an integer in " + std::to_string(min) + ".." + std::to_string(max));
+        }
+        text = std::to_string(parsed);
+        return {};
+      },
+      "");
 }
 
-const char* const kValueFlags[] = {"--model",
-                                   "--strategy",
-                                   "--devices",
-                                   "--stages",
-                                   "--micro-batches",
-                                   "--schedule",
-                                   "--virtual-stages",
-                                   "--epochs",
-                                   "--batch-size",
-                                   "--lr",
-                                   "--seed",
-                                   "--data",
-                                   "--checkpoint-dir",
-                                   "--checkpoint-every",
-                                   "--max-steps",
-                                   "--keep-checkpoints",
-                                   "--log-every",
-                                   "--zero-stage",
-                                   "--spawn",
-                                   "--device",
-                                   "--amp"};
+CLI::Validator positive_number(const std::string& flag) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double parsed = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0' || !(parsed > 0) || !std::isfinite(parsed)) {
+          bad_flag(flag, text, "a positive finite number");
+        }
+        return {};
+      },
+      "");
+}
+
+// `accepted` lists the choices in words for the message: "mlp or cnn".
+CLI::Validator one_of(const std::string& flag, const std::vector<std::string>& choices,
+                      const std::string& accepted) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        for (const auto& choice : choices) {
+          if (text == choice) return {};
+        }
+        bad_flag(flag, text, accepted);
+      },
+      "");
+}
+
+CLI::Validator non_empty(const std::string& flag, const std::string& accepted) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        if (text.empty()) bad_flag(flag, text, accepted);
+        return {};
+      },
+      "");
+}
+
+// What no single flag can check: flags that do not go together.
+void check_combinations(const Flags& flags) {
+  const std::string program = kProgram;
+  if (flags.virtual_stages > 1 && flags.schedule != "interleaved") {
+    throw dtrain::UsageError(
+        program + ": --virtual-stages " + std::to_string(flags.virtual_stages) +
+        " needs --schedule interleaved (gpipe and 1f1b run one chunk per stage)");
+  }
+  if (flags.strategy == "pipeline" && !flags.checkpoint_dir.empty()) {
+    throw dtrain::UsageError(
+        program +
+        ": --checkpoint-dir is not supported with --strategy pipeline yet (each stage holds its "
+        "own optimizer state); use ddp, dp or mp for checkpointed runs");
+  }
+  if (flags.strategy == "zero" && flags.async_checkpoints) {
+    throw dtrain::UsageError(
+        program +
+        ": --async-checkpoints is not supported with --strategy zero (every rank writes its own "
+        "shards, synchronously); drop it");
+  }
+  if (flags.spawn > 0 && (flags.strategy == "dp" || flags.strategy == "mp")) {
+    throw dtrain::UsageError(program + ": --spawn " + std::to_string(flags.spawn) +
+                             " with --strategy " + flags.strategy + ": " + flags.strategy +
+                             " runs in one process (use --devices N); --spawn starts ranks for "
+                             "ddp, zero or pipeline");
+  }
+  if (!flags.amp.empty() && flags.strategy != "ddp" && flags.strategy != "dp") {
+    throw dtrain::UsageError(program + ": --amp " + flags.amp + " with --strategy " +
+                             flags.strategy + ": mixed precision is wired for ddp and dp only");
+  }
+  if (flags.resume && flags.checkpoint_dir.empty()) {
+    throw dtrain::UsageError(program +
+                             ": --resume needs --checkpoint-dir DIR (where to resume from)");
+  }
+}
 
 }  // namespace
 
 Flags parse_flags(int argc, char** argv) {
   Flags flags;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::cout << kUsage << std::endl;
-      std::exit(0);
-    }
-    if (flag == "--resume") {
-      flags.resume = true;
-      continue;
-    }
-    if (flag == "--async-checkpoints") {
-      flags.async_checkpoints = true;
-      continue;
-    }
-    if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
-      throw dtrain::UsageError("train_fashion_mnist: unknown flag '" + flag + "'; see --help");
-    }
-    if (i + 1 >= argc)
-      throw dtrain::UsageError("train_fashion_mnist: " + flag + ": missing its value; see --help");
-    std::string value = argv[++i];
-    if (flag == "--model") {
-      if (value != "mlp" && value != "cnn") bad_flag(flag, value, "mlp or cnn");
-      flags.model = value;
-    } else if (flag == "--strategy") {
-      if (value != "ddp" && value != "dp" && value != "mp" && value != "pipeline" &&
-          value != "zero") {
-        bad_flag(flag, value, "ddp, dp, mp, pipeline or zero");
-      }
-      flags.strategy = value;
-    } else if (flag == "--devices") {
-      flags.devices = parse_int(flag, value, 1, 1024);
-    } else if (flag == "--stages") {
-      flags.stages = parse_int(flag, value, 1, 1024);
-    } else if (flag == "--micro-batches") {
-      flags.micro_batches = parse_int(flag, value, 1, 1 << 20);
-    } else if (flag == "--schedule") {
-      if (value != "gpipe" && value != "1f1b" && value != "interleaved")
-        bad_flag(flag, value, "gpipe, 1f1b or interleaved");
-      flags.schedule = value;
-    } else if (flag == "--virtual-stages") {
-      flags.virtual_stages = parse_int(flag, value, 1, 64);
-    } else if (flag == "--epochs") {
-      flags.epochs = parse_int(flag, value, 1);
-    } else if (flag == "--batch-size") {
-      flags.batch_size = parse_int(flag, value, 1);
-    } else if (flag == "--lr") {
-      char* end = nullptr;
-      flags.lr = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(flags.lr > 0) || !std::isfinite(flags.lr)) {
-        bad_flag(flag, value, "a positive finite number");
-      }
-    } else if (flag == "--seed") {
-      flags.seed = parse_int(flag, value, 0);
-    } else if (flag == "--data") {
-      flags.data = value;
-    } else if (flag == "--checkpoint-dir") {
-      flags.checkpoint_dir = value;
-    } else if (flag == "--checkpoint-every") {
-      flags.checkpoint_every = parse_int(flag, value, 0);
-    } else if (flag == "--keep-checkpoints") {
-      flags.keep_checkpoints = parse_int(flag, value, 1, 1 << 20);
-    } else if (flag == "--max-steps") {
-      flags.max_steps = parse_int(flag, value, 0);
-    } else if (flag == "--log-every") {
-      flags.log_every = parse_int(flag, value, 0);
-    } else if (flag == "--zero-stage") {
-      flags.zero_stage = parse_int(flag, value, 1, 3);
-    } else if (flag == "--spawn") {
-      flags.spawn = parse_int(flag, value, 1, 1024);
-    } else if (flag == "--device") {
-      if (value != "cpu" && value != "cuda" && value != "auto")
-        bad_flag(flag, value, "cpu, cuda or auto");
-      flags.device = value;
-    } else if (flag == "--amp") {
-      if (value != "bf16" && value != "fp16") bad_flag(flag, value, "bf16 or fp16");
-      flags.amp = value;
-    } else {
-      bad_flag(flag, value, "a known flag. " + std::string(kUsage));
-    }
+  CLI::App app(
+      "Trains an MLP or a CNN on Fashion-MNIST with one of dtrain's strategies; rank 0 ends with "
+      "one JSON line.\n  dtrain run --nproc-per-node 2 -- train_fashion_mnist --epochs 1   (DDP)",
+      kProgram);
+  // A flag given twice takes its last value, as a flag appended to a script's defaults expects.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Unknown flags are collected and named below, in the trainer's words.
+  app.allow_extras();
+
+  auto integer = [&](const std::string& name, int64_t& value, const std::string& help, int64_t min,
+                     int64_t max = int64_t{1} << 40) {
+    app.add_option(name, value, help)->transform(integer_in(name, min, max))->capture_default_str();
+  };
+  auto choice = [&](const std::string& name, std::string& value, const std::string& help,
+                    const std::vector<std::string>& choices, const std::string& accepted) {
+    app.add_option(name, value, help + " (" + accepted + ")")
+        ->transform(one_of(name, choices, accepted))
+        ->capture_default_str();
+  };
+
+  choice("--model", flags.model, "the network", {"mlp", "cnn"}, "mlp or cnn");
+  choice("--strategy", flags.strategy, "how to train it", {"ddp", "dp", "mp", "pipeline", "zero"},
+         "ddp, dp, mp, pipeline or zero");
+  integer("--devices", flags.devices, "dp: replicas; mp: stages, in this process", 1, 1024);
+  integer("--zero-stage", flags.zero_stage,
+          "zero: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters", 1, 3);
+  integer("--stages", flags.stages, "pipeline: stages per pipeline (world / P pipelines)", 1, 1024);
+  integer("--micro-batches", flags.micro_batches, "mp, pipeline: micro-batches per step", 1,
+          1 << 20);
+  choice("--schedule", flags.schedule, "mp, pipeline: the pipeline schedule",
+         {"gpipe", "1f1b", "interleaved"}, "gpipe, 1f1b or interleaved");
+  integer("--virtual-stages", flags.virtual_stages, "chunks per stage (--schedule interleaved)", 1,
+          64);
+  integer("--epochs", flags.epochs, "passes over the training split", 1);
+  integer("--batch-size", flags.batch_size, "rows per step of each data-parallel rank", 1);
+  app.add_option("--lr", flags.lr, "SGD's learning rate (momentum 0.9)")
+      ->transform(positive_number("--lr"))
+      ->capture_default_str();
+  integer("--seed", flags.seed, "the initial weights and the shuffle order", 0);
+  app.add_option("--data", flags.data,
+                 "Fashion-MNIST's folder (default: $DTRAIN_FASHION_MNIST_DIR, else "
+                 "/usr/share/datasets/fashion-mnist)")
+      ->check(non_empty("--data", "a folder"));
+  app.add_option("--checkpoint-dir", flags.checkpoint_dir,
+                 "save checkpoints there after every epoch and on SIGTERM; a restart by the "
+                 "launcher resumes from them");
+  app.add_flag("--resume", flags.resume, "continue from --checkpoint-dir's newest checkpoint");
+  integer("--checkpoint-every", flags.checkpoint_every,
+          "also save every N steps (0: only after each epoch)", 0);
+  integer("--keep-checkpoints", flags.keep_checkpoints, "the newest K checkpoints stay on disk", 1,
+          1 << 20);
+  app.add_flag("--async-checkpoints", flags.async_checkpoints,
+               "write checkpoints on a background thread while training goes on");
+  integer("--max-steps", flags.max_steps, "stop after N steps in all (0: no limit)", 0);
+  integer("--log-every", flags.log_every,
+          "rank 0 prints \"step S loss L\" every N steps (0: never)", 0);
+  integer("--spawn", flags.spawn, "start N DDP ranks of this program itself, without a launcher", 1,
+          1024);
+  choice("--device", flags.device, "where to train, auto: the GPUs when each rank has one",
+         {"cpu", "cuda", "auto"}, "cpu, cuda or auto");
+  choice("--amp", flags.amp, "ddp, dp: mixed precision (fp16 needs CUDA)", {"bf16", "fp16"},
+         "bf16 or fp16");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    std::exit(0);
+  } catch (const CLI::ParseError& e) {
+    throw dtrain::UsageError(std::string(kProgram) + ": " + e.what() + "; see --help");
   }
-  if (flags.virtual_stages > 1 && flags.schedule != "interleaved") {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --virtual-stages " + std::to_string(flags.virtual_stages) +
-        " needs --schedule interleaved (gpipe and 1f1b run one chunk per stage)");
+  if (const auto extra = app.remaining(); !extra.empty()) {
+    throw dtrain::UsageError(std::string(kProgram) + ": unknown flag '" + extra.front() +
+                             "'; see --help");
   }
-  if (flags.strategy == "pipeline" && !flags.checkpoint_dir.empty()) {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --checkpoint-dir is not supported with --strategy pipeline yet "
-        "(each stage holds its own optimizer state); use ddp, dp or mp for checkpointed runs");
-  }
-  if (flags.strategy == "zero" && flags.async_checkpoints) {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --async-checkpoints is not supported with --strategy zero (every "
-        "rank writes its own shards, synchronously); drop it");
-  }
-  if (flags.spawn > 0 && (flags.strategy == "dp" || flags.strategy == "mp")) {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --spawn " + std::to_string(flags.spawn) + " with --strategy " +
-        flags.strategy + ": " + flags.strategy +
-        " runs in one process (use --devices N); --spawn starts ranks for ddp, zero or "
-        "pipeline");
-  }
-  if (!flags.amp.empty() && flags.strategy != "ddp" && flags.strategy != "dp") {
-    throw dtrain::UsageError("train_fashion_mnist: --amp " + flags.amp + " with --strategy " +
-                             flags.strategy + ": mixed precision is wired for ddp and dp only");
-  }
-  if (flags.resume && flags.checkpoint_dir.empty()) {
-    throw dtrain::UsageError(
-        "train_fashion_mnist: --resume needs --checkpoint-dir DIR (where to resume from)");
-  }
+  check_combinations(flags);
   return flags;
 }
 
