@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +25,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/sharded_checkpoint.h"
 #include "flags.h"
+#include "json_line.h"
 
 namespace {
 
@@ -102,17 +102,15 @@ void bench_saves(const std::string& kind, bool async, int saves, int steps_betwe
     }
   }
   int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(checkpointer.list().back()));
-  char line[400];
-  std::snprintf(line, sizeof line,
-                "{\"model\": \"%s\", \"mode\": \"%s\", \"file_bytes\": %lld, \"saves\": %d, "
-                "\"held_ms_median\": %.3f, \"held_ms_p90\": %.3f, \"train_step_ms_median\": %.3f",
-                kind.c_str(), async ? "async" : "blocking", static_cast<long long>(bytes), saves,
-                median(held_ms), p90(held_ms), median(step_ms));
-  std::cout << line;
-  if (async) std::printf(", \"save_and_wait_ms_median\": %.3f", median(write_ms));
-  std::cout << std::flush;
-  std::printf("}\n");
-  std::fflush(stdout);
+  bench::JsonLine line = {{"model", kind},
+                          {"mode", async ? "async" : "blocking"},
+                          {"file_bytes", bytes},
+                          {"saves", saves},
+                          {"held_ms_median", bench::rounded(median(held_ms), 3)},
+                          {"held_ms_p90", bench::rounded(p90(held_ms), 3)},
+                          {"train_step_ms_median", bench::rounded(median(step_ms), 3)}};
+  if (async) line["save_and_wait_ms_median"] = bench::rounded(median(write_ms), 3);
+  bench::print_line(line);
   std::filesystem::remove_all(dir);
 }
 
@@ -147,9 +145,9 @@ void bench_sharded(const std::string& kind, const std::vector<int>& world_sizes,
   for (auto& p : model->parameters()) flat_params.push_back(p.detach().reshape(-1));
   const at::Tensor flat = torch::cat(flat_params);
   const int64_t full_numel = flat.numel();
-  std::ostringstream line;
-  line << "{\"model\": \"" << kind << "\", \"parameters\": " << full_numel
-       << ", \"replicated_save_ms_median\": " << median(replicated_ms);
+  bench::JsonLine line = {{"model", kind},
+                          {"parameters", full_numel},
+                          {"replicated_save_ms_median", bench::rounded(median(replicated_ms), 3)}};
   for (int world : world_sizes) {
     std::filesystem::remove_all(dir);
     std::vector<double> sharded_ms;
@@ -198,10 +196,10 @@ void bench_sharded(const std::string& kind, const std::vector<int>& world_sizes,
       });
     }
     for (auto& t : ranks) t.join();
-    line << ", \"sharded_" << world << "_save_ms_median\": " << median(sharded_ms);
+    line["sharded_" + std::to_string(world) + "_save_ms_median"] =
+        bench::rounded(median(sharded_ms), 3);
   }
-  line << "}";
-  std::cout << line.str() << std::endl;
+  bench::print_line(line);
   std::filesystem::remove_all(dir);
 }
 

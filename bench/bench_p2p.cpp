@@ -16,12 +16,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "dtrain/comm.h"
 #include "flags.h"
+#include "json_line.h"
 
 namespace {
 
@@ -155,16 +155,15 @@ int main(int argc, char** argv) {
       for (auto& [name, group] : groups) {
         Result r = measure(*group, bytes, max_iterations);
         if (shm->rank() == 0) {
-          std::ostringstream line;
-          line.precision(4);
-          line << "{\"bench\":\"p2p\",\"transport\":\"" << name << "\",\"bytes\":" << bytes
-               << ",\"latency_us\":" << std::fixed << r.latency_s / 2 * 1e6
-               << ",\"latency_iters\":" << r.latency_iterations
-               << ",\"bandwidth_GBps\":" << kWindow * static_cast<double>(bytes) / r.window_s / 1e9
-               << ",\"bandwidth_iters\":" << r.bandwidth_iterations << ",\"window\":" << kWindow
-               << "}";
-          std::printf("%s\n", line.str().c_str());
-          std::fflush(stdout);
+          const double bandwidth = kWindow * static_cast<double>(bytes) / r.window_s / 1e9;
+          bench::print_line({{"bench", "p2p"},
+                             {"transport", name},
+                             {"bytes", bytes},
+                             {"latency_us", bench::rounded(r.latency_s / 2 * 1e6, 4)},
+                             {"latency_iters", r.latency_iterations},
+                             {"bandwidth_GBps", bench::rounded(bandwidth, 4)},
+                             {"bandwidth_iters", r.bandwidth_iterations},
+                             {"window", kWindow}});
         }
       }
     }

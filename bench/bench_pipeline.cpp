@@ -29,6 +29,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/pipeline.h"
 #include "flags.h"
+#include "json_line.h"
 
 namespace {
 
@@ -164,18 +165,19 @@ void sleep_mode(const Args& a) {
                                                       a.virtual_stages);
   // bubble: the share of a step a stage sat idle, from its measured busy time (rank 0's stage in
   // the distributed run, the mean of the stages in one process).
-  std::printf(
-      "{\"mode\": \"sleep\", \"distributed\": %s, \"schedule\": \"%s\", \"stages\": %d, "
-      "\"micro_batches\": %d, \"virtual_stages\": %d, \"step_ms\": %.1f, \"busy_ms\": %.1f, "
-      "\"nominal_busy_ms\": %.1f, \"bubble\": %.4f, \"bubble_theory\": %.4f",
-      a.distributed ? "true" : "false", a.schedule.c_str(), stages, a.micro_batches,
-      a.virtual_stages, step_ms, busy_ms, nominal_busy, 1 - busy_ms / step_ms, theory);
-  if (!held.empty()) {
-    std::printf(", \"peak_micro_batches_held\": [");
-    for (size_t s = 0; s < held.size(); ++s) std::printf("%s%d", s ? ", " : "", held[s]);
-    std::printf("]");
-  }
-  std::printf("}\n");
+  bench::JsonLine line = {{"mode", "sleep"},
+                          {"distributed", a.distributed},
+                          {"schedule", a.schedule},
+                          {"stages", stages},
+                          {"micro_batches", a.micro_batches},
+                          {"virtual_stages", a.virtual_stages},
+                          {"step_ms", bench::rounded(step_ms, 1)},
+                          {"busy_ms", bench::rounded(busy_ms, 1)},
+                          {"nominal_busy_ms", bench::rounded(nominal_busy, 1)},
+                          {"bubble", bench::rounded(1 - busy_ms / step_ms, 4)},
+                          {"bubble_theory", bench::rounded(theory, 4)}};
+  if (!held.empty()) line["peak_micro_batches_held"] = held;
+  bench::print_line(line);
 }
 
 torch::nn::Sequential make_mlp(int64_t hidden) {
@@ -212,16 +214,16 @@ void mlp_distributed(const Args& a) {
     pipe.forward_backward(x, y, cross_entropy);
   });
   if (pg->rank() != 0) return;
-  std::string cuts;
-  for (size_t i = 0; i < boundaries.size(); ++i)
-    cuts += (i ? ", " : "") + std::to_string(boundaries[i]);
-  std::printf(
-      "{\"mode\": \"mlp\", \"distributed\": true, \"hidden\": %lld, \"batch\": %lld, "
-      "\"stages\": %d, \"virtual_stages\": %d, \"micro_batches\": %d, \"schedule\": \"%s\", "
-      "\"boundaries\": [%s], \"step_ms\": %.2f}\n",
-      static_cast<long long>(a.hidden), static_cast<long long>(a.batch), stages, a.virtual_stages,
-      a.micro_batches, a.schedule.c_str(), cuts.c_str(), ms);
-  std::fflush(stdout);
+  bench::print_line({{"mode", "mlp"},
+                     {"distributed", true},
+                     {"hidden", a.hidden},
+                     {"batch", a.batch},
+                     {"stages", stages},
+                     {"virtual_stages", a.virtual_stages},
+                     {"micro_batches", a.micro_batches},
+                     {"schedule", a.schedule},
+                     {"boundaries", boundaries},
+                     {"step_ms", bench::rounded(ms, 2)}});
 }
 
 void mlp_mode(const Args& a) {
@@ -243,12 +245,14 @@ void mlp_mode(const Args& a) {
       model->zero_grad();
       pipe.forward_backward(x, y, loss_fn);
     });
-    std::printf(
-        "{\"mode\": \"mlp\", \"hidden\": %lld, \"batch\": %lld, \"stages\": %d, \"micro_batches\": "
-        "%d, "
-        "\"schedule\": \"%s\", \"step_ms\": %.2f, \"one_thread_unsplit_ms\": %.2f}\n",
-        static_cast<long long>(a.hidden), static_cast<long long>(a.batch), a.stages, m,
-        a.schedule.c_str(), ms, single);
+    bench::print_line({{"mode", "mlp"},
+                       {"hidden", a.hidden},
+                       {"batch", a.batch},
+                       {"stages", a.stages},
+                       {"micro_batches", m},
+                       {"schedule", a.schedule},
+                       {"step_ms", bench::rounded(ms, 2)},
+                       {"one_thread_unsplit_ms", bench::rounded(single, 2)}});
   }
 }
 

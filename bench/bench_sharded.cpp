@@ -22,6 +22,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/sharded.h"
 #include "flags.h"
+#include "json_line.h"
 
 namespace {
 
@@ -204,12 +205,14 @@ int main(int argc, char** argv) {
       int64_t psi =
           good > 0 ? 784 * good + good + (layers - 1) * (good * good + good) + good * 10 + 10 : 0;
       if (pg->rank() == 0) {
-        std::printf(
-            "{\"bench\":\"sharded-budget\",\"mode\":\"%s\",\"world\":%d,\"budget_mb\":%lld,"
-            "\"layers\":%lld,"
-            "\"widest_hidden\":%lld,\"params\":%lld,\"peak_rss_mb\":%.1f}\n",
-            mode.c_str(), n, static_cast<long long>(budget_mb), static_cast<long long>(layers),
-            static_cast<long long>(good), static_cast<long long>(psi), peak_rss_kib() / 1024.0);
+        bench::print_line({{"bench", "sharded-budget"},
+                           {"mode", mode},
+                           {"world", n},
+                           {"budget_mb", budget_mb},
+                           {"layers", layers},
+                           {"widest_hidden", good},
+                           {"params", psi},
+                           {"peak_rss_mb", bench::rounded(peak_rss_kib() / 1024.0, 1)}});
       }
       return 0;
     }
@@ -244,19 +247,24 @@ int main(int argc, char** argv) {
     }
     const double ddp_wire = ring * 2 * 4.0 * run->psi;
     const double expected = formula(mode, static_cast<double>(run->psi), n);
-    std::printf(
-        "{\"bench\":\"sharded\",\"mode\":\"%s\",\"world\":%d,\"rank\":%d,\"params\":%lld,"
-        "\"param_bytes\":%lld,\"grad_bytes\":%lld,\"optimizer_bytes\":%lld,\"total_bytes\":%lld,"
-        "\"formula_bytes\":%.0f,\"vs_formula\":%.4f,\"peak_sampled_bytes\":%lld,\"largest_unit_"
-        "bytes\":%lld,"
-        "\"peak_rss_mb\":%.1f,\"ms_per_step\":%.2f,\"comm_payload_bytes_per_step\":%.0f,"
-        "\"comm_wire_bytes_per_step\":%.0f,\"wire_vs_ddp\":%.3f}\n",
-        mode.c_str(), n, pg->rank(), static_cast<long long>(run->psi),
-        static_cast<long long>(steady.params), static_cast<long long>(steady.grads),
-        static_cast<long long>(steady.optimizer), static_cast<long long>(steady.total()), expected,
-        steady.total() / expected, static_cast<long long>(run->peak.total()),
-        static_cast<long long>(4 * run->largest_unit), peak_rss_kib() / 1024.0, ms, payload, wire,
-        ddp_wire > 0 ? wire / ddp_wire : 0.0);
+    bench::print_line({{"bench", "sharded"},
+                       {"mode", mode},
+                       {"world", n},
+                       {"rank", pg->rank()},
+                       {"params", run->psi},
+                       {"param_bytes", steady.params},
+                       {"grad_bytes", steady.grads},
+                       {"optimizer_bytes", steady.optimizer},
+                       {"total_bytes", steady.total()},
+                       {"formula_bytes", std::llround(expected)},
+                       {"vs_formula", bench::rounded(steady.total() / expected, 4)},
+                       {"peak_sampled_bytes", run->peak.total()},
+                       {"largest_unit_bytes", 4 * run->largest_unit},
+                       {"peak_rss_mb", bench::rounded(peak_rss_kib() / 1024.0, 1)},
+                       {"ms_per_step", bench::rounded(ms, 2)},
+                       {"comm_payload_bytes_per_step", std::llround(payload)},
+                       {"comm_wire_bytes_per_step", std::llround(wire)},
+                       {"wire_vs_ddp", bench::rounded(ddp_wire > 0 ? wire / ddp_wire : 0.0, 3)}});
     return 0;
   });
 }

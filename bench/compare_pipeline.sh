@@ -34,8 +34,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 common=(--hidden "$HIDDEN" --batch "$BATCH" --micro-batches "$MICRO" --steps "$STEPS")
-step_ms() { grep -o '"step_ms": [0-9.]*' | tail -1 | awk '{ print $2 }'; }
-boundaries() { grep -o '"boundaries": \[[0-9, ]*\]' | tail -1 | sed 's/.*\[//; s/\]//; s/ //g'; }
+step_ms() { grep -o '"step_ms": *[0-9.]*' | tail -1 | sed 's/.*: *//'; }
+boundaries() { grep -o '"boundaries": *\[[0-9, ]*\]' | tail -1 | sed 's/.*\[//; s/\]//; s/ //g'; }
 
 run_dtrain() {  # schedule virtual_stages -> prints the JSON line (and keeps the cut for the peer)
   local out

@@ -15,7 +15,7 @@ fi
 repeats=${REPEATS:-3}
 
 median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
-field() { grep -o "\"$1\": [0-9.]*" | tail -1 | awk '{print $2}'; }
+field() { grep -o "\"$1\": *[0-9.]*" | tail -1 | sed 's/.*: *//'; }
 
 configs=()
 for device in "${devices[@]}"; do

@@ -177,7 +177,7 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
   }
   recorder_ = StepRecorder::create_if_enabled("dp", nullptr, 0, 1);
   if (recorder_) {
-    recorder_->set_extra_fields(",\"replicas\":" + std::to_string(replicas_.size()));
+    recorder_->add_field("replicas", static_cast<int64_t>(replicas_.size()));
     for (const auto& p : params_[0]) parameter_bytes_ += p.nbytes();
     copy_end_.resize(replicas_.size());
     forward_end_.resize(replicas_.size());

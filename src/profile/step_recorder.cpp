@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "dtrain/comm.h"
@@ -144,20 +146,28 @@ void StepRecorder::write_record(Clock::time_point end) {
   double comm = now.busy_s - comm_at_start_.busy_s + extra_comm_.busy_s;
   double unix_time =
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  char line[768];
-  int n = std::snprintf(
-      line, sizeof line,
-      "{\"rank\":%d,\"world_size\":%d,\"strategy\":\"%s\",\"step\":%lld,\"step_s\":%.9f,"
-      "\"forward_s\":%.9f,\"backward_s\":%.9f,\"exposed_comm_s\":%.9f,\"optimizer_s\":%.9f,"
-      "\"other_s\":%.9f,\"optimizer_marked\":%s,\"comm_s\":%.9f,\"comm_bytes\":%llu,"
-      "\"comm_ops\":%llu,\"samples\":%lld,\"cpu_s\":%.9f,\"time\":%.6f%s}\n",
-      rank_, world_size_, strategy_.c_str(), static_cast<long long>(step_), step, forward, backward,
-      exposed, optimizer, other, optimizer_marked_ ? "true" : "false", comm,
-      static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(ops),
-      static_cast<long long>(samples_), process_cpu_seconds() - cpu_at_start_, unix_time,
-      extra_fields_.c_str());
-  if (n <= 0 || n >= static_cast<int>(sizeof line)) return;
-  if (::write(fd_, line, static_cast<size_t>(n)) != n) {
+  // Seconds to the nanosecond and the Unix time to the microsecond: finer digits are noise.
+  auto ns = [](double s) { return std::round(s * 1e9) / 1e9; };
+  nlohmann::ordered_json record = {{"rank", rank_},
+                                   {"world_size", world_size_},
+                                   {"strategy", strategy_},
+                                   {"step", step_},
+                                   {"step_s", ns(step)},
+                                   {"forward_s", ns(forward)},
+                                   {"backward_s", ns(backward)},
+                                   {"exposed_comm_s", ns(exposed)},
+                                   {"optimizer_s", ns(optimizer)},
+                                   {"other_s", ns(other)},
+                                   {"optimizer_marked", optimizer_marked_},
+                                   {"comm_s", ns(comm)},
+                                   {"comm_bytes", bytes},
+                                   {"comm_ops", ops},
+                                   {"samples", samples_},
+                                   {"cpu_s", ns(process_cpu_seconds() - cpu_at_start_)},
+                                   {"time", std::round(unix_time * 1e6) / 1e6}};
+  for (const auto& [key, value] : extra_fields_) record[key] = value;
+  const std::string line = record.dump() + "\n";
+  if (::write(fd_, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
     static bool warned = false;  // one warning per process is enough; training goes on
     if (!warned) {
       warned = true;

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace dtrain {
 class ProcessGroup;
@@ -42,8 +44,10 @@ class StepRecorder {
   void begin_optimizer();
   void end_optimizer();
   static StepRecorder* current_on_this_thread();
-  // Strategy-specific fields appended to every record, e.g. ",\"replicas\":2".
-  void set_extra_fields(std::string json) { extra_fields_ = std::move(json); }
+  // A strategy-specific field added to every record, e.g. ("replicas", 2).
+  void add_field(std::string key, int64_t value) {
+    extra_fields_.emplace_back(std::move(key), value);
+  }
 
   // RAII: adds the time from construction to destruction to the exposed communication.
   class Blocked {
@@ -84,7 +88,7 @@ class StepRecorder {
   // Exposed communication, by the phase it fell in (forward, backward, after backward).
   Clock::duration exposed_forward_{}, exposed_backward_{}, exposed_after_{};
   CommSnapshot comm_at_start_, extra_comm_;
-  std::string extra_fields_;
+  std::vector<std::pair<std::string, int64_t>> extra_fields_;
 };
 
 }  // namespace dtrain::detail

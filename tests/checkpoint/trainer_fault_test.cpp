@@ -31,7 +31,8 @@ using testing::temp_dir;
 
 std::string json_list(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": (\\[[0-9, ]*\\])"))) return "";
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(\\[[0-9, ]*\\])")))
+    return "";
   return match[1];
 }
 

@@ -80,7 +80,7 @@ TEST(MultiProcess, PipelineAcrossTwoNodesEqualsSingleProcessModelParallel) {
   auto two_nodes =
       run_command("sh -c '" + node(1) + " & " + node(0) + "; status=$?; wait $! && exit $status'");
   ASSERT_EQ(two_nodes.exit_code, 0) << two_nodes.output;
-  EXPECT_NE(two_nodes.output.find("\"world_size\": 2"), std::string::npos) << two_nodes.output;
+  EXPECT_NE(two_nodes.output.find("\"world_size\":2"), std::string::npos) << two_nodes.output;
 
   const double loss = json_number(single.output, "final_loss");
   ASSERT_GT(loss, 0) << single.output;

@@ -35,13 +35,13 @@ inline CommandResult run_command(const std::string& command, int time_limit_s = 
 // The first `"key": <number>` in a program's output (its JSON result line), or -1 when there is none.
 inline int64_t json_int(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9]+)"))) return -1;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *([0-9]+)"))) return -1;
   return std::stoll(match[1]);
 }
 
 inline double json_number(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": ([0-9.]+)"))) return -1;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *([0-9.]+)"))) return -1;
   return std::stod(match[1]);
 }
 

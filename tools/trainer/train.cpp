@@ -10,8 +10,9 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
-#include <sstream>
+#include <nlohmann/json.hpp>
 
 #include "checkpoints.h"
 #include "dtrain/amp.h"
@@ -26,6 +27,14 @@ namespace trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A measurement as the final line reports it: six significant digits (more would be noise).
+double six_digits(double x) {
+  if (!std::isfinite(x)) return x;
+  char text[32];
+  std::snprintf(text, sizeof text, "%.6g", x);
+  return std::strtod(text, nullptr);
+}
 
 // Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
 class Progress {
@@ -220,38 +229,40 @@ int train(const Flags& flags) {
     }
     accuracy = strategy.test_accuracy(test_set);
   }
-  // JSON has no NaN or infinity: a diverged loss is reported as null.
-  auto number = [](double x) { return std::isfinite(x) ? std::to_string(x) : std::string("null"); };
   if (leader) {
-    std::ostringstream json;
-    json.precision(6);
-    json << "{\"test_accuracy\": " << accuracy << ", \"epochs\": " << flags.epochs
-         << ", \"world_size\": " << world << ", \"strategy\": \"" << flags.strategy
-         << "\", \"replicas\": " << (strategy.dp ? flags.devices : replicas) << ", \"model\": \""
-         << flags.model << "\", \"global_batch\": " << global_batch
-         << ", \"per_rank_batch\": " << local_batch << ", \"train_samples\": " << samples_processed
-         << ", \"train_time_s\": " << train_seconds
-         << ", \"samples_per_s\": " << (train_seconds > 0 ? samples_processed / train_seconds : 0.0)
-         << ", \"final_loss\": " << number(last_loss) << ", \"steps\": " << at.steps
-         << ", \"restarts\": " << restarts << ", \"epoch_samples\": [";
-    for (size_t e = 0; e < epoch_samples.size(); ++e) json << (e ? ", " : "") << epoch_samples[e];
-    json << "]";
-    if (strategy.sdp) json << ", \"zero_stage\": " << strategy.sdp->stage();
-    json << ", \"device\": \"" << device.str() << "\", \"amp\": \""
-         << (flags.amp.empty() ? "none" : flags.amp) << "\"";
+    // The final JSON line, its keys in this order. nlohmann::json writes a diverged (non-finite)
+    // loss as null: JSON has no NaN or infinity.
+    nlohmann::ordered_json result = {
+        {"test_accuracy", six_digits(accuracy)},
+        {"epochs", flags.epochs},
+        {"world_size", world},
+        {"strategy", flags.strategy},
+        {"replicas", strategy.dp ? flags.devices : replicas},
+        {"model", flags.model},
+        {"global_batch", global_batch},
+        {"per_rank_batch", local_batch},
+        {"train_samples", samples_processed},
+        {"train_time_s", six_digits(train_seconds)},
+        {"samples_per_s", six_digits(train_seconds > 0 ? samples_processed / train_seconds : 0.0)},
+        {"final_loss", six_digits(last_loss)},
+        {"steps", at.steps},
+        {"restarts", restarts},
+        {"epoch_samples", epoch_samples}};
+    if (strategy.sdp) result["zero_stage"] = strategy.sdp->stage();
+    result["device"] = device.str();
+    result["amp"] = flags.amp.empty() ? "none" : flags.amp;
     if (scaler.is_enabled()) {
-      json << ", \"amp_skipped_steps\": " << skipped_steps
-           << ", \"amp_scale\": " << scaler.get_scale();
+      result["amp_skipped_steps"] = skipped_steps;
+      result["amp_scale"] = scaler.get_scale();
     }
     if (strategy.mp || strategy.pipeline) {
-      json << ", \"stages\": "
-           << (strategy.mp ? strategy.mp->stages() : strategy.pipeline->stages())
-           << ", \"data_parallel\": " << replicas << ", \"micro_batches\": " << flags.micro_batches
-           << ", \"schedule\": \"" << flags.schedule
-           << "\", \"virtual_stages\": " << flags.virtual_stages;
+      result["stages"] = strategy.mp ? strategy.mp->stages() : strategy.pipeline->stages();
+      result["data_parallel"] = replicas;
+      result["micro_batches"] = flags.micro_batches;
+      result["schedule"] = flags.schedule;
+      result["virtual_stages"] = flags.virtual_stages;
     }
-    json << "}";
-    std::cout << json.str() << std::endl;
+    std::cout << result.dump() << std::endl;
   }
   return 0;
 }
