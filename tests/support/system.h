@@ -33,7 +33,7 @@ inline constexpr const char* kNoPythonWithTorch =
     "DTRAIN_PYTHON and "
     "python3; scripts/bootstrap installs torch into .venv/)";
 
-// Where the trainer will look for Fashion-MNIST (as dtrain::default_fashion_mnist_dir()).
+// Where the trainer will look for Fashion-MNIST (as datasets::default_fashion_mnist_dir()).
 inline std::string fashion_mnist_dir() {
   const char* dir = std::getenv("DTRAIN_FASHION_MNIST_DIR");
   return dir && *dir ? dir : "/usr/share/datasets/fashion-mnist";

@@ -23,8 +23,8 @@ struct Flags {
   int64_t batch_size = 32;
   double lr = 0.02;
   int64_t seed = 0;
-  // Fashion-MNIST's folder; empty: default_fashion_mnist_dir() ($DTRAIN_FASHION_MNIST_DIR, else
-  // Debian's).
+  // Fashion-MNIST's folder; empty: datasets::default_fashion_mnist_dir() ($DTRAIN_FASHION_MNIST_DIR,
+  // else Debian's).
   std::string data;
   std::string checkpoint_dir;    // empty: no checkpoints
   bool resume = false;           // continue from checkpoint_dir's checkpoint

@@ -33,7 +33,7 @@ void gather_stages(torch::nn::Sequential& layers, const dtrain::RankMesh& mesh,
 // Accuracy on the test split, each rank evaluating a contiguous share and the counts summed.
 double test_accuracy(torch::nn::Module& net,
                      const std::function<torch::Tensor(const torch::Tensor&)>& forward,
-                     const dtrain::MnistSplit& test, dtrain::ProcessGroup& pg) {
+                     const datasets::MnistSplit& test, dtrain::ProcessGroup& pg) {
   torch::NoGradGuard no_grad;
   net.eval();
   int64_t n = test.labels.size(0);
@@ -217,7 +217,7 @@ torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Te
   return loss;
 }
 
-double Strategy::test_accuracy(const dtrain::MnistSplit& test) {
+double Strategy::test_accuracy(const datasets::MnistSplit& test) {
   if (pipeline) gather_stages(layers, mesh, pipeline_options.virtual_stages);
   if (sdp) sdp->gather_full_parameters();  // the full model, to evaluate
   const double accuracy = trainer::test_accuracy(*model, model_forward, test, *pg);

@@ -13,9 +13,9 @@
 #include <memory>
 #include <vector>
 
+#include "datasets/fashion_mnist.h"
 #include "dtrain/amp.h"
 #include "dtrain/comm.h"
-#include "dtrain/data.h"
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
 #include "dtrain/pipeline.h"
@@ -60,7 +60,7 @@ struct Strategy {
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y,
                                  dtrain::amp::GradScaler& scaler);
   // The whole model's accuracy on the test split, the same on every rank.
-  double test_accuracy(const dtrain::MnistSplit& test);
+  double test_accuracy(const datasets::MnistSplit& test);
   // This process's index among the data-parallel replicas: the share of the data it reads.
   int data_rank() const { return pipeline ? mesh.data_index : pg->rank(); }
 

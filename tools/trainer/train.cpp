@@ -15,10 +15,10 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoints.h"
+#include "datasets/fashion_mnist.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
-#include "dtrain/data.h"
 #include "dtrain/errors.h"
 #include "dtrain/sharded_checkpoint.h"
 #include "strategies.h"
@@ -102,9 +102,9 @@ int train(const Flags& flags) {
   // One core per rank; `dtrain run` sets OMP_NUM_THREADS=1 for the same reason.
   torch::set_num_threads(1);
 
-  const std::string data = flags.data.empty() ? dtrain::default_fashion_mnist_dir() : flags.data;
-  auto train_set = dtrain::load_fashion_mnist(data, /*train=*/true);
-  auto test_set = dtrain::load_fashion_mnist(data, /*train=*/false);
+  const std::string data = flags.data.empty() ? datasets::default_fashion_mnist_dir() : flags.data;
+  auto train_set = datasets::load_fashion_mnist(data, /*train=*/true);
+  auto test_set = datasets::load_fashion_mnist(data, /*train=*/false);
 
   torch::manual_seed(flags.seed);
   Strategy strategy(flags, device, pg);

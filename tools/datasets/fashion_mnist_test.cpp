@@ -1,5 +1,7 @@
-// Tests for the Fashion-MNIST reader: Debian's real files (skipped where dataset-fashion-mnist is
+// Tests for the Fashion-MNIST reader (datasets/fashion_mnist.h): Debian's real files (skipped where dataset-fashion-mnist is
 // not installed), uncompressed files, and the error for every kind of broken file.
+#include "datasets/fashion_mnist.h"
+
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
@@ -11,15 +13,16 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/data.h"
-#include "support/system.h"
 #include "dtrain/errors.h"
+#include "support/system.h"
 
-namespace dtrain {
+namespace datasets {
 namespace {
 
+using dtrain::UsageError;
+using dtrain::testing::have_fashion_mnist;
+using dtrain::testing::kNoFashionMnist;
 using Bytes = std::vector<uint8_t>;
-
 
 Bytes read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -81,7 +84,7 @@ class FashionMnistFilesTest : public ::testing::Test {
 };
 
 TEST(FashionMnistTest, LoadsDebianTrainingSplit) {
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (!have_fashion_mnist()) GTEST_SKIP() << kNoFashionMnist;
   const MnistSplit split = load_fashion_mnist(default_fashion_mnist_dir(), /*train=*/true);
   EXPECT_EQ(split.images.sizes(), (at::IntArrayRef{60000, 1, 28, 28}));
   EXPECT_EQ(split.images.scalar_type(), at::kFloat);
@@ -102,7 +105,7 @@ TEST(FashionMnistTest, LoadsDebianTrainingSplit) {
 }
 
 TEST(FashionMnistTest, LoadsDebianTestSplit) {
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (!have_fashion_mnist()) GTEST_SKIP() << kNoFashionMnist;
   const MnistSplit split = load_fashion_mnist(default_fashion_mnist_dir(), /*train=*/false);
   EXPECT_EQ(split.images.sizes(), (at::IntArrayRef{10000, 1, 28, 28}));
   EXPECT_EQ(split.labels.sizes(), (at::IntArrayRef{10000}));
@@ -146,7 +149,7 @@ TEST_F(FashionMnistFilesTest, MissingLabelsFile) {
 }
 
 TEST_F(FashionMnistFilesTest, TruncatedGzipFile) {
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (!have_fashion_mnist()) GTEST_SKIP() << kNoFashionMnist;
   Bytes gz = read_bytes(default_fashion_mnist_dir() + "/t10k-labels-idx1-ubyte.gz");
   gz.resize(gz.size() / 2);
   write_bytes(dir_ + "/t10k-images-idx3-ubyte", idx_images(3));
@@ -155,7 +158,7 @@ TEST_F(FashionMnistFilesTest, TruncatedGzipFile) {
 }
 
 TEST_F(FashionMnistFilesTest, CorruptGzipFile) {
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (!have_fashion_mnist()) GTEST_SKIP() << kNoFashionMnist;
   Bytes gz = read_bytes(default_fashion_mnist_dir() + "/t10k-labels-idx1-ubyte.gz");
   for (size_t i = 100; i < 200; ++i) gz[i] ^= 0x5a;
   write_bytes(dir_ + "/t10k-images-idx3-ubyte", idx_images(3));
@@ -209,4 +212,4 @@ TEST_F(FashionMnistFilesTest, LabelOutOfRange) {
 }
 
 }  // namespace
-}  // namespace dtrain
+}  // namespace datasets

@@ -1,8 +1,11 @@
-// Fashion-MNIST reader: the gzip'd (or plain) IDX files into normalized CPU tensors.
+// Fashion-MNIST reader: the gzip'd (or plain) IDX files into normalized CPU tensors; see
+// datasets/fashion_mnist.h.
 //
 // IDX layout (big-endian): a 4-byte magic 0x000008NN where 08 means unsigned bytes and NN the
 // number of dimensions, then one 4-byte size per dimension, then the bytes. Images are 0x00000803
 // [N, rows, cols], labels 0x00000801 [N].
+#include "datasets/fashion_mnist.h"
+
 #include <ATen/ops/from_blob.h>
 #include <sys/stat.h>
 #include <zlib.h>
@@ -16,11 +19,12 @@
 #include <memory>
 #include <sstream>
 
-#include "dtrain/data.h"
 #include "dtrain/errors.h"
 
-namespace dtrain {
+namespace datasets {
 namespace {
+
+using dtrain::UsageError;
 
 constexpr uint32_t kImagesMagic = 0x00000803;
 constexpr uint32_t kLabelsMagic = 0x00000801;
@@ -36,9 +40,10 @@ std::string find_file(const std::string& dir, const std::string& name) {
   const std::string base = dir.empty() ? name : dir + "/" + name;
   if (is_regular_file(base + ".gz")) return base + ".gz";
   if (is_regular_file(base)) return base;
-  throw UsageError("Fashion-MNIST file not found: " + base +
-                   ".gz (nor uncompressed without .gz). Install Debian's dataset-fashion-mnist "
-                   "(apt-get install dataset-fashion-mnist), pass --data DIR or set DTRAIN_FASHION_MNIST_DIR");
+  throw UsageError(
+      "Fashion-MNIST file not found: " + base +
+      ".gz (nor uncompressed without .gz). Install Debian's dataset-fashion-mnist "
+      "(apt-get install dataset-fashion-mnist), pass --data DIR or set DTRAIN_FASHION_MNIST_DIR");
 }
 
 // The decompressed size, to allocate once: a gzip file records it (mod 2^32) in its last 4 bytes,
@@ -196,4 +201,4 @@ MnistSplit load_fashion_mnist(const std::string& dir, bool train) {
   return split;
 }
 
-}  // namespace dtrain
+}  // namespace datasets
