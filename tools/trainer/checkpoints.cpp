@@ -60,8 +60,6 @@ void move_optimizer_state(torch::optim::SGD& optimizer, const c10::Device& devic
   }
 }
 
-}  // namespace
-
 dtrain::CheckpointOptions checkpoint_options(const Flags& flags) {
   dtrain::CheckpointOptions options;
   options.dir = flags.checkpoint_dir;
@@ -69,6 +67,8 @@ dtrain::CheckpointOptions checkpoint_options(const Flags& flags) {
   options.async = flags.async_checkpoints;
   return options;
 }
+
+}  // namespace
 
 int64_t restart_count() {
   const char* value = std::getenv("TORCHELASTIC_RESTART_COUNT");

@@ -33,8 +33,6 @@ struct Position {
   int64_t steps = 0;             // optimizer steps taken in all
 };
 
-dtrain::CheckpointOptions checkpoint_options(const Flags& flags);
-
 // TORCHELASTIC_RESTART_COUNT as `dtrain run` and torchrun set it: 0 in the first attempt.
 int64_t restart_count();
 
