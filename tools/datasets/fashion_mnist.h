@@ -12,8 +12,8 @@ namespace datasets {
 
 // Fashion-MNIST as Debian's dataset-fashion-mnist package installs it.
 inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
-// Where programs look for Fashion-MNIST unless told otherwise: $DTRAIN_FASHION_MNIST_DIR when set (a
-// machine without Debian's package, e.g. one with a pip LibTorch and the files copied in), else
+// Where programs look for Fashion-MNIST unless told otherwise: $DTRAIN_FASHION_MNIST_DIR when set
+// (a machine without Debian's package, e.g. one with a pip LibTorch and the files copied in), else
 // kDefaultFashionMnistDir.
 std::string default_fashion_mnist_dir();
 // Mean and standard deviation of the training images' pixels scaled to [0, 1]; load_fashion_mnist

@@ -1,5 +1,6 @@
-// Tests for the Fashion-MNIST reader (datasets/fashion_mnist.h): Debian's real files (skipped where dataset-fashion-mnist is
-// not installed), uncompressed files, and the error for every kind of broken file.
+// Tests for the Fashion-MNIST reader (datasets/fashion_mnist.h): Debian's real files (skipped where
+// dataset-fashion-mnist is not installed), uncompressed files, and the error for every kind of
+// broken file.
 #include "datasets/fashion_mnist.h"
 
 #include <gtest/gtest.h>

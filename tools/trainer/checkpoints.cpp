@@ -1,4 +1,4 @@
-// The trainer's checkpoint folder, restarts, preemption and fault-injection hook; see checkpoints.h.
+// The trainer's checkpoints, restarts, preemption and fault-injection hook; see checkpoints.h.
 #include "checkpoints.h"
 
 #include <unistd.h>

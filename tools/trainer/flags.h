@@ -23,8 +23,8 @@ struct Flags {
   int64_t batch_size = 32;
   double lr = 0.02;
   int64_t seed = 0;
-  // Fashion-MNIST's folder; empty: datasets::default_fashion_mnist_dir() ($DTRAIN_FASHION_MNIST_DIR,
-  // else Debian's).
+  // Fashion-MNIST's folder; empty: datasets::default_fashion_mnist_dir()
+  // ($DTRAIN_FASHION_MNIST_DIR, else Debian's).
   std::string data;
   std::string checkpoint_dir;    // empty: no checkpoints
   bool resume = false;           // continue from checkpoint_dir's checkpoint
@@ -44,9 +44,9 @@ struct Flags {
   std::string amp;  // "", bf16 (autocast), fp16 (autocast + GradScaler; CUDA only)
 };
 
-// Reads the flags from argv. --help prints them and exits 0; an unknown flag, a missing or bad value,
-// or flags that do not go together throw dtrain::UsageError, one line naming the flag, the value and
-// what is accepted (exit code 2 under dtrain::run_main).
+// Reads the flags from argv. --help prints them and exits 0; an unknown flag, a missing or bad
+// value, or flags that do not go together throw dtrain::UsageError, one line naming the flag, the
+// value and what is accepted (exit code 2 under dtrain::run_main).
 Flags parse_flags(int argc, char** argv);
 
 }  // namespace trainer

@@ -1,9 +1,9 @@
 // train_fashion_mnist: dtrain's main job, and the harness its tests and benchmarks run. It trains
 // an MLP or a CNN on Fashion-MNIST with each of dtrain's strategies:
 //
-//   dtrain run --nproc-per-node 2 -- build/bin/train_fashion_mnist --epochs 1         DDP
-//   build/bin/train_fashion_mnist --strategy dp --devices 2                            DataParallel
-//   build/bin/train_fashion_mnist --strategy mp --devices 2 --micro-batches 4          model parallel
+//   dtrain run --nproc-per-node 2 -- build/bin/train_fashion_mnist --epochs 1       DDP
+//   build/bin/train_fashion_mnist --strategy dp --devices 2                          DataParallel
+//   build/bin/train_fashion_mnist --strategy mp --devices 2 --micro-batches 4        model parallel
 //   dtrain run --nproc-per-node 4 -- build/bin/train_fashion_mnist --strategy pipeline --stages 2
 //                                                   2 data-parallel pipelines of 2 stages
 //   dtrain run --nproc-per-node 2 -- build/bin/train_fashion_mnist --strategy zero --zero-stage 3

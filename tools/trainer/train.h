@@ -6,8 +6,8 @@
 namespace trainer {
 
 // Trains as `flags` say in this process, one rank of the job (dtrain::init_process_group reads
-// which). Rank 0 shows progress and test accuracy per epoch and ends with one JSON line. Returns the
-// exit code: 0 when done; 143 (128 + SIGTERM) when SIGTERM stopped the job and a checkpoint was
+// which). Rank 0 shows progress and test accuracy per epoch and ends with one JSON line. Returns
+// the exit code: 0 when done; 143 (128 + SIGTERM) when SIGTERM stopped the job and a checkpoint was
 // saved, so that no script takes an unfinished job for success.
 int train(const Flags& flags);
 
