@@ -57,7 +57,7 @@ double p90(std::vector<double> v) {
 }
 
 void bench_saves(const std::string& kind, bool async, int saves, int steps_between,
-           const std::string& dir) {
+                 const std::string& dir) {
   torch::manual_seed(0);
   auto model = make_model(kind);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -211,13 +211,17 @@ int main(int argc, char** argv) {
     int saves = 20, steps_between = 100;
     std::vector<int> sharded_world_sizes;  // --sharded: compare replicated with sharded saves
     std::string dir =
-        (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid()))).string();
-    bench::Flags("bench_checkpoint", "how long a checkpoint save holds the training loop, blocking vs asynchronous")
-        .text("--model", model, "which model (wide: with --sharded)", {"mlp", "cnn", "wide", "both"})
+        (std::filesystem::temp_directory_path() / ("dtrain-bench-ckpt-" + std::to_string(getpid())))
+            .string();
+    bench::Flags("bench_checkpoint",
+                 "how long a checkpoint save holds the training loop, blocking vs asynchronous")
+        .text("--model", model, "which model (wide: with --sharded)",
+              {"mlp", "cnn", "wide", "both"})
         .integer("--saves", saves, "saves per mode")
         .integer("--steps-between", steps_between, "training steps between saves")
         .text("--dir", dir, "where the checkpoints go")
-        .integers("--sharded", sharded_world_sizes, "instead, replicated vs sharded saves at these world sizes")
+        .integers("--sharded", sharded_world_sizes,
+                  "instead, replicated vs sharded saves at these world sizes")
         .parse(argc, argv);
     torch::set_num_threads(1);  // as one rank of the trainer
     if (!sharded_world_sizes.empty()) {

@@ -113,11 +113,13 @@ int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     int64_t min_bytes = 4, max_bytes = int64_t{64} << 20, max_iterations = 20000;
     std::string transports = "shm,gloo";
-    bench::Flags("bench_p2p", "point-to-point send/recv time and bandwidth by message size, 2 ranks")
+    bench::Flags("bench_p2p",
+                 "point-to-point send/recv time and bandwidth by message size, 2 ranks")
         .integer("--min-bytes", min_bytes, "smallest message", 1)
         .integer("--max-bytes", max_bytes, "largest message", 1)
         .integer("--max-iters", max_iterations, "iterations per size at most", 5)
-        .text("--transports", transports, "which transports to measure", {"shm,gloo", "shm", "gloo"})
+        .text("--transports", transports, "which transports to measure",
+              {"shm,gloo", "shm", "gloo"})
         .parse(argc, argv);
     torch::set_num_threads(1);
     auto shm = dtrain::init_process_group();

@@ -13,8 +13,8 @@
 // chunks by parameters): pipelined with --micro-batches M against naive placement (M = 1: one stage
 // works at a time).
 //   bench_pipeline --mode mlp --stages 2 --micro-batches 4 --hidden 2048 --batch 256
-// The same MLP across processes, one stage per rank (P·V chunks by parameters; the cut is printed as
-// "boundaries" so that bench/pipelining_peer.py can run PyTorch's schedules on the same chunks):
+// The same MLP across processes, one stage per rank (P·V chunks by parameters; the cut is printed
+// as "boundaries" so that bench/pipelining_peer.py can run PyTorch's schedules on the same chunks):
 //   dtrain run --nproc-per-node 2 -- bench_pipeline --mode mlp --distributed --schedule 1f1b
 // Each prints one JSON line per measurement.
 #include <torch/torch.h>
@@ -86,16 +86,20 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  bench::Flags("bench_pipeline", "pipeline bubble with sleeping stages, or model parallelism on a real MLP")
-      .text("--mode", a.mode, "sleep: stages of controlled duration; mlp: a real MLP", {"sleep", "mlp"})
+  bench::Flags("bench_pipeline",
+               "pipeline bubble with sleeping stages, or model parallelism on a real MLP")
+      .text("--mode", a.mode, "sleep: stages of controlled duration; mlp: a real MLP",
+            {"sleep", "mlp"})
       .on("--distributed", a.distributed, "across processes: one stage per rank, under dtrain run")
       .integer("--stages", a.stages, "pipeline stages, in one process")
       .integer("--micro-batches", a.micro_batches, "micro-batches per step")
-      .integer("--virtual-stages", a.virtual_stages, "chunks per stage, for the interleaved schedule")
+      .integer("--virtual-stages", a.virtual_stages,
+               "chunks per stage, for the interleaved schedule")
       .text("--schedule", a.schedule, "schedule", {"gpipe", "1f1b", "interleaved"})
       .integer("--steps", a.steps, "timed steps")
       .number("--forward-ms", a.forward_ms, "sleep per micro-batch forward", /*zero_allowed=*/true)
-      .number("--backward-ms", a.backward_ms, "sleep per micro-batch backward", /*zero_allowed=*/true)
+      .number("--backward-ms", a.backward_ms, "sleep per micro-batch backward",
+              /*zero_allowed=*/true)
       .integer("--hidden", a.hidden, "mlp mode: hidden width")
       .integer("--batch", a.batch, "mlp mode: samples per step")
       .parse(argc, argv);

@@ -1,8 +1,8 @@
 // What sharding buys: bytes held per rank for parameters, gradients and Adam's state (each tensor
 // storage counted once), the process's peak resident memory, step time and communication per step,
 // for DDP and ZeRO stages 1-3, against the ZeRO paper's formulas (Ψ parameters, fp32, Adam):
-//   DDP 16Ψ · stage 1 8Ψ + 8Ψ/N · stage 2 4Ψ + 12Ψ/N · stage 3 16Ψ/N (+ the units gathered at the
-//   time)
+//   DDP 16Ψ · stage 1 8Ψ + 8Ψ/N · stage 2 4Ψ + 12Ψ/N · stage 3 16Ψ/N
+//   (+ the units gathered at the time)
 // Model: an MLP 784-H-...-H-10 with --layers hidden layers, Adam, a fixed synthetic batch per rank,
 // one intra-op thread per rank. Every rank prints one JSON line (bytes differ by rank only through
 // padding).
@@ -162,13 +162,15 @@ int main(int argc, char** argv) {
   return dtrain::run_main([&] {
     std::string mode = "ddp";
     int64_t hidden = 1024, layers = 4, batch = 32, steps = 20, budget_mb = 0;
-    bench::Flags("bench_sharded", "memory and step time of DDP against ShardedDataParallel stages 1-3")
+    bench::Flags("bench_sharded",
+                 "memory and step time of DDP against ShardedDataParallel stages 1-3")
         .text("--mode", mode, "ddp, or the ZeRO stage", {"ddp", "1", "2", "3"})
         .integer("--hidden", hidden, "hidden width")
         .integer("--layers", layers, "hidden layers")
         .integer("--batch", batch, "samples per rank per step")
         .integer("--steps", steps, "timed steps")
-        .integer("--budget-mb", budget_mb, "instead, the widest MLP whose training state fits M MiB per rank (0: off)", 0)
+        .integer("--budget-mb", budget_mb,
+                 "instead, the widest MLP whose training state fits M MiB per rank (0: off)", 0)
         .parse(argc, argv);
     torch::set_num_threads(1);
     auto pg = dtrain::init_process_group();

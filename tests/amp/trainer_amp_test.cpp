@@ -13,8 +13,8 @@ namespace dtrain {
 namespace {
 
 using testing::bin;
-using testing::run_command;
 using testing::json_number;
+using testing::run_command;
 
 TEST(TrainerAmp, BFloat16DdpReachesTheAccuracyBarInOneEpoch) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;

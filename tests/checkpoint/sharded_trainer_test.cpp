@@ -15,9 +15,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::bin;
-using testing::run_command;
 using testing::json_int;
 using testing::json_number;
+using testing::run_command;
 
 std::string zero_trainer(int ranks, int stage, const std::string& flags) {
   return bin("dtrain") + " run --nproc-per-node " + std::to_string(ranks) + " -- " +

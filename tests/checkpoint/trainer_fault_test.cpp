@@ -23,9 +23,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::bin;
-using testing::run_command;
 using testing::json_int;
 using testing::json_number;
+using testing::run_command;
 
 using testing::temp_dir;
 

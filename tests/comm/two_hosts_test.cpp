@@ -80,7 +80,7 @@ TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
       "env DTRAIN_TIMEOUT_S=30 sh -c '" + node(1) + " & " + node(0) + "; s=$?; wait $! && exit $s'",
       150);
   ASSERT_EQ(both.exit_code, 0) << both.output;
-  EXPECT_NE(both.output.find("\"world_size\": 2"), std::string::npos) << both.output;
+  EXPECT_NE(both.output.find("\"world_size\":2"), std::string::npos) << both.output;
   // The final model, judged on the 10000 test images: the same predictions up to a few images that sit
   // on a decision boundary (final_loss is rank 0's own half of the last batch, so it differs).
   const double accuracy = json_number(single.output, "test_accuracy");

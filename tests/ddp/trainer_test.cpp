@@ -14,9 +14,9 @@ namespace dtrain {
 namespace {
 
 using testing::bin;
-using testing::run_command;
 using testing::json_int;
 using testing::json_number;
+using testing::run_command;
 
 std::string temp_dir(const std::string& stem) {
   auto dir = std::filesystem::temp_directory_path() / (stem + "-" + std::to_string(::getpid()));

@@ -1,5 +1,5 @@
-// Tier-2 test helper: runs a shell command (usually `dtrain run ...`) with a time limit and returns its
-// exit code and combined output.
+// Tier-2 test helper: runs a shell command (usually `dtrain run ...`) with a time limit and returns
+// its exit code and combined output.
 #pragma once
 
 #include <sys/wait.h>
@@ -17,7 +17,9 @@ struct CommandResult {
   std::string output;  // stdout and stderr interleaved
 };
 
-inline std::string bin(const std::string& program) { return std::string(DTRAIN_BIN_DIR) + "/" + program; }
+inline std::string bin(const std::string& program) {
+  return std::string(DTRAIN_BIN_DIR) + "/" + program;
+}
 
 inline CommandResult run_command(const std::string& command, int time_limit_s = 120) {
   std::string full = "timeout -k 5 " + std::to_string(time_limit_s) + " " + command + " 2>&1";
@@ -26,13 +28,15 @@ inline CommandResult run_command(const std::string& command, int time_limit_s = 
   if (!pipe) return result;
   std::array<char, 4096> chunk;
   size_t n;
-  while ((n = fread(chunk.data(), 1, chunk.size(), pipe)) > 0) result.output.append(chunk.data(), n);
+  while ((n = fread(chunk.data(), 1, chunk.size(), pipe)) > 0)
+    result.output.append(chunk.data(), n);
   int status = pclose(pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return result;
 }
 
-// The first `"key": <number>` in a program's output (its JSON result line), or -1 when there is none.
+// The first `"key": <number>` in a program's output (its JSON result line; a space after the colon
+// or none), or -1 when there is none.
 inline int64_t json_int(const std::string& output, const std::string& key) {
   std::smatch match;
   if (!std::regex_search(output, match, std::regex("\"" + key + "\": *([0-9]+)"))) return -1;
