@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::elastic {
@@ -29,14 +30,6 @@ int64_t wall_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string seconds_text(std::chrono::milliseconds duration) {
-  double seconds = static_cast<double>(duration.count()) / 1000.0;
-  std::string text = std::to_string(seconds);
-  text.erase(text.find_last_not_of('0') + 1);
-  if (!text.empty() && text.back() == '.') text.pop_back();
-  return text + " s";
 }
 
 // true when interrupt_fd became readable within timeout_ms.
@@ -253,7 +246,7 @@ bool Rendezvous::sweep(RendezvousState& state) {
   }
   std::chrono::milliseconds heartbeat_timeout =
       settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
-  std::string what = names + " lost: no heartbeat for " + seconds_text(heartbeat_timeout);
+  std::string what = names + " lost: no heartbeat for " + detail::seconds_text(heartbeat_timeout);
   // Note [Failures caused by a lost node]: a failure counted shortly before was this loss's doing.
   if (member_lost && state.last_failure_ms != 0 && state.failures > 0 &&
       wall_ms() - state.last_failure_ms <= 2 * heartbeat_timeout.count()) {
@@ -361,7 +354,8 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
 // never pulled into the new one. Only a newcomer does this: an agent of the old job (in its nodes)
 // is told how that job ended.
 bool Rendezvous::ended_and_abandoned(const RendezvousState& state) const {
-  if (state.nodes.count(self_.id) > 0) return false;  // this agent took part: it learns how it ended
+  if (state.nodes.count(self_.id) > 0)
+    return false;  // this agent took part: it learns how it ended
   bool all_finished = state.complete && !state.participants.empty() &&
                       std::all_of(state.participants.begin(), state.participants.end(),
                                   [&](const auto& id) { return contains(state.finished, id); });
@@ -439,13 +433,13 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
           std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes);
       if (state.complete) {
         throw TimeoutError("dtrain run: rendezvous '" + settings_.job_id + "': no room for " +
-                           self_.describe() + " within " + seconds_text(settings_.timeout) +
+                           self_.describe() + " within " + detail::seconds_text(settings_.timeout) +
                            ": the job runs with " + std::to_string(state.participants.size()) +
                            " node(s) (" + present + "), its maximum (--nnodes " + range + ")");
       }
       throw TimeoutError(
           "dtrain run: rendezvous '" + settings_.job_id + "' round " + std::to_string(state.round) +
-          " did not complete within " + seconds_text(settings_.timeout) + ": " +
+          " did not complete within " + detail::seconds_text(settings_.timeout) + ": " +
           std::to_string(state.participants.size()) + " node(s) joined (" +
           (present.empty() ? "none" : present) + "), at least " +
           std::to_string(settings_.min_nodes) + " needed (--nnodes " + range +
