@@ -18,6 +18,7 @@
 #include <cstdlib>
 
 #include "amp/autocast_state.h"
+#include "common/format.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 
@@ -164,8 +165,7 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
 
 std::string GradScaler::where() const {
   if (options_.group == nullptr) return "";
-  return "rank " + std::to_string(options_.group->rank()) + "/" +
-         std::to_string(options_.group->size()) + ": ";
+  return dtrain::detail::rank_text(*options_.group) + ": ";
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {

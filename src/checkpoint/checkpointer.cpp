@@ -10,6 +10,7 @@
 
 #include "checkpoint/checkpoint_file.h"
 #include "checkpoint/state_parts.h"
+#include "common/format.h"
 #include "common/log.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
@@ -425,8 +426,7 @@ std::optional<LoadedCheckpoint> Checkpointer::load_latest(TrainingState& state,
       if (!failed) loaded.path = text;
     }
     if (failed) {
-      throw UsageError("rank " + std::to_string(group->rank()) + "/" +
-                       std::to_string(group->size()) + ": checkpoint load: rank 0 could not read " +
+      throw UsageError(detail::rank_text(*group) + ": checkpoint load: rank 0 could not read " +
                        options_.dir + ": " + text);
     }
   }

@@ -10,6 +10,7 @@
 #include "checkpoint/checkpoint_file.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_parts.h"
+#include "common/format.h"
 #include "common/log.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
@@ -28,9 +29,7 @@ struct Ranks {
   ProcessGroup* group;
   int rank() const { return group ? group->rank() : 0; }
   int size() const { return group ? group->size() : 1; }
-  std::string who() const {
-    return "rank " + std::to_string(rank()) + "/" + std::to_string(size());
-  }
+  std::string who() const { return group ? detail::rank_text(*group) : detail::rank_text(0, 1); }
   void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const {
     if (group && group->size() > 1) group->all_reduce(t, op);
   }

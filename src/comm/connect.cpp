@@ -87,7 +87,7 @@ Endpoint parse_tcp(const std::string& where, const std::string& what) {
 // start before its master's machine is up, and c10d gives up early on some errors ("No route to host").
 c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, int world_size,
                                           std::chrono::milliseconds timeout) {
-  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world_size);
+  const std::string who = rank_text(rank, world_size);
   const std::string where = endpoint.host + ":" + std::to_string(endpoint.port);
   const auto begun = Clock::now();
   const auto deadline = begun + timeout;
@@ -331,7 +331,7 @@ c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const Lau
                                            int rank, int world_size,
                                            std::chrono::milliseconds timeout) {
   const std::string& method = options.init_method;
-  const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world_size);
+  const std::string who = rank_text(rank, world_size);
   if (method.rfind("memory://", 0) == 0) return memory_store(method.substr(9));
   if (method.rfind("file://", 0) == 0) {
     return c10::make_intrusive<c10d::FileStore>(method.substr(7), world_size);

@@ -13,12 +13,18 @@ std::string describe_shared_device(const std::vector<RankDevice>& ranks) {
     if (sharing.size() < 2) continue;
     std::string names;
     for (size_t i = 0; i < sharing.size(); ++i) {
-      names += (i == 0 ? "" : i + 1 == sharing.size() ? " and " : ", ") + std::to_string(sharing[i]);
+      names += (i == 0                    ? ""
+                : i + 1 == sharing.size() ? " and "
+                                          : ", ") +
+               std::to_string(sharing[i]);
     }
     const std::string hostname = rank.host.substr(0, rank.host.find('/'));
-    return "ranks " + names + " share cuda:" + std::to_string(rank.device) + " on host " + hostname +
-           ", but NCCL needs a GPU of its own for each process. Give each rank its own device (cuda:LOCAL_RANK; "
-           "start at most as many processes per node as it has GPUs), or set DTRAIN_CUDA_BACKEND=gloo to let "
+    return "ranks " + names + " share cuda:" + std::to_string(rank.device) + " on host " +
+           hostname +
+           ", but NCCL needs a GPU of its own for each process. Give each rank its own device "
+           "(cuda:LOCAL_RANK; "
+           "start at most as many processes per node as it has GPUs), or set "
+           "DTRAIN_CUDA_BACKEND=gloo to let "
            "ranks share a GPU through Gloo (slower; for tests)";
   }
   return "";

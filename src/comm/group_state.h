@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm/progress.h"
+#include "common/format.h"
 #include "dtrain/comm.h"
 
 namespace dtrain::detail {
@@ -142,8 +143,5 @@ struct GroupInternals {
     return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(state)));
   }
 };
-
-// "12.5 s": a duration for messages.
-std::string seconds_text(std::chrono::steady_clock::duration elapsed);
 
 }  // namespace dtrain::detail

@@ -22,7 +22,8 @@ int parse_int(const Getenv& env, const char* name, int min, int max, const std::
   long parsed = value.empty() ? 0 : std::strtol(value.c_str(), &end, 10);
   if (value.empty() || errno != 0 || *end != '\0' || parsed < min || parsed > max) {
     throw UsageError("environment variable " + std::string(name) + "='" + value + "': expected " +
-                     accepted + ". Launch with `dtrain run`, torchrun, srun or mpirun, or fix the variable.");
+                     accepted +
+                     ". Launch with `dtrain run`, torchrun, srun or mpirun, or fix the variable.");
   }
   return static_cast<int>(parsed);
 }
@@ -68,7 +69,8 @@ namespace detail {
 
 const ThreadLaunch* current_thread_launch() { return thread_launch; }
 
-ScopedThreadLaunch::ScopedThreadLaunch(ThreadLaunch launch) : launch_(std::move(launch)), previous_(thread_launch) {
+ScopedThreadLaunch::ScopedThreadLaunch(ThreadLaunch launch)
+    : launch_(std::move(launch)), previous_(thread_launch) {
   thread_launch = &launch_;
 }
 
@@ -85,21 +87,23 @@ LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
     info.source = "spawn-threads";
     return info;
   }
-  Getenv env = getenv_override ? getenv_override : Getenv([](const char* n) { return std::getenv(n); });
+  Getenv env =
+      getenv_override ? getenv_override : Getenv([](const char* n) { return std::getenv(n); });
   LaunchInfo info;
   const std::string count = "a non-negative integer";
 
   if (has(env, "RANK") || has(env, "WORLD_SIZE")) {
     // torchrun and `dtrain run`: both variables or neither.
     info.source = "torchrun";
-    info.world_size = parse_int(env, "WORLD_SIZE", 1, INT_MAX, "a positive integer (set with RANK)");
+    info.world_size =
+        parse_int(env, "WORLD_SIZE", 1, INT_MAX, "a positive integer (set with RANK)");
     info.rank = parse_int(env, "RANK", 0, info.world_size - 1,
                           "an integer in 0.." + std::to_string(info.world_size - 1) +
                               " (WORLD_SIZE=" + std::to_string(info.world_size) + ")");
-    info.local_world_size = has(env, "LOCAL_WORLD_SIZE")
-                                ? parse_int(env, "LOCAL_WORLD_SIZE", 1, info.world_size,
-                                            "an integer in 1..WORLD_SIZE")
-                                : info.world_size;
+    info.local_world_size =
+        has(env, "LOCAL_WORLD_SIZE")
+            ? parse_int(env, "LOCAL_WORLD_SIZE", 1, info.world_size, "an integer in 1..WORLD_SIZE")
+            : info.world_size;
     info.local_rank = has(env, "LOCAL_RANK")
                           ? parse_int(env, "LOCAL_RANK", 0, info.local_world_size - 1,
                                       "an integer in 0..LOCAL_WORLD_SIZE-1")
@@ -110,34 +114,42 @@ LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
   } else if (has(env, "SLURM_PROCID")) {
     info.source = "slurm";
     info.world_size = parse_int(env, "SLURM_NTASKS", 1, INT_MAX, "a positive integer");
-    info.rank = parse_int(env, "SLURM_PROCID", 0, info.world_size - 1,
-                          "an integer below SLURM_NTASKS");
-    info.local_rank = has(env, "SLURM_LOCALID") ? parse_int(env, "SLURM_LOCALID", 0, INT_MAX, count) : 0;
+    info.rank =
+        parse_int(env, "SLURM_PROCID", 0, info.world_size - 1, "an integer below SLURM_NTASKS");
+    info.local_rank =
+        has(env, "SLURM_LOCALID") ? parse_int(env, "SLURM_LOCALID", 0, INT_MAX, count) : 0;
     // SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node; otherwise assume an even spread.
-    int nodes = has(env, "SLURM_NNODES") ? parse_int(env, "SLURM_NNODES", 1, INT_MAX, "a positive integer")
-                                         : 1;
-    info.local_world_size = has(env, "SLURM_NTASKS_PER_NODE")
-                                ? parse_int(env, "SLURM_NTASKS_PER_NODE", 1, INT_MAX, "a positive integer")
-                                : (info.world_size + nodes - 1) / nodes;
-    info.node_rank = has(env, "SLURM_NODEID") ? parse_int(env, "SLURM_NODEID", 0, INT_MAX, count) : 0;
+    int nodes = has(env, "SLURM_NNODES")
+                    ? parse_int(env, "SLURM_NNODES", 1, INT_MAX, "a positive integer")
+                    : 1;
+    info.local_world_size =
+        has(env, "SLURM_NTASKS_PER_NODE")
+            ? parse_int(env, "SLURM_NTASKS_PER_NODE", 1, INT_MAX, "a positive integer")
+            : (info.world_size + nodes - 1) / nodes;
+    info.node_rank =
+        has(env, "SLURM_NODEID") ? parse_int(env, "SLURM_NODEID", 0, INT_MAX, count) : 0;
     fill_master(env, info);
     if (info.master_addr.empty()) {
-      info.master_addr = first_slurm_host(
-          has(env, "SLURM_STEP_NODELIST") ? get(env, "SLURM_STEP_NODELIST") : get(env, "SLURM_NODELIST"));
+      info.master_addr =
+          first_slurm_host(has(env, "SLURM_STEP_NODELIST") ? get(env, "SLURM_STEP_NODELIST")
+                                                           : get(env, "SLURM_NODELIST"));
     }
     if (info.master_port == 0 && has(env, "SLURM_JOB_ID")) {
       // Every task of a job derives the same port from the job id (as PyTorch Lightning does), so srun needs
       // no extra variable; jobs sharing a node get different ports.
-      info.master_port = 15000 + static_cast<int>(std::strtoul(get(env, "SLURM_JOB_ID").c_str(), nullptr, 10) % 20000);
+      info.master_port =
+          15000 +
+          static_cast<int>(std::strtoul(get(env, "SLURM_JOB_ID").c_str(), nullptr, 10) % 20000);
     }
   } else if (has(env, "OMPI_COMM_WORLD_RANK")) {
     info.source = "openmpi";
     info.world_size = parse_int(env, "OMPI_COMM_WORLD_SIZE", 1, INT_MAX, "a positive integer");
     info.rank = parse_int(env, "OMPI_COMM_WORLD_RANK", 0, info.world_size - 1,
                           "an integer below OMPI_COMM_WORLD_SIZE");
-    info.local_world_size = has(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-                                ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, INT_MAX, "a positive integer")
-                                : info.world_size;
+    info.local_world_size =
+        has(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+            ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, INT_MAX, "a positive integer")
+            : info.world_size;
     info.local_rank = has(env, "OMPI_COMM_WORLD_LOCAL_RANK")
                           ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0, INT_MAX, count)
                           : info.rank % info.local_world_size;

@@ -14,13 +14,15 @@ std::string key_for(int rank) { return "progress/" + std::to_string(rank); }
 
 // Wall-clock time, comparable between hosts (unlike steady_clock) as far as their clocks agree.
 int64_t unix_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
 }  // namespace
 
-ProgressTracker::ProgressTracker(c10::intrusive_ptr<c10d::Store> store, int group_rank, int group_size)
+ProgressTracker::ProgressTracker(c10::intrusive_ptr<c10d::Store> store, int group_rank,
+                                 int group_size)
     : store_(std::move(store)), rank_(group_rank), size_(group_size) {
   publish_now();
   publisher_ = std::thread([this] { publish_loop(); });

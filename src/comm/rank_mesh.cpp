@@ -2,6 +2,7 @@
 #include <string>
 #include <vector>
 
+#include "common/format.h"
 #include "dtrain/comm.h"
 
 namespace dtrain {
@@ -12,9 +13,8 @@ RankMesh make_rank_mesh(ProcessGroup& group, int pipeline_size, int tensor_size)
   if (pipeline_size < 1 || tensor_size < 1 || pipeline_size > n || tensor_size > n ||
       n % (pipeline_size * tensor_size) != 0) {
     const std::string size = std::to_string(n);
-    throw UsageError("rank " + std::to_string(group.global_rank()) + "/" +
-                     std::to_string(group.global_size()) + ": make_rank_mesh on group '" +
-                     group.name() + "': pipeline_size=" + std::to_string(pipeline_size) +
+    throw UsageError(detail::rank_text(group) + ": make_rank_mesh on group '" + group.name() +
+                     "': pipeline_size=" + std::to_string(pipeline_size) +
                      " x tensor_size=" + std::to_string(tensor_size) +
                      " must be positive and divide the group size " + size +
                      " (data_size = group size / (pipeline_size x tensor_size)). Choose sizes "

@@ -183,15 +183,17 @@ std::unique_ptr<ShmPointToPoint> ShmPointToPoint::create(c10d::Store& store, int
   auto segment = map_group_segment(store, "p2p", rank, size, timeout, options, problem);
   if (!segment) {
     if (!problem.empty()) {
-      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point (" << problem
-                                                                         << "); send/recv go through Gloo");
+      DTRAIN_LOG(kWarn, "shared memory unavailable for point to point ("
+                            << problem << "); send/recv go through Gloo");
     }
     return nullptr;
   }
-  return std::unique_ptr<ShmPointToPoint>(new ShmPointToPoint(rank, size, std::move(segment), ring_bytes));
+  return std::unique_ptr<ShmPointToPoint>(
+      new ShmPointToPoint(rank, size, std::move(segment), ring_bytes));
 }
 
-ShmPointToPoint::ShmPointToPoint(int rank, int size, std::unique_ptr<ShmSegment> segment, int64_t ring_bytes)
+ShmPointToPoint::ShmPointToPoint(int rank, int size, std::unique_ptr<ShmSegment> segment,
+                                 int64_t ring_bytes)
     : rank_(rank),
       size_(size),
       segment_(std::move(segment)),

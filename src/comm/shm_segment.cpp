@@ -20,9 +20,9 @@ ShmSegment::~ShmSegment() {
   if (fd_ >= 0) close(fd_);
 }
 
-std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank, int size,
-                                              std::chrono::milliseconds timeout, const SegmentOptions& options,
-                                              std::string& problem) {
+std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::string& key, int rank,
+                                              int size, std::chrono::milliseconds timeout,
+                                              const SegmentOptions& options, std::string& problem) {
   problem.clear();
   const size_t bytes = options.bytes;
   const bool wanted = options.wanted;
@@ -43,7 +43,8 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
       give_up_fd("shm_open");
     } else if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
       give_up_fd("sizing the segment");
-    } else if (int err = posix_fallocate(fd, 0, static_cast<off_t>(std::min(bytes, options.reserve_bytes)));
+    } else if (int err = posix_fallocate(
+                   fd, 0, static_cast<off_t>(std::min(bytes, options.reserve_bytes)));
                err != 0) {
       errno = err;
       give_up_fd("reserving the segment in /dev/shm");
@@ -90,7 +91,8 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
     if (fd >= 0) close(fd);
     throw;
   }
-  if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
+  if (rank == 0 && !name.empty())
+    shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
   if (!all_attached) {
     if (attached) munmap(base, bytes);
     if (fd >= 0) close(fd);

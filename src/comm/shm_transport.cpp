@@ -2,11 +2,11 @@
 #include "comm/shm_transport.h"
 
 #include <linux/futex.h>
-#include <sys/stat.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,7 +26,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kLine = 64;
-constexpr auto kYieldBeforeSleeping = std::chrono::milliseconds(2);  // one cache line per rank's record: no false sharing between ranks
+constexpr auto kYieldBeforeSleeping = std::chrono::milliseconds(
+    2);  // one cache line per rank's record: no false sharing between ranks
 
 // The segment starts with this header, then one RankRecord per rank, then the slots at a page boundary.
 struct Header {
@@ -35,9 +36,10 @@ struct Header {
   std::atomic<int32_t> aborted_kind;  // its ShmFailure::Kind, so peers report the same cause
 };
 struct alignas(kLine) RankRecord {
-  std::atomic<uint64_t> phase;      // barriers this rank has reached
-  std::atomic<int32_t> pid;         // to tell a dead peer from a slow one...
-  std::atomic<uint64_t> pid_ns;     // ...when it lives in our pid namespace (containers sharing /dev/shm)
+  std::atomic<uint64_t> phase;  // barriers this rank has reached
+  std::atomic<int32_t> pid;     // to tell a dead peer from a slow one...
+  std::atomic<uint64_t>
+      pid_ns;  // ...when it lives in our pid namespace (containers sharing /dev/shm)
   // Numel, dtype and op of this rank's current operation, in field (operation count % 2): a rank that runs
   // ahead writes the other field, so a slower one still reads the right one (see agree()).
   std::atomic<uint64_t> signature[2];
@@ -48,7 +50,9 @@ uint64_t own_pid_namespace() {
   return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
 }
 
-RankRecord* records_of(void* base) { return reinterpret_cast<RankRecord*>(static_cast<char*>(base) + kLine); }
+RankRecord* records_of(void* base) {
+  return reinterpret_cast<RankRecord*>(static_cast<char*>(base) + kLine);
+}
 
 size_t slots_offset(int size) {
   size_t raw = kLine + kLine * static_cast<size_t>(size);
@@ -63,7 +67,6 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::mic
 void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
-
 
 // Copies a rank's data into its own slot. The slot's cache lines were last read by the peers, on other
 // cores; ordinary stores must first take each line back from them, which on a 2-core VM made copying a
@@ -119,13 +122,19 @@ void combine_typed(char* out, const char* a, const char* b, int64_t n, ReduceOp 
 }
 
 // out = a (op) b, elementwise over n elements of `type`.
-void combine_into(at::ScalarType type, char* out, const char* a, const char* b, int64_t n, ReduceOp op) {
+void combine_into(at::ScalarType type, char* out, const char* a, const char* b, int64_t n,
+                  ReduceOp op) {
   switch (type) {
-    case at::kFloat: return combine_typed<float>(out, a, b, n, op);
-    case at::kDouble: return combine_typed<double>(out, a, b, n, op);
-    case at::kInt: return combine_typed<int32_t>(out, a, b, n, op);
-    case at::kLong: return combine_typed<int64_t>(out, a, b, n, op);
-    default: throw InternalError("shared-memory all-reduce called for an unsupported dtype");
+    case at::kFloat:
+      return combine_typed<float>(out, a, b, n, op);
+    case at::kDouble:
+      return combine_typed<double>(out, a, b, n, op);
+    case at::kInt:
+      return combine_typed<int32_t>(out, a, b, n, op);
+    case at::kLong:
+      return combine_typed<int64_t>(out, a, b, n, op);
+    default:
+      throw InternalError("shared-memory all-reduce called for an unsupported dtype");
   }
 }
 
@@ -174,7 +183,8 @@ std::unique_ptr<ShmTransport> ShmTransport::create(c10d::Store& store, int rank,
   auto segment = map_group_segment(store, "shm", rank, size, timeout, options, problem);
   if (!segment) {
     if (!problem.empty()) {
-      DTRAIN_LOG(kWarn, "shared memory unavailable (" << problem << "); all-reduce goes through Gloo");
+      DTRAIN_LOG(kWarn,
+                 "shared memory unavailable (" << problem << "); all-reduce goes through Gloo");
     }
     return nullptr;
   }
@@ -220,8 +230,8 @@ std::shared_future<void> ShmTransport::enqueue(std::function<void()> job) {
       {
         std::lock_guard<std::mutex> guard(mutex_);
         if (stop_) {
-          failure = std::make_exception_ptr(
-              ShmFailure("the group was destroyed before the operation ran", ShmFailure::Kind::kDestroyed));
+          failure = std::make_exception_ptr(ShmFailure(
+              "the group was destroyed before the operation ran", ShmFailure::Kind::kDestroyed));
         }
         if (broken_) failure = broken_;
       }
@@ -248,7 +258,9 @@ std::shared_future<void> ShmTransport::all_reduce_async(const at::Tensor& tensor
   return enqueue([this, tensor, op, timeout] { all_reduce(tensor, op, timeout); });
 }
 
-std::shared_future<void> ShmTransport::flush() { return enqueue([] {}); }
+std::shared_future<void> ShmTransport::flush() {
+  return enqueue([] {});
+}
 
 void ShmTransport::run_queue() {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -260,8 +272,9 @@ void ShmTransport::run_queue() {
     lock.unlock();
     auto began = Clock::now();
     job();  // fails at once, without touching the segment, once stopping or broken
-    busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - began).count(),
-                       std::memory_order_relaxed);
+    busy_ns_.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - began).count(),
+        std::memory_order_relaxed);
     lock.lock();
   }
 }
@@ -299,11 +312,13 @@ void ShmTransport::barrier(Clock::time_point deadline) {
       // here, or the peer that gave up.
       auto kind = static_cast<ShmFailure::Kind>(control_->header.aborted_kind.load());
       if (kind == ShmFailure::Kind::kDestroyed) kind = ShmFailure::Kind::kPeerLost;
-      const char* cause = kind == ShmFailure::Kind::kTimeout    ? "timed out"
-                          : kind == ShmFailure::Kind::kMismatch ? "ranks passed different tensors (numel, dtype) or ops"
-                                                                : "peer lost";
-      throw ShmFailure("group rank " + std::to_string(failed - 1) + " gave up on this operation (" + cause + ")",
-                       kind, late >= 0 ? late : failed - 1);
+      const char* cause = kind == ShmFailure::Kind::kTimeout ? "timed out"
+                          : kind == ShmFailure::Kind::kMismatch
+                              ? "ranks passed different tensors (numel, dtype) or ops"
+                              : "peer lost";
+      throw ShmFailure(
+          "group rank " + std::to_string(failed - 1) + " gave up on this operation (" + cause + ")",
+          kind, late >= 0 ? late : failed - 1);
     }
     if (late < 0) return;
     if (spins < 100) continue;  // the peer is usually microseconds away
@@ -316,8 +331,9 @@ void ShmTransport::barrier(Clock::time_point deadline) {
       sched_yield();
       continue;
     }
-    if (now > deadline) abort(ShmFailure("timed out waiting for group rank " + std::to_string(late),
-                                         ShmFailure::Kind::kTimeout, late));
+    if (now > deadline)
+      abort(ShmFailure("timed out waiting for group rank " + std::to_string(late),
+                       ShmFailure::Kind::kTimeout, late));
     if (now > next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(200);
       for (int r = 0; r < size_; ++r) {
@@ -325,22 +341,25 @@ void ShmTransport::barrier(Clock::time_point deadline) {
         bool same_namespace = records[r].pid_ns.load() == my_namespace;
         if (records[r].phase.load() < target && pid > 0 && same_namespace && kill(pid, 0) != 0 &&
             errno == ESRCH) {
-          abort(ShmFailure("group rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited",
-                           ShmFailure::Kind::kPeerLost, r));
+          abort(ShmFailure(
+              "group rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ") exited",
+              ShmFailure::Kind::kPeerLost, r));
         }
       }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stop_) {
-        abort(ShmFailure("the group was destroyed during the operation", ShmFailure::Kind::kDestroyed));
+        abort(ShmFailure("the group was destroyed during the operation",
+                         ShmFailure::Kind::kDestroyed));
       }
     }
     futex_wait(wake_word, seen, std::chrono::microseconds(1000));
   }
 }
 
-void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
+void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op,
+                              std::chrono::milliseconds timeout) {
   if (!tensor.is_contiguous()) {
     at::Tensor packed = tensor.contiguous();
     all_reduce(packed, op, timeout);
@@ -354,7 +373,8 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono
   const int64_t numel = tensor.numel();
   char* data = static_cast<char*>(tensor.data_ptr());
 
-  publish((static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(type) ^ (static_cast<uint64_t>(op) << 4));
+  publish((static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(type) ^
+          (static_cast<uint64_t>(op) << 4));
   if (numel == 0) {
     barrier(deadline);
     check_agreement("all-reduce", numel, type);
@@ -380,7 +400,8 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, std::chrono
     const int64_t begin = n * rank_ / size_, end = n * (rank_ + 1) / size_;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
-      reduce_into(type, slot(set, rank_) + begin * element, slot(set, r) + begin * element, end - begin, op);
+      reduce_into(type, slot(set, rank_) + begin * element, slot(set, r) + begin * element,
+                  end - begin, op);
     }
     barrier(deadline);
     for (int r = 0; r < size_; ++r) {
@@ -404,30 +425,38 @@ void ShmTransport::check_agreement(const char* what, int64_t numel, at::ScalarTy
   for (int r = 0; r < size_; ++r) {
     if (records[r].signature[field].load(std::memory_order_relaxed) != signature_) {
       abort(ShmFailure("group ranks " + std::to_string(rank_) + " and " + std::to_string(r) +
-                           " passed different tensors (numel, dtype) or ops to the same " + what + " (this rank: " +
-                           std::to_string(numel) + " elements of " + c10::toString(type) + ")",
+                           " passed different tensors (numel, dtype) or ops to the same " + what +
+                           " (this rank: " + std::to_string(numel) + " elements of " +
+                           c10::toString(type) + ")",
                        ShmFailure::Kind::kMismatch, r));
     }
   }
 }
 
-std::shared_future<void> ShmTransport::all_gather_async(std::vector<at::Tensor> outputs, const at::Tensor& input,
+std::shared_future<void> ShmTransport::all_gather_async(std::vector<at::Tensor> outputs,
+                                                        const at::Tensor& input,
                                                         std::chrono::milliseconds timeout) {
-  return enqueue([this, outputs = std::move(outputs), input, timeout] { all_gather(outputs, input, timeout); });
+  return enqueue([this, outputs = std::move(outputs), input, timeout] {
+    all_gather(outputs, input, timeout);
+  });
 }
 
-std::shared_future<void> ShmTransport::reduce_scatter_async(const at::Tensor& output, std::vector<at::Tensor> inputs,
-                                                            ReduceOp op, std::chrono::milliseconds timeout) {
+std::shared_future<void> ShmTransport::reduce_scatter_async(const at::Tensor& output,
+                                                            std::vector<at::Tensor> inputs,
+                                                            ReduceOp op,
+                                                            std::chrono::milliseconds timeout) {
   return enqueue([this, output, inputs = std::move(inputs), op, timeout] {
     reduce_scatter(output, inputs, op, timeout);
   });
 }
 
-std::shared_future<void> ShmTransport::all_reduce_regions_async(std::vector<char*> regions, int64_t numel,
-                                                                at::ScalarType type, double scale,
+std::shared_future<void> ShmTransport::all_reduce_regions_async(std::vector<char*> regions,
+                                                                int64_t numel, at::ScalarType type,
+                                                                double scale,
                                                                 std::chrono::milliseconds timeout) {
   if (type != at::kFloat && type != at::kDouble) {
-    throw InternalError("shared-memory region all-reduce called for " + std::string(c10::toString(type)));
+    throw InternalError("shared-memory region all-reduce called for " +
+                        std::string(c10::toString(type)));
   }
   return enqueue([this, regions = std::move(regions), numel, type, scale, timeout] {
     all_reduce_regions(regions, numel, type, scale, timeout);
@@ -436,8 +465,9 @@ std::shared_future<void> ShmTransport::all_reduce_regions_async(std::vector<char
 
 constexpr uint64_t kRegionsTag = uint64_t{1} << 60;
 
-void ShmTransport::all_reduce_regions(const std::vector<char*>& regions, int64_t numel, at::ScalarType type,
-                                      double scale, std::chrono::milliseconds timeout) {
+void ShmTransport::all_reduce_regions(const std::vector<char*>& regions, int64_t numel,
+                                      at::ScalarType type, double scale,
+                                      std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   publish(kRegionsTag ^ (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(type));
   barrier(deadline);  // every rank's part is complete
@@ -447,13 +477,15 @@ void ShmTransport::all_reduce_regions(const std::vector<char*>& regions, int64_t
   // one line.
   constexpr int64_t kAlign = 16;
   const int64_t per_rank = (numel + size_ * kAlign - 1) / (size_ * kAlign) * kAlign;
-  const int64_t begin = std::min(numel, per_rank * rank_), end = std::min(numel, per_rank * (rank_ + 1));
+  const int64_t begin = std::min(numel, per_rank * rank_),
+                end = std::min(numel, per_rank * (rank_ + 1));
   if (type == at::kFloat) {
     sum_into_every_region<float>(regions, begin, end, static_cast<float>(scale));
   } else {
     sum_into_every_region<double>(regions, begin, end, scale);
   }
-  barrier(deadline);  // every region holds the whole result, and no rank reads another's region any more
+  barrier(
+      deadline);  // every region holds the whole result, and no rank reads another's region any more
 }
 
 // Signatures of the two collectives below differ from an all-reduce's in their top bits, so ranks that
@@ -466,11 +498,13 @@ void ShmTransport::all_gather(const std::vector<at::Tensor>& outputs, const at::
   const auto deadline = Clock::now() + timeout;
   const at::Tensor in = input.contiguous();
   std::vector<at::Tensor> out(outputs.size());
-  for (size_t r = 0; r < outputs.size(); ++r) out[r] = outputs[r].is_contiguous() ? outputs[r] : outputs[r].contiguous();
+  for (size_t r = 0; r < outputs.size(); ++r)
+    out[r] = outputs[r].is_contiguous() ? outputs[r] : outputs[r].contiguous();
   const int64_t element = static_cast<int64_t>(in.element_size());
   const int64_t per_chunk = kChunkBytes / element;
   const int64_t numel = in.numel();
-  publish(kAllGatherTag ^ (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(in.scalar_type()));
+  publish(kAllGatherTag ^ (static_cast<uint64_t>(numel) << 8) ^
+          static_cast<uint64_t>(in.scalar_type()));
   if (numel == 0) {
     barrier(deadline);
     check_agreement("all-gather", numel, in.scalar_type());
@@ -483,7 +517,8 @@ void ShmTransport::all_gather(const std::vector<at::Tensor>& outputs, const at::
     barrier(deadline);
     if (offset == 0) check_agreement("all-gather", numel, in.scalar_type());
     for (int r = 0; r < size_; ++r) {
-      std::memcpy(static_cast<char*>(out[r].data_ptr()) + offset * element, slot(set, r), n * element);
+      std::memcpy(static_cast<char*>(out[r].data_ptr()) + offset * element, slot(set, r),
+                  n * element);
     }
   }
   for (size_t r = 0; r < outputs.size(); ++r) {
@@ -491,8 +526,8 @@ void ShmTransport::all_gather(const std::vector<at::Tensor>& outputs, const at::
   }
 }
 
-void ShmTransport::reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
-                                  std::chrono::milliseconds timeout) {
+void ShmTransport::reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs,
+                                  ReduceOp op, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   std::vector<at::Tensor> in(inputs.size());
   for (size_t r = 0; r < inputs.size(); ++r) in[r] = inputs[r].contiguous();
@@ -513,14 +548,16 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const std::vector<at
     const int set = static_cast<int>(chunks_++ % 2);
     for (int piece = 0; piece < size_; ++piece) {
       copy_into_slot(slot(set, rank_) + piece * n * element,
-                     static_cast<const char*>(in[piece].data_ptr()) + offset * element, n * element);
+                     static_cast<const char*>(in[piece].data_ptr()) + offset * element,
+                     n * element);
     }
     barrier(deadline);
     if (offset == 0) check_agreement("reduce-scatter", numel, type);
     // Every rank's piece `rank_`, summed in rank order: the same operands in the same order on any rank.
     char* mine = result + offset * element;
     std::memcpy(mine, slot(set, 0) + rank_ * n * element, n * element);
-    for (int r = 1; r < size_; ++r) reduce_into(type, mine, slot(set, r) + rank_ * n * element, n, op);
+    for (int r = 1; r < size_; ++r)
+      reduce_into(type, mine, slot(set, r) + rank_ * n * element, n, op);
   }
   if (!out.is_same(output)) output.copy_(out);
 }

@@ -173,12 +173,6 @@ class ShmMessageInFlight : public InFlight {
 
 }  // namespace
 
-std::string seconds_text(Clock::duration elapsed) {
-  std::ostringstream out;
-  out << std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count() / 1000.0 << " s";
-  return out.str();
-}
-
 GroupState::GroupState() = default;
 
 GroupState::~GroupState() {
@@ -194,9 +188,7 @@ GroupState::~GroupState() {
   }
 }
 
-std::string GroupState::who() const {
-  return "rank " + std::to_string(global_ranks[rank]) + "/" + std::to_string(world_size);
-}
+std::string GroupState::who() const { return rank_text(global_ranks[rank], world_size); }
 
 std::string GroupState::group_label() const { return "group '" + name + "'"; }
 

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/format.h"
+
 namespace dtrain::log {
 namespace {
 
@@ -20,8 +22,11 @@ Level level_from_env() {
   if (!std::strcmp(value, "debug")) return Level::kDebug;
   if (std::strcmp(value, "warn") != 0) {
     // Not an error worth stopping a job for, but never silent.
-    std::fprintf(stderr, "[dtrain] warning: environment variable DTRAIN_LOG='%s': expected error, warn, info or "
-                         "debug; using warn\n", value);
+    std::fprintf(
+        stderr,
+        "[dtrain] warning: environment variable DTRAIN_LOG='%s': expected error, warn, info or "
+        "debug; using warn\n",
+        value);
   }
   return Level::kWarn;
 }
@@ -32,10 +37,14 @@ std::string prefix = "[dtrain] ";
 
 const char* level_name(Level level) {
   switch (level) {
-    case Level::kError: return "error";
-    case Level::kWarn: return "warning";
-    case Level::kInfo: return "info";
-    case Level::kDebug: return "debug";
+    case Level::kError:
+      return "error";
+    case Level::kWarn:
+      return "warning";
+    case Level::kInfo:
+      return "info";
+    case Level::kDebug:
+      return "debug";
   }
   return "";
 }
@@ -54,7 +63,7 @@ bool detail() {
 
 void set_rank(int rank, int world_size) {
   std::lock_guard<std::mutex> lock(prefix_mutex);
-  prefix = "[dtrain rank " + std::to_string(rank) + "/" + std::to_string(world_size) + "] ";
+  prefix = "[dtrain " + detail::rank_text(rank, world_size) + "] ";
 }
 
 void write(Level level, const std::string& message) {

@@ -3,47 +3,15 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <map>
-#include <sstream>
+
+#include "common/format.h"
 
 namespace dtrain::detail {
-namespace {
-
-// Calls back into the reducer after AccumulateGrad wrote a parameter's gradient.
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    on_ready_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> on_ready_;
-};
-
-std::string describe(const std::string& name, const at::Tensor& t) {
-  std::ostringstream out;
-  out << "'" << name << "' " << t.sizes() << " " << t.scalar_type();
-  return out.str();
-}
-
-// FNV-1a: a stable 64-bit fingerprint of a parameter's name, dtype and shape, compared across ranks.
-int64_t fingerprint(const std::string& name, const at::Tensor& t) {
-  std::ostringstream text;
-  text << name << '|' << t.scalar_type() << '|' << t.sizes();
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(hash >> 1);
-}
-
-}  // namespace
 
 Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
                  DistributedDataParallelOptions options)
@@ -51,8 +19,9 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
   if (!module_) throw UsageError(who() + ": DistributedDataParallel: the module is null");
   if (!group_) throw UsageError("DistributedDataParallel: the process group is null");
   if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0) {
-    throw UsageError(who() + ": DistributedDataParallel: bucket_cap_bytes and first_bucket_cap_bytes must "
-                             "be positive");
+    throw UsageError(who() +
+                     ": DistributedDataParallel: bucket_cap_bytes and first_bucket_cap_bytes must "
+                     "be positive");
   }
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
@@ -61,7 +30,9 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
     p.name = item.key();
     params_.push_back(std::move(p));
   }
-  check_same_parameters_everywhere();
+  std::vector<NamedParameter> named;
+  for (const auto& p : params_) named.emplace_back(p.name, p.tensor);
+  check_same_parameters(*group_, named, "DistributedDataParallel");
 
   std::vector<at::Tensor> state;
   for (auto& p : params_) state.push_back(p.tensor);
@@ -72,70 +43,19 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
   local_only_ = group_->size() == 1;
   if (!local_only_) build_buckets();
 
-  recorder_ = StepRecorder::create_if_enabled("ddp", group_.get(), group_->global_rank(), group_->global_size());
+  recorder_ = StepRecorder::create_if_enabled("ddp", group_.get(), group_->global_rank(),
+                                              group_->global_size());
 
   for (size_t i = 0; i < params_.size(); ++i) {
-    Param& p = params_[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    p.hook_key = p.accumulator->add_post_hook(
-        std::make_unique<GradientReadyHook>([this, i] { on_gradient_ready(i); }));
+    params_[i].hook =
+        std::make_unique<GradientReadyHook>(params_[i].tensor, [this, i] { on_gradient_ready(i); });
   }
 }
 
-Reducer::~Reducer() {
-  // The hooks point at this reducer; the accumulators may outlive it (the module keeps them).
-  for (auto& p : params_) p.accumulator->del_post_hook(p.hook_key);
-}
+// The hooks (removed with params_) point at this reducer.
+Reducer::~Reducer() = default;
 
-std::string Reducer::who() const {
-  if (!group_) return "rank ?";
-  return "rank " + std::to_string(group_->global_rank()) + "/" + std::to_string(group_->global_size());
-}
-
-void Reducer::check_same_parameters_everywhere() {
-  const int n = group_->size();
-  if (n == 1) return;
-  // First the counts, so the fingerprints below can be gathered in equal-sized tensors.
-  at::Tensor count = at::full({1}, static_cast<int64_t>(params_.size()), at::kLong);
-  std::vector<at::Tensor> counts(n);
-  for (auto& c : counts) c = at::empty({1}, at::kLong);
-  group_->all_gather(counts, count);
-  std::vector<int> differing;
-  for (int r = 0; r < n; ++r) {
-    if (counts[r].item<int64_t>() != counts[0].item<int64_t>()) differing.push_back(r);
-  }
-  auto ranks_text = [&](const std::vector<int>& ranks) {
-    std::ostringstream out;
-    out << "{";
-    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << group_->global_rank_of(ranks[i]);
-    out << "}";
-    return out.str();
-  };
-  const std::string fix =
-      " Likely cause: the model is built differently on some ranks (constructor arguments, flags, "
-      "randomness in its structure). Build the same model on every rank.";
-  if (!differing.empty()) {
-    throw UsageError(who() + ": DistributedDataParallel: rank 0 has " + std::to_string(counts[0].item<int64_t>()) +
-                     " trainable parameters but ranks " + ranks_text(differing) +
-                     " have a different count (this rank: " + std::to_string(params_.size()) + ")." + fix);
-  }
-  at::Tensor mine = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
-  for (size_t i = 0; i < params_.size(); ++i) mine[i] = fingerprint(params_[i].name, params_[i].tensor);
-  std::vector<at::Tensor> all(n);
-  for (auto& t : all) t = at::empty_like(mine);
-  group_->all_gather(all, mine);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    for (int r = 1; r < n; ++r) {
-      if (!at::equal(all[r][i], all[0][i])) differing.push_back(r);
-    }
-    if (!differing.empty()) {
-      throw UsageError(who() + ": DistributedDataParallel: parameter #" + std::to_string(i) +
-                       " differs between ranks: ranks " + ranks_text(differing) +
-                       " do not match rank 0 in name, shape or dtype (here it is " +
-                       describe(params_[i].name, params_[i].tensor) + ")." + fix);
-    }
-  }
-}
+std::string Reducer::who() const { return group_ ? rank_text(*group_) : "rank ?"; }
 
 void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
   if (group_->size() == 1) return;
@@ -157,29 +77,13 @@ void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
 }
 
 void Reducer::build_buckets() {
-  // Reverse registration order approximates the order in which backward produces gradients.
-  // Buckets hold one dtype (and device) each.
-  std::map<std::pair<at::ScalarType, std::string>, size_t> open;  // (dtype, device) -> open bucket
-  std::vector<int64_t> bucket_bytes;
-  for (size_t k = params_.size(); k-- > 0;) {
-    Param& p = params_[k];
-    auto key = std::make_pair(p.tensor.scalar_type(), p.tensor.device().str());
-    int64_t bytes = p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
-    auto it = open.find(key);
-    bool fits = false;
-    if (it != open.end()) {
-      int64_t cap = it->second == 0 ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
-      fits = bucket_bytes[it->second] + bytes <= cap || buckets_[it->second].params.empty();
-    }
-    if (!fits) {
-      buckets_.emplace_back();
-      bucket_bytes.push_back(0);
-      open[key] = buckets_.size() - 1;
-      it = open.find(key);
-    }
-    buckets_[it->second].params.push_back(k);
-    bucket_bytes[it->second] += bytes;
-    p.bucket = it->second;
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  for (auto& indices :
+       assign_buckets(tensors, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes)) {
+    buckets_.emplace_back();
+    for (size_t k : indices) params_[k].bucket = buckets_.size() - 1;
+    buckets_.back().params = std::move(indices);
   }
   // Ranks on one host keep the buckets in shared memory, each at a 64-byte (cache-line) boundary.
   std::vector<int64_t> numels;
@@ -212,9 +116,11 @@ void Reducer::build_buckets() {
       // An alias of the bucket's memory that autograd does not track as a view: LibTorch's zero_grad()
       // calls detach_() on gradients, which a view would refuse.
       std::vector<int64_t> strides(p.tensor.dim(), 1);
-      for (int64_t d = p.tensor.dim() - 1; d > 0; --d) strides[d - 1] = strides[d] * p.tensor.size(d);
+      for (int64_t d = p.tensor.dim() - 1; d > 0; --d)
+        strides[d - 1] = strides[d] * p.tensor.size(d);
       p.slot = at::empty({0}, bucket.buffer.options());
-      p.slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset, p.tensor.sizes(), strides);
+      p.slot.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + offset,
+                  p.tensor.sizes(), strides);
       offset += p.tensor.numel();
       // A parameter without a gradient gets its slot when backward first produces one (mark_ready).
       if (options_.gradient_as_bucket_view && p.tensor.grad().defined()) {
@@ -251,11 +157,12 @@ void Reducer::prepare_forward(int64_t samples) {
     if (launched > 0) {
       // This rank already started some of its buckets' all-reduces; the other ranks may have started
       // others. Going on would pair different buckets across ranks.
-      throw CommError(who() + ": DistributedDataParallel: the previous backward failed after starting " +
-                      std::to_string(launched) + " of " + std::to_string(buckets_.size()) +
-                      " bucket all-reduces, so the ranks are out of step. Catching an exception from "
-                      "backward() and going on is not supported; restart the job (an elastic restart "
-                      "does this) or skip a batch only before backward().");
+      throw CommError(
+          who() + ": DistributedDataParallel: the previous backward failed after starting " +
+          std::to_string(launched) + " of " + std::to_string(buckets_.size()) +
+          " bucket all-reduces, so the ranks are out of step. Catching an exception from "
+          "backward() and going on is not supported; restart the job (an elastic restart "
+          "does this) or skip a batch only before backward().");
     }
   }
   sync_this_iteration_ = no_sync_depth_.load() == 0;
@@ -292,10 +199,11 @@ void Reducer::on_gradient_ready(size_t index) {
     }
   }
   if (params_[index].ready) {
-    throw UsageError(who() + ": DistributedDataParallel: parameter '" + params_[index].name +
-                     "' received its gradient twice in one backward. Likely cause: reentrant activation "
-                     "checkpointing or a second backward through the same graph; DDP supports one "
-                     "gradient per parameter per backward.");
+    throw UsageError(
+        who() + ": DistributedDataParallel: parameter '" + params_[index].name +
+        "' received its gradient twice in one backward. Likely cause: reentrant activation "
+        "checkpointing or a second backward through the same graph; DDP supports one "
+        "gradient per parameter per backward.");
   }
   mark_ready(index);
   if (options_.overlap) launch_ready_buckets();
@@ -327,7 +235,8 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch_ready_buckets() {
-  while (!local_only_ && next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+  while (!local_only_ && next_to_launch_ < buckets_.size() &&
+         buckets_[next_to_launch_].pending == 0) {
     launch(next_to_launch_++);
   }
 }
@@ -339,7 +248,8 @@ void Reducer::launch(size_t bucket_index) {
     // reduction itself, in the same pass.
     const double scale = options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
     StepRecorder::Blocked blocked(recorder_.get());
-    bucket.work = shared_->all_reduce_async(bucket.offset, bucket.buffer.numel(), bucket.buffer.scalar_type(), scale);
+    bucket.work = shared_->all_reduce_async(bucket.offset, bucket.buffer.numel(),
+                                            bucket.buffer.scalar_type(), scale);
     return;
   }
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
@@ -379,14 +289,16 @@ void Reducer::finalize_backward() {
           }
         }
       }
-      std::ostringstream names;
-      for (size_t i = 0; i < missing.size() && i < 10; ++i) names << (i ? ", " : "") << params_[missing[i]].name;
-      if (missing.size() > 10) names << ", ... (" << missing.size() << " in all)";
+      std::vector<std::string> names;
+      for (size_t i : missing) names.push_back(params_[i].name);
       throw UsageError(
-          who() + ": DistributedDataParallel: these parameters received no gradient in this backward: " +
-          names.str() +
-          ". Every parameter must take part in computing the loss, or DDP cannot know when its gradients "
-          "are complete. Fix: construct DDP with options.find_unused_parameters = true, or remove the "
+          who() +
+          ": DistributedDataParallel: these parameters received no gradient in this backward: " +
+          list_text(names) +
+          ". Every parameter must take part in computing the loss, or DDP cannot know when its "
+          "gradients "
+          "are complete. Fix: construct DDP with options.find_unused_parameters = true, or remove "
+          "the "
           "unused parameters from the module (or set requires_grad(false) on them).");
     }
     for (size_t i : missing) mark_ready(i);
@@ -421,7 +333,8 @@ void Reducer::finalize_backward() {
     if (used_anywhere && used_anywhere[i] == 0) {
       // Unused on every rank: .grad stays as it was. An optimizer skips a parameter without a gradient
       // but would apply weight decay or momentum to a zero one.
-      if (options_.gradient_as_bucket_view && p.had_no_gradient) p.tensor.mutable_grad() = at::Tensor();
+      if (options_.gradient_as_bucket_view && p.had_no_gradient)
+        p.tensor.mutable_grad() = at::Tensor();
       continue;
     }
     if (options_.gradient_as_bucket_view) continue;  // the gradient is the slot

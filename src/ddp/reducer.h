@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "comm/shared_buckets.h"
-#include "common/compat.h"
+#include "common/gradient_sync.h"
 #include "dtrain/ddp.h"
 #include "profile/step_recorder.h"
 
@@ -44,24 +44,22 @@ class Reducer {
 
  private:
   struct Bucket {
-    at::Tensor buffer;            // flat gradients of the bucket's parameters
-    int64_t offset = 0;           // of the buffer in shared_'s region, in bytes
-    std::vector<size_t> params;   // indices into params_
-    size_t pending = 0;           // parameters whose gradient has not arrived in this backward
-    Work work;                    // the plain all-reduce (no comm hook)
+    at::Tensor buffer;           // flat gradients of the bucket's parameters
+    int64_t offset = 0;          // of the buffer in shared_'s region, in bytes
+    std::vector<size_t> params;  // indices into params_
+    size_t pending = 0;          // parameters whose gradient has not arrived in this backward
+    Work work;                   // the plain all-reduce (no comm hook)
   };
   struct Param {
     at::Tensor tensor;
-    std::string name;                                      // module path, for error messages
-    compat::GradAccumulatorPtr accumulator;  // kept alive: the hook lives on it
-    uintptr_t hook_key = 0;
+    std::string name;                         // module path, for error messages
+    std::unique_ptr<GradientReadyHook> hook;  // calls on_gradient_ready
     size_t bucket = 0;
-    at::Tensor slot;                                       // this parameter's view into its bucket
-    bool ready = false;                                    // its gradient arrived in this backward
-    bool had_no_gradient = false;                          // .grad was undefined when it became ready
+    at::Tensor slot;               // this parameter's view into its bucket
+    bool ready = false;            // its gradient arrived in this backward
+    bool had_no_gradient = false;  // .grad was undefined when it became ready
   };
 
-  void check_same_parameters_everywhere();
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
   void build_buckets();
   void on_gradient_ready(size_t index);
@@ -85,7 +83,7 @@ class Reducer {
   // a gradient (for the unused-parameter error); no buckets, no copies, no collectives.
   bool local_only_ = false;
 
-  std::mutex mutex_;               // hooks of a CUDA backward may run on several device threads
+  std::mutex mutex_;  // hooks of a CUDA backward may run on several device threads
   std::atomic<int> no_sync_depth_{0};
   bool sync_this_iteration_ = true;
   bool backward_started_ = false;

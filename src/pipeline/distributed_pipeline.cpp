@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 
+#include "common/format.h"
 #include "ddp/reducer.h"
 #include "pipeline/stage_runner.h"
 
@@ -274,10 +275,7 @@ class DistributedPipelineImpl {
   }
 
  private:
-  std::string who() const {
-    return "rank " + std::to_string(group_->global_rank()) + "/" +
-           std::to_string(group_->global_size());
-  }
+  std::string who() const { return rank_text(*group_); }
   std::string stage_label(int stage) const {
     return "stage " + std::to_string(stage) + " (rank " +
            std::to_string(group_->global_rank_of(stage)) + ")";

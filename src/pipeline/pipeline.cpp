@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/format.h"
 #include "pipeline/stage_runner.h"
 
 namespace dtrain {
@@ -44,7 +45,7 @@ class Mailboxes {
     if (aborted_) throw StageAborted();
     if (!arrived) {
       throw TimeoutError("pipeline stage " + std::to_string(stage) + ": waited " +
-                         std::to_string(timeout_.count() / 1000.0) + " s for a tensor from stage " +
+                         detail::seconds_text(timeout_) + " for a tensor from stage " +
                          std::to_string(from_stage) + " (message " + std::to_string(tag) +
                          ") that never came. Likely cause: stage " + std::to_string(from_stage) +
                          " is stuck in its forward or backward (a dtrain bug if it is idle).");

@@ -12,6 +12,7 @@
 #include <ctime>
 #include <nlohmann/json.hpp>
 
+#include "common/format.h"
 #include "common/log.h"
 #include "dtrain/comm.h"
 #include "dtrain/profile.h"
@@ -42,9 +43,8 @@ std::unique_ptr<StepRecorder> StepRecorder::create_if_enabled(const std::string&
   if (path == nullptr || *path == '\0') return nullptr;
   int fd = ::open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
-    throw UsageError("rank " + std::to_string(rank) + "/" + std::to_string(world_size) +
-                     ": environment variable DTRAIN_PROFILE='" + path +
-                     "': cannot open it for appending (" + std::strerror(errno) +
+    throw UsageError(rank_text(rank, world_size) + ": environment variable DTRAIN_PROFILE='" +
+                     path + "': cannot open it for appending (" + std::strerror(errno) +
                      "); give a writable file path or unset it");
   }
   return std::unique_ptr<StepRecorder>(new StepRecorder(strategy, group, rank, world_size, fd));

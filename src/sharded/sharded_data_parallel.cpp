@@ -13,33 +13,17 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
 #include <mutex>
-#include <sstream>
 #include <unordered_map>
 
-#include "common/compat.h"
+#include "common/format.h"
+#include "common/gradient_sync.h"
 #include "dtrain/sharded.h"
 #include "sharded/flat_storage.h"
 
 namespace dtrain {
 namespace detail {
 namespace {
-
-// Calls back after AccumulateGrad wrote a parameter's gradient (as DDP's reducer does).
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    on_ready_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> on_ready_;
-};
 
 // Calls back before AccumulateGrad runs (LibTorch 1.13 cannot remove such a hook: it checks that
 // its ShardedDataParallel still exists).
@@ -58,16 +42,6 @@ class BeforeAccumulateHook : public torch::autograd::FunctionPreHook {
 };
 
 int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
-
-// A stable 64-bit fingerprint of the parameters' names, dtypes and shapes, compared across ranks.
-int64_t fingerprint(const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  std::ostringstream text;
-  for (const auto& [name, t] : named)
-    text << name << '|' << t.scalar_type() << '|' << t.sizes() << ';';
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(hash >> 1);
-}
 
 }  // namespace
 
@@ -96,12 +70,11 @@ struct ShardedParam {
   at::Tensor parked;     // stage 3: what the parameter holds while its unit is freed (shape {0})
   at::Tensor
       sentinel;  // the placeholder gradient left after a reduction (see check_full_parameters)
-  compat::GradAccumulatorPtr accumulator;  // kept alive: the hook lives on it
-  uintptr_t post_hook = 0;
-  int64_t version = 0;  // tensor._version() when dtrain last looked
-  bool placeholder = false;  // its .grad is `sentinel`, set after the last reduction
+  std::unique_ptr<GradientReadyHook> hook;  // calls on_gradient_ready
+  int64_t version = 0;                      // tensor._version() when dtrain last looked
+  bool placeholder = false;                 // its .grad is `sentinel`, set after the last reduction
   int64_t sentinel_version = 0;
-  bool ready = false;   // its gradient arrived in this backward
+  bool ready = false;  // its gradient arrived in this backward
 };
 
 struct Unit {
@@ -132,10 +105,7 @@ class ShardedState {
                ShardedDataParallelOptions options);
   ~ShardedState();
 
-  std::string who() const {
-    return "rank " + std::to_string(group_->global_rank()) + "/" +
-           std::to_string(group_->global_size()) + ": ShardedDataParallel";
-  }
+  std::string who() const { return rank_text(*group_) + ": ShardedDataParallel"; }
 
   void prepare_forward();
   at::Tensor finish_forward(const at::Tensor& output);
@@ -235,7 +205,7 @@ ShardedState::~ShardedState() {
     }
   }
   alive_.reset();
-  for (auto& p : params_) p.accumulator->del_post_hook(p.post_hook);
+  // The post hooks go with params_.
 }
 
 void ShardedState::collect_parameters() {
@@ -258,47 +228,19 @@ void ShardedState::collect_parameters() {
 }
 
 void ShardedState::check_same_parameters_everywhere() {
-  if (world_ == 1) return;
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (auto& p : params_) named.emplace_back(p.name, p.tensor);
-  at::Tensor mine =
-      at::tensor({fingerprint(named), static_cast<int64_t>(params_.size())}, at::kLong);
-  std::vector<at::Tensor> all(world_);
-  for (auto& t : all) t = at::empty_like(mine);
-  group_->all_gather(all, mine);
-  std::vector<int> differing;
-  for (int r = 0; r < world_; ++r) {
-    if (!at::equal(all[r], all[0])) differing.push_back(group_->global_rank_of(r));
-  }
-  if (differing.empty()) return;
-  std::ostringstream ranks;
-  for (size_t i = 0; i < differing.size(); ++i) ranks << (i ? "," : "") << differing[i];
-  throw UsageError(
-      who() + ": ranks {" + ranks.str() +
-      "} have different trainable parameters (names, shapes or dtypes) than rank 0 (here: " +
-      std::to_string(params_.size()) +
-      " parameters). Likely cause: the model is built differently on some ranks. Build the same "
-      "model on every rank.");
+  std::vector<NamedParameter> named;
+  for (const auto& p : params_) named.emplace_back(p.name, p.tensor);
+  check_same_parameters(*group_, named, "ShardedDataParallel");
 }
 
 void ShardedState::build_buckets() {
-  // As DDP's buckets: reverse registration order approximates the order in which backward produces
-  // gradients; one dtype and device per unit.
-  std::map<std::pair<at::ScalarType, std::string>, size_t> open;
-  std::vector<int64_t> bytes_of_unit;
-  for (size_t k = params_.size(); k-- > 0;) {
-    const at::Tensor& t = params_[k].tensor;
-    auto key = std::make_pair(t.scalar_type(), t.device().str());
-    int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    auto it = open.find(key);
-    if (it == open.end() || bytes_of_unit[it->second] + bytes > options_.bucket_cap_bytes) {
-      units_.emplace_back();
-      bytes_of_unit.push_back(0);
-      open[key] = units_.size() - 1;
-      it = open.find(key);
-    }
-    units_[it->second].params.push_back(k);
-    bytes_of_unit[it->second] += bytes;
+  // As DDP's buckets (without its small first bucket): see assign_buckets.
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  for (auto& indices :
+       assign_buckets(tensors, options_.bucket_cap_bytes, options_.bucket_cap_bytes)) {
+    units_.emplace_back();
+    units_.back().params = std::move(indices);
   }
 }
 
@@ -448,11 +390,9 @@ void ShardedState::build_flat_buffers() {
 void ShardedState::register_hooks() {
   for (size_t i = 0; i < params_.size(); ++i) {
     ShardedParam& p = params_[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    p.post_hook = p.accumulator->add_post_hook(
-        std::make_unique<GradientReadyHook>([this, i] { on_gradient_ready(i); }));
+    p.hook = std::make_unique<GradientReadyHook>(p.tensor, [this, i] { on_gradient_ready(i); });
     // A placeholder gradient must not be accumulated into: AccumulateGrad then starts a fresh one.
-    p.accumulator->add_pre_hook(std::make_unique<BeforeAccumulateHook>(alive_, [this, i] {
+    p.hook->accumulator()->add_pre_hook(std::make_unique<BeforeAccumulateHook>(alive_, [this, i] {
       ShardedParam& param = params_[i];
       if (param.tensor.grad().defined() && param.tensor.grad().is_same(param.sentinel)) {
         param.tensor.mutable_grad() = at::Tensor();
@@ -751,11 +691,8 @@ void ShardedState::finalize_backward() {
       } catch (const std::exception&) {
       }
     }
-    std::ostringstream names;
-    for (size_t i = 0; i < missing.size() && i < 10; ++i) names << (i ? ", " : "") << missing[i];
-    if (missing.size() > 10) names << ", ... (" << missing.size() << " in all)";
     throw UsageError(
-        who() + ": these parameters received no gradient in this backward: " + names.str() +
+        who() + ": these parameters received no gradient in this backward: " + list_text(missing) +
         ". Every parameter must take part in computing the loss, or its unit's gradients are "
         "never complete. Remove the unused parameters (or set requires_grad(false) on them).");
   }

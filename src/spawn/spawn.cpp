@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/thread_launch.h"
+#include "common/format.h"
 
 extern char** environ;
 
@@ -38,10 +39,6 @@ constexpr const char* kParentVar = "DTRAIN_SPAWN_PARENT_PID";
 constexpr const char* kErrorFdVar =
     "DTRAIN_SPAWN_ERROR_FD";  // where the worker writes fn's exception
 constexpr size_t kMaxMessage = 4096;
-
-std::string who(int rank, int nprocs) {
-  return "rank " + std::to_string(rank) + "/" + std::to_string(nprocs);
-}
 
 int env_int(const char* name, int fallback) {
   const char* text = std::getenv(name);
@@ -90,7 +87,8 @@ int env_int(const char* name, int fallback) {
     message = "an exception that is not a std::exception";
   }
   if (status != 0) {
-    std::cerr << "[dtrain::spawn " << who(rank, nprocs) << "] " << message << std::endl;
+    std::cerr << "[dtrain::spawn " << detail::rank_text(rank, nprocs) << "] " << message
+              << std::endl;
     if (error_fd >= 0) {
       if (message.size() > kMaxMessage) message.resize(kMaxMessage);
       ssize_t ignored = ::write(error_fd, message.data(), message.size());
@@ -288,7 +286,7 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(127);  // the parent died before the line above
       signals.default_in_child();
-      ::fcntl(pipe_fds[1], F_SETFD, 0);         // the worker inherits the write end
+      ::fcntl(pipe_fds[1], F_SETFD, 0);  // the worker inherits the write end
       ::execve("/proc/self/exe", argv.data(), envp.data());
       ::_exit(127);
     }
@@ -321,8 +319,9 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       const bool exec_failed =
           WIFEXITED(w.status) && WEXITSTATUS(w.status) == 127 && message.empty();
       stop_and_reap_all();
-      std::string text = "dtrain::spawn: " + who(rank, nprocs) + " (pid " + std::to_string(w.pid) +
-                         ") " + describe_status(w.status) + (message.empty() ? "" : ": " + message);
+      std::string text = "dtrain::spawn: " + detail::rank_text(rank, nprocs) + " (pid " +
+                         std::to_string(w.pid) + ") " + describe_status(w.status) +
+                         (message.empty() ? "" : ": " + message);
       if (exec_failed) text += " (could not re-execute /proc/self/exe?)";
       text += "; the other ranks were stopped.";
       throw SpawnError(text, rank, WIFEXITED(w.status) ? WEXITSTATUS(w.status) : -1,
@@ -330,12 +329,14 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
     }
     if (int signo = g_job_signal; signo != 0) {
       stop_and_reap_all();
-      const std::string text = std::string("dtrain::spawn: received SIG") + sigabbrev_np(signo) + "; stopped " +
-                               std::to_string(running) + " running worker(s): SIGTERM, SIGKILL after " +
+      const std::string text = std::string("dtrain::spawn: received SIG") + sigabbrev_np(signo) +
+                               "; stopped " + std::to_string(running) +
+                               " running worker(s): SIGTERM, SIGKILL after " +
                                std::to_string(options.stop_grace.count()) + " ms";
       std::cerr << text << std::endl;
       signals.restore();  // the program's own dispositions again
-      ::raise(signo);     // by default this process ends here, killed by the signal as it would have been
+      ::raise(
+          signo);  // by default this process ends here, killed by the signal as it would have been
       throw SpawnError(text + "; the program's own handler returned", -1, -1, signo);
     }
     if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -373,8 +374,9 @@ void spawn_threads(int nprocs, const std::function<void(int)>& fn) {
   }
   for (auto& t : threads) t.join();
   if (failed_rank >= 0) {
-    throw SpawnError("dtrain::spawn: " + who(failed_rank, nprocs) + " (thread) failed: " + failure,
-                     failed_rank, -1, 0);
+    throw SpawnError(
+        "dtrain::spawn: " + detail::rank_text(failed_rank, nprocs) + " (thread) failed: " + failure,
+        failed_rank, -1, 0);
   }
 }
 

@@ -7,16 +7,13 @@
 #include <sstream>
 #include <string>
 
+#include "common/format.h"
 #include "dtrain/tensor_parallel.h"
 #include "tensor_parallel/parallel_ops.h"
 
 namespace dtrain {
 
 namespace {
-
-std::string who(const ProcessGroup& group) {
-  return "rank " + std::to_string(group.global_rank()) + "/" + std::to_string(group.global_size());
-}
 
 std::string layer_label(const char* kind, int64_t in_features, int64_t out_features) {
   return std::string(kind) + "(in_features=" + std::to_string(in_features) +
@@ -41,11 +38,11 @@ void check_construction(const char* kind, int64_t in_features, int64_t out_featu
         "to (e.g. make_rank_mesh(group, pipeline_size, tensor_size).tensor_group)");
   }
   if (in_features < 1 || out_features < 1) {
-    throw UsageError(who(*group) + ": " + layer +
+    throw UsageError(detail::rank_text(*group) + ": " + layer +
                      ": in_features and out_features must be at least 1");
   }
   if (split_features < group->size()) {
-    throw UsageError(who(*group) + ": " + layer + ": " + split_name + "=" +
+    throw UsageError(detail::rank_text(*group) + ": " + layer + ": " + split_name + "=" +
                      std::to_string(split_features) + " cannot be split over the " +
                      std::to_string(group->size()) + " ranks of group '" + group->name() +
                      "': every rank needs at least one feature. Use a smaller "
@@ -62,7 +59,7 @@ void check_input(const char* kind, int64_t in_features, int64_t out_features,
                        : input.dim() == 0 ? "a 0-dimensional tensor"
                                           : "shape " + shape_of(input) + ", last dimension " +
                                                 std::to_string(input.size(-1));
-  throw UsageError(who(group) + ": " + layer_label(kind, in_features, out_features) +
+  throw UsageError(detail::rank_text(group) + ": " + layer_label(kind, in_features, out_features) +
                    " forward on tensor rank " + std::to_string(group.rank()) + "/" +
                    std::to_string(group.size()) + " of group '" + group.name() +
                    "': the input has " + actual + ", expected last dimension " +

@@ -370,7 +370,8 @@ TEST(ShardedDataParallelErrors, UnitWithoutParameters) {
     ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, options);
   });
   EXPECT_NE(message.find("rank 0/2"), std::string::npos) << message;
-  EXPECT_NE(message.find("child 1 ('torch::nn::ReLUImpl') would have no parameters"), std::string::npos)
+  EXPECT_NE(message.find("child 1 ('torch::nn::ReLUImpl') would have no parameters"),
+            std::string::npos)
       << message;
   EXPECT_NE(message.find("WrapPolicy::kMinParams"), std::string::npos) << message;
 }
@@ -396,6 +397,33 @@ TEST(ShardedDataParallelErrors, OptimizerOverTheFullParameters) {
       EXPECT_NE(message.find("optimizer was built over module->parameters()"), std::string::npos)
           << message;
     }
+  }
+}
+
+// The same check as DDP's (common/gradient_sync.h): the first differing parameter, what each side
+// has, on every rank.
+TEST(ShardedDataParallelErrors, DifferentModelsAreNamed) {
+  std::vector<std::string> messages(2);
+  run_group(2, [&](int rank, ProcessGroup& group) {
+    auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+    torch::nn::Sequential net(torch::nn::Linear(kInputs, rank == 1 ? 8 : 7), torch::nn::ReLU());
+    try {
+      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg);
+    } catch (const UsageError& e) {
+      messages[rank] = e.what();
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string& message = messages[rank];
+    EXPECT_NE(message.find("rank " + std::to_string(rank) +
+                           "/2: ShardedDataParallel: parameter #0 "
+                           "differs between ranks: ranks {1} do not match rank 0"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(
+        message.find("rank 0 has '0.weight' [7, 6] Float, rank 1 has '0.weight' [8, 6] Float."),
+        std::string::npos)
+        << message;
   }
 }
 

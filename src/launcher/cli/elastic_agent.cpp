@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/elastic/c10d_backend.h"
 #include "launcher/elastic/ports.h"
@@ -159,7 +160,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     if (Clock::now() >= deadline) {
       throw UsageError("dtrain run: --rdzv-endpoint " + endpoint +
                        ": no rendezvous store answered within " +
-                       seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
+                       detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
                        "); start the agent on the node that has this address, or fix the "
                        "endpoint");
     }
@@ -236,7 +237,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
   auto leave_on_signal = [&](int signo) {
     say("received " + elastic::signal_name(signo) + "; passing SIGTERM to " +
         std::to_string(group.running()) + " worker(s) (SIGKILL after " +
-        seconds_text(options.grace_period_s) + ") and leaving the rendezvous");
+        detail::seconds_text(options.grace_period_s) + ") and leaving the rendezvous");
     try {
       if (server) {
         // The store leaves with this process: tell the others now, while it still answers, rather
@@ -321,7 +322,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         std::to_string(round->group_rank) + " of " + std::to_string(round->group_world_size) +
         ", WORLD_SIZE " + std::to_string(round->world_size) + ", master " + round->master_addr +
         ":" + std::to_string(round->master_port) + " (rendezvous took " +
-        seconds_text(since(rendezvous_start)) + ")");
+        detail::seconds_text(since(rendezvous_start)) + ")");
     group.start(worker_round);
 
     for (bool round_running = true; round_running;) {
@@ -368,7 +369,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
             store_trouble_since = Clock::now();
             say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
                 "); the workers keep running while it is retried for up to " +
-                seconds_text(store_patience.count() / 1000.0));
+                detail::seconds_text(store_patience.count() / 1000.0));
           }
           if (Clock::now() - store_trouble_since < store_patience) continue;
           say(store_lost(options, error) + "; stopping " + std::to_string(group.running()) +
@@ -387,7 +388,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
           return 1;
         }
         say("new round: " + verdict.message + "; stopped " + std::to_string(running) +
-            " worker(s) of this node in " + seconds_text(since(stop_start)));
+            " worker(s) of this node in " + detail::seconds_text(since(stop_start)));
         round_running = false;
         continue;
       }
@@ -427,7 +428,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
         return root.launcher_exit_code();
       }
       say("new round: " + verdict.message + "; stopped this node's workers in " +
-          seconds_text(stop_seconds));
+          detail::seconds_text(stop_seconds));
       round_running = false;
     }
   }

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <system_error>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/elastic_agent.h"
 #include "launcher/elastic/ports.h"
@@ -63,12 +64,6 @@ bool ends_with(const std::string& text, const std::string& suffix) {
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 }  // namespace
-
-std::string seconds_text(double seconds) {
-  std::ostringstream text;
-  text << std::setprecision(3) << seconds << " s";
-  return text.str();
-}
 
 // The summary of a failed attempt: the first failing worker (the root cause; the others were
 // usually stopped by us or failed because it did), how it ended, and its last stderr lines.
@@ -177,7 +172,7 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
       int signo = signals.take();
       say("received " + elastic::signal_name(signo) + "; stopping " +
           std::to_string(group.running()) + " worker(s): SIGTERM now, SIGKILL after " +
-          seconds_text(options.grace_period_s));
+          detail::seconds_text(options.grace_period_s));
       group.stop(signals.fd());
       return 128 + signo;
     }

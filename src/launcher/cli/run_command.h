@@ -37,8 +37,6 @@ int run_main(const std::vector<std::string>& args);
 void say(const std::string& message);
 // One line for an exception (dtrain's own messages already start with "dtrain run: ").
 void print_error(const std::exception& error);
-// "1.5 s".
-std::string seconds_text(double seconds);
 // The first failing worker, how it ended, and its last stderr lines.
 void print_failure_summary(const elastic::WaitResult& result,
                            const elastic::WorkerGroupRound& round);

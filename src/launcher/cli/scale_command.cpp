@@ -21,6 +21,7 @@
 #include <map>
 #include <optional>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/run_command.h"
 #include "launcher/cli/scale_options.h"
@@ -258,7 +259,7 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
     double elapsed = std::chrono::duration<double>(now - start).count();
     if (options.seconds) {
       if (elapsed >= *options.seconds) {
-        stop("stopped after " + seconds_text(*options.seconds));
+        stop("stopped after " + detail::seconds_text(*options.seconds));
         break;
       }
     } else {
@@ -281,14 +282,14 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
     }
     if (elapsed >= options.time_limit_s) {
       result.time_limit = true;
-      stop("over --time-limit " + seconds_text(options.time_limit_s) + " with " +
+      stop("over --time-limit " + detail::seconds_text(options.time_limit_s) + " with " +
            std::to_string(reader.fewest(workers)) + " of " + std::to_string(target) +
            " steps on the slowest rank");
       break;
     }
     if (now >= next_progress) {
       next_progress = now + std::chrono::seconds(10);
-      tell(std::to_string(workers) + " worker(s): " + seconds_text(elapsed) + ", " +
+      tell(std::to_string(workers) + " worker(s): " + detail::seconds_text(elapsed) + ", " +
            std::to_string(reader.fewest(workers)) + " step(s) recorded by the slowest rank");
     }
   }
@@ -404,7 +405,7 @@ int scale_main(const std::vector<std::string>& args) {
         result.ending = "could not start: " + without_prefix(failure.what());
       }
       tell(std::to_string(workers) + " worker(s): " + result.ending + " (" +
-           seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
+           detail::seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
            " records)");
       results.push_back(std::move(result));
       if (session.interrupted_by != 0) {
@@ -426,7 +427,7 @@ int scale_main(const std::vector<std::string>& args) {
           "per worker");
     }
     scale::Report report = scale::analyze(results, settings);
-    std::string mode = options.seconds ? seconds_text(*options.seconds) + " per count"
+    std::string mode = options.seconds ? detail::seconds_text(*options.seconds) + " per count"
                                        : std::to_string(options.steps) + " steps per count after " +
                                              std::to_string(options.warmup_steps) + " warm-up";
     std::string title = "dtrain scale: " + join(options.command) + " (" + mode + ")";

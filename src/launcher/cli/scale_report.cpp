@@ -42,6 +42,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/format.h"
+
 namespace dtrain::cli::scale {
 namespace {
 
@@ -56,7 +58,6 @@ std::string format(const char* pattern, double value) {
 std::string ms(double seconds) { return format("%.2f", seconds * 1e3); }
 std::string percent(double fraction) { return format("%.0f%%", fraction * 100); }
 std::string times(double factor) { return format("%.2fx", factor); }
-std::string seconds(double value) { return format("%.3g s", value); }
 
 std::string workers_text(int n) { return std::to_string(n) + (n == 1 ? " worker" : " workers"); }
 std::string devices_text(int n) { return std::to_string(n) + (n == 1 ? " device" : " devices"); }
@@ -711,7 +712,7 @@ std::string render_text(const Report& report, const std::string& title) {
     bool profile = row.source == "profile";
     std::string status = row.status;
     if (row.ok && row.source == "run time") {
-      status += " (run time " + seconds(row.run_time_s) + ")";
+      status += " (run time " + detail::seconds_text(row.run_time_s) + ")";
     } else if (row.ok && row.source != "profile") {
       status += " (" + row.source + ")";
     }

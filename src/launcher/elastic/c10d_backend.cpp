@@ -19,6 +19,7 @@
 #include <mutex>
 #include <vector>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::elastic {
@@ -474,7 +475,7 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
     if (poll(&out, 1, remaining_ms(deadline)) <= 0) {
       disconnect();
       throw TimeoutError("dtrain run: " + where + ": no answer within " +
-                         std::to_string(timeout_.count() / 1000.0) + " s");
+                         detail::seconds_text(timeout_));
     }
     int error = 0;
     socklen_t size = sizeof(error);
@@ -527,7 +528,7 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
   } catch (const TimeoutError&) {
     disconnect();
     throw TimeoutError("dtrain run: " + where + ": handshake not answered within " +
-                       std::to_string(timeout_.count() / 1000.0) + " s");
+                       detail::seconds_text(timeout_));
   } catch (...) {
     disconnect();
     throw;
@@ -550,7 +551,7 @@ std::string C10dBackend::call(const std::string& request) {
     } catch (const TimeoutError&) {
       disconnect();
       throw TimeoutError("dtrain run: " + where + ": no answer within " +
-                         std::to_string(timeout_.count() / 1000.0) + " s");
+                         detail::seconds_text(timeout_));
     }
     disconnect();
     if (fresh) break;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::elastic {
@@ -25,12 +26,6 @@ bool erase(std::vector<std::string>& list, const std::string& id) {
   return true;
 }
 
-std::string seconds_text(std::chrono::milliseconds duration) {
-  double seconds = static_cast<double>(duration.count()) / 1000.0;
-  std::string text = std::to_string(seconds);
-  text.erase(text.find_last_not_of('0') + 1);
-  if (!text.empty() && text.back() == '.') text.pop_back();
-  return text + " s";
 }
 
 // true when interrupt_fd became readable within timeout_ms.
@@ -258,7 +253,7 @@ bool Rendezvous::sweep(RendezvousState& state) {
   }
   std::chrono::milliseconds heartbeat_timeout =
       settings_.keep_alive_interval * settings_.keep_alive_max_attempt;
-  std::string what = names + " lost: no heartbeat for " + seconds_text(heartbeat_timeout);
+  std::string what = names + " lost: no heartbeat for " + detail::seconds_text(heartbeat_timeout);
   // Note [Failures caused by a lost node]: a failure counted shortly before was this loss's doing.
   if (member_lost && state.last_failure_ms != 0 && state.failures > 0 &&
       wall_ms() - state.last_failure_ms <= 2 * heartbeat_timeout.count()) {
@@ -445,13 +440,13 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
           std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes);
       if (state.complete) {
         throw TimeoutError("dtrain run: rendezvous '" + settings_.job_id + "': no room for " +
-                           self_.describe() + " within " + seconds_text(settings_.timeout) +
+                           self_.describe() + " within " + detail::seconds_text(settings_.timeout) +
                            ": the job runs with " + std::to_string(state.participants.size()) +
                            " node(s) (" + present + "), its maximum (--nnodes " + range + ")");
       }
       throw TimeoutError(
           "dtrain run: rendezvous '" + settings_.job_id + "' round " + std::to_string(state.round) +
-          " did not complete within " + seconds_text(settings_.timeout) + ": " +
+          " did not complete within " + detail::seconds_text(settings_.timeout) + ": " +
           std::to_string(state.participants.size()) + " node(s) joined (" +
           (present.empty() ? "none" : present) + "), at least " +
           std::to_string(settings_.min_nodes) + " needed (--nnodes " + range +
