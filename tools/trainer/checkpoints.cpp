@@ -16,12 +16,6 @@
 namespace trainer {
 namespace {
 
-// Preemption. The handler only records the signal; the training loop polls it once per step.
-std::atomic<int> stop_signal{0};
-static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free flag");
-
-extern "C" void record_stop_signal(int signo) { stop_signal.store(signo); }
-
 // --strategy zero's checkpoints (dtrain::ShardedCheckpointer): every rank saves and loads its own
 // shards; the sampler position, step and extras travel as in TrainingState, so the code around
 // these calls is the same for both kinds of checkpoint.
@@ -194,27 +188,6 @@ std::string Checkpoints::save(const Position& at, const std::vector<int64_t>& ep
 
 void Checkpoints::wait() {
   if (checkpointer) checkpointer->wait();
-}
-
-void install_stop_handler() {
-  struct sigaction action {};
-  action.sa_handler = record_stop_signal;
-  sigemptyset(&action.sa_mask);
-  // Restart interrupted system calls: a collective's socket read must not fail with EINTR.
-  action.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &action, nullptr);
-}
-
-// Note [Agreeing to stop]: SIGTERM reaches the ranks at different times (the launcher signals its
-// workers one by one; a scheduler may signal one node before another), so each rank's own flag may
-// change between any two steps. A rank that stopped on its own flag would leave the others waiting
-// in the next step's gradient all-reduce until its timeout. So after every step the ranks take the
-// maximum of their flags (one all-reduce of one integer, microseconds over shared memory): all see
-// the same answer after the same step, and all stop there together.
-bool agree_to_stop(dtrain::ProcessGroup& pg) {
-  at::Tensor flag = torch::tensor({static_cast<int64_t>(stop_signal.load() != 0)});
-  pg.all_reduce(flag, dtrain::ReduceOp::kMax);
-  return flag.item<int64_t>() != 0;
 }
 
 KillAt kill_at_step_from_env() {

@@ -76,11 +76,6 @@ struct Checkpoints {
   std::unique_ptr<dtrain::ShardedCheckpointer> sharded_checkpointer;  // zero: sharded checkpoints
 };
 
-// Preemption: from install_stop_handler() on, SIGTERM only records itself; the training loop asks
-// agree_to_stop() after every step (Note [Agreeing to stop]).
-void install_stop_handler();
-bool agree_to_stop(dtrain::ProcessGroup& pg);
-
 // Test hook for the fault-injection tests: DTRAIN_TEST_KILL_AT_STEP=RANK:STEP[:SIGNAL] makes that
 // rank send itself SIGNAL (default 9, SIGKILL) right after optimizer step STEP of the first attempt
 // (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch, or (15) preempted alone.

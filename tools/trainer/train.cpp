@@ -21,6 +21,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/errors.h"
 #include "dtrain/sharded_checkpoint.h"
+#include "dtrain/stop.h"
 #include "strategies.h"
 
 namespace trainer {
@@ -142,7 +143,7 @@ int train(const Flags& flags) {
               << "resumed from " << resumed_from << " at epoch " << at.epoch + 1 << ", "
               << at.samples_consumed << " samples into it, step " << at.steps << std::endl;
   }
-  if (checkpointing) install_stop_handler();
+  if (checkpointing) dtrain::install_stop_handler();  // preemption: dtrain/stop.h
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
@@ -180,7 +181,7 @@ int train(const Flags& flags) {
       if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
         std::raise(kill_at.signal);
       }
-      if (checkpointing && agree_to_stop(*pg)) {
+      if (checkpointing && dtrain::should_stop(pg)) {
         preempted = stopped_early = true;
         break;
       }
@@ -216,7 +217,7 @@ int train(const Flags& flags) {
       std::cout << "stopped by SIGTERM after step " << at.steps << ": saved " << path
                 << "; a restart by the launcher, or --resume, continues from it" << std::endl;
     }
-    return 128 + SIGTERM;
+    return dtrain::kStopExitCode;
   }
   checkpoints.wait();
   pg->barrier();  // rank 0's checkpoint is on disk before anyone reports success
