@@ -1,16 +1,16 @@
 // DDP step time, the same workload as PyTorch's Python peer (shared/peers/torch_ddp_mlp.py): an MLP
-// 784-H-H-10, cross-entropy, SGD(lr=0.01), a fixed synthetic batch of B samples per rank, one intra-op
-// thread per rank. Rank 0 prints one line: dtrain-ddp world=W params=P ms/step=T
+// 784-H-H-10, cross-entropy, SGD(lr=0.01), a fixed synthetic batch of B samples per rank, one
+// intra-op thread per rank. Rank 0 prints one line: dtrain-ddp world=W params=P ms/step=T
 //   dtrain run --nproc-per-node 2 -- build/bin/bench_ddp --hidden 1024 --batch 32 --steps 100
-// Knobs for the wrapper's own costs: --no-ddp (plain training, world size 1 only), --no-overlap (all
-// bucket all-reduces after backward), --bucket-mb X (bucket cap), --separate-grads (gradient_as_bucket_view
-// off: gradients copied into the buckets and back).
-// In one process instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica;
-// --dp-gather: outputs gathered for one loss instead of a loss per replica),
-// --threads N (intra-op threads of a plain or DDP process).
-// --local: every rank trains its own model without DDP, in step with the others (a barrier before and after
-// the timed steps): a DDP step's computation without its communication, to see what running side by side
-// costs. Under DTRAIN_PROFILE the optimizer step is marked (dtrain::ProfileOptimizerStep).
+// Knobs for the wrapper's own costs: --no-ddp (plain training, world size 1 only), --no-overlap
+// (all bucket all-reduces after backward), --bucket-mb X (bucket cap), --separate-grads
+// (gradient_as_bucket_view off: gradients copied into the buckets and back). In one process
+// instead: --dp N (DataParallel over N CPU replicas, a batch of N*B per step, B per replica;
+// --dp-gather: outputs gathered for one loss instead of a loss per replica), --threads N (intra-op
+// threads of a plain or DDP process). --local: every rank trains its own model without DDP, in step
+// with the others (a barrier before and after the timed steps): a DDP step's computation without
+// its communication, to see what running side by side costs. Under DTRAIN_PROFILE the optimizer
+// step is marked (dtrain::ProfileOptimizerStep).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -36,10 +36,12 @@ int main(int argc, char** argv) {
         .integer("--steps", steps, "timed steps")
         .number("--bucket-mb", bucket_mb, "bucket cap, MiB")
         .on("--no-ddp", no_ddp, "plain training, world size 1 only")
-        .on("--local", local, "every rank trains alone, in step with the others: DDP's computation alone")
+        .on("--local", local,
+            "every rank trains alone, in step with the others: DDP's computation alone")
         .on("--no-overlap", no_overlap, "all bucket all-reduces after backward")
         .on("--separate-grads", separate_grads, "gradient_as_bucket_view off")
-        .integer("--dp", dp_replicas, "DataParallel over N CPU replicas in one process, B samples each", 0)
+        .integer("--dp", dp_replicas,
+                 "DataParallel over N CPU replicas in one process, B samples each", 0)
         .on("--dp-gather", dp_gather, "with --dp: outputs gathered for one loss")
         .integer("--threads", threads, "intra-op threads")
         .parse(argc, argv);
@@ -48,23 +50,28 @@ int main(int argc, char** argv) {
     torch::set_num_threads(static_cast<int>(threads));
     auto pg = dtrain::init_process_group();
     if (!use_ddp && !local && pg->size() != 1) {
-      throw dtrain::UsageError("bench_ddp: --no-ddp and --dp measure one process and need world size 1, got " +
-                               std::to_string(pg->size()));
+      throw dtrain::UsageError(
+          "bench_ddp: --no-ddp and --dp measure one process and need world size 1, got " +
+          std::to_string(pg->size()));
     }
     torch::manual_seed(0);
-    torch::nn::Sequential model(torch::nn::Linear(784, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, hidden),
-                                torch::nn::ReLU(), torch::nn::Linear(hidden, 10));
+    torch::nn::Sequential model(torch::nn::Linear(784, hidden), torch::nn::ReLU(),
+                                torch::nn::Linear(hidden, hidden), torch::nn::ReLU(),
+                                torch::nn::Linear(hidden, 10));
     dtrain::DistributedDataParallelOptions options;
     options.bucket_cap_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
     options.overlap = overlap;
     options.gradient_as_bucket_view = grad_views;
     std::unique_ptr<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
-    if (use_ddp) ddp = std::make_unique<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>>(model.ptr(), pg, options);
+    if (use_ddp)
+      ddp = std::make_unique<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>>(
+          model.ptr(), pg, options);
     std::unique_ptr<dtrain::DataParallel<torch::nn::SequentialImpl>> dp;
     if (dp_replicas > 0) {
       dtrain::DataParallelOptions dp_options;
       dp_options.num_replicas = static_cast<int>(dp_replicas);
-      dp = std::make_unique<dtrain::DataParallel<torch::nn::SequentialImpl>>(model.ptr(), dp_options);
+      dp = std::make_unique<dtrain::DataParallel<torch::nn::SequentialImpl>>(model.ptr(),
+                                                                             dp_options);
     }
     torch::optim::SGD optimizer(model->parameters(), 0.01);
     const int64_t rows = dp ? batch * dp_replicas : batch;  // B per replica, like B per rank
@@ -91,17 +98,21 @@ int main(int argc, char** argv) {
     auto start = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < steps; ++i) step();
     pg->barrier();
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                    .count() /
+                steps;
     if (pg->rank() == 0) {
       int64_t params = 0;
       for (auto& p : model->parameters()) params += p.numel();
       std::string mode = dp ? " (DataParallel, " + std::to_string(dp_replicas) + " replicas" +
                                   (dp_gather ? ", gathered outputs)" : ")")
-                            : use_ddp ? "" : local ? " (each rank alone, no DDP)" : " (no wrapper)";
+                         : use_ddp ? ""
+                         : local   ? " (each rank alone, no DDP)"
+                                   : " (no wrapper)";
       if (!overlap) mode += " (no overlap)";
       if (threads > 1) mode += " (" + std::to_string(threads) + " intra-op threads)";
-      std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s\n", pg->size(), static_cast<long long>(params), ms,
-                  mode.c_str());
+      std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s\n", pg->size(),
+                  static_cast<long long>(params), ms, mode.c_str());
     }
     return 0;
   });

@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
     int64_t hidden = 1024, batch = 32, steps = 100, ranks = 2;
     dtrain::SpawnOptions options;
     std::string mode = "processes";
-    bench::Flags("bench_spawn", "DDP ranks started by dtrain::spawn as threads or processes: start-up, step time")
+    bench::Flags("bench_spawn",
+                 "DDP ranks started by dtrain::spawn as threads or processes: start-up, step time")
         .text("--mode", mode, "what a rank is", {"threads", "processes"})
         .integer("--ranks", ranks, "ranks")
         .integer("--hidden", hidden, "hidden width")

@@ -2,7 +2,6 @@
 #include "flags.h"
 
 #include <CLI/CLI.hpp>
-
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -27,11 +26,12 @@ CLI::Validator number_from(bool zero_allowed) {
   return CLI::Validator(
       [zero_allowed](std::string& text) -> std::string {
         double value = 0;
-        if (CLI::detail::lexical_cast(text, value) && std::isfinite(value) && (zero_allowed ? value >= 0 : value > 0)) {
+        if (CLI::detail::lexical_cast(text, value) && std::isfinite(value) &&
+            (zero_allowed ? value >= 0 : value > 0)) {
           return {};
         }
-        return std::string("expected a number ") + (zero_allowed ? "of at least 0" : "above 0") + ", got '" +
-               text + "'";
+        return std::string("expected a number ") + (zero_allowed ? "of at least 0" : "above 0") +
+               ", got '" + text + "'";
       },
       "");
 }
@@ -50,8 +50,11 @@ CLI::Validator one_of(const std::vector<std::string>& choices) {
 }
 
 CLI::Validator non_empty() {
-  return CLI::Validator([](std::string& text) -> std::string { return text.empty() ? "expected a non-empty value" : ""; },
-                        "");
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? "expected a non-empty value" : "";
+      },
+      "");
 }
 
 }  // namespace
@@ -63,13 +66,15 @@ Flags::~Flags() = default;
 
 // The two integer widths differ only in the variable CLI11 writes.
 template <typename Int>
-void add_integer(CLI::App& app, const std::string& name, Int& value, const std::string& help, int64_t low) {
+void add_integer(CLI::App& app, const std::string& name, Int& value, const std::string& help,
+                 int64_t low) {
   app.add_option(name, value, help + " (at least " + std::to_string(low) + ")")
       ->check(at_least(low))
       ->capture_default_str();
 }
 
-Flags& Flags::integer(const std::string& name, int64_t& value, const std::string& help, int64_t low) {
+Flags& Flags::integer(const std::string& name, int64_t& value, const std::string& help,
+                      int64_t low) {
   add_integer(*app_, name, value, help, low);
   return *this;
 }
@@ -79,7 +84,8 @@ Flags& Flags::integer(const std::string& name, int& value, const std::string& he
   return *this;
 }
 
-Flags& Flags::number(const std::string& name, double& value, const std::string& help, bool zero_allowed) {
+Flags& Flags::number(const std::string& name, double& value, const std::string& help,
+                     bool zero_allowed) {
   app_->add_option(name, value, help + (zero_allowed ? " (at least 0)" : " (above 0)"))
       ->check(number_from(zero_allowed))
       ->capture_default_str();
@@ -90,7 +96,8 @@ Flags& Flags::text(const std::string& name, std::string& value, const std::strin
                    const std::vector<std::string>& choices) {
   std::string listed;
   for (const auto& choice : choices) listed += (listed.empty() ? " (" : " | ") + choice;
-  auto* option = app_->add_option(name, value, help + (listed.empty() ? "" : listed + ")"))->capture_default_str();
+  auto* option = app_->add_option(name, value, help + (listed.empty() ? "" : listed + ")"))
+                     ->capture_default_str();
   if (!choices.empty()) {
     option->check(one_of(choices));
   } else {

@@ -1,7 +1,7 @@
-// Flag parsing shared by the benchmarks: `--help` lists every flag with its default, and an unknown flag, a
-// missing or bad value is one line naming it (a dtrain::UsageError: exit code 2 under dtrain::run_main).
-// CLI11 does the parsing behind this small facade, in flags.cpp alone: its headers would double each
-// benchmark's compile time.
+// Flag parsing shared by the benchmarks: `--help` lists every flag with its default, and an unknown
+// flag, a missing or bad value is one line naming it (a dtrain::UsageError: exit code 2 under
+// dtrain::run_main). CLI11 does the parsing behind this small facade, in flags.cpp alone: its
+// headers would double each benchmark's compile time.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,12 @@ class Flags {
   Flags& operator=(const Flags&) = delete;
 
   // "--name N": an integer of at least `at_least`.
-  Flags& integer(const std::string& name, int64_t& value, const std::string& help, int64_t at_least = 1);
+  Flags& integer(const std::string& name, int64_t& value, const std::string& help,
+                 int64_t at_least = 1);
   Flags& integer(const std::string& name, int& value, const std::string& help, int at_least = 1);
   // "--name X": a finite number above zero, or at least zero with `zero_allowed`.
-  Flags& number(const std::string& name, double& value, const std::string& help, bool zero_allowed = false);
+  Flags& number(const std::string& name, double& value, const std::string& help,
+                bool zero_allowed = false);
   // "--name TEXT": any non-empty text, or one of `choices` when given.
   Flags& text(const std::string& name, std::string& value, const std::string& help,
               const std::vector<std::string>& choices = {});

@@ -1,5 +1,6 @@
-// dtrain::DistributedDataParallel: one process per device, each with a full replica of the model; after
-// every backward the replicas' gradients are averaged, so identical optimizer steps keep them identical.
+// dtrain::DistributedDataParallel: one process per device, each with a full replica of the model;
+// after every backward the replicas' gradients are averaged, so identical optimizer steps keep them
+// identical.
 //
 //   auto pg = dtrain::init_process_group();
 //   auto net = std::make_shared<Net>();
@@ -9,21 +10,21 @@
 //   optimizer.step();
 //
 // Note [DDP gradient buckets]
-// Parameters are grouped into flat buckets (in reverse registration order, roughly the order backward
-// produces gradients; a small first bucket so communication starts early). Each parameter's gradient is
-// an alias of its slice of the bucket (gradient_as_bucket_view, the default), so backward accumulates
-// straight into it; a hook on the gradient accumulator notes its arrival (or copies a gradient that is
-// not the slice, already divided by the world size). When a bucket's last gradient arrives its
-// asynchronous all-reduce starts while backward continues on earlier layers. Buckets are launched
-// strictly in index order so every rank issues the same collectives in the same order. At the end of
-// backward (an autograd engine callback) dtrain waits for the buckets; the gradients then hold the average
-// (copied back when gradient_as_bucket_view is off). When all ranks share one host the buckets live in
-// shared memory and are reduced where they lie, without copies (Note [Gradient buckets in shared memory],
-// src/comm/shared_buckets.h).
+// Parameters are grouped into flat buckets (in reverse registration order, roughly the order
+// backward produces gradients; a small first bucket so communication starts early). Each
+// parameter's gradient is an alias of its slice of the bucket (gradient_as_bucket_view, the
+// default), so backward accumulates straight into it; a hook on the gradient accumulator notes its
+// arrival (or copies a gradient that is not the slice, already divided by the world size). When a
+// bucket's last gradient arrives its asynchronous all-reduce starts while backward continues on
+// earlier layers. Buckets are launched strictly in index order so every rank issues the same
+// collectives in the same order. At the end of backward (an autograd engine callback) dtrain waits
+// for the buckets; the gradients then hold the average (copied back when gradient_as_bucket_view is
+// off). When all ranks share one host the buckets live in shared memory and are reduced where they
+// lie, without copies (Note [Gradient buckets in shared memory], src/comm/shared_buckets.h).
 //
-// Unequal local batches: the averaged gradient is the mean of the ranks' gradients. To get the gradient of
-// the whole batch when ranks hold different numbers of samples, scale each rank's summed loss by
-// world_size / global_batch (see tools/trainer/strategies.cpp).
+// Unequal local batches: the averaged gradient is the mean of the ranks' gradients. To get the
+// gradient of the whole batch when ranks hold different numbers of samples, scale each rank's
+// summed loss by world_size / global_batch (see tools/trainer/strategies.cpp).
 #pragma once
 
 #include <cstdint>
@@ -43,14 +44,15 @@ namespace dtrain {
 
 // One bucket's gradients as a communication hook sees them.
 struct GradBucket {
-  int index = 0;        // 0 = the bucket launched first (the last layers' gradients)
-  at::Tensor* buffer;   // flat gradients of this rank, already divided by the world size; the hook must
-                        // leave the sum over ranks in it
+  int index = 0;  // 0 = the bucket launched first (the last layers' gradients)
+  at::Tensor*
+      buffer;  // flat gradients of this rank, already divided by the world size; the hook must
+               // leave the sum over ranks in it
 };
 
-// Replaces the plain all-reduce of each bucket, e.g. to compress it. start() is called from backward as
-// soon as the bucket is ready and must not block; finish() is called at the end of backward, in bucket
-// order, and must leave the reduced gradients in bucket.buffer.
+// Replaces the plain all-reduce of each bucket, e.g. to compress it. start() is called from
+// backward as soon as the bucket is ready and must not block; finish() is called at the end of
+// backward, in bucket order, and must leave the reduced gradients in bucket.buffer.
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -58,37 +60,39 @@ class CommHook {
   virtual void finish(ProcessGroup& group, GradBucket& bucket) = 0;
 };
 
-// Built-in compression hooks: all-reduce the bucket in half precision (fp16) or bfloat16, halving the bytes
-// on the wire at the cost of rounding each gradient to ~3 (fp16) or ~2 (bf16) significant digits.
+// Built-in compression hooks: all-reduce the bucket in half precision (fp16) or bfloat16, halving
+// the bytes on the wire at the cost of rounding each gradient to ~3 (fp16) or ~2 (bf16) significant
+// digits.
 std::shared_ptr<CommHook> fp16_compress_hook();
 std::shared_ptr<CommHook> bf16_compress_hook();
 
 struct DistributedDataParallelOptions {
-  // Bucket size cap. Larger buckets mean fewer, more efficient all-reduces but later overlap. PyTorch's
-  // default, 25 MiB.
+  // Bucket size cap. Larger buckets mean fewer, more efficient all-reduces but later overlap.
+  // PyTorch's default, 25 MiB.
   int64_t bucket_cap_bytes = int64_t{25} << 20;
-  // Cap of the first bucket launched (the last layers' gradients): small, so the first all-reduce starts
-  // as early as possible in backward (PyTorch uses 1 MiB too).
+  // Cap of the first bucket launched (the last layers' gradients): small, so the first all-reduce
+  // starts as early as possible in backward (PyTorch uses 1 MiB too).
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
-  // Allow parameters that get no gradient in a step (unused branches). Costs one small extra all-reduce
-  // per step and the overlap of buckets that wait for such parameters.
+  // Allow parameters that get no gradient in a step (unused branches). Costs one small extra
+  // all-reduce per step and the overlap of buckets that wait for such parameters.
   bool find_unused_parameters = false;
   // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) before every forward.
   bool broadcast_buffers = true;
-  // Each parameter's .grad is an alias of its slice of the bucket, so backward accumulates straight into
-  // the bucket and the averaged result needs no copy back: saves two passes over every gradient and the
-  // memory of a second copy (on one host, 2 ranks: ~10% of a step; see doc/benchmarks.md). On by default,
-  // unlike PyTorch's, whose Python-level views can break detach_(); these aliases cannot. Gradients behave
-  // as usual: zero_grad() zeroes them in place, one set to undefined (zero_grad(set_to_none), LibTorch 2.x's
-  // default) is re-pointed at the bucket in the next backward at the cost of one copy, and a parameter
-  // unused on every rank (find_unused_parameters) keeps its .grad as it was. false: gradients and buckets
-  // are separate, copied into the bucket during backward and back after the all-reduce.
+  // Each parameter's .grad is an alias of its slice of the bucket, so backward accumulates straight
+  // into the bucket and the averaged result needs no copy back: saves two passes over every
+  // gradient and the memory of a second copy (on one host, 2 ranks: ~10% of a step; see
+  // doc/benchmarks.md). On by default, unlike PyTorch's, whose Python-level views can break
+  // detach_(); these aliases cannot. Gradients behave as usual: zero_grad() zeroes them in place,
+  // one set to undefined (zero_grad(set_to_none), LibTorch 2.x's default) is re-pointed at the
+  // bucket in the next backward at the cost of one copy, and a parameter unused on every rank
+  // (find_unused_parameters) keeps its .grad as it was. false: gradients and buckets are separate,
+  // copied into the bucket during backward and back after the all-reduce.
   bool gradient_as_bucket_view = true;
-  // Start each bucket's all-reduce during backward (true) or all of them after backward (false, only for
-  // measuring what overlap buys).
+  // Start each bucket's all-reduce during backward (true) or all of them after backward (false,
+  // only for measuring what overlap buys).
   bool overlap = true;
-  // Replaces the plain all-reduce of each bucket (nullptr: all-reduce in the gradients' own precision).
-  // A hook keeps per-bucket state: give each DDP instance its own.
+  // Replaces the plain all-reduce of each bucket (nullptr: all-reduce in the gradients' own
+  // precision). A hook keeps per-bucket state: give each DDP instance its own.
   std::shared_ptr<CommHook> comm_hook;
 };
 
@@ -99,17 +103,19 @@ class Reducer;
 // The type-independent part of DDP; DistributedDataParallel<M> adds a typed forward().
 class DistributedDataParallelBase {
  public:
-  // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same parameters
-  // (names, shapes, dtypes); a mismatch is a UsageError naming the first differing parameter and the
-  // ranks that differ. Blocks until every rank of `group` has constructed its DDP (up to the timeout).
-  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+  // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same
+  // parameters (names, shapes, dtypes); a mismatch is a UsageError naming the first differing
+  // parameter and the ranks that differ. Blocks until every rank of `group` has constructed its DDP
+  // (up to the timeout).
+  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                              std::shared_ptr<ProcessGroup> group,
                               DistributedDataParallelOptions options = {});
   ~DistributedDataParallelBase();
   DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
   DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) = delete;
 
-  // While the returned guard lives, forward/backward passes only accumulate local gradients (gradient
-  // accumulation); the first backward after it ends averages everything accumulated.
+  // While the returned guard lives, forward/backward passes only accumulate local gradients
+  // (gradient accumulation); the first backward after it ends averages everything accumulated.
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(DistributedDataParallelBase& ddp);
@@ -123,13 +129,15 @@ class DistributedDataParallelBase {
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   ProcessGroup& group() const;
-  // The buckets as built: for each bucket, the indices of its parameters in module->parameters() order.
+  // The buckets as built: for each bucket, the indices of its parameters in module->parameters()
+  // order.
   std::vector<std::vector<size_t>> bucket_layout() const;
 
   // Call before running the module's forward yourself (DistributedDataParallel::forward does it).
   // `samples`: rows of this rank's input, for DTRAIN_PROFILE's record (0: unknown).
   void prepare_forward(int64_t samples = 0);
-  // Call after the module's forward, when running it yourself (only DTRAIN_PROFILE's record needs it).
+  // Call after the module's forward, when running it yourself (only DTRAIN_PROFILE's record needs
+  // it).
   void forward_done();
 
  protected:
@@ -141,7 +149,8 @@ class DistributedDataParallel : public DistributedDataParallelBase {
  public:
   DistributedDataParallel(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
                           DistributedDataParallelOptions options = {})
-      : DistributedDataParallelBase(module, std::move(group), std::move(options)), module_(std::move(module)) {}
+      : DistributedDataParallelBase(module, std::move(group), std::move(options)),
+        module_(std::move(module)) {}
 
   // Runs the wrapped module's forward on this rank's inputs (see prepare_forward()).
   template <typename... Args>

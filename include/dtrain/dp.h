@@ -1,47 +1,51 @@
-// dtrain::DataParallel: one process drives several replicas of a model, one thread each, each on its own
-// slice of the batch. Unlike LibTorch's torch::nn::parallel::data_parallel, the replicas are created once
-// and kept (only their parameters are refreshed from the module before each step), and C++ has no GIL, so
-// the replicas' forward and backward passes really run at the same time.
+// dtrain::DataParallel: one process drives several replicas of a model, one thread each, each on
+// its own slice of the batch. Unlike LibTorch's torch::nn::parallel::data_parallel, the replicas
+// are created once and kept (only their parameters are refreshed from the module before each step),
+// and C++ has no GIL, so the replicas' forward and backward passes really run at the same time.
 //
-//   struct Net : torch::nn::Cloneable<Net> { ... };            // replicas are made with clone()
+//   struct Net : torch::nn::Cloneable<Net> { ... };  // replicas are made with clone()
 //   auto net = std::make_shared<Net>();
 //   dtrain::DataParallelOptions options;
-//   options.num_replicas = 4;                                   // or options.devices = {cuda:0, cuda:1}
+//   options.num_replicas = 4;                         // or options.devices = {cuda:0, cuda:1}
 //   dtrain::DataParallel dp(net, options);
-//   torch::optim::SGD opt(net->parameters(), 0.1);              // the optimizer sees the module only
+//   torch::optim::SGD opt(net->parameters(), 0.1);    // the optimizer sees the module only
 //   opt.zero_grad();
-//   auto loss = dp.forward_backward(x, y, loss_fn);             // fastest: a loss per replica
+//   auto loss = dp.forward_backward(x, y, loss_fn);   // fastest: a loss per replica
 //   opt.step();
 //
 // Two ways to run a step:
-//   forward_backward(x, y, loss_fn): each replica computes its own loss and runs its own backward on its
-//     thread; the module's gradients become the gradient of the whole batch's mean loss.
+//   forward_backward(x, y, loss_fn): each replica computes its own loss and runs its own backward
+//     on its thread; the module's gradients become the gradient of the whole batch's mean loss.
 //   forward(x): the replicas' outputs are gathered on the first device for the caller's loss; the
-//     caller's backward() then runs through every replica. On CPU that backward runs on the caller's
-//     thread alone (LibTorch's autograd engine has one CPU worker: the caller), so forward_backward is the
-//     faster mode on CPU; on CUDA each device's part of the backward runs on that device's engine thread.
-// Either way the module's .grad holds the full-batch gradient afterwards and the module's optimizer steps.
+//     caller's backward() then runs through every replica. On CPU that backward runs on the
+//     caller's thread alone (LibTorch's autograd engine has one CPU worker: the caller), so
+//     forward_backward is the faster mode on CPU; on CUDA each device's part of the backward runs
+//     on that device's engine thread.
+// Either way the module's .grad holds the full-batch gradient afterwards and the module's optimizer
+// steps.
 //
-// On GPUs (options.devices = {cuda:0, cuda:1, ...}; one GPU may be listed twice) each replica thread binds
-// its device and queues its work on a stream of its own; the calls return without waiting for the GPUs,
-// ordered with the caller's current streams by events (see Note [Replica devices and streams] in
-// src/dp/replica_set.cpp), so the results are used on the caller's streams as any other tensor. Pass the
-// batch in pinned host memory (or on the first device): it is scattered with non-blocking copies.
-// Mixed precision: a dtrain::amp::Autocast scope around forward() or forward_backward() applies in every
-// replica thread (forward and loss; the backward runs outside it), and the gradients end on the module,
-// where one GradScaler unscales and checks them (no process group needed).
+// On GPUs (options.devices = {cuda:0, cuda:1, ...}; one GPU may be listed twice) each replica
+// thread binds its device and queues its work on a stream of its own; the calls return without
+// waiting for the GPUs, ordered with the caller's current streams by events (see Note [Replica
+// devices and streams] in src/dp/replica_set.cpp), so the results are used on the caller's streams
+// as any other tensor. Pass the batch in pinned host memory (or on the first device): it is
+// scattered with non-blocking copies. Mixed precision: a dtrain::amp::Autocast scope around
+// forward() or forward_backward() applies in every replica thread (forward and loss; the backward
+// runs outside it), and the gradients end on the module, where one GradScaler unscales and checks
+// them (no process group needed).
 //
-// Buffers (e.g. BatchNorm running statistics) follow the module: before every step the replicas copy the
-// module's parameters and buffers; the module itself is replica 0, so its buffers are updated from the first
-// slice of the batch, and the other replicas' updates are discarded (PyTorch's DataParallel rule too).
-// The replicas also follow the module's train()/eval() mode and each parameter's requires_grad.
+// Buffers (e.g. BatchNorm running statistics) follow the module: before every step the replicas
+// copy the module's parameters and buffers; the module itself is replica 0, so its buffers are
+// updated from the first slice of the batch, and the other replicas' updates are discarded
+// (PyTorch's DataParallel rule too). The replicas also follow the module's train()/eval() mode and
+// each parameter's requires_grad.
 //
 // forward() details: parameters are copied at the first forward() after each backward, so several
-// forwards feeding one loss (a siamese step) share one copy, and a backward repeated with retain_graph adds
-// only its own gradients. The other replicas' gradients reach the module through DataParallel's reduction
-// when backward() ends, so torch::autograd::grad() with respect to the module's parameters sees only
-// replica 0's share. Keep the DataParallel alive until backward() returns. Not for concurrent use from
-// several threads (a second concurrent call is a UsageError).
+// forwards feeding one loss (a siamese step) share one copy, and a backward repeated with
+// retain_graph adds only its own gradients. The other replicas' gradients reach the module through
+// DataParallel's reduction when backward() ends, so torch::autograd::grad() with respect to the
+// module's parameters sees only replica 0's share. Keep the DataParallel alive until backward()
+// returns. Not for concurrent use from several threads (a second concurrent call is a UsageError).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,8 +64,8 @@ class Module;
 namespace dtrain {
 
 struct DataParallelOptions {
-  // The replicas' devices, the module's own first (it is replica 0 and must already live there). Empty:
-  // `num_replicas` replicas on the CPU.
+  // The replicas' devices, the module's own first (it is replica 0 and must already live there).
+  // Empty: `num_replicas` replicas on the CPU.
   std::vector<c10::Device> devices;
   // CPU replicas when `devices` is empty: one thread each.
   int num_replicas = 2;
@@ -78,23 +82,27 @@ class DataParallelBase {
   using Forward = std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>;
   using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
-  // Clones the module (it must derive from torch::nn::Cloneable) onto every other device and starts one
-  // worker thread per replica. Throws UsageError for an empty device list or a module that cannot clone.
-  DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward, DataParallelOptions options);
+  // Clones the module (it must derive from torch::nn::Cloneable) onto every other device and starts
+  // one worker thread per replica. Throws UsageError for an empty device list or a module that
+  // cannot clone.
+  DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward,
+                   DataParallelOptions options);
   ~DataParallelBase();
   DataParallelBase(const DataParallelBase&) = delete;
   DataParallelBase& operator=(const DataParallelBase&) = delete;
 
-  // Splits `input` (and `target`) along dimension 0 over the replicas (the first `size % n` get one more
-  // row; replicas with no rows sit out), runs forward, loss and backward on each replica's thread, and
-  // leaves the whole batch's mean-loss gradient in the module's .grad (accumulated onto what is there, as
-  // backward() does). `loss_fn` must return the mean loss over its slice. Returns that whole-batch loss,
-  // detached (a float64 scalar on the first device). An exception in a replica is rethrown here, naming
-  // the replica; the others finish first.
-  at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
+  // Splits `input` (and `target`) along dimension 0 over the replicas (the first `size % n` get one
+  // more row; replicas with no rows sit out), runs forward, loss and backward on each replica's
+  // thread, and leaves the whole batch's mean-loss gradient in the module's .grad (accumulated onto
+  // what is there, as backward() does). `loss_fn` must return the mean loss over its slice. Returns
+  // that whole-batch loss, detached (a float64 scalar on the first device). An exception in a
+  // replica is rethrown here, naming the replica; the others finish first.
+  at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target,
+                              const LossFn& loss_fn);
 
-  // Splits `input`, runs the replicas' forwards in parallel and returns their outputs concatenated on the
-  // first device. The backward through it adds the replicas' gradients into the module's .grad when it ends.
+  // Splits `input`, runs the replicas' forwards in parallel and returns their outputs concatenated
+  // on the first device. The backward through it adds the replicas' gradients into the module's
+  // .grad when it ends.
   at::Tensor forward(const at::Tensor& input);
 
   int num_replicas() const;
@@ -108,12 +116,13 @@ template <typename ModuleType>
 class DataParallel : public DataParallelBase {
  public:
   DataParallel(std::shared_ptr<ModuleType> module, DataParallelOptions options = {})
-      : DataParallelBase(module,
-                         [](torch::nn::Module& replica, const at::Tensor& x) {
-                           // Module is a virtual base of every LibTorch module: a dynamic_cast is required.
-                           return dynamic_cast<ModuleType&>(replica).forward(x);
-                         },
-                         std::move(options)),
+      : DataParallelBase(
+            module,
+            [](torch::nn::Module& replica, const at::Tensor& x) {
+              // Module is a virtual base of every LibTorch module: a dynamic_cast is required.
+              return dynamic_cast<ModuleType&>(replica).forward(x);
+            },
+            std::move(options)),
         module_(std::move(module)) {}
 
   const std::shared_ptr<ModuleType>& module() const { return module_; }

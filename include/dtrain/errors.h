@@ -1,6 +1,7 @@
 // dtrain's exceptions, keyed to what the caller can do about them:
 //   UsageError    - the call, flag, variable or file is wrong: fix it and run again;
-//   CommError     - a peer is late or gone (TimeoutError, PeerLostError): an elastic restart can retry;
+//   CommError     - a peer is late or gone (TimeoutError, PeerLostError): an elastic restart can
+//                   retry;
 //   InternalError - a broken invariant inside dtrain: a bug to report.
 // Messages follow one shape: "rank R/N: <operation>: <what happened>. <likely cause>. <the fix>".
 #pragma once
@@ -43,8 +44,9 @@ class InternalError : public Error {
   using Error::Error;
 };
 
-// The body of a program's main(), with dtrain's exit-code convention: a UsageError prints its one line and
-// returns 2 (fix the command and run again), any other exception prints its message and returns 1.
+// The body of a program's main(), with dtrain's exit-code convention: a UsageError prints its one
+// line and returns 2 (fix the command and run again), any other exception prints its message and
+// returns 1.
 //   int main(int argc, char** argv) { return dtrain::run_main([&] { return train(argc, argv); }); }
 int run_main(const std::function<int()>& body);
 

@@ -8,19 +8,17 @@
 //   step_s          start of this step's forward to the start of the next step's forward
 //   forward_s       forward, minus the time it waited on communication (buffer broadcasts)
 //   backward_s      end of forward to end of backward (the loss computation included), minus the
-//   time
-//                   backward was blocked on communication
+//                   time backward was blocked on communication
 //   exposed_comm_s  time the step waited on communication: blocking parts of the gradient
-//   all-reduces
-//                   (launches, waits at the end of backward), buffer broadcasts
+//                   all-reduces (launches, waits at the end of backward), buffer broadcasts
 //   optimizer_s     see below
 //   other_s         the rest of step_s (0 unless the optimizer step is marked)
-//   comm_s, comm_bytes, comm_ops: total duration, payload bytes and number of the step's
-//   collectives samples         rows of the first tensor argument of forward (0 when it is not a
-//   tensor) cpu_s           CPU time of the whole process (all its threads) during the step; above
-//   step_s means
-//                   other threads (communication, intra-op pools, spinning waiters) ran beside
-//                   training
+//   comm_s, comm_bytes, comm_ops
+//                   total duration, payload bytes and number of the step's collectives
+//   samples         rows of the first tensor argument of forward (0 when it is not a tensor)
+//   cpu_s           CPU time of the whole process (all its threads) during the step; above step_s
+//                   means other threads (communication, intra-op pools, spinning waiters) ran
+//                   beside training
 //   rank, world_size, strategy ("ddp", "dp"), step (0, 1, ...), time (unix seconds at the step's
 //   end)
 //

@@ -3,16 +3,18 @@
 // for the whole checkpoint; loading reshards, so a checkpoint saved at N ranks (and any stage)
 // loads at M ranks (and any stage), into a plain module on one device, or from one.
 //
-//   dtrain::ShardedCheckpointer checkpointer(options, pg.get());      // options as Checkpointer's
+//   dtrain::ShardedCheckpointer checkpointer(options, pg.get());  // options as Checkpointer's
 //   dtrain::ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), &optimizer, &sampler};
 //   if (checkpointer.load_latest(state)) { sdp.shards_changed(); start_step = state.step; }
-//   for (...) { ...; state.step = step; if (step % 100 == 0) checkpointer.save(state); }  // all
-//   ranks
+//   for (...) {  // every rank saves its own shards
+//     ...; state.step = step;
+//     if (step % 100 == 0) checkpointer.save(state);
+//   }
 //
 // Note [Sharded checkpoint]: checkpoint <step> is the folder <dir>/<prefix>-<step>/ holding
 //   rank-<r>-of-<N>.ckpt   one per saving rank r of N: its shard of every flat buffer, the
-//   optimizer
-//                          state of those shards, and its sampler position, step, RNG and extras;
+//                          optimizer state of those shards, and its sampler position, step, RNG
+//                          and extras;
 //   metadata.ckpt          JSON: world size, stage, step, the save's id, every unit's parameters
 //                          (name, shape, offset in the flat buffer), dtype and each rank's range;
 // each framed, checksummed and written atomically as a replicated checkpoint file is (Note

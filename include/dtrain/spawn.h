@@ -2,9 +2,8 @@
 // torch.multiprocessing.spawn.
 //
 //   int main(int argc, char** argv) {
-//     dtrain::spawn(2, [&](int rank) {               // first thing in main: see "How a worker
-//     finds fn"
-//       auto pg = dtrain::init_process_group();      // the torchrun environment is set
+//     dtrain::spawn(2, [&](int rank) {           // first thing in main: "How a worker finds fn"
+//       auto pg = dtrain::init_process_group();  // the torchrun environment is set
 //       ...train...
 //     });
 //   }
@@ -17,11 +16,11 @@
 // of fn) it stops the others (SIGTERM, then SIGKILL after `stop_grace`) and throws SpawnError
 // naming the rank and its exit status, signal or exception message. Workers die with the parent
 // (PR_SET_PDEATHSIG, plus a check that the parent is still the one that started them), so killing
-// the parent leaves no orphans. SIGINT, SIGTERM or SIGHUP reaching the parent while spawn() waits (a
-// scheduler preempting the job) stop the workers as `dtrain run` does: SIGTERM, so they can save a
-// checkpoint, SIGKILL after `stop_grace`; then the signal takes its usual course in the parent (by
-// default it ends there; if the program has its own handler, spawn() throws SpawnError with rank -1
-// once it returns). A signal the program ignores stays ignored, in the workers too.
+// the parent leaves no orphans. SIGINT, SIGTERM or SIGHUP reaching the parent while spawn() waits
+// (a scheduler preempting the job) stop the workers as `dtrain run` does: SIGTERM, so they can save
+// a checkpoint, SIGKILL after `stop_grace`; then the signal takes its usual course in the parent
+// (by default it ends there; if the program has its own handler, spawn() throws SpawnError with
+// rank -1 once it returns). A signal the program ignores stays ignored, in the workers too.
 //
 // How a worker finds fn: the worker runs main() again from the top and reaches the same spawn()
 // call; an environment marker (DTRAIN_SPAWN_RANK) tells that call it is in worker R, so instead of

@@ -66,8 +66,7 @@ std::string checkpoint_path(const std::string& dir, const std::string& prefix, i
   return (fs::path(dir) / (prefix + "-" + std::to_string(step) + ".ckpt")).string();
 }
 
-std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir,
-                                                  const std::string& prefix,
+std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const std::string& prefix,
                                                   const std::string& suffix) {
   std::vector<CheckpointFile> files;
   std::error_code error;

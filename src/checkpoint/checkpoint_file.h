@@ -23,8 +23,7 @@ std::string checkpoint_path(const std::string& dir, const std::string& prefix, i
 
 // The entries of dir named <prefix>-<digits><suffix> (files or folders), by step, oldest first. A
 // missing folder has none.
-std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir,
-                                                  const std::string& prefix,
+std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const std::string& prefix,
                                                   const std::string& suffix = ".ckpt");
 
 // Writes header + payload to a hidden temporary beside path, fsyncs it, renames it to path and

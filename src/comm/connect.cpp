@@ -31,7 +31,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// An on/off environment switch: unset, empty or 1 is on, 0 is off, anything else a UsageError naming it.
+// An on/off environment switch: unset, empty or 1 is on, 0 is off, anything else a UsageError
+// naming it.
 bool env_switch(const char* name, const char* off_means, const char* on_means) {
   const char* value = std::getenv(name);
   if (!value || std::string(value) == "1" || std::string(value).empty()) return true;
@@ -40,8 +41,8 @@ bool env_switch(const char* name, const char* off_means, const char* on_means) {
                    off_means + ") or 1 (" + on_means + ")");
 }
 
-// DTRAIN_CUDA_BACKEND: nccl (default) or gloo, which lets several ranks share one GPU (NCCL refuses that),
-// as PyTorch allows with init_process_group("gloo") and CUDA tensors.
+// DTRAIN_CUDA_BACKEND: nccl (default) or gloo, which lets several ranks share one GPU (NCCL refuses
+// that), as PyTorch allows with init_process_group("gloo") and CUDA tensors.
 bool cuda_through_gloo_by_env() {
   const char* value = std::getenv("DTRAIN_CUDA_BACKEND");
   if (!value || !*value || std::string(value) == "nccl") return false;
@@ -50,7 +51,8 @@ bool cuda_through_gloo_by_env() {
                    "': expected nccl (one GPU per process) or gloo (ranks may share a GPU)");
 }
 
-// memory://NAME stores: shared by name among the threads of this process, freed with their last group.
+// memory://NAME stores: shared by name among the threads of this process, freed with their last
+// group.
 c10::intrusive_ptr<c10d::Store> memory_store(const std::string& name) {
   static std::mutex mutex;
   static std::map<std::string, c10::weak_intrusive_ptr<c10d::HashStore>> stores;
@@ -83,8 +85,9 @@ Endpoint parse_tcp(const std::string& where, const std::string& what) {
   return endpoint;
 }
 
-// Connects to (or, on rank 0, hosts) the TCPStore. A client retries until the deadline: a worker may
-// start before its master's machine is up, and c10d gives up early on some errors ("No route to host").
+// Connects to (or, on rank 0, hosts) the TCPStore. A client retries until the deadline: a worker
+// may start before its master's machine is up, and c10d gives up early on some errors ("No route to
+// host").
 c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, int world_size,
                                           std::chrono::milliseconds timeout) {
   const std::string who = rank_text(rank, world_size);
@@ -147,7 +150,8 @@ std::string host_identity() {
 
 // Every member announces itself, then waits for the others until `deadline`; the missing are named.
 void meet(GroupState& group, Clock::time_point deadline) {
-  // The shared-memory switch travels with the host: ranks that disagree on it all fall back to Gloo.
+  // The shared-memory switch travels with the host: ranks that disagree on it all fall back to
+  // Gloo.
   group.store->set("host/" + std::to_string(group.rank),
                    bytes_of(host_identity() + (group.shared_memory_allowed ? "|shm" : "|no-shm")));
   group.store->set("join/" + std::to_string(group.rank), bytes_of(std::to_string(::getpid())));
@@ -171,9 +175,9 @@ void meet(GroupState& group, Clock::time_point deadline) {
   }
 }
 
-// The local address this host uses to reach `host`, and the interface that carries it: what the kernel's
-// routing picks for a datagram socket connected there (no packet is sent). Empty if `host` does not
-// resolve or has no route.
+// The local address this host uses to reach `host`, and the interface that carries it: what the
+// kernel's routing picks for a datagram socket connected there (no packet is sent). Empty if `host`
+// does not resolve or has no route.
 struct LocalRoute {
   std::string address;
   std::string interface;
@@ -226,9 +230,9 @@ LocalRoute route_to(const std::string& host) {
   return route;
 }
 
-// Gloo's socket: GLOO_SOCKET_IFNAME when set; else the address that routes to MASTER_ADDR (as NCCL picks
-// its socket interface), so that a machine whose hostname resolves to loopback, or not at all, still
-// talks to its peers on the network that reaches the master.
+// Gloo's socket: GLOO_SOCKET_IFNAME when set; else the address that routes to MASTER_ADDR (as NCCL
+// picks its socket interface), so that a machine whose hostname resolves to loopback, or not at
+// all, still talks to its peers on the network that reaches the master.
 std::shared_ptr<::gloo::transport::Device> gloo_device(const GroupState& group) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     try {
@@ -267,9 +271,9 @@ bool all_on_one_host(GroupState& group) {
 }
 
 #ifdef DTRAIN_WITH_CUDA
-// Before NCCL starts, every rank of the group announces the GPU it drives; two ranks on one GPU become one
-// clear line on every rank (see comm/device_check.h) instead of NCCL's "Duplicate GPU detected" at the first
-// collective.
+// Before NCCL starts, every rank of the group announces the GPU it drives; two ranks on one GPU
+// become one clear line on every rank (see comm/device_check.h) instead of NCCL's "Duplicate GPU
+// detected" at the first collective.
 void check_one_process_per_gpu(GroupState& group, int device) {
   group.store->set("cuda_device/" + std::to_string(group.rank), bytes_of(std::to_string(device)));
   std::vector<RankDevice> ranks;
@@ -372,7 +376,8 @@ std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   // Two threads let two buckets' all-reduces proceed at once (DDP overlaps them with backward).
   options->threads = 2;
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo", group->store);
-  // Gloo's own waits for its peers' addresses take the store's timeout: make them end at the deadline.
+  // Gloo's own waits for its peers' addresses take the store's timeout: make them end at the
+  // deadline.
   const auto store_timeout = group->root_store->getTimeout();
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   group->root_store->setTimeout(std::max(left, std::chrono::milliseconds(1000)));
@@ -394,8 +399,9 @@ std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
     throw;
   } catch (const std::exception& e) {
     group->root_store->setTimeout(store_timeout);
-    // Every rank had joined (meet() above), so a failure here is a peer that died or stalled while the
-    // connections were made. Which one it was is told by the clock, not by the backend's wording.
+    // Every rank had joined (meet() above), so a failure here is a peer that died or stalled while
+    // the connections were made. Which one it was is told by the clock, not by the backend's
+    // wording.
     const auto elapsed = Clock::now() - begun;
     std::string what = e.what();
     if (auto newline = what.find('\n'); newline != std::string::npos) what.resize(newline);

@@ -1,6 +1,6 @@
-// How a group comes to be: the store where its ranks meet, the start-up meeting, and the backends that
-// carry its tensors (Gloo on the network interface that routes to MASTER_ADDR, NCCL on first use of a
-// CUDA tensor, shared memory among ranks on one host).
+// How a group comes to be: the store where its ranks meet, the start-up meeting, and the backends
+// that carry its tensors (Gloo on the network interface that routes to MASTER_ADDR, NCCL on first
+// use of a CUDA tensor, shared memory among ranks on one host).
 #pragma once
 
 #include <chrono>
@@ -18,17 +18,18 @@ bool shared_memory_enabled_by_env();
 // DTRAIN_SHM_BUCKETS (default on).
 bool shared_buckets_enabled_by_env();
 
-// The store the ranks of a new job meet in, as options.init_method says. A rank that cannot reach the
-// store keeps trying until the timeout (its master may still be booting) and then names the address, the
-// time it tried and the last error; rank 0 failing to host it is a UsageError at once.
+// The store the ranks of a new job meet in, as options.init_method says. A rank that cannot reach
+// the store keeps trying until the timeout (its master may still be booting) and then names the
+// address, the time it tried and the last error; rank 0 failing to host it is a UsageError at once.
 c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const LaunchInfo& launch,
                                            int rank, int world_size,
                                            std::chrono::milliseconds timeout);
 // The host of a "tcp://HOST:PORT" init method.
 std::string tcp_host(const std::string& init_method);
 
-// Meets every member of the new group (a TimeoutError names those that never came), then connects its
-// backends. Every wait of the whole connection counts against one deadline: the group's timeout.
+// Meets every member of the new group (a TimeoutError names those that never came), then connects
+// its backends. Every wait of the whole connection counts against one deadline: the group's
+// timeout.
 std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group);
 
 // Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build (or Gloo with

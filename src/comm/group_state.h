@@ -1,6 +1,6 @@
 // What a process group and its operations in flight hold, shared by the files of src/comm/:
-//   connect.cpp         the store, the start-up meeting and the backends (Gloo, NCCL, shared memory);
-//   work.cpp            operations in flight, one class per transport, and the errors a failed one raises;
+//   connect.cpp         the store, the start-up meeting, the backends (Gloo, NCCL, shared memory);
+//   work.cpp            operations in flight, one class per transport, and the errors they raise;
 //   process_group.cpp   the collectives and point to point, group creation;
 //   shared_buckets.cpp  DDP's gradient buckets in shared memory.
 // ProcessGroup and Work (dtrain/comm.h) are the public faces of GroupState and WorkState.
@@ -71,8 +71,8 @@ struct GroupState {
   void check_usable();
 };
 
-// How a transport's operation ended badly, sorted once where the transport's own error is caught, so
-// that the message built from it never guesses from the text.
+// How a transport's operation ended badly, sorted once where the transport's own error is caught,
+// so that the message built from it never guesses from the text.
 struct TransportFailure {
   enum class Kind {
     kTimeout,    // the deadline passed first
@@ -91,8 +91,8 @@ class InFlight {
  public:
   virtual ~InFlight() = default;
   // Blocks until the operation finished or `timeout` passed (counted from this call, as c10d's wait
-  // counts). Throws TransportFailure; `started` (when the operation was issued) tells a timeout from an
-  // early failure.
+  // counts). Throws TransportFailure; `started` (when the operation was issued) tells a timeout
+  // from an early failure.
   virtual void wait(std::chrono::steady_clock::time_point started,
                     std::chrono::milliseconds timeout) = 0;
   // Non-blocking: finished, successfully or not.
@@ -120,20 +120,20 @@ struct WorkState {
   bool done = false;
 };
 
-// Starts an operation: checks the group is usable, counts it, numbers it (collectives), logs it under
-// DTRAIN_DEBUG=detail, and runs `launch`, which must set work.in_flight. A transport error at launch
-// becomes dtrain's error as in wait_for().
+// Starts an operation: checks the group is usable, counts it, numbers it (collectives), logs it
+// under DTRAIN_DEBUG=detail, and runs `launch`, which must set work.in_flight. A transport error at
+// launch becomes dtrain's error as in wait_for().
 std::shared_ptr<WorkState> start_work(const std::shared_ptr<GroupState>& group, const char* op,
                                       bool collective, int peer, const CollectiveOptions& options,
                                       uint64_t bytes,
                                       const std::function<void(WorkState&)>& launch);
-// Blocks until the operation is done (then runs its finish step once), or throws dtrain's error for it:
-// TimeoutError when its deadline passed, naming the ranks that never arrived; PeerLostError with the
-// transport's own words and when it happened; UsageError for mismatched tensors.
+// Blocks until the operation is done (then runs its finish step once), or throws dtrain's error for
+// it: TimeoutError when its deadline passed, naming the ranks that never arrived; PeerLostError
+// with the transport's own words and when it happened; UsageError for mismatched tensors.
 void wait_for(WorkState& work);
 
-// The private parts of ProcessGroup and Work, for the files of src/comm/ only (dtrain/comm.h befriends
-// this one struct).
+// The private parts of ProcessGroup and Work, for the files of src/comm/ only (dtrain/comm.h
+// befriends this one struct).
 struct GroupInternals {
   static const std::shared_ptr<GroupState>& state(const ProcessGroup& group) {
     return group.state_;

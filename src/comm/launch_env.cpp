@@ -1,5 +1,5 @@
-// Reads who this process is from a launcher's environment: torchrun / `dtrain run`, Slurm's srun, Open MPI's
-// mpirun. One binary then runs under any of them without flags.
+// Reads who this process is from a launcher's environment: torchrun / `dtrain run`, Slurm's srun,
+// Open MPI's mpirun. One binary then runs under any of them without flags.
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -80,7 +80,8 @@ ScopedThreadLaunch::~ScopedThreadLaunch() { thread_launch = previous_; }
 
 LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
   if (thread_launch != nullptr && !getenv_override) {
-    // A rank of dtrain::spawn's thread mode: the process environment describes the process, not the rank.
+    // A rank of dtrain::spawn's thread mode: the process environment describes the process, not the
+    // rank.
     LaunchInfo info;
     info.rank = info.local_rank = thread_launch->rank;
     info.world_size = info.local_world_size = thread_launch->world_size;
@@ -135,8 +136,8 @@ LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
                                                            : get(env, "SLURM_NODELIST"));
     }
     if (info.master_port == 0 && has(env, "SLURM_JOB_ID")) {
-      // Every task of a job derives the same port from the job id (as PyTorch Lightning does), so srun needs
-      // no extra variable; jobs sharing a node get different ports.
+      // Every task of a job derives the same port from the job id (as PyTorch Lightning does), so
+      // srun needs no extra variable; jobs sharing a node get different ports.
       info.master_port =
           15000 +
           static_cast<int>(std::strtoul(get(env, "SLURM_JOB_ID").c_str(), nullptr, 10) % 20000);

@@ -1,5 +1,6 @@
-// dtrain::ProcessGroup's collectives and point-to-point transfers, and the creation of groups. How a group
-// connects is in connect.cpp; how an operation in flight is waited for and fails, in work.cpp.
+// dtrain::ProcessGroup's collectives and point-to-point transfers, and the creation of groups. How
+// a group connects is in connect.cpp; how an operation in flight is waited for and fails, in
+// work.cpp.
 #include <ATen/ATen.h>
 #include <unistd.h>
 
@@ -46,8 +47,8 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
-// The dtypes c10d's Gloo backend reduces and moves; anything else is the caller's mistake, reported as such
-// before anything is sent (other failures at launch are communication failures).
+// The dtypes c10d's Gloo backend reduces and moves; anything else is the caller's mistake, reported
+// as such before anything is sent (other failures at launch are communication failures).
 void check_gloo_dtype(const GroupState& group, const char* op, const at::Tensor& tensor) {
   if (tensor.is_cuda()) return;
   switch (tensor.scalar_type()) {
@@ -231,8 +232,8 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at
           w.in_flight = c10d_in_flight(backend_for(group, output).reduce_scatter(out, in, opts));
           return;
         }
-        // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep this rank's
-        // slice once it is done.
+        // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep
+        // this rank's slice once it is done.
         at::Tensor stacked = at::stack(inputs);
         check_gloo_dtype(group, "reduce_scatter", stacked);
         c10d::AllreduceOptions opts;
@@ -260,7 +261,8 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, const std::vector<at::Tens
 void ProcessGroup::barrier(const CollectiveOptions& options) {
   GroupState& group = *state_;
   if (group.shm) {
-    // Asynchronous shared-memory all-reduces issued before the barrier complete before it, as Gloo's do.
+    // Asynchronous shared-memory all-reduces issued before the barrier complete before it, as
+    // Gloo's do.
     auto flushed = group.shm->flush();
     flushed.wait();
   }
@@ -357,9 +359,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
 
 namespace {
 
-// Under a launcher a worker's stdout is a pipe, which the C library buffers in 4 KiB blocks: the launcher
-// would relay a worker's lines in bursts, and lose the last block when the worker is killed. Line
-// buffering, as on a terminal, costs one write per line and keeps every line whole and timely.
+// Under a launcher a worker's stdout is a pipe, which the C library buffers in 4 KiB blocks: the
+// launcher would relay a worker's lines in bursts, and lose the last block when the worker is
+// killed. Line buffering, as on a terminal, costs one write per line and keeps every line whole and
+// timely.
 void line_buffer_stdout_under_launcher() {
   static std::once_flag once;
   std::call_once(once, [] {

@@ -76,8 +76,8 @@ void ProgressTracker::publish_loop() {
 
 std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<int>& to_global) {
   publish_now();
-  // A failure (unlike a timeout) can come right after peers moved on: give their publishers time to post
-  // where they are. This runs only on the error path.
+  // A failure (unlike a timeout) can come right after peers moved on: give their publishers time to
+  // post where they are. This runs only on the error path.
   std::this_thread::sleep_for(3 * kPublishInterval);
   std::vector<int> missing;
   std::ostringstream where;
@@ -102,7 +102,8 @@ std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<in
       where << (missing.size() > 1 ? "; " : "") << "rank " << to_global[r] << " last seen at "
             << (seen == 0 ? std::string("start-up") : op + " #" + std::to_string(seen));
       // How long it has not moved on tells a dead or hung rank (many seconds) from one that is busy
-      // elsewhere. A peer whose clock runs ahead of ours would give a negative age: then none is given.
+      // elsewhere. A peer whose clock runs ahead of ours would give a negative age: then none is
+      // given.
       const int64_t age_ms = unix_ms() - published_ms;
       if (seen != 0 && published_ms > 0 && age_ms >= 0) {
         where << ", " << age_ms / 1000 << "." << age_ms % 1000 / 100 << " s ago";

@@ -1,4 +1,5 @@
-// DDP's gradient buckets in shared memory; see Note [Gradient buckets in shared memory] in shared_buckets.h.
+// DDP's gradient buckets in shared memory; see Note [Gradient buckets in shared memory] in
+// shared_buckets.h.
 #include "comm/shared_buckets.h"
 
 #include <ATen/ATen.h>

@@ -1,4 +1,5 @@
-// Shared-memory all-reduce for ranks on one host; see Note [Shared-memory all-reduce] in shm_transport.h.
+// Shared-memory all-reduce for ranks on one host; see Note [Shared-memory all-reduce] in
+// shm_transport.h.
 #include "comm/shm_transport.h"
 
 #include <linux/futex.h>
@@ -29,7 +30,8 @@ constexpr size_t kLine = 64;
 constexpr auto kYieldBeforeSleeping = std::chrono::milliseconds(
     2);  // one cache line per rank's record: no false sharing between ranks
 
-// The segment starts with this header, then one RankRecord per rank, then the slots at a page boundary.
+// The segment starts with this header, then one RankRecord per rank, then the slots at a page
+// boundary.
 struct Header {
   std::atomic<uint32_t> wake_word;  // bumped at every barrier arrival; waiters sleep on it (futex)
   std::atomic<int32_t> aborted_by;  // 1 + the group rank that failed first; 0 while healthy
@@ -40,8 +42,9 @@ struct alignas(kLine) RankRecord {
   std::atomic<int32_t> pid;     // to tell a dead peer from a slow one...
   std::atomic<uint64_t>
       pid_ns;  // ...when it lives in our pid namespace (containers sharing /dev/shm)
-  // Numel, dtype and op of this rank's current operation, in field (operation count % 2): a rank that runs
-  // ahead writes the other field, so a slower one still reads the right one (see agree()).
+  // Numel, dtype and op of this rank's current operation, in field (operation count % 2): a rank
+  // that runs ahead writes the other field, so a slower one still reads the right one (see
+  // agree()).
   std::atomic<uint64_t> signature[2];
 };
 
@@ -68,10 +71,11 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// Copies a rank's data into its own slot. The slot's cache lines were last read by the peers, on other
-// cores; ordinary stores must first take each line back from them, which on a 2-core VM made copying a
-// 7 MiB chunk in 2.5x slower than the same copy between private buffers. Streaming (non-temporal) stores
-// claim the lines without reading them. Small copies stay in the cache, where the peers find them fastest.
+// Copies a rank's data into its own slot. The slot's cache lines were last read by the peers, on
+// other cores; ordinary stores must first take each line back from them, which on a 2-core VM made
+// copying a 7 MiB chunk in 2.5x slower than the same copy between private buffers. Streaming
+// (non-temporal) stores claim the lines without reading them. Small copies stay in the cache, where
+// the peers find them fastest.
 void copy_into_slot(char* dst, const char* src, size_t bytes) {
 #if defined(__SSE2__)
   constexpr size_t kStreamingFrom = 256 << 10;
@@ -142,8 +146,9 @@ void reduce_into(at::ScalarType type, char* dst, const char* src, int64_t n, Red
   combine_into(type, dst, dst, src, n, op);
 }
 
-// Elements [begin, end) of every region become scale * their sum over regions, summed in region order.
-// Block by block through a small buffer that stays in L1, so each region is read once and written once.
+// Elements [begin, end) of every region become scale * their sum over regions, summed in region
+// order. Block by block through a small buffer that stays in L1, so each region is read once and
+// written once.
 template <typename T>
 void sum_into_every_region(const std::vector<char*>& regions, int64_t begin, int64_t end, T scale) {
   constexpr int64_t kBlock = 1024;
@@ -301,15 +306,15 @@ void ShmTransport::barrier(Clock::time_point deadline) {
   Clock::time_point yield_until;
   for (int spins = 0;; ++spins) {
     uint32_t seen = wake_word->load(std::memory_order_acquire);
-    // Checked on every pass, also right before returning: never pass a barrier against a failed peer's
-    // stale counter.
+    // Checked on every pass, also right before returning: never pass a barrier against a failed
+    // peer's stale counter.
     int late = -1;
     for (int r = 0; r < size_ && late < 0; ++r) {
       if (records[r].phase.load(std::memory_order_acquire) < target) late = r;
     }
     if (int32_t failed = control_->header.aborted_by.load(std::memory_order_acquire); failed > 0) {
-      // A peer gave up first (usually on the same late rank): report the same cause, naming who is missing
-      // here, or the peer that gave up.
+      // A peer gave up first (usually on the same late rank): report the same cause, naming who is
+      // missing here, or the peer that gave up.
       auto kind = static_cast<ShmFailure::Kind>(control_->header.aborted_kind.load());
       if (kind == ShmFailure::Kind::kDestroyed) kind = ShmFailure::Kind::kPeerLost;
       const char* cause = kind == ShmFailure::Kind::kTimeout ? "timed out"
@@ -323,9 +328,10 @@ void ShmTransport::barrier(Clock::time_point deadline) {
     if (late < 0) return;
     if (spins < 100) continue;  // the peer is usually microseconds away
     auto now = Clock::now();
-    // Then yield for a while before sleeping: a waiter that yields gives its core to any runnable thread
-    // (DDP's backward on a busy machine) yet sees the peer arrive at once, where waking from a futex
-    // costs tens of microseconds on a VM. Measured: 2-rank DDP steps ~10% faster than sleeping at once.
+    // Then yield for a while before sleeping: a waiter that yields gives its core to any runnable
+    // thread (DDP's backward on a busy machine) yet sees the peer arrive at once, where waking from
+    // a futex costs tens of microseconds on a VM. Measured: 2-rank DDP steps ~10% faster than
+    // sleeping at once.
     if (spins == 100) yield_until = now + kYieldBeforeSleeping;
     if (now < yield_until) {
       sched_yield();
@@ -388,9 +394,9 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op,
     if (offset == 0) check_agreement("all-reduce", numel, type);
     if (size_ == 1) continue;
     if (size_ == 2 || n * element * (size_ - 1) <= kDirectBytes) {
-      // One step: every rank combines all slots itself, in rank order. Its own part comes from the tensor,
-      // still in this core's cache (ranks 0 and 1 only: for the others the tensor already holds a partial
-      // result by the time their turn comes).
+      // One step: every rank combines all slots itself, in rank order. Its own part comes from the
+      // tensor, still in this core's cache (ranks 0 and 1 only: for the others the tensor already
+      // holds a partial result by the time their turn comes).
       auto part = [&](int r) -> const char* { return r == rank_ && r < 2 ? chunk : slot(set, r); };
       combine_into(type, chunk, part(0), part(1), n, op);
       for (int r = 2; r < size_; ++r) combine_into(type, chunk, chunk, part(r), n, op);
@@ -417,9 +423,9 @@ void ShmTransport::publish(uint64_t signature) {
 }
 
 void ShmTransport::check_agreement(const char* what, int64_t numel, at::ScalarType type) {
-  // Safe to read right after the operation's first barrier: a peer that is already ahead can publish its
-  // next operation's signature, but only into the other field, and it cannot come back to this one before
-  // this rank reaches that next operation's first barrier.
+  // Safe to read right after the operation's first barrier: a peer that is already ahead can
+  // publish its next operation's signature, but only into the other field, and it cannot come back
+  // to this one before this rank reaches that next operation's first barrier.
   RankRecord* records = records_of(base_);
   const int field = static_cast<int>(operations_++ % 2);
   for (int r = 0; r < size_; ++r) {
@@ -472,9 +478,9 @@ void ShmTransport::all_reduce_regions(const std::vector<char*>& regions, int64_t
   publish(kRegionsTag ^ (static_cast<uint64_t>(numel) << 8) ^ static_cast<uint64_t>(type));
   barrier(deadline);  // every rank's part is complete
   check_agreement("gradient bucket all-reduce", numel, type);
-  // Rank r sums share r and writes the result into every region: each element is computed once, so all
-  // ranks hold the same bits. Shares start on cache-line boundaries (16 floats), so no two ranks write
-  // one line.
+  // Rank r sums share r and writes the result into every region: each element is computed once, so
+  // all ranks hold the same bits. Shares start on cache-line boundaries (16 floats), so no two
+  // ranks write one line.
   constexpr int64_t kAlign = 16;
   const int64_t per_rank = (numel + size_ * kAlign - 1) / (size_ * kAlign) * kAlign;
   const int64_t begin = std::min(numel, per_rank * rank_),
@@ -484,12 +490,12 @@ void ShmTransport::all_reduce_regions(const std::vector<char*>& regions, int64_t
   } else {
     sum_into_every_region<double>(regions, begin, end, scale);
   }
-  barrier(
-      deadline);  // every region holds the whole result, and no rank reads another's region any more
+  // Every region holds the whole result, and no rank reads another's region any more.
+  barrier(deadline);
 }
 
-// Signatures of the two collectives below differ from an all-reduce's in their top bits, so ranks that
-// issued different collectives are told apart too.
+// Signatures of the two collectives below differ from an all-reduce's in their top bits, so ranks
+// that issued different collectives are told apart too.
 constexpr uint64_t kAllGatherTag = uint64_t{1} << 62;
 constexpr uint64_t kReduceScatterTag = uint64_t{1} << 61;
 
@@ -553,7 +559,8 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const std::vector<at
     }
     barrier(deadline);
     if (offset == 0) check_agreement("reduce-scatter", numel, type);
-    // Every rank's piece `rank_`, summed in rank order: the same operands in the same order on any rank.
+    // Every rank's piece `rank_`, summed in rank order: the same operands in the same order on any
+    // rank.
     char* mine = result + offset * element;
     std::memcpy(mine, slot(set, 0) + rank_ * n * element, n * element);
     for (int r = 1; r < size_; ++r)

@@ -1,13 +1,14 @@
-// Operations in flight: one InFlight class per transport (c10d's Gloo/NCCL work, a queued shared-memory
-// collective, a shared-memory message), and the one place where their failures become dtrain's errors.
+// Operations in flight: one InFlight class per transport (c10d's Gloo/NCCL work, a queued
+// shared-memory collective, a shared-memory message), and the one place where their failures become
+// dtrain's errors.
 //
 // Note [Timeouts are told by the clock]
-// Gloo reports a timeout as text ("Timed out waiting ..."), a dead peer as other text, and c10d sometimes
-// wraps one in the other. Guessing from the words once turned a link cut after 8 s into "timed out after
-// 20 s", dropping the real cause. Instead each InFlight sorts its transport's failure into a
-// TransportFailure kind where it is caught: the shared-memory transport knows its kinds; for c10d, an
-// error raised before the operation's deadline is a lost peer (with the transport's words and the time it
-// happened), one raised at or after the deadline a timeout.
+// Gloo reports a timeout as text ("Timed out waiting ..."), a dead peer as other text, and c10d
+// sometimes wraps one in the other. Guessing from the words once turned a link cut after 8 s into
+// "timed out after 20 s", dropping the real cause. Instead each InFlight sorts its transport's
+// failure into a TransportFailure kind where it is caught: the shared-memory transport knows its
+// kinds; for c10d, an error raised before the operation's deadline is a lost peer (with the
+// transport's words and the time it happened), one raised at or after the deadline a timeout.
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -42,9 +43,9 @@ TransportFailure from_shm(const ShmFailure& e) {
   return {TransportFailure::Kind::kPeerLost, e.what(), e.late_rank};
 }
 
-// A c10d error: a timeout if the operation's timeout has passed since it was issued, else a lost peer
-// (Note [Timeouts are told by the clock]). Every timer that can fire (the wait's, Gloo's own) started
-// after the operation was issued, so a real timeout always passes this test.
+// A c10d error: a timeout if the operation's timeout has passed since it was issued, else a lost
+// peer (Note [Timeouts are told by the clock]). Every timer that can fire (the wait's, Gloo's own)
+// started after the operation was issued, so a real timeout always passes this test.
 TransportFailure from_c10d(const std::string& what, Clock::time_point started,
                            std::chrono::milliseconds timeout) {
   const bool late = Clock::now() - started >= timeout;
@@ -76,7 +77,8 @@ class ShmCollectiveInFlight : public InFlight {
   explicit ShmCollectiveInFlight(std::shared_future<void> done) : done_(std::move(done)) {}
 
   void wait(Clock::time_point started, std::chrono::milliseconds timeout) override {
-    // The transport's thread enforces the timeout itself; this bound only guards against a stuck thread.
+    // The transport's thread enforces the timeout itself; this bound only guards against a stuck
+    // thread.
     if (done_.wait_for(2 * timeout + std::chrono::seconds(10)) != std::future_status::ready) {
       throw TransportFailure{TransportFailure::Kind::kTimeout,
                              "the shared-memory transport's thread did not finish"};
@@ -115,8 +117,8 @@ class ShmMessageInFlight : public InFlight {
   std::shared_ptr<ShmMessage> message_;
 };
 
-// Turns a failed or late operation into dtrain's error, naming who did not arrive and what really happened,
-// and marks the group broken.
+// Turns a failed or late operation into dtrain's error, naming who did not arrive and what really
+// happened, and marks the group broken.
 [[noreturn]] void fail(WorkState& work, const TransportFailure& failure) {
   GroupState& group = *work.group;
   const bool peer_to_peer = work.seq == 0;
@@ -157,7 +159,8 @@ class ShmMessageInFlight : public InFlight {
   } else {
     std::string missing = group.progress->describe_missing(work.seq, group.global_ranks);
     if (failure.late_rank >= 0 && missing.rfind("every rank reached it", 0) == 0) {
-      // Queued asynchronous operations: every rank issued it, but rank `late_rank` never got to run it.
+      // Queued asynchronous operations: every rank issued it, but rank `late_rank` never got to run
+      // it.
       missing = "rank " + std::to_string(group.global_ranks[failure.late_rank]) +
                 " issued it but never arrived in the shared-memory exchange";
     }
@@ -178,9 +181,9 @@ GroupState::GroupState() = default;
 GroupState::~GroupState() {
   progress.reset();
   if (!failure.empty()) {
-    // After a timeout a Gloo worker thread may still be blocked inside the transport, and the backend's
-    // destructor would join it, stalling exit for another full timeout. The process is going down with an
-    // error anyway: leave the backend to the OS.
+    // After a timeout a Gloo worker thread may still be blocked inside the transport, and the
+    // backend's destructor would join it, stalling exit for another full timeout. The process is
+    // going down with an error anyway: leave the backend to the OS.
     (void)gloo.release();
 #ifdef DTRAIN_WITH_CUDA
     (void)nccl.release();

@@ -1,5 +1,6 @@
 // dtrain's logger: one line per message on stderr, prefixed with the rank, filtered by DTRAIN_LOG
-// (error, warn, info, debug; default warn). DTRAIN_DEBUG=detail turns on debug and logs every collective.
+// (error, warn, info, debug; default warn). DTRAIN_DEBUG=detail turns on debug and logs every
+// collective.
 #pragma once
 
 #include <sstream>
@@ -18,11 +19,11 @@ bool detail();
 
 }  // namespace dtrain::log
 
-#define DTRAIN_LOG(level, stream_expr)                                 \
-  do {                                                                 \
-    if (::dtrain::log::enabled(::dtrain::log::Level::level)) {         \
-      std::ostringstream dtrain_log_stream_;                           \
-      dtrain_log_stream_ << stream_expr;                               \
+#define DTRAIN_LOG(level, stream_expr)                                             \
+  do {                                                                             \
+    if (::dtrain::log::enabled(::dtrain::log::Level::level)) {                     \
+      std::ostringstream dtrain_log_stream_;                                       \
+      dtrain_log_stream_ << stream_expr;                                           \
       ::dtrain::log::write(::dtrain::log::Level::level, dtrain_log_stream_.str()); \
-    }                                                                  \
+    }                                                                              \
   } while (0)

@@ -10,11 +10,13 @@ namespace dtrain {
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                          std::shared_ptr<ProcessGroup> group,
                                                          DistributedDataParallelOptions options)
-    : reducer_(std::make_unique<detail::Reducer>(std::move(module), std::move(group), std::move(options))) {}
+    : reducer_(std::make_unique<detail::Reducer>(std::move(module), std::move(group),
+                                                 std::move(options))) {}
 
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
 
-DistributedDataParallelBase::NoSyncGuard::NoSyncGuard(DistributedDataParallelBase& ddp) : ddp_(ddp) {
+DistributedDataParallelBase::NoSyncGuard::NoSyncGuard(DistributedDataParallelBase& ddp)
+    : ddp_(ddp) {
   ddp_.reducer_->enter_no_sync();
 }
 DistributedDataParallelBase::NoSyncGuard::~NoSyncGuard() { ddp_.reducer_->leave_no_sync(); }
@@ -25,13 +27,16 @@ std::vector<std::vector<size_t>> DistributedDataParallelBase::bucket_layout() co
   return reducer_->bucket_layout();
 }
 
-void DistributedDataParallelBase::prepare_forward(int64_t samples) { reducer_->prepare_forward(samples); }
+void DistributedDataParallelBase::prepare_forward(int64_t samples) {
+  reducer_->prepare_forward(samples);
+}
 void DistributedDataParallelBase::forward_done() { reducer_->end_forward(); }
 
 namespace {
 
-// All-reduces a low-precision copy of each bucket. The gradients arrive already divided by the world
-// size, so the sum stays in the range of the original values (no fp16 overflow from summing first).
+// All-reduces a low-precision copy of each bucket. The gradients arrive already divided by the
+// world size, so the sum stays in the range of the original values (no fp16 overflow from summing
+// first).
 class CompressHook : public CommHook {
  public:
   explicit CompressHook(at::ScalarType wire_type) : wire_type_(wire_type) {}
@@ -62,11 +67,11 @@ class CompressHook : public CommHook {
     if (static_cast<size_t>(index) >= slots_.size()) slots_.resize(index + 1);
     return slots_[index];
   }
-  // c10d's Gloo (1.13) cannot reduce bfloat16. On CPU the bf16 hook all-gathers the compressed buckets
-  // instead (as raw 32-bit words, which Gloo can move) and sums them in float32 in rank order, the same on
-  // every rank. An all-gather moves (n-1)/n of n half-size buckets per rank against 2(n-1)/n full-size for a
-  // ring all-reduce: fewer bytes up to 3 ranks, equal at 4, more beyond. It runs in finish(), so without
-  // overlap. NCCL reduces bf16 natively.
+  // c10d's Gloo (1.13) cannot reduce bfloat16. On CPU the bf16 hook all-gathers the compressed
+  // buckets instead (as raw 32-bit words, which Gloo can move) and sums them in float32 in rank
+  // order, the same on every rank. An all-gather moves (n-1)/n of n half-size buckets per rank
+  // against 2(n-1)/n full-size for a ring all-reduce: fewer bytes up to 3 ranks, equal at 4, more
+  // beyond. It runs in finish(), so without overlap. NCCL reduces bf16 natively.
   bool gathers(const at::Tensor& buffer) const {
     return wire_type_ == at::kBFloat16 && !buffer.is_cuda();
   }
@@ -91,6 +96,8 @@ class CompressHook : public CommHook {
 }  // namespace
 
 std::shared_ptr<CommHook> fp16_compress_hook() { return std::make_shared<CompressHook>(at::kHalf); }
-std::shared_ptr<CommHook> bf16_compress_hook() { return std::make_shared<CompressHook>(at::kBFloat16); }
+std::shared_ptr<CommHook> bf16_compress_hook() {
+  return std::make_shared<CompressHook>(at::kBFloat16);
+}
 
 }  // namespace dtrain

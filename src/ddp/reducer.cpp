@@ -113,8 +113,8 @@ void Reducer::build_buckets() {
     int64_t offset = 0;
     for (size_t k : bucket.params) {
       Param& p = params_[k];
-      // An alias of the bucket's memory that autograd does not track as a view: LibTorch's zero_grad()
-      // calls detach_() on gradients, which a view would refuse.
+      // An alias of the bucket's memory that autograd does not track as a view: LibTorch's
+      // zero_grad() calls detach_() on gradients, which a view would refuse.
       std::vector<int64_t> strides(p.tensor.dim(), 1);
       for (int64_t d = p.tensor.dim() - 1; d > 0; --d)
         strides[d - 1] = strides[d] * p.tensor.size(d);
@@ -155,8 +155,8 @@ void Reducer::prepare_forward(int64_t samples) {
     }
     reset_iteration();
     if (launched > 0) {
-      // This rank already started some of its buckets' all-reduces; the other ranks may have started
-      // others. Going on would pair different buckets across ranks.
+      // This rank already started some of its buckets' all-reduces; the other ranks may have
+      // started others. Going on would pair different buckets across ranks.
       throw CommError(
           who() + ": DistributedDataParallel: the previous backward failed after starting " +
           std::to_string(launched) + " of " + std::to_string(buckets_.size()) +
@@ -244,8 +244,8 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
   if (shared_) {
-    // mark_ready() already divided copied gradients; gradients that are the bucket get divided by the
-    // reduction itself, in the same pass.
+    // mark_ready() already divided copied gradients; gradients that are the bucket get divided by
+    // the reduction itself, in the same pass.
     const double scale = options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
     StepRecorder::Blocked blocked(recorder_.get());
     bucket.work = shared_->all_reduce_async(bucket.offset, bucket.buffer.numel(),
@@ -253,8 +253,8 @@ void Reducer::launch(size_t bucket_index) {
     return;
   }
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
-  // Starting is meant not to block, but a hook or a full transport queue may: whatever it takes here,
-  // backward is not computing.
+  // Starting is meant not to block, but a hook or a full transport queue may: whatever it takes
+  // here, backward is not computing.
   StepRecorder::Blocked blocked(recorder_.get());
   if (options_.comm_hook) {
     GradBucket view{static_cast<int>(bucket_index), &bucket.buffer};
@@ -308,7 +308,8 @@ void Reducer::finalize_backward() {
     return;
   }
   if (options_.find_unused_parameters) {
-    // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it was.
+    // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it
+    // was.
     used = at::ones({static_cast<int64_t>(params_.size())}, at::kInt);
     auto flags = used.accessor<int, 1>();
     for (size_t i : missing) flags[static_cast<int64_t>(i)] = 0;
@@ -331,8 +332,8 @@ void Reducer::finalize_backward() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (used_anywhere && used_anywhere[i] == 0) {
-      // Unused on every rank: .grad stays as it was. An optimizer skips a parameter without a gradient
-      // but would apply weight decay or momentum to a zero one.
+      // Unused on every rank: .grad stays as it was. An optimizer skips a parameter without a
+      // gradient but would apply weight decay or momentum to a zero one.
       if (options_.gradient_as_bucket_view && p.had_no_gradient)
         p.tensor.mutable_grad() = at::Tensor();
       continue;

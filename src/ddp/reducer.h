@@ -30,10 +30,11 @@ class Reducer {
     if (recorder_) recorder_->end_forward();
   }
 
-  // For a pipeline stage, which runs several backwards per step (one per micro-batch) and must not stall in
-  // the last of them: gradients are averaged only in a backward announced with set_sync_next_backward(true),
-  // and that backward's wait for the all-reduces happens in finalize(), called by the owner when it has
-  // passed its own gradients on, instead of in an end-of-backward callback.
+  // For a pipeline stage, which runs several backwards per step (one per micro-batch) and must not
+  // stall in the last of them: gradients are averaged only in a backward announced with
+  // set_sync_next_backward(true), and that backward's wait for the all-reduces happens in
+  // finalize(), called by the owner when it has passed its own gradients on, instead of in an
+  // end-of-backward callback.
   void set_explicit_finalize(bool on) { explicit_finalize_ = on; }
   void set_sync_next_backward(bool sync);
   void finalize();
@@ -79,8 +80,9 @@ class Reducer {
   // (Note [Gradient buckets in shared memory]); null otherwise.
   std::unique_ptr<SharedBuckets> shared_;
   at::Tensor inverse_world_size_;  // 0-dim, multiplies gradients on their way into the buckets
-  // World size 1: the local gradients already are the average. The hooks only track which parameters got
-  // a gradient (for the unused-parameter error); no buckets, no copies, no collectives.
+  // World size 1: the local gradients already are the average. The hooks only track which
+  // parameters got a gradient (for the unused-parameter error); no buckets, no copies, no
+  // collectives.
   bool local_only_ = false;
 
   std::mutex mutex_;  // hooks of a CUDA backward may run on several device threads

@@ -1,24 +1,27 @@
-// DataParallel's machinery: persistent replicas, one worker thread each, the scatter of a batch, and the
-// reduction of the replicas' gradients into the module's. See dtrain/dp.h for the contract.
+// DataParallel's machinery: persistent replicas, one worker thread each, the scatter of a batch,
+// and the reduction of the replicas' gradients into the module's. See dtrain/dp.h for the contract.
 //
 // Note [Replica devices and streams]
-// On an accelerator (CUDA) each replica thread binds its device (a device guard) and queues its work on a
-// stream of its own, taken once from the device's pool, so that the replicas' kernels can overlap even when
-// they share a GPU. Only c10's generic guard interface is used (no CUDA headers: the same code builds
-// against a CPU LibTorch, where all of this is skipped). The order between the caller's streams and the
-// replicas' is kept with events, never by blocking the host:
-//   - before a step, the caller records an event on its current stream of each replica's device (and of
-//     the first device); the replica's stream waits for them: parameters the optimizer just updated,
-//     buffers copied by the caller, and memory the caller's last reduction still reads are all ready;
-//   - a replica thread also makes the caller's current stream of the first device its own current stream
-//     there, since LibTorch runs a copy between two GPUs on the source device's current stream (the
-//     parameter refresh and a scatter from the first device);
-//   - after its task the replica records an event on its stream, and the caller's current streams of that
-//     device and of the first device wait for it before the outputs are gathered or the gradients reduced.
-// Inputs are scattered with non-blocking copies (asynchronous from pinned host memory), outputs gathered
-// the same way, and the gradients are reduced on the first device, on the caller's streams (for forward()
-// the reduction runs in autograd's final callback, which runs on the streams that surrounded backward()).
-// On the CPU none of this exists: the guards are empty, there are no streams and no events.
+// On an accelerator (CUDA) each replica thread binds its device (a device guard) and queues its
+// work on a stream of its own, taken once from the device's pool, so that the replicas' kernels can
+// overlap even when they share a GPU. Only c10's generic guard interface is used (no CUDA headers:
+// the same code builds against a CPU LibTorch, where all of this is skipped). The order between the
+// caller's streams and the replicas' is kept with events, never by blocking the host:
+//   - before a step, the caller records an event on its current stream of each replica's device
+//     (and of the first device); the replica's stream waits for them: parameters the optimizer just
+//     updated, buffers copied by the caller, and memory the caller's last reduction still reads are
+//     all ready;
+//   - a replica thread also makes the caller's current stream of the first device its own current
+//     stream there, since LibTorch runs a copy between two GPUs on the source device's current
+//     stream (the parameter refresh and a scatter from the first device);
+//   - after its task the replica records an event on its stream, and the caller's current streams
+//     of that device and of the first device wait for it before the outputs are gathered or the
+//     gradients reduced.
+// Inputs are scattered with non-blocking copies (asynchronous from pinned host memory), outputs
+// gathered the same way, and the gradients are reduced on the first device, on the caller's streams
+// (for forward() the reduction runs in autograd's final callback, which runs on the streams that
+// surrounded backward()). On the CPU none of this exists: the guards are empty, there are no
+// streams and no events.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
@@ -63,13 +66,15 @@ class ReplicaSet {
 
   void worker_loop(int index);
   void stop_workers();
-  // Runs fn(i) on workers 0..count-1 and waits for all of them; then rethrows the first failure, naming
-  // its replica. Every worker finishes its task before anything is rethrown, so none is left running.
+  // Runs fn(i) on workers 0..count-1 and waits for all of them; then rethrows the first failure,
+  // naming its replica. Every worker finishes its task before anything is rethrown, so none is left
+  // running.
   void run_on_workers(int count, const std::function<void(int)>& fn);
-  // On the caller's thread, before the workers start: what must not race with replica 0's forward (its
-  // buffers, which that forward updates) and what is cheap (training mode, requires_grad).
+  // On the caller's thread, before the workers start: what must not race with replica 0's forward
+  // (its buffers, which that forward updates) and what is cheap (training mode, requires_grad).
   void refresh_replica_state(int active);
-  // On replica r's own thread: its parameters from the module's (unless `copy` is false: same step).
+  // On replica r's own thread: its parameters from the module's (unless `copy` is false: same
+  // step).
   void refresh_replica_parameters(int r, bool copy);
   void reduce_gradients(int active);
   std::pair<int64_t, int64_t> slice(int64_t total, int active, int r) const;
@@ -81,10 +86,11 @@ class ReplicaSet {
   std::vector<std::shared_ptr<torch::nn::Module>> replicas_;  // [0] is the user's module
   std::vector<std::vector<at::Tensor>> params_;               // per replica, in parameters() order
   std::vector<std::vector<at::Tensor>> buffers_;
-  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> submodules_;  // per replica, pre-order
-  // Set by a gathered forward() whose backward has not run yet. Further forwards before that backward
-  // (two inputs, one loss) belong to the same step: they must not copy over parameters the pending graph
-  // holds, and the module's parameters cannot have changed in between anyway.
+  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>>
+      submodules_;  // per replica, pre-order
+  // Set by a gathered forward() whose backward has not run yet. Further forwards before that
+  // backward (two inputs, one loss) belong to the same step: they must not copy over parameters the
+  // pending graph holds, and the module's parameters cannot have changed in between anyway.
   bool awaiting_backward_ = false;
   std::vector<c10::Device> devices_;
   DataParallelBase::Forward forward_;
@@ -97,14 +103,14 @@ class ReplicaSet {
   int pending_ = 0;
   bool stop_ = false;
   bool busy_ = false;  // a call is in progress: DataParallel is not for concurrent use
-  // Outlives nothing it should not: the gathered-output hook holds a weak reference and refuses to run
-  // against a destroyed DataParallel.
+  // Outlives nothing it should not: the gathered-output hook holds a weak reference and refuses to
+  // run against a destroyed DataParallel.
   std::shared_ptr<ReplicaSet*> self_ = std::make_shared<ReplicaSet*>(this);
 
   // DTRAIN_PROFILE (null when off). DataParallel's "communication" is in-process: the copies of the
-  // parameters into the replicas (on the replicas' threads, before their forward) and the reduction of
-  // their gradients (after every backward; nothing overlaps it). Per step the workers note when their
-  // copy and their forward ended; the slowest replica sets the step's pace.
+  // parameters into the replicas (on the replicas' threads, before their forward) and the reduction
+  // of their gradients (after every backward; nothing overlaps it). Per step the workers note when
+  // their copy and their forward ended; the slowest replica sets the step's pace.
   std::unique_ptr<StepRecorder> recorder_;
   std::vector<StepRecorder::Clock::time_point> copy_end_, forward_end_;
   StepRecorder::Clock::time_point workers_start_;
@@ -139,7 +145,8 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
     std::string problem;
     try {
       c10::impl::VirtualGuardImpl guard(device.type());
-      if (!device.has_index()) device = c10::Device(device.type(), guard.getDevice().index());  // "cuda"
+      if (!device.has_index())
+        device = c10::Device(device.type(), guard.getDevice().index());  // "cuda"
       if (device.index() >= guard.deviceCount()) {
         problem = "this process sees " + std::to_string(guard.deviceCount()) +
                   " of them (CUDA_VISIBLE_DEVICES may hide some); pass devices it has";
@@ -164,10 +171,11 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
     try {
       replicas_.push_back(module->clone(devices_[r]));
     } catch (const c10::Error& e) {
-      throw UsageError(std::string("DataParallel: the module cannot be cloned into replicas (") +
-                       e.what_without_backtrace() +
-                       "). Derive it from torch::nn::Cloneable<YourModule> and build its layers in reset(), "
-                       "as LibTorch's own data_parallel requires.");
+      throw UsageError(
+          std::string("DataParallel: the module cannot be cloned into replicas (") +
+          e.what_without_backtrace() +
+          "). Derive it from torch::nn::Cloneable<YourModule> and build its layers in reset(), "
+          "as LibTorch's own data_parallel requires.");
     }
   }
   for (auto& replica : replicas_) {
@@ -184,7 +192,8 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
   }
   workers_.resize(replicas_.size());
   try {
-    for (int i = 0; i < size(); ++i) workers_[i].thread = std::thread([this, i] { worker_loop(i); });
+    for (int i = 0; i < size(); ++i)
+      workers_[i].thread = std::thread([this, i] { worker_loop(i); });
   } catch (...) {
     stop_workers();  // the threads already started must not be destroyed joinable
     throw;
@@ -234,8 +243,10 @@ c10::Stream current_stream(const c10::Device& device) {
 }  // namespace
 
 void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
-  const bool grad_mode = at::GradMode::is_enabled();  // thread-local: carry the caller's into the workers
-  // Note [Replica devices and streams]: on accelerators, events order the replicas' streams after what
+  const bool grad_mode =
+      at::GradMode::is_enabled();  // thread-local: carry the caller's into the workers
+  // Note [Replica devices and streams]: on accelerators, events order the replicas' streams after
+  // what
   // the caller queued so far (ready) and the caller's streams after the replicas' work (done).
   std::vector<c10::optional<c10::Event>> ready(count), done(count);
   c10::optional<c10::Stream> caller_first_stream;
@@ -250,8 +261,9 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (busy_) {
-      throw UsageError("DataParallel: called while another call on it is still running; it is not for "
-                       "concurrent use from several threads");
+      throw UsageError(
+          "DataParallel: called while another call on it is still running; it is not for "
+          "concurrent use from several threads");
     }
     busy_ = true;
     pending_ = count;
@@ -266,7 +278,8 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
         c10::DeviceGuard device_guard(devices_[i]);
         std::vector<c10::Stream> streams{*streams_[i]};
         if (caller_first_stream && caller_first_stream->device() != devices_[i]) {
-          streams.push_back(*caller_first_stream);  // copies from the first device run on its stream
+          streams.push_back(
+              *caller_first_stream);  // copies from the first device run on its stream
         }
         c10::MultiStreamGuard stream_guard(streams);
         if (ready[0]) streams_[i]->wait(*ready[0]);
@@ -288,7 +301,8 @@ void ReplicaSet::run_on_workers(int count, const std::function<void(int)>& fn) {
   }
   for (int i = 0; i < count; ++i) {
     if (!workers_[i].error) continue;
-    std::string where = "DataParallel replica " + std::to_string(i) + " (" + devices_[i].str() + "): ";
+    std::string where =
+        "DataParallel replica " + std::to_string(i) + " (" + devices_[i].str() + "): ";
     try {
       std::rethrow_exception(workers_[i].error);
     } catch (const UsageError& e) {
@@ -381,7 +395,8 @@ void ReplicaSet::reduce_gradients(int active) {
       }
     }
   } else {
-    // Every worker sums its share of every gradient's elements: balanced even when one layer dominates.
+    // Every worker sums its share of every gradient's elements: balanced even when one layer
+    // dominates.
     const int parts = size();
     run_on_workers(parts, [&](int part) {
       at::NoGradGuard no_grad;
@@ -399,7 +414,8 @@ void ReplicaSet::reduce_gradients(int active) {
       }
     });
   }
-  // Consumed: a second backward through the same graph (retain_graph) must add only its own gradients.
+  // Consumed: a second backward through the same graph (retain_graph) must add only its own
+  // gradients.
   for (int r = 1; r < active; ++r) {
     for (auto& p : params_[r]) p.mutable_grad() = at::Tensor();
   }
@@ -424,7 +440,8 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
   if (recorder_) begin_profiled_step(total);
   refresh_replica_state(active);
   awaiting_backward_ = false;  // this call runs its own backward
-  const auto autocast = amp::detail::current_autocast_state();  // thread-local: carried into the workers
+  const auto autocast =
+      amp::detail::current_autocast_state();  // thread-local: carried into the workers
   run_on_workers(active, [&](int r) {
     if (r > 0) refresh_replica_parameters(r, true);
     auto [begin, count] = slice(total, active, r);
@@ -439,8 +456,8 @@ at::Tensor ReplicaSet::forward_backward(const at::Tensor& input, const at::Tenso
       if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
       loss = loss_fn(output, y);
     }
-    // Weighting each slice's mean loss by its share makes the sum the whole batch's mean loss, so the
-    // gradients simply add up, uneven slices included.
+    // Weighting each slice's mean loss by its share makes the sum the whole batch's mean loss, so
+    // the gradients simply add up, uneven slices included.
     loss = loss * (static_cast<double>(count) / total);
     loss.backward();
     losses[r] = loss.detach();
@@ -460,12 +477,14 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
   const bool copy = !awaiting_backward_;
   if (recorder_ && copy) begin_profiled_step(total);  // not a second input of the same step
   refresh_replica_state(active);
-  const auto autocast = amp::detail::current_autocast_state();  // thread-local: carried into the workers
+  const auto autocast =
+      amp::detail::current_autocast_state();  // thread-local: carried into the workers
   run_on_workers(active, [&](int r) {
     if (r > 0) refresh_replica_parameters(r, copy);
     auto [begin, count] = slice(total, active, r);
     amp::detail::AutocastStateGuard autocast_guard(autocast);
-    outputs[r] = forward_(*replicas_[r], input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
+    outputs[r] = forward_(*replicas_[r],
+                          input.narrow(0, begin, count).to(devices_[r], /*non_blocking=*/true));
     if (recorder_) forward_end_[r] = StepRecorder::Clock::now();
   });
   if (recorder_ && copy) end_profiled_forward(active);
@@ -473,14 +492,16 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
   at::Tensor gathered = at::cat(outputs);
   if (active > 1 && gathered.requires_grad()) {
     awaiting_backward_ = true;
-    // At the start of the backward through the outputs, schedule the gradient reduction for its end.
+    // At the start of the backward through the outputs, schedule the gradient reduction for its
+    // end.
     std::weak_ptr<ReplicaSet*> self = self_;
     gathered.register_hook([self, active](const at::Tensor& grad) {
       torch::autograd::Engine::get_default_engine().queue_callback([self, active] {
         auto alive = self.lock();
         if (!alive) {
-          throw UsageError("DataParallel: backward() ran through an output of a DataParallel that no longer "
-                           "exists; keep it alive until backward() has returned");
+          throw UsageError(
+              "DataParallel: backward() ran through an output of a DataParallel that no longer "
+              "exists; keep it alive until backward() has returned");
         }
         (*alive)->reduce_gradients(active);
       });
@@ -494,7 +515,8 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
 
 DataParallelBase::DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward,
                                    DataParallelOptions options)
-    : replicas_(std::make_unique<detail::ReplicaSet>(std::move(module), std::move(forward), std::move(options))) {}
+    : replicas_(std::make_unique<detail::ReplicaSet>(std::move(module), std::move(forward),
+                                                     std::move(options))) {}
 
 DataParallelBase::~DataParallelBase() = default;
 

@@ -156,11 +156,11 @@ std::string describe_status(int status) {
   return "exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
-// A signal meant for the whole job (Ctrl-C, a scheduler's SIGTERM, SIGHUP) that reaches the parent while it
-// waits stops the workers in order, as `dtrain run` does: SIGTERM first, so they can save a checkpoint,
-// SIGKILL after stop_grace; then the signal takes its usual course in the parent. The handler only records
-// the signal; the wait loop, which polls every few milliseconds anyway, does the rest. Signals the program
-// ignores stay ignored.
+// A signal meant for the whole job (Ctrl-C, a scheduler's SIGTERM, SIGHUP) that reaches the parent
+// while it waits stops the workers in order, as `dtrain run` does: SIGTERM first, so they can save
+// a checkpoint, SIGKILL after stop_grace; then the signal takes its usual course in the parent. The
+// handler only records the signal; the wait loop, which polls every few milliseconds anyway, does
+// the rest. Signals the program ignores stay ignored.
 volatile std::sig_atomic_t g_job_signal = 0;
 
 extern "C" void record_job_signal(int signo) { g_job_signal = signo; }
@@ -188,7 +188,8 @@ class JobSignals {
     for (const auto& [signo, previous] : caught_) ::sigaction(signo, &previous, nullptr);
     caught_.clear();
   }
-  // Between fork and exec (async-signal-safe): until exec resets them, the signals are the worker's own.
+  // Between fork and exec (async-signal-safe): until exec resets them, the signals are the worker's
+  // own.
   void default_in_child() const {
     for (const auto& entry : caught_) {
       struct sigaction default_action {};
@@ -312,8 +313,9 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       progressed = true;
       --running;
       if (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0) continue;
-      // A signal to the whole process group (Ctrl-C, a scheduler signalling every process of the job)
-      // reached the workers too: one that stopped on it has not failed; the signal is handled below.
+      // A signal to the whole process group (Ctrl-C, a scheduler signalling every process of the
+      // job) reached the workers too: one that stopped on it has not failed; the signal is handled
+      // below.
       if (g_job_signal != 0) continue;
       std::string message = read_message(w.error_read);
       const bool exec_failed =

@@ -105,23 +105,24 @@ TEST(ShardedCheckpointWithShardedDataParallel,
                                  nullptr,           3,           false};
       ShardedCheckpointer(options, &sdp.group()).save(state);
     });
-    run_sharded(c.m, c.load_stage, make_model(), [&](int rank, Sdp& sdp, torch::nn::Sequential& model) {
-      auto optimizer = make_adam(sdp.parameters());
-      ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
-                                 nullptr,           0,           false};
-      ASSERT_TRUE(ShardedCheckpointer(options, &sdp.group()).load_latest(state).has_value());
-      EXPECT_EQ(state.step, 3);
-      sdp.shards_changed();
-      sharded_steps(sdp, *optimizer, data, 3, 6);
-      sdp.gather_full_parameters();
-      if (rank != 0) return;
-      auto actual = model->named_parameters();
-      for (const auto& item : reference->named_parameters()) {
-        const double error = (actual[item.key()] - item.value()).abs().max().item<double>();
-        const double scale = item.value().abs().max().item<double>();
-        EXPECT_LT(error, 1e-5 * scale) << item.key();
-      }
-    });
+    run_sharded(
+        c.m, c.load_stage, make_model(), [&](int rank, Sdp& sdp, torch::nn::Sequential& model) {
+          auto optimizer = make_adam(sdp.parameters());
+          ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
+                                     nullptr,           0,           false};
+          ASSERT_TRUE(ShardedCheckpointer(options, &sdp.group()).load_latest(state).has_value());
+          EXPECT_EQ(state.step, 3);
+          sdp.shards_changed();
+          sharded_steps(sdp, *optimizer, data, 3, 6);
+          sdp.gather_full_parameters();
+          if (rank != 0) return;
+          auto actual = model->named_parameters();
+          for (const auto& item : reference->named_parameters()) {
+            const double error = (actual[item.key()] - item.value()).abs().max().item<double>();
+            const double scale = item.value().abs().max().item<double>();
+            EXPECT_LT(error, 1e-5 * scale) << item.key();
+          }
+        });
     fs::remove_all(options.dir);
   }
 }

@@ -1,5 +1,5 @@
-// Tier-1 tests of dtrain's collectives: ranks as threads over one in-memory store, world sizes 1..5, buffer
-// sizes that do not divide evenly by the world size.
+// Tier-1 tests of dtrain's collectives: ranks as threads over one in-memory store, world sizes
+// 1..5, buffer sizes that do not divide evenly by the world size.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,7 +10,8 @@ namespace {
 
 using testing::run_group;
 
-// World sizes and element counts swept by every collective test (1 and primes catch remainder bugs).
+// World sizes and element counts swept by every collective test (1 and primes catch remainder
+// bugs).
 const std::vector<int> kWorldSizes = {1, 2, 3, 4, 5};
 const std::vector<int64_t> kCounts = {1, 7, 1000, 12347};
 
@@ -25,51 +26,58 @@ class AllReduceTransports : public ::testing::TestWithParam<bool> {};
 TEST_P(AllReduceTransports, SumAverageMinMax) {
   for (int world : kWorldSizes) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_group(world, [&](int rank, ProcessGroup& group) {
-      for (int64_t count : kCounts) {
-        at::Tensor expected_sum = torch::zeros({count});
-        for (int r = 0; r < world; ++r) expected_sum += contribution(r, count);
+    run_group(
+        world,
+        [&](int rank, ProcessGroup& group) {
+          for (int64_t count : kCounts) {
+            at::Tensor expected_sum = torch::zeros({count});
+            for (int r = 0; r < world; ++r) expected_sum += contribution(r, count);
 
-        at::Tensor sum = contribution(rank, count);
-        group.all_reduce(sum);
-        EXPECT_TRUE(torch::equal(sum, expected_sum)) << "sum, count " << count;
+            at::Tensor sum = contribution(rank, count);
+            group.all_reduce(sum);
+            EXPECT_TRUE(torch::equal(sum, expected_sum)) << "sum, count " << count;
 
-        at::Tensor average = contribution(rank, count);
-        group.all_reduce(average, ReduceOp::kAvg);
-        EXPECT_TRUE(torch::allclose(average, expected_sum / world)) << "average, count " << count;
+            at::Tensor average = contribution(rank, count);
+            group.all_reduce(average, ReduceOp::kAvg);
+            EXPECT_TRUE(torch::allclose(average, expected_sum / world))
+                << "average, count " << count;
 
-        at::Tensor max = contribution(rank, count);
-        group.all_reduce(max, ReduceOp::kMax);
-        EXPECT_TRUE(torch::equal(max, contribution(world - 1, count)));
+            at::Tensor max = contribution(rank, count);
+            group.all_reduce(max, ReduceOp::kMax);
+            EXPECT_TRUE(torch::equal(max, contribution(world - 1, count)));
 
-        at::Tensor min = contribution(rank, count);
-        group.all_reduce(min, ReduceOp::kMin);
-        EXPECT_TRUE(torch::equal(min, contribution(0, count)));
-      }
-    }, std::chrono::seconds(60), GetParam());
+            at::Tensor min = contribution(rank, count);
+            group.all_reduce(min, ReduceOp::kMin);
+            EXPECT_TRUE(torch::equal(min, contribution(0, count)));
+          }
+        },
+        std::chrono::seconds(60), GetParam());
   }
 }
 
 TEST_P(AllReduceTransports, LargerThanOneChunkAndEveryRankBitIdentical) {
   // 2.5 shared-memory chunks of float32 plus an odd tail; doubles and int64 too.
   const int64_t count = (int64_t{5} << 20) / 2 / 4 * 2 + 3;
-  run_group(3, [&](int rank, ProcessGroup& group) {
-    at::Tensor mine = torch::linspace(-1, 1, count) * (rank + 1) / 7.0;
-    at::Tensor sum = mine.clone();
-    group.all_reduce(sum);
-    at::Tensor expected = torch::linspace(-1, 1, count) * 6 / 7.0;
-    EXPECT_TRUE(torch::allclose(sum, expected, 1e-5, 1e-6));
-    std::vector<at::Tensor> everyone(3);
-    for (auto& t : everyone) t = torch::empty_like(sum);
-    group.all_gather(everyone, sum);
-    for (auto& t : everyone) EXPECT_TRUE(torch::equal(t, sum)) << "ranks disagree bit for bit";
-    at::Tensor longs = torch::full({1000003}, int64_t{rank + 1}, torch::kInt64);
-    group.all_reduce(longs, ReduceOp::kProduct);
-    EXPECT_EQ(longs[1000002].item<int64_t>(), 6);
-    at::Tensor doubles = torch::full({777}, 0.5 * (rank + 1), torch::kFloat64);
-    group.all_reduce(doubles, ReduceOp::kAvg);
-    EXPECT_DOUBLE_EQ(doubles[776].item<double>(), 1.0);
-  }, std::chrono::seconds(60), GetParam());
+  run_group(
+      3,
+      [&](int rank, ProcessGroup& group) {
+        at::Tensor mine = torch::linspace(-1, 1, count) * (rank + 1) / 7.0;
+        at::Tensor sum = mine.clone();
+        group.all_reduce(sum);
+        at::Tensor expected = torch::linspace(-1, 1, count) * 6 / 7.0;
+        EXPECT_TRUE(torch::allclose(sum, expected, 1e-5, 1e-6));
+        std::vector<at::Tensor> everyone(3);
+        for (auto& t : everyone) t = torch::empty_like(sum);
+        group.all_gather(everyone, sum);
+        for (auto& t : everyone) EXPECT_TRUE(torch::equal(t, sum)) << "ranks disagree bit for bit";
+        at::Tensor longs = torch::full({1000003}, int64_t{rank + 1}, torch::kInt64);
+        group.all_reduce(longs, ReduceOp::kProduct);
+        EXPECT_EQ(longs[1000002].item<int64_t>(), 6);
+        at::Tensor doubles = torch::full({777}, 0.5 * (rank + 1), torch::kFloat64);
+        group.all_reduce(doubles, ReduceOp::kAvg);
+        EXPECT_DOUBLE_EQ(doubles[776].item<double>(), 1.0);
+      },
+      std::chrono::seconds(60), GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(SharedMemoryAndGloo, AllReduceTransports, ::testing::Values(true, false),
@@ -100,7 +108,8 @@ TEST(Collectives, BroadcastFromEveryRoot) {
       for (int root = 0; root < world; ++root) {
         at::Tensor tensor = contribution(rank, 12347);
         group.broadcast(tensor, root);
-        EXPECT_TRUE(torch::equal(tensor, contribution(root, 12347))) << "world " << world << " root " << root;
+        EXPECT_TRUE(torch::equal(tensor, contribution(root, 12347)))
+            << "world " << world << " root " << root;
       }
     });
   }
@@ -113,7 +122,8 @@ TEST(Collectives, AllGatherAndReduceScatter) {
         std::vector<at::Tensor> gathered(world);
         for (auto& t : gathered) t = torch::empty({count});
         group.all_gather(gathered, contribution(rank, count));
-        for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(gathered[r], contribution(r, count)));
+        for (int r = 0; r < world; ++r)
+          EXPECT_TRUE(torch::equal(gathered[r], contribution(r, count)));
 
         // inputs[j] on rank r is contribution(r * world + j): rank j receives the sum over r.
         std::vector<at::Tensor> inputs;
@@ -128,37 +138,43 @@ TEST(Collectives, AllGatherAndReduceScatter) {
   }
 }
 
-// The sharding collectives on both transports (shared memory natively, Gloo through its fallback), in their
-// asynchronous form, with outputs / inputs that are views into one flat buffer as ShardedDataParallel
-// passes them, including sizes past one shared-memory chunk (4 MiB per slot; a reduce-scatter's slot
-// holds a chunk of each of the N pieces) and two operations in flight at once.
+// The sharding collectives on both transports (shared memory natively, Gloo through its fallback),
+// in their asynchronous form, with outputs / inputs that are views into one flat buffer as
+// ShardedDataParallel passes them, including sizes past one shared-memory chunk (4 MiB per slot; a
+// reduce-scatter's slot holds a chunk of each of the N pieces) and two operations in flight at
+// once.
 TEST_P(AllReduceTransports, AsyncAllGatherAndReduceScatterIntoFlatBuffers) {
   for (int world : {1, 2, 3, 4}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_group(world, [&](int rank, ProcessGroup& group) {
-      for (int64_t count : {int64_t{1}, int64_t{12347}, (int64_t{3} << 20) / 4 + 5}) {
-        at::Tensor flat = torch::full({world * count}, -1.0f);
-        std::vector<at::Tensor> outputs;
-        for (int r = 0; r < world; ++r) outputs.push_back(flat.narrow(0, r * count, count));
-        at::Tensor mine = contribution(rank, count);
-        Work gathered = group.all_gather_async(outputs, mine);
+    run_group(
+        world,
+        [&](int rank, ProcessGroup& group) {
+          for (int64_t count : {int64_t{1}, int64_t{12347}, (int64_t{3} << 20) / 4 + 5}) {
+            at::Tensor flat = torch::full({world * count}, -1.0f);
+            std::vector<at::Tensor> outputs;
+            for (int r = 0; r < world; ++r) outputs.push_back(flat.narrow(0, r * count, count));
+            at::Tensor mine = contribution(rank, count);
+            Work gathered = group.all_gather_async(outputs, mine);
 
-        at::Tensor grads = torch::empty({world * count});
-        for (int j = 0; j < world; ++j) grads.narrow(0, j * count, count).copy_(contribution(rank * world + j, count));
-        std::vector<at::Tensor> inputs;
-        for (int j = 0; j < world; ++j) inputs.push_back(grads.narrow(0, j * count, count));
-        at::Tensor output = torch::empty({count});
-        Work scattered = group.reduce_scatter_async(output, inputs, ReduceOp::kAvg);
-        gathered.wait();
-        scattered.wait();
-        for (int r = 0; r < world; ++r) {
-          EXPECT_TRUE(torch::equal(outputs[r], contribution(r, count))) << "count " << count << " from " << r;
-        }
-        at::Tensor expected = torch::zeros({count});
-        for (int r = 0; r < world; ++r) expected += contribution(r * world + rank, count);
-        EXPECT_TRUE(torch::allclose(output, expected / world)) << "count " << count;
-      }
-    }, std::chrono::seconds(60), GetParam());
+            at::Tensor grads = torch::empty({world * count});
+            for (int j = 0; j < world; ++j)
+              grads.narrow(0, j * count, count).copy_(contribution(rank * world + j, count));
+            std::vector<at::Tensor> inputs;
+            for (int j = 0; j < world; ++j) inputs.push_back(grads.narrow(0, j * count, count));
+            at::Tensor output = torch::empty({count});
+            Work scattered = group.reduce_scatter_async(output, inputs, ReduceOp::kAvg);
+            gathered.wait();
+            scattered.wait();
+            for (int r = 0; r < world; ++r) {
+              EXPECT_TRUE(torch::equal(outputs[r], contribution(r, count)))
+                  << "count " << count << " from " << r;
+            }
+            at::Tensor expected = torch::zeros({count});
+            for (int r = 0; r < world; ++r) expected += contribution(r * world + rank, count);
+            EXPECT_TRUE(torch::allclose(output, expected / world)) << "count " << count;
+          }
+        },
+        std::chrono::seconds(60), GetParam());
   }
 }
 
@@ -168,8 +184,8 @@ TEST(Collectives, SendRecvAroundARing) {
       int right = (rank + 1) % world;
       int left = (rank + world - 1) % world;
       at::Tensor received = torch::empty({777});
-      // Even ranks send first, odd ranks receive first: no cycle of blocked sends on odd rings either,
-      // because Gloo's send completes once the data is handed to the transport.
+      // Even ranks send first, odd ranks receive first: no cycle of blocked sends on odd rings
+      // either, because Gloo's send completes once the data is handed to the transport.
       if (rank % 2 == 0) {
         group.send(contribution(rank, 777), right, /*tag=*/5);
         group.recv(received, left, /*tag=*/5);
@@ -240,7 +256,8 @@ TEST(SubGroups, RankMeshSplitsDataAndPipeline) {
     mesh.pipeline_group->all_reduce(same_replica);
     EXPECT_EQ(same_replica.item<float>(), 4.0f * (rank / 2) + 1);  // ranks 2d and 2d+1
   });
-  EXPECT_THROW(run_group(4, [&](int, ProcessGroup& group) { make_rank_mesh(group, 3); }), UsageError);
+  EXPECT_THROW(run_group(4, [&](int, ProcessGroup& group) { make_rank_mesh(group, 3); }),
+               UsageError);
 }
 
 // The members of `g`, as ranks of the job.
@@ -319,32 +336,39 @@ TEST(SubGroups, RankMeshRejectsSizesThatDoNotDivideTheGroup) {
 }
 
 TEST(Collectives, RanksPassingDifferentSizesAreNamedNotPaired) {
-  // Through shared memory the ranks compare each operation's size, dtype and op at its first barrier, before
-  // anyone reads a peer's data. A back-to-back sequence checks that a rank running ahead into the next
-  // operation cannot be mistaken for a mismatch, and then a real mismatch at operation #41.
+  // Through shared memory the ranks compare each operation's size, dtype and op at its first
+  // barrier, before anyone reads a peer's data. A back-to-back sequence checks that a rank running
+  // ahead into the next operation cannot be mistaken for a mismatch, and then a real mismatch at
+  // operation #41.
   for (int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
     std::vector<std::string> errors(world);
-    run_group(world, [&](int rank, ProcessGroup& group) {
-      for (int i = 0; i < 40; ++i) {
-        at::Tensor t = torch::full({1 + (i % 3) * 100000}, static_cast<float>(rank));
-        group.all_reduce(t);
-        ASSERT_EQ(t[0].item<float>(), static_cast<float>(world * (world - 1) / 2)) << "operation " << i;
-      }
-      at::Tensor mismatched = torch::zeros({rank == world - 1 ? 11 : 10});
-      try {
-        group.all_reduce(mismatched);
-        errors[rank] = "no error";
-      } catch (const UsageError& e) {
-        errors[rank] = e.what();
-      }
-    }, std::chrono::seconds(20));
+    run_group(
+        world,
+        [&](int rank, ProcessGroup& group) {
+          for (int i = 0; i < 40; ++i) {
+            at::Tensor t = torch::full({1 + (i % 3) * 100000}, static_cast<float>(rank));
+            group.all_reduce(t);
+            ASSERT_EQ(t[0].item<float>(), static_cast<float>(world * (world - 1) / 2))
+                << "operation " << i;
+          }
+          at::Tensor mismatched = torch::zeros({rank == world - 1 ? 11 : 10});
+          try {
+            group.all_reduce(mismatched);
+            errors[rank] = "no error";
+          } catch (const UsageError& e) {
+            errors[rank] = e.what();
+          }
+        },
+        std::chrono::seconds(20));
     for (int rank = 0; rank < world; ++rank) {
       SCOPED_TRACE(errors[rank]);
       EXPECT_NE(errors[rank].find("all_reduce #41"), std::string::npos);
-      EXPECT_NE(errors[rank].find("passed different tensors (numel, dtype) or ops"), std::string::npos);
+      EXPECT_NE(errors[rank].find("passed different tensors (numel, dtype) or ops"),
+                std::string::npos);
       EXPECT_EQ(errors[rank].find("peer lost"), std::string::npos);
-      EXPECT_NE(errors[rank].find("Every rank must pass the same shape, dtype and op"), std::string::npos);
+      EXPECT_NE(errors[rank].find("Every rank must pass the same shape, dtype and op"),
+                std::string::npos);
     }
   }
 }

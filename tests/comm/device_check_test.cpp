@@ -1,15 +1,17 @@
-// The check that stands before NCCL: two ranks on one GPU of one host are one clear line naming the ranks,
-// the device, the host and the ways out; the same device index on different hosts is fine. (The store
-// exchange around it runs only in a CUDA build, on the first CUDA collective.)
-#include <gtest/gtest.h>
-
+// The check that stands before NCCL: two ranks on one GPU of one host are one clear line naming the
+// ranks, the device, the host and the ways out; the same device index on different hosts is fine.
+// (The store exchange around it runs only in a CUDA build, on the first CUDA collective.)
 #include "comm/device_check.h"
+
+#include <gtest/gtest.h>
 
 namespace dtrain::detail {
 namespace {
 
 TEST(DeviceCheck, OneRankPerDeviceAndHostPasses) {
-  EXPECT_EQ(describe_shared_device({{0, "gpu1/boot-a", 0}, {1, "gpu1/boot-a", 1}, {2, "gpu2/boot-b", 0},
+  EXPECT_EQ(describe_shared_device({{0, "gpu1/boot-a", 0},
+                                    {1, "gpu1/boot-a", 1},
+                                    {2, "gpu2/boot-b", 0},
                                     {3, "gpu2/boot-b", 1}}),
             "");
 }
@@ -20,7 +22,8 @@ TEST(DeviceCheck, TwoRanksOnOneGpuAreNamedWithTheHostAndTheWayOut) {
   EXPECT_NE(message.find("ranks 0 and 1 share cuda:0 on host gpu1,"), std::string::npos) << message;
   EXPECT_NE(message.find("cuda:LOCAL_RANK"), std::string::npos) << message;
   EXPECT_NE(message.find("DTRAIN_CUDA_BACKEND=gloo"), std::string::npos) << message;
-  EXPECT_EQ(message.find("boot-a"), std::string::npos) << message;  // the boot id is for matching only
+  EXPECT_EQ(message.find("boot-a"), std::string::npos)
+      << message;  // the boot id is for matching only
 }
 
 TEST(DeviceCheck, ThreeRanksOnOneGpuAreAllNamed) {

@@ -35,10 +35,11 @@ TEST_P(TimeoutTransports, CollectiveNamesTheRankThatNeverJoined) {
         if (rank != absent) ++finished;
       }
     } count{finished, rank};
-    // Start-up and the first two collectives run with the default timeout; only #3 is meant to time out.
+    // Start-up and the first two collectives run with the default timeout; only #3 is meant to time
+    // out.
     auto group = init_process_group(options);
     at::Tensor t = torch::ones({10});
-    group->all_reduce(t);  // #1: everyone
+    group->all_reduce(t);    // #1: everyone
     group->broadcast(t, 0);  // #2: everyone
     if (rank == absent) {
       // Stay alive (and connected) until the others gave up, so this is "never joined", not "died".
@@ -54,7 +55,9 @@ TEST_P(TimeoutTransports, CollectiveNamesTheRankThatNeverJoined) {
       group->all_reduce(t, ReduceOp::kSum, short_wait);  // #3: rank 2 never comes
       errors[rank] = "no error";
     } catch (const CommError& e) {
-      errors[rank] = std::string(dynamic_cast<const TimeoutError*>(&e) ? "" : "not a TimeoutError: ") + e.what();
+      errors[rank] =
+          std::string(dynamic_cast<const TimeoutError*>(&e) ? "" : "not a TimeoutError: ") +
+          e.what();
     }
     // The group is broken now: further calls fail at once instead of hanging.
     EXPECT_THROW(group->barrier(), CommError);
@@ -63,7 +66,8 @@ TEST_P(TimeoutTransports, CollectiveNamesTheRankThatNeverJoined) {
     if (rank == absent) continue;
     const std::string& e = errors[rank];
     SCOPED_TRACE(e);
-    EXPECT_EQ(e.find("rank " + std::to_string(rank) + "/3: all_reduce #3 on group 'default' timed out after 1.5 s"),
+    EXPECT_EQ(e.find("rank " + std::to_string(rank) +
+                     "/3: all_reduce #3 on group 'default' timed out after 1.5 s"),
               0u);
     const std::string seen = "ranks {2} never joined (rank 2 last seen at broadcast #2, ";
     const size_t at = e.find(seen);
@@ -72,7 +76,8 @@ TEST_P(TimeoutTransports, CollectiveNamesTheRankThatNeverJoined) {
     const double age = std::atof(e.c_str() + at + seen.size());
     EXPECT_GE(age, 1.4);
     EXPECT_LT(age, 60.0);
-    EXPECT_EQ(e.find(" s ago)", at), at + seen.size() + std::to_string(static_cast<int>(age)).size() + 2);
+    EXPECT_EQ(e.find(" s ago)", at),
+              at + seen.size() + std::to_string(static_cast<int>(age)).size() + 2);
     EXPECT_NE(e.find("DTRAIN_DEBUG=detail"), std::string::npos);
   }
 }
@@ -98,9 +103,10 @@ TEST(Timeouts, StartupNamesTheRanksThatNeverCame) {
       if (thread == 0) error = e.what();
     }
   });
-  EXPECT_NE(error.find("rank 0/4: creating group 'default' of 4 ranks timed out after 0.5 s; ranks {1,3} "
-                       "never joined"),
-            std::string::npos)
+  EXPECT_NE(
+      error.find("rank 0/4: creating group 'default' of 4 ranks timed out after 0.5 s; ranks {1,3} "
+                 "never joined"),
+      std::string::npos)
       << error;
 }
 
@@ -134,9 +140,11 @@ TEST(Timeouts, RecvNamesThePeer) {
       }
     }
   });
-  EXPECT_NE(error.find("rank 0/2: recv with rank 1 on group 'default' timed out after 0.8 s; rank 1 did not "
-                       "post the matching send"),
-            std::string::npos)
+  EXPECT_NE(
+      error.find(
+          "rank 0/2: recv with rank 1 on group 'default' timed out after 0.8 s; rank 1 did not "
+          "post the matching send"),
+      std::string::npos)
       << error;
 }
 
@@ -159,8 +167,13 @@ std::string usage_error(const std::map<std::string, std::string>& env) {
 }
 
 TEST(LaunchEnv, TorchrunVariables) {
-  LaunchInfo info = from({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
-                          {"GROUP_RANK", "1"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"}});
+  LaunchInfo info = from({{"RANK", "5"},
+                          {"WORLD_SIZE", "8"},
+                          {"LOCAL_RANK", "1"},
+                          {"LOCAL_WORLD_SIZE", "4"},
+                          {"GROUP_RANK", "1"},
+                          {"MASTER_ADDR", "10.0.0.1"},
+                          {"MASTER_PORT", "29400"}});
   EXPECT_EQ(info.source, "torchrun");
   EXPECT_EQ(info.rank, 5);
   EXPECT_EQ(info.world_size, 8);
@@ -172,9 +185,13 @@ TEST(LaunchEnv, TorchrunVariables) {
 }
 
 TEST(LaunchEnv, SlurmVariables) {
-  LaunchInfo info = from({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
-                          {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"},
-                          {"SLURM_STEP_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123456"}});
+  LaunchInfo info = from({{"SLURM_PROCID", "3"},
+                          {"SLURM_NTASKS", "4"},
+                          {"SLURM_LOCALID", "1"},
+                          {"SLURM_NNODES", "2"},
+                          {"SLURM_NODEID", "1"},
+                          {"SLURM_STEP_NODELIST", "gpu[07-08]"},
+                          {"SLURM_JOB_ID", "123456"}});
   EXPECT_EQ(info.source, "slurm");
   EXPECT_EQ(info.rank, 3);
   EXPECT_EQ(info.world_size, 4);
@@ -186,9 +203,12 @@ TEST(LaunchEnv, SlurmVariables) {
 }
 
 TEST(LaunchEnv, OpenMpiVariables) {
-  LaunchInfo info = from({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                          {"MASTER_ADDR", "head"}, {"MASTER_PORT", "29500"}});
+  LaunchInfo info = from({{"OMPI_COMM_WORLD_RANK", "2"},
+                          {"OMPI_COMM_WORLD_SIZE", "4"},
+                          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                          {"MASTER_ADDR", "head"},
+                          {"MASTER_PORT", "29500"}});
   EXPECT_EQ(info.source, "openmpi");
   EXPECT_EQ(info.rank, 2);
   EXPECT_EQ(info.world_size, 4);
@@ -205,10 +225,12 @@ TEST(LaunchEnv, NoLauncherIsAWorldOfOne) {
 }
 
 TEST(LaunchEnv, BadValuesNameTheVariable) {
-  EXPECT_NE(usage_error({{"RANK", "abc"}, {"WORLD_SIZE", "2"}}).find("RANK='abc': expected an integer in 0..1"),
+  EXPECT_NE(usage_error({{"RANK", "abc"}, {"WORLD_SIZE", "2"}})
+                .find("RANK='abc': expected an integer in 0..1"),
             std::string::npos);
   EXPECT_NE(usage_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}}).find("RANK='2'"), std::string::npos);
-  EXPECT_NE(usage_error({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE='0'"), std::string::npos);
+  EXPECT_NE(usage_error({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE='0'"),
+            std::string::npos);
   EXPECT_NE(usage_error({{"RANK", "0"}}).find("WORLD_SIZE=''"), std::string::npos);
   EXPECT_NE(usage_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}})
                 .find("MASTER_PORT='70000': expected a TCP port"),
@@ -222,10 +244,11 @@ TEST(LaunchEnv, BadDtrainVariablesAreUsageErrors) {
   options.init_method = unique_store_name("env");
   options.rank = 0;
   options.world_size = 1;
-  for (auto [name, value, expected] : {std::tuple<const char*, const char*, const char*>{
-                                           "DTRAIN_SHM", "yes", "DTRAIN_SHM='yes': expected 0"},
-                                       {"DTRAIN_TIMEOUT_S", "soon", "DTRAIN_TIMEOUT_S='soon': expected a positive"},
-                                       {"GLOO_SOCKET_IFNAME", "no-such-if0", "GLOO_SOCKET_IFNAME='no-such-if0'"}}) {
+  for (auto [name, value, expected] :
+       {std::tuple<const char*, const char*, const char*>{"DTRAIN_SHM", "yes",
+                                                          "DTRAIN_SHM='yes': expected 0"},
+        {"DTRAIN_TIMEOUT_S", "soon", "DTRAIN_TIMEOUT_S='soon': expected a positive"},
+        {"GLOO_SOCKET_IFNAME", "no-such-if0", "GLOO_SOCKET_IFNAME='no-such-if0'"}}) {
     setenv(name, value, 1);
     try {
       init_process_group(options);

@@ -13,8 +13,8 @@ namespace dtrain {
 namespace {
 
 using testing::bin;
-using testing::run_command;
 using testing::json_number;
+using testing::run_command;
 
 TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
   auto result =
@@ -115,13 +115,14 @@ TEST(MultiProcess, RankThatDiesIsNamedWithoutWaitingForTheTimeout) {
   // The real cause, and when it happened: seconds into the wait, not the 100 s timeout.
   EXPECT_TRUE(std::regex_search(
       result.output,
-      std::regex("all_reduce #2 on group 'default' failed after [0-9.]+ s \\(group rank 1 \\(pid ")))
+      std::regex(
+          "all_reduce #2 on group 'default' failed after [0-9.]+ s \\(group rank 1 \\(pid ")))
       << result.output;
 }
 
 TEST(MultiProcess, RankThatDiesDuringADdpStepIsNamedWithoutWaitingForTheTimeout) {
-  // DDP's buckets are reduced in shared memory (Note [Gradient buckets in shared memory]); the waiting
-  // ranks see the dead peer's pid gone, as in a plain all-reduce.
+  // DDP's buckets are reduced in shared memory (Note [Gradient buckets in shared memory]); the
+  // waiting ranks see the dead peer's pid gone, as in a plain all-reduce.
   auto result = run_command(
       bin("dtrain") + " run --nproc-per-node 3 -- " + bin("comm_worker") + " ddp-vanish 1 100",
       /*time_limit_s=*/60);
@@ -129,7 +130,8 @@ TEST(MultiProcess, RankThatDiesDuringADdpStepIsNamedWithoutWaitingForTheTimeout)
   EXPECT_NE(result.exit_code, 124) << "the dead rank was not noticed before the time limit\n"
                                    << result.output;
   EXPECT_TRUE(std::regex_search(
-      result.output, std::regex("on group 'default' failed after [0-9.]+ s \\(group rank 1 \\(pid ")))
+      result.output,
+      std::regex("on group 'default' failed after [0-9.]+ s \\(group rank 1 \\(pid ")))
       << result.output;
 }
 
@@ -144,7 +146,8 @@ TEST(MultiProcess, PeerThatDiesBeforeItsSendIsNamedWithoutWaitingForTheTimeout) 
                                    << result.output;
   EXPECT_TRUE(std::regex_search(
       result.output,
-      std::regex("recv with rank 2 on group 'default' failed after [0-9.]+ s \\(group rank 2 \\(pid ")))
+      std::regex(
+          "recv with rank 2 on group 'default' failed after [0-9.]+ s \\(group rank 2 \\(pid ")))
       << result.output;
   EXPECT_NE(result.output.find("rank 2 did not post the matching send (tag 9)"), std::string::npos)
       << result.output;

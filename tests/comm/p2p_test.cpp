@@ -225,8 +225,10 @@ TEST(PointToPoint, PeerThatDestroysItsGroupIsReportedWithoutTheTimeout) {
       },
       std::chrono::seconds(60));
   EXPECT_TRUE(std::regex_search(
-      error, std::regex("^rank 0/2: recv with rank 1 on group 'default' failed after [0-9.]+ s \\(group "
-                        "rank 1 destroyed its group\\); rank 1 did not post the matching send \\(tag 8\\)")))
+      error,
+      std::regex(
+          "^rank 0/2: recv with rank 1 on group 'default' failed after [0-9.]+ s \\(group "
+          "rank 1 destroyed its group\\); rank 1 did not post the matching send \\(tag 8\\)")))
       << error;
 }
 

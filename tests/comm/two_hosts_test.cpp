@@ -1,8 +1,8 @@
-// Tier-2 tests on two hosts: two Linux network namespaces that the test makes and removes itself, each
-// with its own address (a veth pair, 10.77.0.1 and 10.77.0.2) and its own hostname, which resolves
-// nowhere - as on a cluster whose nodes know each other only by address. One launcher runs in each.
-// Nothing is set by hand: no GLOO_SOCKET_IFNAME, no /etc/hosts entry.
-// Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and `ip` and `unshare`; skips with the reason elsewhere.
+// Tier-2 tests on two hosts: two Linux network namespaces that the test makes and removes itself,
+// each with its own address (a veth pair, 10.77.0.1 and 10.77.0.2) and its own hostname, which
+// resolves nowhere - as on a cluster whose nodes know each other only by address. One launcher runs
+// in each. Nothing is set by hand: no GLOO_SOCKET_IFNAME, no /etc/hosts entry. Needs root
+// (CAP_NET_ADMIN, CAP_SYS_ADMIN) and `ip` and `unshare`; skips with the reason elsewhere.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -81,8 +81,8 @@ TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
       150);
   ASSERT_EQ(both.exit_code, 0) << both.output;
   EXPECT_NE(both.output.find("\"world_size\":2"), std::string::npos) << both.output;
-  // The final model, judged on the 10000 test images: the same predictions up to a few images that sit
-  // on a decision boundary (final_loss is rank 0's own half of the last batch, so it differs).
+  // The final model, judged on the 10000 test images: the same predictions up to a few images that
+  // sit on a decision boundary (final_loss is rank 0's own half of the last batch, so it differs).
   const double accuracy = json_number(single.output, "test_accuracy");
   ASSERT_GT(accuracy, 0.3) << single.output;
   EXPECT_NEAR(json_number(both.output, "test_accuracy"), accuracy, 5e-4)

@@ -1,11 +1,11 @@
-// What only a GPU can show: NCCL collectives, DDP and DataParallel on CUDA against CPU training of the same
-// model on the same data, and the clear line for two ranks on one GPU. Every test skips with the reason on
-// a machine without CUDA (CI has none); a machine with one GPU runs them all, two ranks sharing it through
-// DTRAIN_CUDA_BACKEND=gloo where NCCL would need a GPU each.
+// What only a GPU can show: NCCL collectives, DDP and DataParallel on CUDA against CPU training of
+// the same model on the same data, and the clear line for two ranks on one GPU. Every test skips
+// with the reason on a machine without CUDA (CI has none); a machine with one GPU runs them all,
+// two ranks sharing it through DTRAIN_CUDA_BACKEND=gloo where NCCL would need a GPU each.
 //
-// Tolerance: float32 on a GPU sums in another order than on the CPU (and cuBLAS may use TF32 unless told
-// not to: the tests turn it off), so 1e-4 relative instead of the CPU tests' 1e-5; a dropped gradient share
-// or a missed step is orders of magnitude above it.
+// Tolerance: float32 on a GPU sums in another order than on the CPU (and cuBLAS may use TF32 unless
+// told not to: the tests turn it off), so 1e-4 relative instead of the CPU tests' 1e-5; a dropped
+// gradient share or a missed step is orders of magnitude above it.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
@@ -29,7 +29,8 @@ constexpr int kSteps = 3;
 class Cuda : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here (or a LibTorch without CUDA)";
+    if (!torch::cuda::is_available())
+      GTEST_SKIP() << "no CUDA device here (or a LibTorch without CUDA)";
     at::globalContext().setAllowTF32CuBLAS(false);
     at::globalContext().setAllowTF32CuDNN(false);
     torch::set_num_threads(1);
@@ -46,7 +47,8 @@ class Cuda : public ::testing::Test {
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 4));
+  return torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
+                               torch::nn::Linear(32, 4));
 }
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>> make_data() {
@@ -100,7 +102,8 @@ TEST_F(Cuda, TwoRanksOnOneGpuAreOneClearLine) {
     });
     FAIL() << "two ranks on cuda:0 with NCCL were not refused";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("ranks 0 and 1 share cuda:0 on host"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("ranks 0 and 1 share cuda:0 on host"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -120,12 +123,14 @@ TEST_F(Cuda, DdpOnGpuEqualsCpuTraining) {
     for (auto& [x, y] : data) {
       optimizer.zero_grad();
       auto logits = ddp.forward(x.narrow(0, rank * half, half).to(devices[rank]));
-      torch::nn::functional::cross_entropy(logits, y.narrow(0, rank * half, half).to(devices[rank])).backward();
+      torch::nn::functional::cross_entropy(logits, y.narrow(0, rank * half, half).to(devices[rank]))
+          .backward();
       optimizer.step();
     }
     got[rank] = cpu_parameters(*net);
   });
-  for (int rank = 0; rank < 2; ++rank) EXPECT_LT(relative_error(got[rank], want), kGpuTolerance) << rank;
+  for (int rank = 0; rank < 2; ++rank)
+    EXPECT_LT(relative_error(got[rank], want), kGpuTolerance) << rank;
 }
 
 TEST_F(Cuda, DataParallelOnGpuEqualsCpuTraining) {
@@ -141,9 +146,10 @@ TEST_F(Cuda, DataParallelOnGpuEqualsCpuTraining) {
   for (auto& [x, y] : make_data()) {
     optimizer.zero_grad();
     // Each replica's loss is the mean over its half; DataParallel averages the replicas' gradients.
-    dp.forward_backward(x.to(first), y.to(first), [](const torch::Tensor& out, const torch::Tensor& target) {
-      return torch::nn::functional::cross_entropy(out, target);
-    });
+    dp.forward_backward(x.to(first), y.to(first),
+                        [](const torch::Tensor& out, const torch::Tensor& target) {
+                          return torch::nn::functional::cross_entropy(out, target);
+                        });
     optimizer.step();
   }
   EXPECT_LT(relative_error(cpu_parameters(*net), want), kGpuTolerance);

@@ -1,11 +1,10 @@
-// DistributedDataParallel against single-process training of the same model on the same data: after k
-// optimizer steps every rank's parameters must equal the single process's (relative error < 1e-5 in
-// float32). Ranks are threads over an in-memory store; local batches are of unequal size where the global
-// batch does not divide by the world size.
+// DistributedDataParallel against single-process training of the same model on the same data: after
+// k optimizer steps every rank's parameters must equal the single process's (relative error < 1e-5
+// in float32). Ranks are threads over an in-memory store; local batches are of unequal size where
+// the global batch does not divide by the world size.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include <sys/resource.h>
+#include <torch/torch.h>
 
 #include <csignal>
 #include <cstdio>
@@ -31,8 +30,9 @@ constexpr double kTolerance = 1e-5;
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(7);
-  torch::nn::Sequential net(torch::nn::Linear(kInputs, 32), torch::nn::ReLU(), torch::nn::Linear(32, 24),
-                            torch::nn::Tanh(), torch::nn::Linear(24, kClasses));
+  torch::nn::Sequential net(torch::nn::Linear(kInputs, 32), torch::nn::ReLU(),
+                            torch::nn::Linear(32, 24), torch::nn::Tanh(),
+                            torch::nn::Linear(24, kClasses));
   return net;
 }
 
@@ -54,7 +54,8 @@ std::pair<int64_t, int64_t> shard(int64_t total, int world, int rank) {
 
 enum class Optim { kSgd, kAdam };
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(Optim kind, std::vector<torch::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Optim kind,
+                                                        std::vector<torch::Tensor> params) {
   if (kind == Optim::kSgd) {
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
   }
@@ -84,32 +85,37 @@ std::vector<torch::Tensor> train_single(Optim kind, int steps = kSteps) {
 }
 
 // Trains on `world` thread-ranks and returns each rank's final parameters.
-std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind, DistributedDataParallelOptions options,
+std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind,
+                                                  DistributedDataParallelOptions options,
                                                   int steps = kSteps, bool shared_memory = true) {
   std::vector<std::vector<torch::Tensor>> results(world);
   auto initial = make_mlp();
   // Drawn here, not in the rank threads: the global generator is not for concurrent use.
   std::vector<Data> data;
   for (int step = 0; step < steps; ++step) data.push_back(make_data(step));
-  run_group(world, [&](int rank, ProcessGroup& group) {
-    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
-    if (rank != 0) {
-      // Different starting points on the other ranks: DDP's broadcast must erase them.
-      torch::NoGradGuard no_grad;
-      for (auto& p : net->parameters()) p.add_(0.5 * rank);
-    }
-    std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
-    DistributedDataParallel ddp(net, shared, options);
-    auto optimizer = make_optimizer(kind, net->parameters());
-    for (int step = 0; step < steps; ++step) {
-      const Data& d = data[step];
-      auto [begin, count] = shard(kGlobalBatch, world, rank);
-      optimizer->zero_grad();
-      shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), world).backward();
-      optimizer->step();
-    }
-    for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
-  }, std::chrono::seconds(60), shared_memory);
+  run_group(
+      world,
+      [&](int rank, ProcessGroup& group) {
+        auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+        if (rank != 0) {
+          // Different starting points on the other ranks: DDP's broadcast must erase them.
+          torch::NoGradGuard no_grad;
+          for (auto& p : net->parameters()) p.add_(0.5 * rank);
+        }
+        std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
+        DistributedDataParallel ddp(net, shared, options);
+        auto optimizer = make_optimizer(kind, net->parameters());
+        for (int step = 0; step < steps; ++step) {
+          const Data& d = data[step];
+          auto [begin, count] = shard(kGlobalBatch, world, rank);
+          optimizer->zero_grad();
+          shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), world)
+              .backward();
+          optimizer->step();
+        }
+        for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+      },
+      std::chrono::seconds(60), shared_memory);
   return results;
 }
 
@@ -171,7 +177,8 @@ std::string mapping_of(const void* address) {
   const auto at = reinterpret_cast<uintptr_t>(address);
   while (std::getline(maps, line)) {
     unsigned long long begin = 0, end = 0;
-    if (std::sscanf(line.c_str(), "%llx-%llx", &begin, &end) != 2 || at < begin || at >= end) continue;
+    if (std::sscanf(line.c_str(), "%llx-%llx", &begin, &end) != 2 || at < begin || at >= end)
+      continue;
     auto slash = line.find('/');
     return slash == std::string::npos ? "" : line.substr(slash);
   }
@@ -179,7 +186,8 @@ std::string mapping_of(const void* address) {
 }
 
 TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
-  // Note [Gradient buckets in shared memory]: each rank's gradients are its slice of a segment every rank
+  // Note [Gradient buckets in shared memory]: each rank's gradients are its slice of a segment
+  // every rank
   // maps, and they stay valid after DDP (and its segment handle) is gone.
   torch::set_num_threads(1);
   for (bool views : {true, false}) {
@@ -197,13 +205,15 @@ TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
         const at::Tensor& grad = net->parameters()[0].grad();
         std::string file = mapping_of(grad.data_ptr());
         if (views) {
-          EXPECT_EQ(file.rfind("/dev/shm/dtrain-", 0), 0u) << "gradient mapped from '" << file << "'";
+          EXPECT_EQ(file.rfind("/dev/shm/dtrain-", 0), 0u)
+              << "gradient mapped from '" << file << "'";
         } else {
           EXPECT_EQ(file, "") << "separate gradients are private memory";
         }
         expected_grad = grad.clone();
       }
-      EXPECT_TRUE(torch::equal(net->parameters()[0].grad(), expected_grad)) << "gradient changed after DDP died";
+      EXPECT_TRUE(torch::equal(net->parameters()[0].grad(), expected_grad))
+          << "gradient changed after DDP died";
     });
   }
 }
@@ -218,30 +228,35 @@ TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
   expect_equivalent(2, Optim::kSgd, options);
   run_group(2, [&](int, ProcessGroup& group) {
     auto net = make_mlp();
-    DistributedDataParallel ddp(net.ptr(), std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+    DistributedDataParallel ddp(net.ptr(),
+                                std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
     auto d = make_data(0);
     ddp.forward(d.x).sum().backward();
-    EXPECT_EQ(mapping_of(net->parameters()[0].grad().data_ptr()), "") << "DTRAIN_SHM_BUCKETS=0 was ignored";
+    EXPECT_EQ(mapping_of(net->parameters()[0].grad().data_ptr()), "")
+        << "DTRAIN_SHM_BUCKETS=0 was ignored";
   });
   setenv("DTRAIN_SHM_BUCKETS", "no", 1);
   run_group(2, [&](int, ProcessGroup& group) {
     auto net = make_mlp();
     try {
-      DistributedDataParallel ddp(net.ptr(), std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+      DistributedDataParallel ddp(net.ptr(),
+                                  std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
       ADD_FAILURE() << "DTRAIN_SHM_BUCKETS=no was accepted";
     } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("environment variable DTRAIN_SHM_BUCKETS='no': expected 0"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(e.what()).find("environment variable DTRAIN_SHM_BUCKETS='no': expected 0"),
+          std::string::npos)
           << e.what();
     }
   });
 }
 
 TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
-  // Shared buckets take /dev/shm room for every rank's gradients (Docker's default /dev/shm is 64 MB). Where
-  // rank 0 cannot reserve it, rank 0 must say so and every rank average through the transport instead, not
-  // fail or hang. A file size limit makes the reservation fail as a full /dev/shm would, without filling one; it
-  // is set once the group's own segment exists, so only the buckets' segment meets it.
+  // Shared buckets take /dev/shm room for every rank's gradients (Docker's default /dev/shm is 64
+  // MB). Where rank 0 cannot reserve it, rank 0 must say so and every rank average through the
+  // transport instead, not fail or hang. A file size limit makes the reservation fail as a full
+  // /dev/shm would, without filling one; it is set once the group's own segment exists, so only the
+  // buckets' segment meets it.
   torch::set_num_threads(1);
   auto initial = make_mlp();
   const Data d = make_data(0);
@@ -256,7 +271,8 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
     void (*handler)(int) = nullptr;
     RestoreLimit() {
       getrlimit(RLIMIT_FSIZE, &saved);
-      handler = std::signal(SIGXFSZ, SIG_IGN);  // a failed ftruncate returns EFBIG instead of killing us
+      handler =
+          std::signal(SIGXFSZ, SIG_IGN);  // a failed ftruncate returns EFBIG instead of killing us
     }
     void restore() const { setrlimit(RLIMIT_FSIZE, &saved); }
     ~RestoreLimit() {
@@ -269,8 +285,8 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
     group.barrier();  // every rank has its group (and the group its segment) before the limit
     if (rank == 0) {
       rlimit tiny = limit.saved;
-      // Below the buckets' segment (at least a page per rank), above what stderr (captured to a file, which
-      // the limit binds too) receives meanwhile.
+      // Below the buckets' segment (at least a page per rank), above what stderr (captured to a
+      // file, which the limit binds too) receives meanwhile.
       tiny.rlim_cur = 4096;
       setrlimit(RLIMIT_FSIZE, &tiny);
     }
@@ -283,17 +299,20 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
     shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), 2).backward();
     std::vector<at::Tensor> got;
     for (auto& p : net->parameters()) got.push_back(p.grad());
-    EXPECT_EQ(mapping_of(got[0].data_ptr()), "") << "rank " << rank << ": the gradient is still in shared memory";
+    EXPECT_EQ(mapping_of(got[0].data_ptr()), "")
+        << "rank " << rank << ": the gradient is still in shared memory";
     EXPECT_LT(relative_error(got, want), kTolerance) << "rank " << rank;
   });
   const std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(log.find("shared memory unavailable for DDP's gradient buckets (sizing the segment: File too large"),
+  EXPECT_NE(log.find("shared memory unavailable for DDP's gradient buckets (sizing the segment: "
+                     "File too large"),
             std::string::npos)
       << log;
 }
 
 TEST(Ddp, TheTestCanFail) {
-  // The tolerance is tight enough to see one step of difference: a guard against a vacuous comparison.
+  // The tolerance is tight enough to see one step of difference: a guard against a vacuous
+  // comparison.
   auto want = train_single(Optim::kSgd, kSteps);
   auto other = train_single(Optim::kSgd, kSteps - 1);
   EXPECT_GT(relative_error(other, want), 100 * kTolerance);
@@ -305,7 +324,8 @@ TEST(Ddp, BucketsRunInReverseRegistrationOrderWithASmallFirstBucket) {
     std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
     auto net = make_mlp();
     DistributedDataParallelOptions options;
-    options.first_bucket_cap_bytes = 480;  // the last layer's bias (20 B) fits, its weight (480 B) then not
+    options.first_bucket_cap_bytes =
+        480;  // the last layer's bias (20 B) fits, its weight (480 B) then not
     options.bucket_cap_bytes = 1 << 20;
     DistributedDataParallel ddp(net.ptr(), shared, options);
     auto layout = ddp.bucket_layout();

@@ -1,6 +1,6 @@
-// DistributedDataParallel's features beyond the plain step: gradient accumulation with no_sync(), unused
-// parameters (the error and find_unused_parameters), the parameter check across ranks, compression hooks,
-// and buffer broadcasting.
+// DistributedDataParallel's features beyond the plain step: gradient accumulation with no_sync(),
+// unused parameters (the error and find_unused_parameters), the parameter check across ranks,
+// compression hooks, and buffer broadcasting.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -37,7 +37,8 @@ std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(11);
-  return torch::nn::Sequential(torch::nn::Linear(10, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+  return torch::nn::Sequential(torch::nn::Linear(10, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 3));
 }
 
 class DdpFeatures : public ::testing::Test {
@@ -56,7 +57,8 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
   auto single = make_mlp();
   torch::optim::SGD single_opt(single->parameters(), 0.5);
   single_opt.zero_grad();
-  torch::nn::functional::cross_entropy(single->forward(x.reshape({-1, 10})), y.reshape({-1})).backward();
+  torch::nn::functional::cross_entropy(single->forward(x.reshape({-1, 10})), y.reshape({-1}))
+      .backward();
   single_opt.step();
   auto want = snapshot(*single);
 
@@ -70,9 +72,12 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
     for (int m = 0; m < micro; ++m) {
       auto xs = x[m].narrow(0, rank * per_rank, per_rank);
       auto ys = y[m].narrow(0, rank * per_rank, per_rank);
-      auto step = [&] { (torch::nn::functional::cross_entropy(ddp.forward(xs), ys) / micro).backward(); };
-      // Whether the ranks' gradients agree right now: they must not under no_sync (their data differs),
-      // and must after the synchronizing step. Averaging is linear, so only this shows no_sync did anything.
+      auto step = [&] {
+        (torch::nn::functional::cross_entropy(ddp.forward(xs), ys) / micro).backward();
+      };
+      // Whether the ranks' gradients agree right now: they must not under no_sync (their data
+      // differs), and must after the synchronizing step. Averaging is linear, so only this shows
+      // no_sync did anything.
       auto ranks_agree = [&] {
         at::Tensor grad = net->parameters()[0].grad().clone();
         std::vector<at::Tensor> all(world);
@@ -104,7 +109,8 @@ TEST_F(DdpFeatures, UnusedParameterErrorNamesItAndTheFix) {
       ADD_FAILURE() << "backward with an unused parameter did not fail";
     } catch (const std::exception& e) {
       std::string what = e.what();
-      EXPECT_NE(what.find("received no gradient in this backward: unused.weight, unused.bias"), std::string::npos)
+      EXPECT_NE(what.find("received no gradient in this backward: unused.weight, unused.bias"),
+                std::string::npos)
           << what;
       EXPECT_NE(what.find("find_unused_parameters = true"), std::string::npos) << what;
     }
@@ -138,7 +144,8 @@ TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
       opt.step();
     }
     EXPECT_LT(relative_error(snapshot(*net), want), 1e-5);
-    EXPECT_FALSE(net->unused->weight.grad().defined()) << "a parameter unused everywhere keeps no gradient";
+    EXPECT_FALSE(net->unused->weight.grad().defined())
+        << "a parameter unused everywhere keeps no gradient";
   });
 }
 
@@ -152,11 +159,14 @@ TEST_F(DdpFeatures, DifferentModelsAreNamed) {
       ADD_FAILURE() << "mismatched models were accepted";
     } catch (const UsageError& e) {
       std::string what = e.what();
-      EXPECT_NE(what.find("parameter #0 differs between ranks: ranks {1} do not match rank 0"), std::string::npos)
+      EXPECT_NE(what.find("parameter #0 differs between ranks: ranks {1} do not match rank 0"),
+                std::string::npos)
           << what;
       // Every rank names what each side has, not only what it has itself.
-      EXPECT_NE(what.find("rank 0 has 'used.weight' [4, 6] Float, rank 1 has 'used.weight' [5, 6] Float."),
-                std::string::npos)
+      EXPECT_NE(
+          what.find(
+              "rank 0 has 'used.weight' [4, 6] Float, rank 1 has 'used.weight' [5, 6] Float."),
+          std::string::npos)
           << what;
     }
   });
@@ -168,10 +178,13 @@ TEST_F(DdpFeatures, DifferentModelsAreNamed) {
       ADD_FAILURE() << "a rank with an extra layer was accepted";
     } catch (const UsageError& e) {
       std::string what = e.what();
-      EXPECT_NE(what.find("parameter #4 differs between ranks: ranks {2} do not match rank 0"), std::string::npos)
-          << what;
-      EXPECT_NE(what.find("rank 0 has no parameter #4 (4 in all), rank 2 has 'extra.weight' [2, 2] Float"),
+      EXPECT_NE(what.find("parameter #4 differs between ranks: ranks {2} do not match rank 0"),
                 std::string::npos)
+          << what;
+      EXPECT_NE(
+          what.find(
+              "rank 0 has no parameter #4 (4 in all), rank 2 has 'extra.weight' [2, 2] Float"),
+          std::string::npos)
           << what;
     }
   });
@@ -212,9 +225,13 @@ void expect_compression_within(std::shared_ptr<CommHook> (*make_hook)(), double 
   }
 }
 
-TEST_F(DdpFeatures, Fp16CompressionStaysWithinItsRounding) { expect_compression_within(fp16_compress_hook, 2e-3); }
+TEST_F(DdpFeatures, Fp16CompressionStaysWithinItsRounding) {
+  expect_compression_within(fp16_compress_hook, 2e-3);
+}
 
-TEST_F(DdpFeatures, Bf16CompressionStaysWithinItsRounding) { expect_compression_within(bf16_compress_hook, 2e-2); }
+TEST_F(DdpFeatures, Bf16CompressionStaysWithinItsRounding) {
+  expect_compression_within(bf16_compress_hook, 2e-2);
+}
 
 TEST_F(DdpFeatures, BuffersFollowRankZero) {
   run_group(3, [&](int rank, ProcessGroup& group) {
@@ -223,7 +240,7 @@ TEST_F(DdpFeatures, BuffersFollowRankZero) {
     DistributedDataParallel ddp(net.ptr(), borrow(group));
     auto bn = net[1]->as<torch::nn::BatchNorm1dImpl>();
     ddp.forward(torch::randn({5, 4}) + rank).sum().backward();  // running stats now differ by rank
-    ddp.prepare_forward();                                       // the next forward starts from rank 0's
+    ddp.prepare_forward();  // the next forward starts from rank 0's
     std::vector<torch::Tensor> all(3);
     for (auto& t : all) t = torch::empty({4});
     group.all_gather(all, bn->running_mean);

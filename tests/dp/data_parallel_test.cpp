@@ -1,6 +1,7 @@
-// DataParallel against single-process training of the same model on the same data: after k optimizer steps
-// the module's parameters must equal the single process's (relative error < 1e-5 in float32), for 1..4 CPU
-// replicas with uneven slices, in both modes; plus the buffer rule and errors raised inside a replica.
+// DataParallel against single-process training of the same model on the same data: after k
+// optimizer steps the module's parameters must equal the single process's (relative error < 1e-5 in
+// float32), for 1..4 CPU replicas with uneven slices, in both modes; plus the buffer rule and
+// errors raised inside a replica.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,18 +18,21 @@ constexpr int kSteps = 3;
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(7);
-  return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::ReLU(), torch::nn::Linear(32, 24),
-                               torch::nn::Tanh(), torch::nn::Linear(24, 5));
+  return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::ReLU(),
+                               torch::nn::Linear(32, 24), torch::nn::Tanh(),
+                               torch::nn::Linear(24, 5));
 }
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>> make_batches() {
   torch::manual_seed(100);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
-  for (int s = 0; s < kSteps; ++s) batches.emplace_back(torch::randn({kBatch, 12}), torch::randint(5, {kBatch}));
+  for (int s = 0; s < kSteps; ++s)
+    batches.emplace_back(torch::randn({kBatch, 12}), torch::randint(5, {kBatch}));
   return batches;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam, std::vector<torch::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam,
+                                                        std::vector<torch::Tensor> params) {
   if (adam) return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
   return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
 }
@@ -68,10 +72,18 @@ void expect_equivalent(int replicas, bool adam, Mode mode) {
 
 class DataParallelEquivalence : public ::testing::TestWithParam<int> {};
 
-TEST_P(DataParallelEquivalence, SgdLossPerReplica) { expect_equivalent(GetParam(), false, Mode::kLossPerReplica); }
-TEST_P(DataParallelEquivalence, AdamLossPerReplica) { expect_equivalent(GetParam(), true, Mode::kLossPerReplica); }
-TEST_P(DataParallelEquivalence, SgdGatheredOutputs) { expect_equivalent(GetParam(), false, Mode::kGatheredOutputs); }
-TEST_P(DataParallelEquivalence, AdamGatheredOutputs) { expect_equivalent(GetParam(), true, Mode::kGatheredOutputs); }
+TEST_P(DataParallelEquivalence, SgdLossPerReplica) {
+  expect_equivalent(GetParam(), false, Mode::kLossPerReplica);
+}
+TEST_P(DataParallelEquivalence, AdamLossPerReplica) {
+  expect_equivalent(GetParam(), true, Mode::kLossPerReplica);
+}
+TEST_P(DataParallelEquivalence, SgdGatheredOutputs) {
+  expect_equivalent(GetParam(), false, Mode::kGatheredOutputs);
+}
+TEST_P(DataParallelEquivalence, AdamGatheredOutputs) {
+  expect_equivalent(GetParam(), true, Mode::kGatheredOutputs);
+}
 
 INSTANTIATE_TEST_SUITE_P(Replicas, DataParallelEquivalence, ::testing::Values(1, 2, 3, 4));
 
@@ -94,7 +106,9 @@ TEST(DataParallel, BuffersFollowTheModuleAndItsSlice) {
   options.num_replicas = 3;
   DataParallel dp(net.ptr(), options);
   torch::Tensor x = torch::randn({9, 4}), y = torch::randn({9, 4});
-  dp.forward_backward(x, y, [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); });
+  dp.forward_backward(x, y, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return (out - t).pow(2).mean();
+  });
   reference->forward(x.narrow(0, 0, 3));  // replica 0's slice: rows 0..2
   auto bn = net[1]->as<torch::nn::BatchNorm1dImpl>();
   auto bn_ref = (*reference)[1]->as<torch::nn::BatchNorm1dImpl>();
@@ -104,7 +118,8 @@ TEST(DataParallel, BuffersFollowTheModuleAndItsSlice) {
 
 TEST(DataParallel, ReplicasFollowEvalModeAndFrozenParameters) {
   torch::manual_seed(3);
-  auto net = torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Dropout(0.5), torch::nn::Linear(6, 2));
+  auto net = torch::nn::Sequential(torch::nn::Linear(6, 6), torch::nn::Dropout(0.5),
+                                   torch::nn::Linear(6, 2));
   DataParallelOptions options;
   options.num_replicas = 3;
   DataParallel dp(net.ptr(), options);
@@ -116,15 +131,17 @@ TEST(DataParallel, ReplicasFollowEvalModeAndFrozenParameters) {
   }
   net->train();
   net[0]->as<torch::nn::LinearImpl>()->weight.requires_grad_(false);
-  dp.forward_backward(x, torch::randn({9, 2}),
-                      [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); });
-  EXPECT_FALSE(net[0]->as<torch::nn::LinearImpl>()->weight.grad().defined()) << "a frozen parameter got a gradient";
+  dp.forward_backward(
+      x, torch::randn({9, 2}),
+      [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); });
+  EXPECT_FALSE(net[0]->as<torch::nn::LinearImpl>()->weight.grad().defined())
+      << "a frozen parameter got a gradient";
   EXPECT_TRUE(net[2]->as<torch::nn::LinearImpl>()->weight.grad().defined());
 }
 
 TEST(DataParallel, TwoForwardsThenOneBackwardAndRetainedGraphs) {
-  // A siamese step (two gathered forwards, one loss) and a second backward through a retained graph must
-  // give the single process's gradients.
+  // A siamese step (two gathered forwards, one loss) and a second backward through a retained graph
+  // must give the single process's gradients.
   auto single = make_mlp();
   auto net = make_mlp();
   DataParallelOptions options;
@@ -132,7 +149,9 @@ TEST(DataParallel, TwoForwardsThenOneBackwardAndRetainedGraphs) {
   DataParallel dp(net.ptr(), options);
   torch::manual_seed(4);
   torch::Tensor a = torch::randn({7, 12}), b = torch::randn({7, 12});
-  auto loss_of = [](const torch::Tensor& fa, const torch::Tensor& fb) { return (fa - fb).pow(2).mean(); };
+  auto loss_of = [](const torch::Tensor& fa, const torch::Tensor& fb) {
+    return (fa - fb).pow(2).mean();
+  };
 
   auto single_loss = loss_of(single->forward(a), single->forward(b));
   single_loss.backward({}, /*retain_graph=*/true);
@@ -161,16 +180,20 @@ TEST(DataParallel, AnExceptionInAReplicaNamesItAndLeavesTheRestUsable) {
   DataParallelOptions options;
   options.num_replicas = 3;
   DataParallel dp(net, options);
-  auto loss = [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); };
+  auto loss = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return (out - t).pow(2).mean();
+  };
   try {
     dp.forward_backward(torch::randn({11, 2}), torch::randn({11, 1}), loss);  // slices 4, 4, 3
     FAIL() << "no exception";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("DataParallel replica 2 (cpu): this replica's slice has 3 rows"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("DataParallel replica 2 (cpu): this replica's slice has 3 rows"),
+        std::string::npos)
         << e.what();
   }
-  EXPECT_NO_THROW(dp.forward_backward(torch::randn({12, 2}), torch::randn({12, 1}), loss));  // 4, 4, 4
+  EXPECT_NO_THROW(
+      dp.forward_backward(torch::randn({12, 2}), torch::randn({12, 1}), loss));  // 4, 4, 4
 }
 
 struct NotCloneable : torch::nn::Module {
@@ -186,15 +209,16 @@ TEST(DataParallel, ModulesThatCannotCloneAreUsageErrors) {
     DataParallel dp(std::make_shared<NotCloneable>(), options);
     FAIL() << "no exception";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("torch::nn::Cloneable<YourModule>"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("torch::nn::Cloneable<YourModule>"), std::string::npos)
+        << e.what();
   }
   options.num_replicas = 0;
   EXPECT_THROW(DataParallel(make_mlp().ptr(), options), UsageError);
 }
 
 TEST(DataParallel, DevicesThisProcessLacksAreUsageErrors) {
-  // Checked before anything is cloned: a CUDA device in a CPU-only LibTorch, or a GPU index past the
-  // visible ones, is one line naming the device (not a clone failure).
+  // Checked before anything is cloned: a CUDA device in a CPU-only LibTorch, or a GPU index past
+  // the visible ones, is one line naming the device (not a clone failure).
   DataParallelOptions options;
   const int64_t gpus = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
   options.devices = {c10::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(gpus))};
@@ -202,8 +226,9 @@ TEST(DataParallel, DevicesThisProcessLacksAreUsageErrors) {
     DataParallel dp(make_mlp().ptr(), options);
     FAIL() << "no exception";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("DataParallel: device cuda:" + std::to_string(gpus) + ": "),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("DataParallel: device cuda:" + std::to_string(gpus) + ": "),
+        std::string::npos)
         << e.what();
   }
 }

@@ -81,9 +81,9 @@ TEST(Spawn, ACrashingRankIsNamedWithItsSignal) {
       << result.output;
 }
 
-// Starts `spawn_worker 2 <what> <dir>` as a child of this test and returns its pid (the spawning parent)
-// once both workers wrote their pid files into `dir`, with the workers' pids in `workers`; -1 if they did
-// not within 60 s (the parent is killed then).
+// Starts `spawn_worker 2 <what> <dir>` as a child of this test and returns its pid (the spawning
+// parent) once both workers wrote their pid files into `dir`, with the workers' pids in `workers`;
+// -1 if they did not within 60 s (the parent is killed then).
 pid_t start_spawn_parent(const char* what, const std::string& dir, std::vector<pid_t>& workers) {
   pid_t parent = ::fork();
   if (parent == 0) {
@@ -132,9 +132,10 @@ TEST(Spawn, NoOrphansAfterTheParentIsKilled) {
 }
 
 TEST(Spawn, SigtermToTheParentReachesTheWorkersBeforeItEnds) {
-  // A scheduler that preempts a job signals the process it started, the parent: the workers must get
-  // SIGTERM too and time to act on it (save a checkpoint), as under `dtrain run`, and the parent must
-  // still end by that SIGTERM. Before, the parent died at once and PDEATHSIG killed the workers outright.
+  // A scheduler that preempts a job signals the process it started, the parent: the workers must
+  // get SIGTERM too and time to act on it (save a checkpoint), as under `dtrain run`, and the
+  // parent must still end by that SIGTERM. Before, the parent died at once and PDEATHSIG killed the
+  // workers outright.
   std::string dir = temp_dir("spawn-sigterm");
   std::filesystem::create_directories(dir);
   std::vector<pid_t> workers;
@@ -144,7 +145,8 @@ TEST(Spawn, SigtermToTheParentReachesTheWorkersBeforeItEnds) {
   int status = 0;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   pid_t done = 0;
-  while ((done = ::waitpid(parent, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline) {
+  while ((done = ::waitpid(parent, &status, WNOHANG)) == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (done == 0) {

@@ -1,4 +1,5 @@
-// The comparison every numerical-equivalence test uses: parallel training against single-process training.
+// The comparison every numerical-equivalence test uses: parallel training against single-process
+// training.
 #pragma once
 
 #include <torch/torch.h>
@@ -8,9 +9,11 @@
 
 namespace dtrain::testing {
 
-// The worst, over tensors, of max|got - want| / max|want|: a relative error that a single-step difference
-// or a dropped gradient share pushes far above the float32 tolerance (1e-5) the tests allow.
-inline double relative_error(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
+// The worst, over tensors, of max|got - want| / max|want|: a relative error that a single-step
+// difference or a dropped gradient share pushes far above the float32 tolerance (1e-5) the tests
+// allow.
+inline double relative_error(const std::vector<torch::Tensor>& got,
+                             const std::vector<torch::Tensor>& want) {
   double worst = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     double scale = want[i].abs().max().item<double>() + 1e-12;

@@ -1,5 +1,6 @@
-// Tier-1 test harness: runs `world_size` ranks as threads of this process, each with its own process
-// group over a shared in-memory store, and rethrows the first failure on the calling thread.
+// Tier-1 test harness: runs `world_size` ranks as threads of this process, each with its own
+// process group over a shared in-memory store, and rethrows the first failure on the calling
+// thread.
 #pragma once
 
 #include <atomic>
@@ -43,7 +44,8 @@ inline void run_ranks(int world_size, const std::function<void(int rank)>& body)
 // shared_memory=false forces every all-reduce through Gloo, so both transports get tested.
 inline void run_group(int world_size,
                       const std::function<void(int rank, ProcessGroup& group)>& body,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(60), bool shared_memory = true) {
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                      bool shared_memory = true) {
   std::string method = unique_store_name("group");
   run_ranks(world_size, [&](int rank) {
     InitOptions options;

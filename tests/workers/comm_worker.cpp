@@ -7,16 +7,16 @@
 //   comm_worker recv-vanish RANK TIMEOUT_S   RANK exits instead of sending to rank 0, which waits
 //                                            in a recv (shared memory on one host) and must
 //                                            notice it at once
-//   comm_worker ddp-vanish RANK TIMEOUT_S    one DDP step, then RANK exits before the second backward;
-//                                            the others wait in the gradient all-reduce (buckets in
-//                                            shared memory on one host) and must notice it at once
+//   comm_worker ddp-vanish RANK TIMEOUT_S    one DDP step, then RANK exits before the second
+//                                            backward; the others wait in the gradient all-reduce
+//                                            (buckets in shared memory on one host) and must
+//                                            notice it at once
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <iostream>
 #include <thread>
-
-#include <unistd.h>
 
 #include "dtrain/comm.h"
 #include "dtrain/ddp.h"

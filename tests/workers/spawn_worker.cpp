@@ -39,8 +39,8 @@ std::string env(const char* name) {
 // A few DDP steps of a small MLP on data that depends only on the rank.
 void train_ddp(int rank, int steps, const std::string& out) {
   auto pg = dtrain::init_process_group();
-  // Thread ranks share the global generator: seeding and drawing the weights must not interleave, or rank
-  // 0's starting point (which DDP broadcasts) would depend on the other thread's timing.
+  // Thread ranks share the global generator: seeding and drawing the weights must not interleave,
+  // or rank 0's starting point (which DDP broadcasts) would depend on the other thread's timing.
   static std::mutex generator_mutex;
   std::unique_lock<std::mutex> generator_lock(generator_mutex);
   torch::manual_seed(0);
@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
             // Stands for a trainer that saves a checkpoint on SIGTERM before it exits.
             std::signal(SIGTERM, [](int) { g_terminated = 1; });
             write_file(arg + "/pid" + std::to_string(rank), std::to_string(::getpid()));
-            for (int i = 0; i < 6000 && !g_terminated; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            for (int i = 0; i < 6000 && !g_terminated; ++i)
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
             if (g_terminated) write_file(arg + "/saved" + std::to_string(rank), "checkpoint");
           } else if (what == "ddp") {
             train_ddp(rank, std::atoi(arg.c_str()), argv[4]);

@@ -3,11 +3,11 @@
 // The rendezvous algorithm (rendezvous.h) is written once against this interface; each backend only
 // stores an opaque blob with a version and replaces it atomically. That is PyTorch's own split
 // (torch.distributed.elastic.rendezvous.dynamic_rendezvous over a RendezvousStateBackend), and it
-// keeps the backends small: the c10d-style backend is a compare-and-set on the store an agent hosts at
-// the endpoint, the etcd backend a transaction that compares the key's mod_revision.
+// keeps the backends small: the c10d-style backend is a compare-and-set on the store an agent hosts
+// at the endpoint, the etcd backend a transaction that compares the key's mod_revision.
 //
-// Contract: every call blocks on the network at most `timeout` (given at construction) and then throws
-// dtrain::TimeoutError naming the endpoint; a store that refuses the connection throws
+// Contract: every call blocks on the network at most `timeout` (given at construction) and then
+// throws dtrain::TimeoutError naming the endpoint; a store that refuses the connection throws
 // dtrain::CommError naming the endpoint and the cause. Safe to call from one thread at a time.
 #pragma once
 
@@ -39,7 +39,8 @@ class RendezvousBackend {
     VersionedState current;
     bool written = false;
   };
-  virtual SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) = 0;
+  virtual SetResult set_state(const std::string& state,
+                              std::optional<uint64_t> expected_version) = 0;
 };
 
 }  // namespace dtrain::elastic

@@ -466,7 +466,8 @@ TEST_P(ElasticTest, RendezvousTimeoutNamesWhoIsThereAndHowManyAreNeeded) {
   ASSERT_TRUE(a.wait(kExitTimeout));
   EXPECT_EQ(a.exit_code(), 1) << err(0);
   std::regex message(
-      R"(round 0 did not complete within 1 s: 1 node\(s\) joined \(host \S+ \(node \S+\)\), at least 2 needed \(--nnodes 2:3\))");
+      R"(round 0 did not complete within 1 s: 1 node\(s\) joined \(host \S+ \(node \S+\)\), )"
+      R"(at least 2 needed \(--nnodes 2:3\))");
   EXPECT_TRUE(std::regex_search(err(0), message)) << err(0);
   EXPECT_TRUE(starts().empty());
 }

@@ -1,5 +1,6 @@
-// A user's program built against an installed dtrain: a few DDP steps of a small model, then a check
-// that every rank holds the same parameters and that the loss went down. Run under `dtrain run`.
+// A user's program built against an installed dtrain: a few DDP steps of a small model, then a
+// check that every rank holds the same parameters and that the loss went down. Run under `dtrain
+// run`.
 #include <dtrain/comm.h>
 #include <dtrain/ddp.h>
 #include <torch/torch.h>
@@ -9,7 +10,8 @@
 int main() {
   try {
     auto pg = dtrain::init_process_group();
-    torch::manual_seed(1 + pg->rank());  // different on purpose: DDP must broadcast rank 0's parameters
+    torch::manual_seed(1 +
+                       pg->rank());  // different on purpose: DDP must broadcast rank 0's parameters
     auto net = std::make_shared<torch::nn::LinearImpl>(8, 1);
     dtrain::DistributedDataParallel ddp(net, pg);
     torch::optim::SGD optimizer(net->parameters(), 0.1);
