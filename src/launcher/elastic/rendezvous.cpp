@@ -26,8 +26,6 @@ bool erase(std::vector<std::string>& list, const std::string& id) {
   return true;
 }
 
-}
-
 // true when interrupt_fd became readable within timeout_ms.
 bool wait_for(int interrupt_fd, int timeout_ms) {
   if (interrupt_fd < 0) {
