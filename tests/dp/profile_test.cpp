@@ -60,7 +60,11 @@ TEST(DataParallelProfile, OneRecordPerStepThatAddsUp) {
     EXPECT_GT(backward, 0);
     EXPECT_GT(exposed, 0);
     EXPECT_GT(optimizer, 0);
-    EXPECT_NEAR(forward + backward + exposed + optimizer, step, 0.1 * step);
+    // The phases and the rest (between backward and the optimizer, after it) partition the step;
+    // how large each is depends on the machine, so only the accounting is checked here.
+    double other = r["other_s"];
+    EXPECT_GE(other, 0);
+    EXPECT_NEAR(forward + backward + exposed + optimizer + other, step, 1e-8);
     ++count;
   }
   EXPECT_EQ(count, steps);

@@ -38,11 +38,13 @@ TEST(ScaleTrainer, ReportFromTheTrainersRecordsAtOneAndTwoWorkers) {
     EXPECT_EQ(run["samples_per_rank_step"].get<double>(), 32.0);  // --batch-size is per rank
     EXPECT_GT(run["samples_per_s"].get<double>(), 0);
     EXPECT_GT(run["compute_s"].get<double>(), 0);
-    // The parts of a step add up to the step (the records' own promise), and the step interval
-    // on the records' clock is no shorter than the step.
+    // The measured parts fit in the step (the rest is the records' "other"), the parts and the
+    // rest make up the interval, and the step interval on the records' clock is no shorter than
+    // the step. How large each part is depends on the machine and is not checked.
     double parts = run["compute_s"].get<double>() + run["exposed_comm_s"].get<double>() +
                    run["optimizer_s"].get<double>();
-    EXPECT_NEAR(parts, run["step_s"].get<double>(), 0.1 * run["step_s"].get<double>());
+    EXPECT_LE(parts, run["step_s"].get<double>() + 1e-6);
+    EXPECT_NEAR(parts + run["other_s"].get<double>(), run["step_interval_s"].get<double>(), 1e-9);
     EXPECT_GE(run["step_interval_s"].get<double>(), 0.9 * run["step_s"].get<double>());
   }
   const nlohmann::json& two = report["runs"][1];
