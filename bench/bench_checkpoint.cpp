@@ -181,7 +181,7 @@ void bench_sharded(const std::string& kind, const std::vector<int>& world_sizes,
         dtrain::CheckpointOptions options;
         options.dir = dir;
         options.keep_last = 2;
-        dtrain::ShardedCheckpointer checkpointer(options, group.get());
+        dtrain::ShardedCheckpointer checkpointer(options, group);
         dtrain::ShardedTrainingState state{{shard}, 1, &shard_optimizer};
         for (int i = 0; i < saves; ++i) {
           state.step = i;

@@ -131,7 +131,7 @@ void sleep_mode(const Args& a) {
   if (a.distributed) {
     pg = dtrain::init_process_group();
     stages = pg->size();
-    mesh = dtrain::make_rank_mesh(*pg, stages);
+    mesh = dtrain::make_rank_mesh(pg, stages);
   }
   const int chunks = stages * a.virtual_stages;
   std::vector<torch::nn::Sequential> parts;
@@ -202,7 +202,7 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& t) {
 void mlp_distributed(const Args& a) {
   auto pg = dtrain::init_process_group();
   const int stages = pg->size();
-  auto mesh = dtrain::make_rank_mesh(*pg, stages);
+  auto mesh = dtrain::make_rank_mesh(pg, stages);
   auto model = make_mlp(a.hidden);
   auto boundaries = dtrain::balance_by_parameters(model, stages * a.virtual_stages);
   dtrain::PipelineOptions options;

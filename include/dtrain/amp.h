@@ -4,9 +4,7 @@
 // torch.cuda.amp.GradScaler rules, and skips the optimizer step when a gradient came out inf or
 // NaN.
 //
-//   dtrain::amp::GradScalerOptions options;
-//   options.group = pg.get();                          // DDP: every rank skips the same steps
-//   dtrain::amp::GradScaler scaler(options);
+//   dtrain::amp::GradScaler scaler({}, pg);            // DDP: every rank skips the same steps
 //   for (...) {
 //     optimizer.zero_grad();
 //     at::Tensor loss;
@@ -32,6 +30,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,14 +80,6 @@ struct GradScalerOptions {
   int64_t growth_interval = 2000;
   // false: scale() returns the loss unchanged, step() just steps, update() does nothing.
   bool enabled = true;
-  // Not owned; must outlive the scaler. With a group, step() takes the maximum of the ranks'
-  // inf/NaN flags (one all-reduce of one float), so every rank skips the same steps and keeps the
-  // same scale: a rank that skipped alone would leave its replica behind the others'. Pass the
-  // group of every rank whose optimizer must step in lockstep: DDP's group; for a pipeline or
-  // tensor-parallel layout, the whole job (stages and shards hold different parameters). Every rank
-  // of the group must call step() (and update()) equally often. Null: decide from this process's
-  // gradients alone.
-  ProcessGroup* group = nullptr;
 };
 
 // The scaler's state as PyTorch's GradScaler.state_dict() has it.
@@ -106,8 +97,15 @@ struct GradScalerState {
 // once (DataParallel's replicas); the other calls from one thread.
 class GradScaler {
  public:
-  // Throws UsageError for options outside the ranges above.
-  explicit GradScaler(GradScalerOptions options = {});
+  // With a group, step() takes the maximum of the ranks' inf/NaN flags (one all-reduce of one
+  // float), so every rank skips the same steps and keeps the same scale: a rank that skipped alone
+  // would leave its replica behind the others'. Pass the group of every rank whose optimizer must
+  // step in lockstep: DDP's group; for a pipeline or tensor-parallel layout, the whole job (stages
+  // and shards hold different parameters). Every rank of the group must call step() (and update())
+  // equally often. Null: decide from this process's gradients alone. Throws UsageError for options
+  // outside the ranges above.
+  explicit GradScaler(GradScalerOptions options = {},
+                      std::shared_ptr<ProcessGroup> group = nullptr);
 
   // The loss multiplied by the current scale (a float16 or bfloat16 loss in float32, which does not
   // overflow). The loss itself when disabled.
@@ -134,6 +132,7 @@ class GradScaler {
   // The current scale (1 when disabled).
   double get_scale() const;
   bool is_enabled() const { return options_.enabled; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
   // Consecutive clean steps counted towards the next growth.
   int64_t growth_tracker() const { return growth_tracker_; }
 
@@ -165,6 +164,7 @@ class GradScaler {
   std::string where() const;  // "rank R/N: " with a group
 
   GradScalerOptions options_;
+  std::shared_ptr<ProcessGroup> group_;
   float scale_;  // float32, as PyTorch keeps it: the same growth and backoff arithmetic
   int64_t growth_tracker_ = 0;
   // In order of first use (the same on every rank, unlike addresses): the order of the all-reduces.

@@ -6,9 +6,9 @@
 //   dtrain::CheckpointOptions options;
 //   options.dir = "ckpt";
 //   options.async = true;                    // the loop waits only for a copy in memory
-//   dtrain::Checkpointer checkpointer(options);
+//   dtrain::Checkpointer checkpointer(options, pg);  // pg: loads read the folder on rank 0 only
 //   dtrain::TrainingState state{&net, &optimizer, &sampler};
-//   if (auto loaded = checkpointer.load_latest(state, pg.get())) start_step = state.step;
+//   if (auto loaded = checkpointer.load_latest(state)) start_step = state.step;
 //   for (...) {
 //     ...; state.step = step;
 //     if (step % 100 == 0 && pg->rank() == 0) checkpointer.save(state);
@@ -89,8 +89,11 @@ struct LoadedCheckpoint {
 // Not thread-safe: call it from one thread (the training loop).
 class Checkpointer {
  public:
-  // Throws UsageError if options.dir is empty or keep_last < 1.
-  explicit Checkpointer(CheckpointOptions options);
+  // `group`: the ranks that load together; with one, load_latest reads the folder on the group's
+  // rank 0 only and broadcasts what it read (for nodes without a shared file system). Null: every
+  // process reads the folder itself. save() never communicates. Throws UsageError if options.dir
+  // is empty or keep_last < 1.
+  explicit Checkpointer(CheckpointOptions options, std::shared_ptr<ProcessGroup> group = nullptr);
   // Waits for a save in flight; logs (never throws) if it failed.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
@@ -109,20 +112,22 @@ class Checkpointer {
   // Loads the newest checkpoint whose checksum holds into state (the model's and optimizer's
   // tensors in place, the sampler's position, step, the RNG, tensors and values), skipping and
   // warning about newer corrupt ones. Returns nullopt when the folder has no intact checkpoint.
-  // With a group, only its rank 0 reads the folder and broadcasts the bytes (for nodes without a
-  // shared file system); every rank of the group must call it, and it blocks up to the group's
-  // timeout on rank 0's reading. Throws UsageError naming the file when the checkpoint does not fit
-  // the state (a parameter missing or of another shape, another optimizer).
-  std::optional<LoadedCheckpoint> load_latest(TrainingState& state, ProcessGroup* group = nullptr);
+  // With a group, only its rank 0 reads the folder and broadcasts the bytes; every rank of the
+  // group must call it, and it blocks up to the group's timeout on rank 0's reading. Throws
+  // UsageError naming the file when the checkpoint does not fit the state (a parameter missing or
+  // of another shape, another optimizer).
+  std::optional<LoadedCheckpoint> load_latest(TrainingState& state);
 
   // The checkpoint files of the folder, oldest first (intact or not: only loading checks).
   std::vector<std::string> list() const;
 
   const CheckpointOptions& options() const { return options_; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
  private:
   struct Impl;
   CheckpointOptions options_;
+  std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<Impl> impl_;
 };
 

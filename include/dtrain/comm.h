@@ -210,8 +210,9 @@ struct RankMesh {
 
 // Every rank of `group` must call it, with the same sizes; it creates every sub-group (each rank
 // gets the three it belongs to) and blocks until their members have met (up to the group's
-// timeout). Throws UsageError if a size is below 1 or pipeline_size * tensor_size does not divide
-// the group's size.
-RankMesh make_rank_mesh(ProcessGroup& group, int pipeline_size, int tensor_size = 1);
+// timeout). Throws UsageError if the group is null, a size is below 1 or pipeline_size *
+// tensor_size does not divide the group's size.
+RankMesh make_rank_mesh(const std::shared_ptr<ProcessGroup>& group, int pipeline_size,
+                        int tensor_size = 1);
 
 }  // namespace dtrain

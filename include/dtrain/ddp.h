@@ -52,7 +52,10 @@ struct GradBucket {
 
 // Replaces the plain all-reduce of each bucket, e.g. to compress it. start() is called from
 // backward as soon as the bucket is ready and must not block; finish() is called at the end of
-// backward, in bucket order, and must leave the reduced gradients in bucket.buffer.
+// backward, in bucket order, and must leave the reduced gradients in bucket.buffer. `group` is
+// DDP's group, lent for the call: a hook runs collectives on it and does not keep it (DDP holds
+// the group; a hook that held it too would only lengthen its life), which is why it is a
+// reference here and a std::shared_ptr wherever a class keeps a group.
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -128,7 +131,7 @@ class DistributedDataParallelBase {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
-  ProcessGroup& group() const;
+  const std::shared_ptr<ProcessGroup>& group() const;
   // The buckets as built: for each bucket, the indices of its parameters in module->parameters()
   // order.
   std::vector<std::vector<size_t>> bucket_layout() const;

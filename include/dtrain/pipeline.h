@@ -12,7 +12,7 @@
 //   opt.step();
 //
 // One process per stage (under `dtrain run`), optionally D data-parallel pipelines × P stages:
-//   auto mesh = dtrain::make_rank_mesh(*pg, /*pipeline_size=*/P);
+//   auto mesh = dtrain::make_rank_mesh(pg, /*pipeline_size=*/P);
 //   dtrain::DistributedPipeline pipe(chunks, mesh, options);  // keeps this rank's chunks only
 //   torch::optim::SGD opt(pipe.parameters(), 0.1);             // this stage's parameters
 //   // x is read on stage 0, y on the last stage; the loss comes back on every rank.

@@ -131,7 +131,7 @@ class ShardedDataParallelBase {
   // The shard parameters of this rank, one per unit: build the optimizer over these.
   std::vector<at::Tensor> parameters() const;
   int stage() const;
-  ProcessGroup& group() const;
+  const std::shared_ptr<ProcessGroup>& group() const;
 
   // While the returned guard lives, backward passes only accumulate local full gradients; the first
   // backward after it ends reduces everything accumulated (costs the memory of full gradients

@@ -3,7 +3,7 @@
 // for the whole checkpoint; loading reshards, so a checkpoint saved at N ranks (and any stage)
 // loads at M ranks (and any stage), into a plain module on one device, or from one.
 //
-//   dtrain::ShardedCheckpointer checkpointer(options, pg.get());  // options as Checkpointer's
+//   dtrain::ShardedCheckpointer checkpointer(options, pg);        // options as Checkpointer's
 //   dtrain::ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), &optimizer, &sampler};
 //   if (checkpointer.load_latest(state)) { sdp.shards_changed(); start_step = state.step; }
 //   for (...) {  // every rank saves its own shards
@@ -27,6 +27,7 @@
 // ranks (one host, or a shared file system).
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,7 +62,8 @@ class ShardedCheckpointer {
   // group: the ranks that hold the shards (null: one process holding every shard). Throws
   // UsageError if options.dir is empty, keep_last < 1, or options.async is set (sharded saves are
   // synchronous: each rank writes only 1/N of the state, in parallel).
-  ShardedCheckpointer(CheckpointOptions options, ProcessGroup* group);
+  explicit ShardedCheckpointer(CheckpointOptions options,
+                               std::shared_ptr<ProcessGroup> group = nullptr);
 
   // Collective: every rank calls it with its own state and the same step. Each rank writes its
   // file, the ranks agree that all succeeded, rank 0 writes the metadata and deletes all but the
@@ -84,10 +86,11 @@ class ShardedCheckpointer {
   std::vector<std::string> list() const;
 
   const CheckpointOptions& options() const { return options_; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
  private:
   CheckpointOptions options_;
-  ProcessGroup* group_;
+  std::shared_ptr<ProcessGroup> group_;
 };
 
 // Sharded -> full: loads the newest complete sharded checkpoint of options.dir into a plain module

@@ -4,7 +4,7 @@
 // ordinary torch::nn modules and fit in a torch::nn::Sequential, a pipeline stage, or a
 // DistributedDataParallel over the data group.
 //
-//   auto mesh = dtrain::make_rank_mesh(*pg, /*pipeline_size=*/1, /*tensor_size=*/2);
+//   auto mesh = dtrain::make_rank_mesh(pg, /*pipeline_size=*/1, /*tensor_size=*/2);
 //   torch::manual_seed(0);  // the same seed on every rank
 //   torch::nn::Sequential mlp(
 //       dtrain::ColumnParallelLinear(1024, 4096, mesh.tensor_group),  // out: this rank's features

@@ -153,7 +153,8 @@ std::string exact(double value) {
 
 }  // namespace
 
-GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> group)
+    : options_(options), group_(std::move(group)) {
   GradScalerState state;
   state.scale = options.init_scale;
   state.growth_factor = options.growth_factor;
@@ -164,8 +165,8 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
 }
 
 std::string GradScaler::where() const {
-  if (options_.group == nullptr) return "";
-  return dtrain::detail::rank_text(*options_.group) + ": ";
+  if (group_ == nullptr) return "";
+  return dtrain::detail::rank_text(*group_) + ": ";
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
@@ -258,10 +259,10 @@ bool GradScaler::agree_on_found_inf(OptimizerStep& step) {
   if (step.agreed) return step.found_inf_agreed;
   float local = 0;
   for (const auto& flag : step.found_inf) local = std::max(local, flag.item<float>());
-  if (options_.group != nullptr) {
-    // Every rank must reach the same verdict (Note in dtrain/amp.h, GradScalerOptions::group).
+  if (group_ != nullptr) {
+    // Every rank must reach the same verdict (dtrain/amp.h, the GradScaler constructor).
     at::Tensor flag = at::full({1}, local > 0 ? 1.0f : 0.0f, at::kFloat);
-    options_.group->all_reduce(flag, ReduceOp::kMax);
+    group_->all_reduce(flag, ReduceOp::kMax);
     local = flag.item<float>();
   }
   step.agreed = true;

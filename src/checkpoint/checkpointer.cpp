@@ -296,8 +296,8 @@ struct Checkpointer::Impl {
   std::exception_ptr failure;
 };
 
-Checkpointer::Checkpointer(CheckpointOptions options)
-    : options_(std::move(options)), impl_(std::make_unique<Impl>()) {
+Checkpointer::Checkpointer(CheckpointOptions options, std::shared_ptr<ProcessGroup> group)
+    : options_(std::move(options)), group_(std::move(group)), impl_(std::make_unique<Impl>()) {
   if (options_.dir.empty()) {
     throw UsageError("dtrain::Checkpointer: CheckpointOptions::dir is empty; name a folder");
   }
@@ -385,8 +385,8 @@ std::string find_latest(const CheckpointOptions& options, std::vector<char>* pay
 
 }  // namespace
 
-std::optional<LoadedCheckpoint> Checkpointer::load_latest(TrainingState& state,
-                                                          ProcessGroup* group) {
+std::optional<LoadedCheckpoint> Checkpointer::load_latest(TrainingState& state) {
+  ProcessGroup* group = group_.get();
   wait();  // a save in flight may be the newest checkpoint
   LoadedCheckpoint loaded;
   std::vector<char> payload;

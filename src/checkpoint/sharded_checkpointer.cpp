@@ -24,7 +24,8 @@ using detail::RankFile;
 using detail::SavedShards;
 using detail::ShardedMetadata;
 
-// The group's collectives, or nothing for one process without a group.
+// The group's collectives, or nothing for one process without a group (a view of the
+// checkpointer's group for the length of one call).
 struct Ranks {
   ProcessGroup* group;
   int rank() const { return group ? group->rank() : 0; }
@@ -193,8 +194,9 @@ void apply_extras(const RankFile& file, const std::string& path, State& state) {
 
 }  // namespace
 
-ShardedCheckpointer::ShardedCheckpointer(CheckpointOptions options, ProcessGroup* group)
-    : options_(std::move(options)), group_(group) {
+ShardedCheckpointer::ShardedCheckpointer(CheckpointOptions options,
+                                         std::shared_ptr<ProcessGroup> group)
+    : options_(std::move(options)), group_(std::move(group)) {
   check_options(options_);
 }
 
@@ -205,7 +207,7 @@ std::vector<std::string> ShardedCheckpointer::list() const {
 }
 
 std::string ShardedCheckpointer::save(const ShardedTrainingState& state) {
-  const Ranks ranks{group_};
+  const Ranks ranks{group_.get()};
   const int rank = ranks.rank(), world = ranks.size();
   const auto kind = detail::optimizer_kind(state.optimizer, "ShardedTrainingState::optimizer");
   const int64_t units = static_cast<int64_t>(state.shards.size());
@@ -316,7 +318,7 @@ std::string ShardedCheckpointer::save(const ShardedTrainingState& state) {
 }
 
 std::optional<LoadedCheckpoint> ShardedCheckpointer::load_latest(ShardedTrainingState& state) {
-  const Ranks ranks{group_};
+  const Ranks ranks{group_.get()};
   LoadedCheckpoint loaded;
   auto saved = find_latest_complete(options_, ranks, &loaded.skipped);
   if (!saved) return std::nullopt;

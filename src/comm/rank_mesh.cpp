@@ -7,7 +7,14 @@
 
 namespace dtrain {
 
-RankMesh make_rank_mesh(ProcessGroup& group, int pipeline_size, int tensor_size) {
+RankMesh make_rank_mesh(const std::shared_ptr<ProcessGroup>& group_ptr, int pipeline_size,
+                        int tensor_size) {
+  if (!group_ptr) {
+    throw UsageError(
+        "make_rank_mesh: the process group is null; pass the group that "
+        "init_process_group returned");
+  }
+  ProcessGroup& group = *group_ptr;
   const int n = group.size();
   // Each factor is checked against n before the product is formed, so the product cannot overflow.
   if (pipeline_size < 1 || tensor_size < 1 || pipeline_size > n || tensor_size > n ||

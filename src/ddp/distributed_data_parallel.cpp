@@ -21,7 +21,9 @@ DistributedDataParallelBase::NoSyncGuard::NoSyncGuard(DistributedDataParallelBas
 }
 DistributedDataParallelBase::NoSyncGuard::~NoSyncGuard() { ddp_.reducer_->leave_no_sync(); }
 
-ProcessGroup& DistributedDataParallelBase::group() const { return reducer_->group(); }
+const std::shared_ptr<ProcessGroup>& DistributedDataParallelBase::group() const {
+  return reducer_->group();
+}
 
 std::vector<std::vector<size_t>> DistributedDataParallelBase::bucket_layout() const {
   return reducer_->bucket_layout();

@@ -183,7 +183,7 @@ ReplicaSet::ReplicaSet(std::shared_ptr<torch::nn::Module> module, DataParallelBa
     buffers_.push_back(replica->buffers());
     submodules_.push_back(replica->modules(/*include_self=*/true));
   }
-  recorder_ = StepRecorder::create_if_enabled("dp", nullptr, 0, 1);
+  recorder_ = StepRecorder::create_if_enabled("dp", nullptr);
   if (recorder_) {
     recorder_->add_field("replicas", static_cast<int64_t>(replicas_.size()));
     for (const auto& p : params_[0]) parameter_bytes_ += p.nbytes();

@@ -37,8 +37,9 @@ double process_cpu_seconds() {
 }  // namespace
 
 std::unique_ptr<StepRecorder> StepRecorder::create_if_enabled(const std::string& strategy,
-                                                              ProcessGroup* group, int rank,
-                                                              int world_size) {
+                                                              std::shared_ptr<ProcessGroup> group) {
+  const int rank = group ? group->global_rank() : 0;
+  const int world_size = group ? group->global_size() : 1;
   const char* path = std::getenv("DTRAIN_PROFILE");
   if (path == nullptr || *path == '\0') return nullptr;
   int fd = ::open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
@@ -47,13 +48,14 @@ std::unique_ptr<StepRecorder> StepRecorder::create_if_enabled(const std::string&
                      path + "': cannot open it for appending (" + std::strerror(errno) +
                      "); give a writable file path or unset it");
   }
-  return std::unique_ptr<StepRecorder>(new StepRecorder(strategy, group, rank, world_size, fd));
+  return std::unique_ptr<StepRecorder>(
+      new StepRecorder(strategy, std::move(group), rank, world_size, fd));
 }
 
-StepRecorder::StepRecorder(std::string strategy, ProcessGroup* group, int rank, int world_size,
-                           int fd)
+StepRecorder::StepRecorder(std::string strategy, std::shared_ptr<ProcessGroup> group, int rank,
+                           int world_size, int fd)
     : strategy_(std::move(strategy)),
-      group_(group),
+      group_(std::move(group)),
       rank_(rank),
       world_size_(world_size),
       fd_(fd) {}

@@ -25,11 +25,11 @@ class StepRecorder {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // nullptr unless DTRAIN_PROFILE is set. `group` (may be null) supplies the collectives' counters
-  // (ProcessGroup::stats()); it must outlive the recorder.
+  // nullptr unless DTRAIN_PROFILE is set. `group` supplies the record's rank and world size (the
+  // job's) and the collectives' counters (ProcessGroup::stats()); null: one process, rank 0 of 1,
+  // whose strategy reports its communication through add_comm().
   static std::unique_ptr<StepRecorder> create_if_enabled(const std::string& strategy,
-                                                         ProcessGroup* group, int rank,
-                                                         int world_size);
+                                                         std::shared_ptr<ProcessGroup> group);
   ~StepRecorder();  // writes the last step if its optimizer step was marked
 
   void begin_step(int64_t samples);
@@ -67,7 +67,8 @@ class StepRecorder {
   };
 
  private:
-  StepRecorder(std::string strategy, ProcessGroup* group, int rank, int world_size, int fd);
+  StepRecorder(std::string strategy, std::shared_ptr<ProcessGroup> group, int rank, int world_size,
+               int fd);
   void write_record(Clock::time_point end);
   struct CommSnapshot {
     uint64_t ops = 0, bytes = 0;
@@ -76,7 +77,7 @@ class StepRecorder {
   CommSnapshot comm_now() const;
 
   const std::string strategy_;
-  ProcessGroup* group_;
+  std::shared_ptr<ProcessGroup> group_;
   const int rank_, world_size_;
   const int fd_;
   int64_t step_ = -1;  // index of the step in progress; -1 before the first

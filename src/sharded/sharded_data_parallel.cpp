@@ -753,7 +753,9 @@ std::vector<at::Tensor> ShardedDataParallelBase::parameters() const {
 }
 
 int ShardedDataParallelBase::stage() const { return state_->options_.stage; }
-ProcessGroup& ShardedDataParallelBase::group() const { return *state_->group_; }
+const std::shared_ptr<ProcessGroup>& ShardedDataParallelBase::group() const {
+  return state_->group_;
+}
 
 ShardedDataParallelBase::NoSyncGuard::NoSyncGuard(ShardedDataParallelBase& sdp) : sdp_(sdp) {
   ++sdp_.state_->no_sync_depth_;

@@ -220,12 +220,11 @@ void train_ranks_with_one_inf(int world, bool with_group, std::vector<torch::Ten
                               std::vector<double>& final_scale) {
   final_w.assign(world, {});
   final_scale.assign(world, 0);
-  testing::run_group(world, [&](int rank, ProcessGroup& group) {
+  testing::run_group(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     GradScalerOptions options;
     options.init_scale = 256;
     options.growth_interval = 2;
-    options.group = with_group ? &group : nullptr;
-    GradScaler scaler(options);
+    GradScaler scaler(options, with_group ? group : nullptr);
     Tiny tiny;
     for (int step = 0; step < 4; ++step) {
       tiny.optimizer.zero_grad();
@@ -276,14 +275,11 @@ TEST(GradScaler, DdpRanksStepAndSkipInLockstep) {
   std::vector<std::vector<torch::Tensor>> params(kWorld);
   std::vector<int> stepped(kWorld, 0);
   std::vector<double> scales(kWorld, 0);
-  testing::run_group(kWorld, [&](int rank, ProcessGroup& group) {
+  testing::run_group(kWorld, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
-    std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
-    DistributedDataParallel ddp(net, shared);
+    DistributedDataParallel ddp(net, group);
     torch::optim::SGD optimizer(net->parameters(), 0.1);
-    GradScalerOptions options;
-    options.group = &group;
-    GradScaler scaler(options);
+    GradScaler scaler(GradScalerOptions{}, group);
     for (int step = 0; step < kSteps; ++step) {
       optimizer.zero_grad();
       torch::Tensor loss = torch::nn::functional::cross_entropy(

@@ -338,7 +338,7 @@ TEST(Checkpointer, Rank0LoadsAndBroadcastsToRanksWithoutTheFolder) {
   }
   for (int world : {1, 2, 3}) {
     SCOPED_TRACE(world);
-    testing::run_group(world, [&](int rank, ProcessGroup& group) {
+    testing::run_group(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
       // Only rank 0 can see the folder, as on nodes without a shared file system.
       CheckpointOptions mine = options;
       if (rank != 0) mine.dir = temp_dir("dtrain-ckpt-nothing-here");
@@ -346,7 +346,7 @@ TEST(Checkpointer, Rank0LoadsAndBroadcastsToRanksWithoutTheFolder) {
       torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       TrainingState into{model.get(), &optimizer};
       into.rng = false;  // one generator shared by the thread ranks
-      auto loaded = Checkpointer(mine).load_latest(into, &group);
+      auto loaded = Checkpointer(mine, group).load_latest(into);
       if (!loaded) throw std::runtime_error("rank " + std::to_string(rank) + ": nothing loaded");
       if (loaded->path != options.dir + "/checkpoint-8.ckpt" || into.step != 8 ||
           into.values["note"] != "hello") {
@@ -360,7 +360,7 @@ TEST(Checkpointer, Rank0LoadsAndBroadcastsToRanksWithoutTheFolder) {
       // A folder without checkpoints: nothing on every rank, nobody left waiting.
       CheckpointOptions empty = options;
       empty.dir = temp_dir("dtrain-ckpt-empty-bcast");
-      if (Checkpointer(empty).load_latest(into, &group).has_value())
+      if (Checkpointer(empty, group).load_latest(into).has_value())
         throw std::runtime_error("rank " + std::to_string(rank) + ": loaded from nothing");
     });
   }

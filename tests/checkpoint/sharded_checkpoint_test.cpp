@@ -85,7 +85,7 @@ struct ToyShardedRank {
   }
 
   // Every rank's shards into every rank's replica (what stages 1-2 all-gather after the step).
-  void join_shards(ProcessGroup* group) {
+  void join_shards(const std::shared_ptr<ProcessGroup>& group) {
     torch::NoGradGuard no_grad;
     auto named = model->named_parameters();
     for (auto& s : shards) {
@@ -136,7 +136,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Optim kind,
 }
 
 void toy_step(ToyShardedRank& toy, torch::optim::Optimizer& optimizer, const Data& data, int step,
-              ProcessGroup* group) {
+              const std::shared_ptr<ProcessGroup>& group) {
   optimizer.zero_grad();
   toy.model->zero_grad();
   loss_of(toy.model, data, step).backward();
@@ -176,11 +176,11 @@ torch::nn::Sequential save_at_n_continue_at_m(const torch::nn::Sequential& initi
                                               const std::string& dir) {
   CheckpointOptions options;
   options.dir = dir;
-  testing::run_group(n, [&](int rank, ProcessGroup& group) {
+  testing::run_group(n, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     ToyShardedRank toy(initial, save_units, rank, n);
     auto optimizer = make_optimizer(kind, toy.shard_tensors());
-    for (int step = 0; step < first; ++step) toy_step(toy, *optimizer, data, step, &group);
-    ShardedCheckpointer checkpointer(options, &group);
+    for (int step = 0; step < first; ++step) toy_step(toy, *optimizer, data, step, group);
+    ShardedCheckpointer checkpointer(options, group);
     DistributedSampler sampler(100, n, rank);
     sampler.advance(first * 6);
     ShardedTrainingState state{toy.shards, 1, optimizer.get(), &sampler, first, /*rng=*/false};
@@ -189,12 +189,12 @@ torch::nn::Sequential save_at_n_continue_at_m(const torch::nn::Sequential& initi
     checkpointer.save(state);
   });
   torch::nn::Sequential result;
-  testing::run_group(m, [&](int rank, ProcessGroup& group) {
+  testing::run_group(m, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     // Fresh shards of a model that differs from the saved one: everything must come from disk.
     auto other = make_model();
     ToyShardedRank toy(other, load_units, rank, m);
     auto optimizer = make_optimizer(kind, toy.shard_tensors());
-    ShardedCheckpointer checkpointer(options, &group);
+    ShardedCheckpointer checkpointer(options, group);
     DistributedSampler sampler(100, m, rank);
     ShardedTrainingState state{toy.shards, 3, optimizer.get(), &sampler, 0, /*rng=*/false};
     auto loaded = checkpointer.load_latest(state);
@@ -207,9 +207,9 @@ torch::nn::Sequential save_at_n_continue_at_m(const torch::nn::Sequential& initi
     const int source = rank < n ? rank : 0;
     EXPECT_EQ(state.values["rank"], std::to_string(source));
     EXPECT_TRUE(torch::equal(state.tensors["extra"], torch::full({2}, static_cast<float>(source))));
-    toy.join_shards(&group);
+    toy.join_shards(group);
     for (int step = first; step < first + second; ++step)
-      toy_step(toy, *optimizer, data, step, &group);
+      toy_step(toy, *optimizer, data, step, group);
     if (rank == 0) result = toy.model;
   });
   return result;
@@ -258,9 +258,9 @@ void expect_fallback(const std::function<void(const std::string& folder)>& damag
   auto initial = make_model();
   CheckpointOptions options;
   options.dir = temp_dir("dtrain-sharded-damage");
-  testing::run_group(2, [&](int rank, ProcessGroup& group) {
+  testing::run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     ToyShardedRank toy(initial, Units::kOne, rank, 2);
-    ShardedCheckpointer checkpointer(options, &group);
+    ShardedCheckpointer checkpointer(options, group);
     ShardedTrainingState state{toy.shards, 1, nullptr, nullptr, 10, false};
     checkpointer.save(state);
     for (auto& s : toy.shards) s.shard.detach().add_(1.0);
@@ -270,15 +270,15 @@ void expect_fallback(const std::function<void(const std::string& folder)>& damag
   const std::string newest = options.dir + "/checkpoint-20";
   damage(newest);
   ::testing::internal::CaptureStderr();
-  testing::run_group(3, [&](int rank, ProcessGroup& group) {
+  testing::run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     ToyShardedRank toy(make_model(), Units::kOne, rank, 3);
-    ShardedCheckpointer checkpointer(options, &group);
+    ShardedCheckpointer checkpointer(options, group);
     ShardedTrainingState state{toy.shards, 1, nullptr, nullptr, 0, false};
     auto loaded = checkpointer.load_latest(state);
     ASSERT_TRUE(loaded.has_value());
     EXPECT_EQ(loaded->step, 10);
     EXPECT_EQ(loaded->skipped, std::vector<std::string>{newest + "/" + skipped_name});
-    toy.join_shards(&group);
+    toy.join_shards(group);
     if (rank == 0) expect_close(*toy.model, *initial);
   });
   const std::string log = ::testing::internal::GetCapturedStderr();
@@ -323,10 +323,10 @@ TEST(ShardedCheckpoint, RankFileOfAnUnfinishedResaveIsSkipped) {
         fs::copy_file(rank1, aside);
         CheckpointOptions options;
         options.dir = fs::path(folder).parent_path().string();
-        testing::run_group(2, [&](int rank, ProcessGroup& group) {
+        testing::run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
           ToyShardedRank toy(make_model(), Units::kOne, rank, 2);
           ShardedTrainingState state{toy.shards, 1, nullptr, nullptr, 20, false};
-          ShardedCheckpointer(options, &group).save(state);
+          ShardedCheckpointer(options, group).save(state);
         });
         fs::rename(aside, rank1);  // the new rank 0 file and metadata, the old rank 1
       },
@@ -340,9 +340,9 @@ TEST(ShardedCheckpoint, KeepsTheNewestKCompleteCheckpoints) {
   options.dir = temp_dir("dtrain-sharded-keep");
   options.keep_last = 2;
   auto save_steps = [&](std::vector<int64_t> steps, int world) {
-    testing::run_group(world, [&](int rank, ProcessGroup& group) {
+    testing::run_group(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
       ToyShardedRank toy(initial, Units::kOne, rank, world);
-      ShardedCheckpointer checkpointer(options, &group);
+      ShardedCheckpointer checkpointer(options, group);
       for (int64_t step : steps) {
         ShardedTrainingState state{toy.shards, 1, nullptr, nullptr, step, false};
         checkpointer.save(state);
@@ -356,7 +356,7 @@ TEST(ShardedCheckpoint, KeepsTheNewestKCompleteCheckpoints) {
   fs::copy_file(options.dir + "/checkpoint-2/rank-0-of-2.ckpt",
                 options.dir + "/checkpoint-3/rank-0-of-2.ckpt");
   save_steps({4}, 3);
-  ShardedCheckpointer lister(options, nullptr);
+  ShardedCheckpointer lister(options);
   EXPECT_EQ(lister.list(), (std::vector<std::string>{options.dir + "/checkpoint-1",
                                                      options.dir + "/checkpoint-4"}));
   // Step 4 again at another world size: the files of 3 ranks give way to those of 2.
@@ -380,13 +380,13 @@ TEST(ShardedCheckpoint, FullAndShardedConvertBothWays) {
   sharded_options.dir = temp_dir("dtrain-sharded-to-full");
   full_options.dir = temp_dir("dtrain-full-to-sharded");
   // 2 steps sharded at 2 ranks with Adam, saved sharded.
-  testing::run_group(2, [&](int rank, ProcessGroup& group) {
+  testing::run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     ToyShardedRank toy(initial, Units::kPerLayer, rank, 2);
     auto optimizer = make_optimizer(Optim::kAdam, toy.shard_tensors());
-    for (int step = 0; step < 2; ++step) toy_step(toy, *optimizer, data, step, &group);
+    for (int step = 0; step < 2; ++step) toy_step(toy, *optimizer, data, step, group);
     ShardedTrainingState state{toy.shards, 3, optimizer.get(), nullptr, 2, false};
     state.values["note"] = "sharded";
-    ShardedCheckpointer(sharded_options, &group).save(state);
+    ShardedCheckpointer(sharded_options, group).save(state);
   });
   // Sharded -> full: a plain model and Adam on one device, saved as a replicated checkpoint.
   {
@@ -402,7 +402,7 @@ TEST(ShardedCheckpoint, FullAndShardedConvertBothWays) {
     Checkpointer(full_options).save(full);
   }
   // Full -> sharded: the replicated checkpoint starts a sharded run at 3 ranks with one unit.
-  testing::run_group(3, [&](int rank, ProcessGroup& group) {
+  testing::run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto plain = make_model();
     auto plain_optimizer = make_optimizer(Optim::kAdam, plain->parameters());
     TrainingState full{plain.get(), plain_optimizer.get()};
@@ -413,8 +413,8 @@ TEST(ShardedCheckpoint, FullAndShardedConvertBothWays) {
     ShardedTrainingState state{toy.shards, 1, optimizer.get()};
     copy_full_into_shards(full, state);
     EXPECT_EQ(state.step, 2);
-    toy.join_shards(&group);
-    for (int step = 2; step < 6; ++step) toy_step(toy, *optimizer, data, step, &group);
+    toy.join_shards(group);
+    for (int step = 2; step < 6; ++step) toy_step(toy, *optimizer, data, step, group);
     if (rank == 0) expect_close(*toy.model, *train_plain(initial, Optim::kAdam, data, 6));
   });
   fs::remove_all(sharded_options.dir);
@@ -428,7 +428,7 @@ TEST(ShardedCheckpoint, UnsupportedOptimizerIsAClearError) {
   ToyShardedRank toy(initial, Units::kOne, 0, 1);
   torch::optim::RMSprop optimizer(toy.shard_tensors(), torch::optim::RMSpropOptions(0.01));
   ShardedTrainingState state{toy.shards, 1, &optimizer};
-  ShardedCheckpointer checkpointer(options, nullptr);
+  ShardedCheckpointer checkpointer(options);
   try {
     checkpointer.save(state);
     FAIL() << "an RMSprop optimizer was saved";
@@ -449,14 +449,14 @@ TEST(ShardedCheckpoint, CheckpointOfAnotherModelOrOptimizerIsAClearErrorAndChang
     const Data data(1);
     toy_step(toy, *optimizer, data, 0, nullptr);
     ShardedTrainingState state{toy.shards, 1, optimizer.get()};
-    ShardedCheckpointer(options, nullptr).save(state);
+    ShardedCheckpointer(options).save(state);
   }
   auto expect_error = [&](ToyShardedRank& toy, torch::optim::Optimizer* optimizer,
                           const std::string& expected) {
     at::Tensor before = toy.shards[0].shard.detach().clone();
     ShardedTrainingState state{toy.shards, 1, optimizer};
     try {
-      ShardedCheckpointer(options, nullptr).load_latest(state);
+      ShardedCheckpointer(options).load_latest(state);
       FAIL() << "loaded into a state that does not fit";
     } catch (const UsageError& e) {
       EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();

@@ -65,7 +65,7 @@ void run_sharded(int world, int stage, const torch::nn::Sequential& initial,
 
 void sharded_steps(ShardedDataParallel<torch::nn::SequentialImpl>& sdp,
                    torch::optim::Optimizer& optimizer, const Batches& data, int first, int last) {
-  const int world = sdp.group().size(), rank = sdp.group().rank();
+  const int world = sdp.group()->size(), rank = sdp.group()->rank();
   const int64_t share = kBatch / world;
   for (int step = first; step < last; ++step) {
     optimizer.zero_grad();
@@ -103,14 +103,14 @@ TEST(ShardedCheckpointWithShardedDataParallel,
       sharded_steps(sdp, *optimizer, data, 0, 3);
       ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
                                  nullptr,           3,           false};
-      ShardedCheckpointer(options, &sdp.group()).save(state);
+      ShardedCheckpointer(options, sdp.group()).save(state);
     });
     run_sharded(
         c.m, c.load_stage, make_model(), [&](int rank, Sdp& sdp, torch::nn::Sequential& model) {
           auto optimizer = make_adam(sdp.parameters());
           ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
                                      nullptr,           0,           false};
-          ASSERT_TRUE(ShardedCheckpointer(options, &sdp.group()).load_latest(state).has_value());
+          ASSERT_TRUE(ShardedCheckpointer(options, sdp.group()).load_latest(state).has_value());
           EXPECT_EQ(state.step, 3);
           sdp.shards_changed();
           sharded_steps(sdp, *optimizer, data, 3, 6);

@@ -237,7 +237,7 @@ TEST(SubGroups, NewGroupRunsItsOwnCollectives) {
 
 TEST(SubGroups, RankMeshSplitsDataAndPipeline) {
   // 6 ranks as 3 replicas x 2 stages: rank = data_index * 2 + stage.
-  run_group(6, [&](int rank, ProcessGroup& group) {
+  run_group(6, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     RankMesh mesh = make_rank_mesh(group, 2);
     EXPECT_EQ(mesh.data_size, 3);
     EXPECT_EQ(mesh.data_index, rank / 2);
@@ -256,8 +256,10 @@ TEST(SubGroups, RankMeshSplitsDataAndPipeline) {
     mesh.pipeline_group->all_reduce(same_replica);
     EXPECT_EQ(same_replica.item<float>(), 4.0f * (rank / 2) + 1);  // ranks 2d and 2d+1
   });
-  EXPECT_THROW(run_group(4, [&](int, ProcessGroup& group) { make_rank_mesh(group, 3); }),
-               UsageError);
+  EXPECT_THROW(
+      run_group(4,
+                [&](int, const std::shared_ptr<ProcessGroup>& group) { make_rank_mesh(group, 3); }),
+      UsageError);
 }
 
 // The members of `g`, as ranks of the job.
@@ -275,7 +277,7 @@ class RankMesh3D : public ::testing::TestWithParam<std::tuple<int, int, int>> {}
 TEST_P(RankMesh3D, EachGroupHoldsTheRanksThatShareTheOtherTwoIndices) {
   auto [data, pipeline, tensor] = GetParam();
   auto rank_of = [&](int d, int p, int t) { return (d * pipeline + p) * tensor + t; };
-  run_group(data * pipeline * tensor, [&](int rank, ProcessGroup& group) {
+  run_group(data * pipeline * tensor, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     RankMesh mesh = make_rank_mesh(group, pipeline, tensor);
     EXPECT_EQ(mesh.data_size, data);
     EXPECT_EQ(mesh.pipeline_size, pipeline);
@@ -324,7 +326,9 @@ TEST(SubGroups, RankMeshRejectsSizesThatDoNotDivideTheGroup) {
        {std::pair{3, 2}, std::pair{2, 3}, std::pair{1, 0}, std::pair{0, 2}, std::pair{1, 16}}) {
     SCOPED_TRACE("pipeline " + std::to_string(pipeline) + " tensor " + std::to_string(tensor));
     try {
-      run_group(8, [&](int, ProcessGroup& group) { make_rank_mesh(group, pipeline, tensor); });
+      run_group(8, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+        make_rank_mesh(group, pipeline, tensor);
+      });
       ADD_FAILURE() << "expected a UsageError";
     } catch (const UsageError& e) {
       std::string what = e.what();

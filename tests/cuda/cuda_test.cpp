@@ -78,27 +78,27 @@ std::vector<torch::Tensor> train_on_cpu() {
 }
 
 TEST_F(Cuda, NcclAllReduceOfOneRank) {
-  run_group(1, [](int, ProcessGroup& group) {
+  run_group(1, [](int, const std::shared_ptr<ProcessGroup>& group) {
     auto t = torch::arange(5, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat));
-    group.all_reduce(t);
+    group->all_reduce(t);
     EXPECT_TRUE(torch::equal(t.cpu(), torch::arange(5, torch::kFloat)));
   });
 }
 
 TEST_F(Cuda, AllReduceOfTwoRanksSums) {
   std::vector<c10::Device> devices{device_of_rank(0), device_of_rank(1)};
-  run_group(2, [&](int rank, ProcessGroup& group) {
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto t = torch::full({1000}, rank + 1.0, torch::TensorOptions().device(devices[rank]));
-    group.all_reduce(t);
+    group->all_reduce(t);
     EXPECT_TRUE(torch::equal(t.cpu(), torch::full({1000}, 3.0)));
   });
 }
 
 TEST_F(Cuda, TwoRanksOnOneGpuAreOneClearLine) {
   try {
-    run_group(2, [](int, ProcessGroup& group) {
+    run_group(2, [](int, const std::shared_ptr<ProcessGroup>& group) {
       auto t = torch::ones({4}, torch::TensorOptions().device(torch::kCUDA, 0));
-      group.all_reduce(t);
+      group->all_reduce(t);
     });
     FAIL() << "two ranks on cuda:0 with NCCL were not refused";
   } catch (const UsageError& e) {
@@ -113,11 +113,10 @@ TEST_F(Cuda, DdpOnGpuEqualsCpuTraining) {
   std::vector<c10::Device> devices{device_of_rank(0), device_of_rank(1)};
   std::vector<std::vector<torch::Tensor>> got(2);
   auto initial = make_mlp();
-  run_group(2, [&](int rank, ProcessGroup& group) {
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
     net->to(devices[rank]);
-    std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
-    DistributedDataParallel ddp(net, shared);
+    DistributedDataParallel ddp(net, group);
     torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     const int64_t half = kGlobalBatch / 2;
     for (auto& [x, y] : data) {

@@ -95,15 +95,14 @@ std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind,
   for (int step = 0; step < steps; ++step) data.push_back(make_data(step));
   run_group(
       world,
-      [&](int rank, ProcessGroup& group) {
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
         auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
         if (rank != 0) {
           // Different starting points on the other ranks: DDP's broadcast must erase them.
           torch::NoGradGuard no_grad;
           for (auto& p : net->parameters()) p.add_(0.5 * rank);
         }
-        std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
-        DistributedDataParallel ddp(net, shared, options);
+        DistributedDataParallel ddp(net, group, options);
         auto optimizer = make_optimizer(kind, net->parameters());
         for (int step = 0; step < steps; ++step) {
           const Data& d = data[step];
@@ -192,14 +191,13 @@ TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
   torch::set_num_threads(1);
   for (bool views : {true, false}) {
     SCOPED_TRACE(views ? "gradient views" : "separate gradients");
-    run_group(2, [&](int rank, ProcessGroup& group) {
-      std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
+    run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
       auto net = make_mlp();
       at::Tensor expected_grad;
       {
         DistributedDataParallelOptions options;
         options.gradient_as_bucket_view = views;
-        DistributedDataParallel ddp(net.ptr(), shared, options);
+        DistributedDataParallel ddp(net.ptr(), group, options);
         auto d = make_data(0);
         shard_loss(ddp.forward(d.x.narrow(0, rank, 1)), d.y.narrow(0, rank, 1), 2).backward();
         const at::Tensor& grad = net->parameters()[0].grad();
@@ -226,21 +224,19 @@ TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
   setenv("DTRAIN_SHM_BUCKETS", "0", 1);
   DistributedDataParallelOptions options;  // gradient views, the default
   expect_equivalent(2, Optim::kSgd, options);
-  run_group(2, [&](int, ProcessGroup& group) {
+  run_group(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
     auto net = make_mlp();
-    DistributedDataParallel ddp(net.ptr(),
-                                std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+    DistributedDataParallel ddp(net.ptr(), group);
     auto d = make_data(0);
     ddp.forward(d.x).sum().backward();
     EXPECT_EQ(mapping_of(net->parameters()[0].grad().data_ptr()), "")
         << "DTRAIN_SHM_BUCKETS=0 was ignored";
   });
   setenv("DTRAIN_SHM_BUCKETS", "no", 1);
-  run_group(2, [&](int, ProcessGroup& group) {
+  run_group(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
     auto net = make_mlp();
     try {
-      DistributedDataParallel ddp(net.ptr(),
-                                  std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
+      DistributedDataParallel ddp(net.ptr(), group);
       ADD_FAILURE() << "DTRAIN_SHM_BUCKETS=no was accepted";
     } catch (const UsageError& e) {
       EXPECT_NE(
@@ -281,8 +277,8 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
     }
   } limit;
   ::testing::internal::CaptureStderr();
-  run_group(2, [&](int rank, ProcessGroup& group) {
-    group.barrier();  // every rank has its group (and the group its segment) before the limit
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    group->barrier();  // every rank has its group (and the group its segment) before the limit
     if (rank == 0) {
       rlimit tiny = limit.saved;
       // Below the buckets' segment (at least a page per rank), above what stderr (captured to a
@@ -290,10 +286,10 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
       tiny.rlim_cur = 4096;
       setrlimit(RLIMIT_FSIZE, &tiny);
     }
-    group.barrier();
+    group->barrier();
     auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
-    DistributedDataParallel ddp(net, std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {}));
-    group.barrier();  // every rank has built its buckets
+    DistributedDataParallel ddp(net, group);
+    group->barrier();  // every rank has built its buckets
     if (rank == 0) limit.restore();
     auto [begin, count] = shard(kGlobalBatch, 2, rank);
     shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), 2).backward();
@@ -320,14 +316,13 @@ TEST(Ddp, TheTestCanFail) {
 
 TEST(Ddp, BucketsRunInReverseRegistrationOrderWithASmallFirstBucket) {
   torch::set_num_threads(1);
-  run_group(2, [&](int, ProcessGroup& group) {
-    std::shared_ptr<ProcessGroup> shared(&group, [](ProcessGroup*) {});
+  run_group(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {
     auto net = make_mlp();
     DistributedDataParallelOptions options;
     options.first_bucket_cap_bytes =
         480;  // the last layer's bias (20 B) fits, its weight (480 B) then not
     options.bucket_cap_bytes = 1 << 20;
-    DistributedDataParallel ddp(net.ptr(), shared, options);
+    DistributedDataParallel ddp(net.ptr(), group, options);
     auto layout = ddp.bucket_layout();
     ASSERT_EQ(layout.size(), 2u);
     EXPECT_EQ(layout[0], (std::vector<size_t>{5}));

@@ -15,10 +15,6 @@ using testing::relative_error;
 
 using testing::run_group;
 
-std::shared_ptr<ProcessGroup> borrow(ProcessGroup& group) {
-  return std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
-}
-
 struct Branchy : torch::nn::Module {
   explicit Branchy(int64_t out = 4) {
     torch::manual_seed(3);
@@ -64,9 +60,9 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
 
   auto initial = make_mlp();
   std::vector<std::vector<torch::Tensor>> got(world);
-  run_group(world, [&](int rank, ProcessGroup& group) {
+  run_group(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
-    DistributedDataParallel ddp(net, borrow(group));
+    DistributedDataParallel ddp(net, group);
     torch::optim::SGD opt(net->parameters(), 0.5);
     opt.zero_grad();
     for (int m = 0; m < micro; ++m) {
@@ -82,7 +78,7 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
         at::Tensor grad = net->parameters()[0].grad().clone();
         std::vector<at::Tensor> all(world);
         for (auto& t : all) t = torch::empty_like(grad);
-        group.all_gather(all, grad);
+        group->all_gather(all, grad);
         return torch::equal(all[0], all[1]);
       };
       if (m + 1 < micro) {
@@ -101,9 +97,9 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
 }
 
 TEST_F(DdpFeatures, UnusedParameterErrorNamesItAndTheFix) {
-  run_group(2, [&](int rank, ProcessGroup& group) {
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = std::make_shared<Branchy>();
-    DistributedDataParallel ddp(net, borrow(group));
+    DistributedDataParallel ddp(net, group);
     try {
       ddp.forward(torch::randn({3, 6})).sum().backward();
       ADD_FAILURE() << "backward with an unused parameter did not fail";
@@ -132,11 +128,11 @@ TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
   // Built here, not in the rank threads: the global generator is not for concurrent use.
   std::vector<std::shared_ptr<Branchy>> nets;
   for (int rank = 0; rank < 3; ++rank) nets.push_back(std::make_shared<Branchy>());
-  run_group(3, [&](int rank, ProcessGroup& group) {
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = nets[rank];
     DistributedDataParallelOptions options;
     options.find_unused_parameters = true;
-    DistributedDataParallel ddp(net, borrow(group), options);
+    DistributedDataParallel ddp(net, group, options);
     torch::optim::SGD opt(net->parameters(), 0.3);
     for (int step = 0; step < 2; ++step) {
       opt.zero_grad();
@@ -152,10 +148,10 @@ TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
 TEST_F(DdpFeatures, DifferentModelsAreNamed) {
   std::vector<std::shared_ptr<Branchy>> nets;
   for (int rank = 0; rank < 3; ++rank) nets.push_back(std::make_shared<Branchy>(rank == 1 ? 5 : 4));
-  run_group(3, [&](int rank, ProcessGroup& group) {
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = nets[rank];
     try {
-      DistributedDataParallel ddp(net, borrow(group));
+      DistributedDataParallel ddp(net, group);
       ADD_FAILURE() << "mismatched models were accepted";
     } catch (const UsageError& e) {
       std::string what = e.what();
@@ -170,11 +166,11 @@ TEST_F(DdpFeatures, DifferentModelsAreNamed) {
           << what;
     }
   });
-  run_group(3, [&](int rank, ProcessGroup& group) {
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     std::shared_ptr<torch::nn::Module> net = std::make_shared<Branchy>();
     if (rank == 2) net->register_module("extra", torch::nn::Linear(2, 2));
     try {
-      DistributedDataParallelBase ddp(net, borrow(group));
+      DistributedDataParallelBase ddp(net, group);
       ADD_FAILURE() << "a rank with an extra layer was accepted";
     } catch (const UsageError& e) {
       std::string what = e.what();
@@ -204,11 +200,11 @@ void expect_compression_within(std::shared_ptr<CommHook> (*make_hook)(), double 
   auto want = snapshot(*single);
   auto initial = make_mlp();
   std::vector<double> errors(2);
-  run_group(2, [&](int rank, ProcessGroup& group) {
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
     DistributedDataParallelOptions options;
     options.comm_hook = make_hook();
-    DistributedDataParallel ddp(net, borrow(group), options);
+    DistributedDataParallel ddp(net, group, options);
     torch::optim::SGD opt(net->parameters(), 0.1);
     for (int step = 0; step < 3; ++step) {
       opt.zero_grad();
@@ -234,16 +230,16 @@ TEST_F(DdpFeatures, Bf16CompressionStaysWithinItsRounding) {
 }
 
 TEST_F(DdpFeatures, BuffersFollowRankZero) {
-  run_group(3, [&](int rank, ProcessGroup& group) {
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     torch::manual_seed(1);
     auto net = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
-    DistributedDataParallel ddp(net.ptr(), borrow(group));
+    DistributedDataParallel ddp(net.ptr(), group);
     auto bn = net[1]->as<torch::nn::BatchNorm1dImpl>();
     ddp.forward(torch::randn({5, 4}) + rank).sum().backward();  // running stats now differ by rank
     ddp.prepare_forward();  // the next forward starts from rank 0's
     std::vector<torch::Tensor> all(3);
     for (auto& t : all) t = torch::empty({4});
-    group.all_gather(all, bn->running_mean);
+    group->all_gather(all, bn->running_mean);
     EXPECT_TRUE(torch::equal(all[rank], all[0]));
   });
 }

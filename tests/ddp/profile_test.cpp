@@ -68,8 +68,7 @@ struct ProfileTo {
 
 // Runs `steps` DDP steps of an MLP on 2 thread-ranks, 8 samples each.
 void train(int steps, bool mark_optimizer, std::shared_ptr<CommHook> (*make_hook)()) {
-  run_group(2, [&](int rank, ProcessGroup& group) {
-    std::shared_ptr<ProcessGroup> pg(&group, [](ProcessGroup*) {});
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     torch::manual_seed(1);
     torch::nn::Sequential net(torch::nn::Linear(20, 64), torch::nn::ReLU(),
                               torch::nn::Linear(64, 64), torch::nn::ReLU(),
@@ -77,7 +76,7 @@ void train(int steps, bool mark_optimizer, std::shared_ptr<CommHook> (*make_hook
     DistributedDataParallelOptions options;
     options.first_bucket_cap_bytes = 4096;  // two buckets
     if (make_hook) options.comm_hook = make_hook();
-    DistributedDataParallel<torch::nn::SequentialImpl> ddp(net.ptr(), pg, options);
+    DistributedDataParallel<torch::nn::SequentialImpl> ddp(net.ptr(), group, options);
     torch::optim::SGD optimizer(net->parameters(), 0.01);
     at::Tensor x = torch::randn({8, 20}), y = torch::randint(0, 4, {8});
     for (int s = 0; s < steps; ++s) {

@@ -219,7 +219,7 @@ std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& 
   std::mutex mutex;
   run_group(
       world,
-      [&](int rank, ProcessGroup& group) {
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
         auto mesh = make_rank_mesh(group, run.stages);
         auto model = make_model();
         // Which of the model's parameters this stage holds (by identity, before the split hands
@@ -311,12 +311,13 @@ TEST(DistributedPipeline, TwoDataReplicasTimesTwoStagesEqualSingleProcess) {
 
 // Runs `body` on `world` thread-ranks and expects every rank to throw a UsageError containing
 // `expected`.
-void expect_error_on_every_rank(int world, const std::string& expected,
-                                const std::function<void(int rank, ProcessGroup& group)>& body) {
+void expect_error_on_every_rank(
+    int world, const std::string& expected,
+    const std::function<void(int rank, const std::shared_ptr<ProcessGroup>& group)>& body) {
   std::atomic<int> raised{0};
   run_group(
       world,
-      [&](int rank, ProcessGroup& group) {
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
         try {
           body(rank, group);
           ADD_FAILURE() << "rank " << rank << " did not throw";
@@ -333,7 +334,7 @@ void expect_error_on_every_rank(int world, const std::string& expected,
 TEST(DistributedPipeline, PreflightShapeMismatchFailsOnEveryRank) {
   expect_error_on_every_rank(3,
                              "stage 2 (rank 2): chunk 2 cannot take chunk 1's output [4, 6] Float",
-                             [](int rank, ProcessGroup& group) {
+                             [](int rank, const std::shared_ptr<ProcessGroup>& group) {
                                auto mesh = make_rank_mesh(group, 3);
                                std::vector<torch::nn::Sequential> chunks = {
                                    torch::nn::Sequential(torch::nn::Linear(kInputs, 8)),
@@ -349,7 +350,7 @@ TEST(DistributedPipeline, PreflightShapeMismatchFailsOnEveryRank) {
 
 TEST(DistributedPipeline, PreflightDtypeMismatchFailsOnEveryRank) {
   expect_error_on_every_rank(2, "chunk 1 cannot take chunk 0's output [3, 8] Float",
-                             [](int, ProcessGroup& group) {
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
                                auto mesh = make_rank_mesh(group, 2);
                                torch::nn::Sequential second(torch::nn::Linear(8, kClasses));
                                second->to(torch::kDouble);
@@ -364,34 +365,36 @@ TEST(DistributedPipeline, PreflightDtypeMismatchFailsOnEveryRank) {
 }
 
 TEST(DistributedPipeline, PreflightCatchesLossThatRejectsTheOutput) {
-  expect_error_on_every_rank(
-      2, "the loss function rejects the last chunk's output", [](int, ProcessGroup& group) {
-        auto mesh = make_rank_mesh(group, 2);
-        auto model = make_model();
-        PipelineOptions options;
-        options.micro_batches = 2;
-        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, options);
-        Batch b = make_batch(0, 6);
-        pipe.forward_backward(b.x, torch::randn({6, 3, 2}), mean_loss);
-      });
+  expect_error_on_every_rank(2, "the loss function rejects the last chunk's output",
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               auto model = make_model();
+                               PipelineOptions options;
+                               options.micro_batches = 2;
+                               DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh,
+                                                        options);
+                               Batch b = make_batch(0, 6);
+                               pipe.forward_backward(b.x, torch::randn({6, 3, 2}), mean_loss);
+                             });
 }
 
 TEST(DistributedPipeline, MoreMicroBatchesThanRowsFailsOnEveryRank) {
-  expect_error_on_every_rank(
-      2, "a batch of 3 rows cannot be cut into 4 micro-batches", [](int, ProcessGroup& group) {
-        auto mesh = make_rank_mesh(group, 2);
-        auto model = make_model();
-        PipelineOptions options;
-        options.micro_batches = 4;
-        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, options);
-        Batch b = make_batch(0, 3);
-        pipe.forward_backward(b.x, b.y, mean_loss);
-      });
+  expect_error_on_every_rank(2, "a batch of 3 rows cannot be cut into 4 micro-batches",
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               auto model = make_model();
+                               PipelineOptions options;
+                               options.micro_batches = 4;
+                               DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh,
+                                                        options);
+                               Batch b = make_batch(0, 3);
+                               pipe.forward_backward(b.x, b.y, mean_loss);
+                             });
 }
 
 TEST(DistributedPipeline, TargetRowsMustMatchTheBatch) {
   expect_error_on_every_rank(2, "the last stage's target has 5 rows but stage 0's batch has 6",
-                             [](int, ProcessGroup& group) {
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
                                auto mesh = make_rank_mesh(group, 2);
                                auto model = make_model();
                                PipelineOptions options;
@@ -406,7 +409,7 @@ TEST(DistributedPipeline, TargetRowsMustMatchTheBatch) {
 TEST(DistributedPipeline, OptionsThatDifferBetweenRanksFailOnEveryRank) {
   expect_error_on_every_rank(
       2, "stage 1 (rank 1) runs with micro_batches=3 but stage 0 (rank 0) with 2",
-      [](int rank, ProcessGroup& group) {
+      [](int rank, const std::shared_ptr<ProcessGroup>& group) {
         auto mesh = make_rank_mesh(group, 2);
         auto model = make_model();
         PipelineOptions options;
@@ -416,18 +419,20 @@ TEST(DistributedPipeline, OptionsThatDifferBetweenRanksFailOnEveryRank) {
 }
 
 TEST(DistributedPipeline, WrongChunkCountOrDeviceFailsOnEveryRank) {
+  expect_error_on_every_rank(2, "stage 0 (rank 0): was given 3 chunks",
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               auto model = make_model();
+                               DistributedPipeline pipe(split_sequential(model, even_cut(3)), mesh,
+                                                        PipelineOptions{});
+                             });
   expect_error_on_every_rank(
-      2, "stage 0 (rank 0): was given 3 chunks", [](int, ProcessGroup& group) {
+      2, "is on cpu, expected cuda:0", [](int, const std::shared_ptr<ProcessGroup>& group) {
         auto mesh = make_rank_mesh(group, 2);
         auto model = make_model();
-        DistributedPipeline pipe(split_sequential(model, even_cut(3)), mesh, PipelineOptions{});
+        DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, PipelineOptions{},
+                                 c10::Device(c10::kCUDA, 0));
       });
-  expect_error_on_every_rank(2, "is on cpu, expected cuda:0", [](int, ProcessGroup& group) {
-    auto mesh = make_rank_mesh(group, 2);
-    auto model = make_model();
-    DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, PipelineOptions{},
-                             c10::Device(c10::kCUDA, 0));
-  });
 }
 
 }  // namespace

@@ -108,14 +108,13 @@ double sharded_vs_ddp(RunConfig setup, const std::vector<torch::Tensor>& start) 
   std::vector<double> errors(setup.world, 0);
   run_group(
       setup.world,
-      [&](int rank, ProcessGroup& group) {
-        auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
         auto ddp_net = make_mlp_from(start);
-        DistributedDataParallel<torch::nn::SequentialImpl> ddp(ddp_net.ptr(), pg);
+        DistributedDataParallel<torch::nn::SequentialImpl> ddp(ddp_net.ptr(), group);
         auto ddp_opt = make_optimizer(setup.optim, ddp_net->parameters());
 
         auto net = make_mlp_from(start);
-        ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, setup.options);
+        ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, setup.options);
         auto opt = make_optimizer(setup.optim, sdp.parameters());
 
         for (int step = 0; step < kSteps; ++step) {
@@ -225,12 +224,11 @@ TEST(ShardedDataParallel, GlooTransportAndSmallBucketsAndUnitsWithoutPrefetch) {
 TEST(ShardedDataParallel, FlatShardsTileTheFlatBuffersAndShardsChangedReachesTheModule) {
   const auto start = initial_parameters();
   for (int stage : {1, 2, 3}) {
-    run_group(3, [&](int rank, ProcessGroup& group) {
-      auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+    run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
       auto net = make_mlp_from(start);
       ShardedDataParallelOptions options;
       options.stage = stage;
-      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, options);
+      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, options);
       auto named = net->named_parameters();
       const std::vector<std::string> names = named.keys();
       std::set<std::string> seen;
@@ -284,14 +282,13 @@ struct ProbeImpl : torch::nn::Module {
 TORCH_MODULE(Probe);
 
 TEST(ShardedDataParallel, StageThreeFreesGatheredParameters) {
-  run_group(2, [&](int rank, ProcessGroup& group) {
-    auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     torch::nn::Linear first(64, 64), second(64, 64), third(64, 4);
     Probe probe;
     torch::nn::Sequential net(first, probe, second, torch::nn::ReLU(), third);
     ShardedDataParallelOptions options;
     options.stage = 3;
-    ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, options);
+    ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, options);
     probe->watched = {first->weight, second->weight, third->weight};
     auto total_bytes = [&] {  // a unit's parameters share one storage: count each storage once
       std::set<const void*> storages;
@@ -337,10 +334,9 @@ TEST(ShardedDataParallel, StageThreeFreesGatheredParameters) {
 template <typename Body>
 std::string usage_error_of(int world, Body body) {
   std::vector<std::string> messages(world);
-  run_group(world, [&](int rank, ProcessGroup& group) {
-    auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+  run_group(world, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     try {
-      body(pg);
+      body(group);
     } catch (const UsageError& e) {
       messages[rank] = e.what();
     }
@@ -404,11 +400,10 @@ TEST(ShardedDataParallelErrors, OptimizerOverTheFullParameters) {
 // has, on every rank.
 TEST(ShardedDataParallelErrors, DifferentModelsAreNamed) {
   std::vector<std::string> messages(2);
-  run_group(2, [&](int rank, ProcessGroup& group) {
-    auto pg = std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     torch::nn::Sequential net(torch::nn::Linear(kInputs, rank == 1 ? 8 : 7), torch::nn::ReLU());
     try {
-      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg);
+      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group);
     } catch (const UsageError& e) {
       messages[rank] = e.what();
     }

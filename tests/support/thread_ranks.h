@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "dtrain/comm.h"
@@ -41,11 +42,13 @@ inline void run_ranks(int world_size, const std::function<void(int rank)>& body)
 }
 
 // Runs `body(rank, group)` on `world_size` thread-ranks, each with a group from init_process_group.
+// `body` takes the group as init_process_group returns it and dtrain's classes take it,
+// `const std::shared_ptr<ProcessGroup>&`, or as `ProcessGroup&` where it only runs collectives.
 // shared_memory=false forces every all-reduce through Gloo, so both transports get tested.
-inline void run_group(int world_size,
-                      const std::function<void(int rank, ProcessGroup& group)>& body,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(60),
-                      bool shared_memory = true) {
+template <typename Body>
+void run_group(int world_size, Body&& body,
+               std::chrono::milliseconds timeout = std::chrono::seconds(60),
+               bool shared_memory = true) {
   std::string method = unique_store_name("group");
   run_ranks(world_size, [&](int rank) {
     InitOptions options;
@@ -54,8 +57,12 @@ inline void run_group(int world_size,
     options.world_size = world_size;
     options.timeout = timeout;
     options.shared_memory = shared_memory;
-    auto group = init_process_group(options);
-    body(rank, *group);
+    std::shared_ptr<ProcessGroup> group = init_process_group(options);
+    if constexpr (std::is_invocable_v<Body&, int, const std::shared_ptr<ProcessGroup>&>) {
+      body(rank, group);
+    } else {
+      body(rank, *group);
+    }
   });
 }
 

@@ -59,7 +59,7 @@ TEST(DataTensorParallel, DdpOverTheDataGroupMatchesSingleProcessTraining) {
   std::vector<std::vector<torch::Tensor>> got(kData * kTensor), want(kData * kTensor);
   std::vector<std::vector<torch::Tensor>> got_input_grads(kData * kTensor),
       want_input_grads(kData * kTensor);
-  testing::run_group(kData * kTensor, [&](int rank, ProcessGroup& group) {
+  testing::run_group(kData * kTensor, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     RankMesh mesh = make_rank_mesh(group, /*pipeline_size=*/1, /*tensor_size=*/kTensor);
     auto net = testing::make_parallel_mlp(mesh.tensor_group);
     if (mesh.data_index != 0) {

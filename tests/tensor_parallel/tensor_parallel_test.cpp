@@ -47,10 +47,6 @@ std::vector<Batch> make_batches() {
   return batches;
 }
 
-std::shared_ptr<ProcessGroup> borrow(ProcessGroup& group) {
-  return std::shared_ptr<ProcessGroup>(&group, [](ProcessGroup*) {});
-}
-
 // What one training run records: every step's output and input gradient, and the final parameters.
 struct Trace {
   std::vector<torch::Tensor> outputs, input_grads, params;
@@ -95,8 +91,8 @@ void expect_equivalent(int world, Wiring wiring, bool shared_memory = true) {
   std::vector<RankResult> results(world);
   run_group(
       world,
-      [&](int rank, ProcessGroup& group) {
-        auto net = make_parallel_mlp(borrow(group), wiring);
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+        auto net = make_parallel_mlp(group, wiring);
         results[rank].trace = train(net, batches);
         results[rank].want_params = expected_shards(reference, net);
       },
@@ -137,8 +133,8 @@ TEST(TensorParallel, TheTestCanFail) {
   auto reference = make_reference_mlp();
   Trace want = train(reference, batches);
   std::vector<Trace> got(2);
-  run_group(2, [&](int rank, ProcessGroup& group) {
-    auto net = make_parallel_mlp(borrow(group));
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    auto net = make_parallel_mlp(group);
     auto column = net->ptr<ColumnParallelLinearImpl>(0);
     got[rank] = train(net, batches, [&](const torch::Tensor& x) {
       torch::Tensor hidden =
@@ -160,12 +156,12 @@ TEST(TensorParallel, ShardingAnExistingLinearKeepsItsWeights) {
   torch::set_num_threads(1);
   auto reference = make_reference_mlp();
   torch::nn::Linear no_bias(torch::nn::LinearOptions(kInputs, kHidden).bias(false));
-  run_group(3, [&](int rank, ProcessGroup& group) {
-    auto seeded = make_parallel_mlp(borrow(group));
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    auto seeded = make_parallel_mlp(group);
     torch::nn::Linear first(reference->ptr<torch::nn::LinearImpl>(0));
     torch::nn::Linear second(reference->ptr<torch::nn::LinearImpl>(2));
-    ColumnParallelLinear column = column_parallel_from(first, borrow(group));
-    RowParallelLinear row = row_parallel_from(second, borrow(group));
+    ColumnParallelLinear column = column_parallel_from(first, group);
+    RowParallelLinear row = row_parallel_from(second, group);
     torch::nn::Sequential split(column, torch::nn::ReLU(), row);
     auto want = seeded->parameters();
     auto have = split->parameters();
@@ -176,7 +172,7 @@ TEST(TensorParallel, ShardingAnExistingLinearKeepsItsWeights) {
     EXPECT_EQ(row->local_begin(), rank == 0 ? 0 : 4 + 3 * (rank - 1));
 
     ColumnParallelLinearOptions options;  // options.bias = true is overridden by the Linear's
-    auto unbiased = column_parallel_from(no_bias, borrow(group), options);
+    auto unbiased = column_parallel_from(no_bias, group, options);
     EXPECT_FALSE(unbiased->bias.defined());
     EXPECT_EQ(unbiased->parameters().size(), 1u);
 
@@ -221,26 +217,26 @@ TEST(TensorParallel, BadArgumentsAreUsageErrorsNamingRankLayerAndSizes) {
                   {"column_parallel_from", "empty"});
 
   torch::set_num_threads(1);
-  run_group(3, [&](int rank, ProcessGroup& group) {
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     std::string me = "rank " + std::to_string(rank) + "/3";
     // Fewer features than ranks along the split dimension: some rank would hold nothing.
-    expect_contains(usage_error_of([&] { ColumnParallelLinear(12, 2, borrow(group)); }),
+    expect_contains(usage_error_of([&] { ColumnParallelLinear(12, 2, group); }),
                     {me, "out_features=2 cannot be split over the 3 ranks"});
-    expect_contains(usage_error_of([&] { RowParallelLinear(2, 12, borrow(group)); }),
+    expect_contains(usage_error_of([&] { RowParallelLinear(2, 12, group); }),
                     {me, "in_features=2 cannot be split over the 3 ranks"});
-    expect_contains(usage_error_of([&] { ColumnParallelLinear(0, 12, borrow(group)); }),
+    expect_contains(usage_error_of([&] { ColumnParallelLinear(0, 12, group); }),
                     {me, "at least 1"});
 
     // A wrong input width fails before any collective, on every rank alike: none is left waiting.
     // (The layers' initial values do not matter here: they are drawn without the seed lock.)
-    ColumnParallelLinear column(12, 10, borrow(group));
+    ColumnParallelLinear column(12, 10, group);
     std::string error = usage_error_of([&] { column->forward(torch::randn({4, 11})); });
     expect_contains(error, {me, "ColumnParallelLinear(in_features=12, out_features=10) forward",
                             "tensor rank " + std::to_string(rank) + "/3", "last dimension 11",
                             "expected last dimension 12 (in_features)"});
     expect_contains(usage_error_of([&] { column->forward(torch::tensor(1.0f)); }),
                     {me, "0-dimensional"});
-    RowParallelLinear row(10, 5, borrow(group));
+    RowParallelLinear row(10, 5, group);
     int64_t slice = rank == 0 ? 4 : 3;  // 10 features over 3 ranks
     error = usage_error_of([&] { row->forward(torch::randn({4, 10})); });
     expect_contains(error, {me, "RowParallelLinear(in_features=10, out_features=5) forward",
@@ -248,7 +244,7 @@ TEST(TensorParallel, BadArgumentsAreUsageErrorsNamingRankLayerAndSizes) {
                             "input_is_parallel=true", "input_is_parallel=false"});
     RowParallelLinearOptions full_input;
     full_input.input_is_parallel = false;
-    RowParallelLinear row_full(10, 5, borrow(group), full_input);
+    RowParallelLinear row_full(10, 5, group, full_input);
     error = usage_error_of([&] { row_full->forward(torch::randn({4, slice})); });
     expect_contains(error, {me, "expected last dimension 10"});
 
@@ -267,9 +263,9 @@ TEST(TensorParallel, CudaTensorsUseTheirOwnDevice) {
   auto reference = make_reference_mlp();
   Trace want = train(reference, batches);
   std::vector<Trace> got(2);
-  run_group(2, [&](int rank, ProcessGroup& group) {
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
     torch::Device device(torch::kCUDA, rank);
-    auto net = make_parallel_mlp(borrow(group));
+    auto net = make_parallel_mlp(group);
     net->to(device);
     std::vector<Batch> on_device;
     for (const auto& b : batches) on_device.push_back({b.x.to(device), b.y.to(device)});

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
     init.timeout = std::chrono::milliseconds(static_cast<int>(std::stod(argv[3]) * 1000));
     auto pg = dtrain::init_process_group(init);
     const int stages = pg->size(), vanishing = std::stoi(argv[2]);
-    auto mesh = dtrain::make_rank_mesh(*pg, stages);
+    auto mesh = dtrain::make_rank_mesh(pg, stages);
     torch::manual_seed(1);
     std::vector<torch::nn::Sequential> chunks;
     for (int s = 0; s < stages; ++s) {

@@ -43,8 +43,7 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
   local_only_ = group_->size() == 1;
   if (!local_only_) build_buckets();
 
-  recorder_ = StepRecorder::create_if_enabled("ddp", group_.get(), group_->global_rank(),
-                                              group_->global_size());
+  recorder_ = StepRecorder::create_if_enabled("ddp", group_);
 
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].hook =

@@ -40,7 +40,7 @@ class Reducer {
   void finalize();
   void enter_no_sync() { ++no_sync_depth_; }
   void leave_no_sync() { --no_sync_depth_; }
-  ProcessGroup& group() const { return *group_; }
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
   std::vector<std::vector<size_t>> bucket_layout() const;
 
  private:
