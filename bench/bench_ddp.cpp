@@ -62,16 +62,14 @@ int main(int argc, char** argv) {
     options.bucket_cap_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
     options.overlap = overlap;
     options.gradient_as_bucket_view = grad_views;
-    std::unique_ptr<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
+    dtrain::DistributedDataParallel<torch::nn::SequentialImpl> ddp{nullptr};
     if (use_ddp)
-      ddp = std::make_unique<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>>(
-          model.ptr(), pg, options);
-    std::unique_ptr<dtrain::DataParallel<torch::nn::SequentialImpl>> dp;
+      ddp = dtrain::DistributedDataParallel<torch::nn::SequentialImpl>(model.ptr(), pg, options);
+    dtrain::DataParallel<torch::nn::SequentialImpl> dp{nullptr};
     if (dp_replicas > 0) {
       dtrain::DataParallelOptions dp_options;
       dp_options.num_replicas = static_cast<int>(dp_replicas);
-      dp = std::make_unique<dtrain::DataParallel<torch::nn::SequentialImpl>>(model.ptr(),
-                                                                             dp_options);
+      dp = dtrain::DataParallel<torch::nn::SequentialImpl>(model.ptr(), dp_options);
     }
     torch::optim::SGD optimizer(model->parameters(), 0.01);
     const int64_t rows = dp ? batch * dp_replicas : batch;  // B per replica, like B per rank

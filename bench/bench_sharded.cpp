@@ -45,8 +45,8 @@ struct Run {
   std::string mode;  // "ddp", "1", "2", "3"
   std::shared_ptr<dtrain::ProcessGroup> pg;
   torch::nn::Sequential model{nullptr};
-  std::unique_ptr<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
-  std::unique_ptr<dtrain::ShardedDataParallel<torch::nn::SequentialImpl>> sdp;
+  dtrain::DistributedDataParallel<torch::nn::SequentialImpl> ddp{nullptr};
+  dtrain::ShardedDataParallel<torch::nn::SequentialImpl> sdp{nullptr};
   std::unique_ptr<torch::optim::Adam> optimizer;
   int64_t psi = 0;           // parameters of the model
   int64_t largest_unit = 0;  // stage 3: parameters of the largest unit
@@ -126,14 +126,12 @@ std::unique_ptr<Run> build(const std::string& mode, std::shared_ptr<dtrain::Proc
   if (mode == "ddp") {
     dtrain::DistributedDataParallelOptions options;
     options.gradient_as_bucket_view = true;  // gradients are the buckets: 4Ψ, not 8Ψ
-    run->ddp = std::make_unique<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>>(
-        model.ptr(), pg, options);
+    run->ddp = dtrain::DistributedDataParallel<torch::nn::SequentialImpl>(model.ptr(), pg, options);
     run->optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), 1e-4);
   } else {
     dtrain::ShardedDataParallelOptions options;
     options.stage = std::stoi(mode);
-    run->sdp = std::make_unique<dtrain::ShardedDataParallel<torch::nn::SequentialImpl>>(
-        model.ptr(), pg, options);
+    run->sdp = dtrain::ShardedDataParallel<torch::nn::SequentialImpl>(model.ptr(), pg, options);
     run->optimizer = std::make_unique<torch::optim::Adam>(run->sdp->parameters(), 1e-4);
   }
   for (auto& probe : probes) probe->run = run.get();

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
           at::Tensor y = torch::randint(0, 10, {batch});
           auto step = [&] {
             optimizer.zero_grad();
-            torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();
+            torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
             optimizer.step();
           };
           step();

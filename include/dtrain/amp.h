@@ -10,7 +10,7 @@
 //     at::Tensor loss;
 //     {
 //       dtrain::amp::Autocast autocast(torch::kCUDA, torch::kHalf);   // CPU: torch::kBFloat16
-//       loss = loss_fn(ddp.forward(x), y);
+//       loss = loss_fn(ddp(x), y);
 //     }
 //     scaler.scale(loss).backward();                  // backward outside the scope, as in PyTorch
 //     scaler.unscale_(optimizer);                     // optional: only to clip the true gradients
@@ -44,7 +44,6 @@ class Optimizer;
 namespace dtrain {
 
 class ProcessGroup;
-struct TrainingState;
 
 namespace amp {
 
@@ -140,14 +139,9 @@ class GradScaler {
   // Throws UsageError for a state outside the option ranges.
   void load_state_dict(const GradScalerState& state);
 
-  // Into a checkpoint, in one call each way: puts the state into state.values under "<key>.scale",
-  // "<key>.growth_factor", ... (numbers written so that they read back exactly). save_to does
-  // nothing for a disabled scaler. load_from returns false, and changes nothing, when the
-  // checkpoint holds no scaler state under `key` (saved without one); it throws UsageError naming
-  // the entry when one is missing or not a number. Save after update(): a step half done is not
-  // saved.
-  void save_to(TrainingState& state, const std::string& key = "grad_scaler") const;
-  bool load_from(const TrainingState& state, const std::string& key = "grad_scaler");
+  // Checkpoints: point TrainingState::grad_scaler at the scaler (dtrain/checkpoint.h) and the
+  // Checkpointer saves and restores this state with the model's. Save after update(): a step half
+  // done is not saved.
 
  private:
   // What one optimizer's step has done since the last update().

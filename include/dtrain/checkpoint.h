@@ -49,6 +49,9 @@ namespace dtrain {
 
 class DistributedSampler;
 class ProcessGroup;
+namespace amp {
+class GradScaler;
+}
 
 struct CheckpointOptions {
   // The folder of the checkpoint files; created on the first save if missing.
@@ -69,11 +72,14 @@ struct CheckpointOptions {
 struct TrainingState {
   torch::nn::Module* model = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
-  DistributedSampler* sampler = nullptr;      // its position (epoch, samples consumed by all ranks)
-  int64_t step = 0;                           // the caller's step count; names the file
-  bool rng = true;                            // torch's default CPU generator (CUDA: not yet)
-  std::map<std::string, at::Tensor> tensors;  // the caller's extra tensors
-  std::map<std::string, std::string> values;  // the caller's small key/value extras
+  DistributedSampler* sampler = nullptr;  // its position (epoch, samples consumed by all ranks)
+  // Its scale and growth count (dtrain/amp.h; a disabled scaler saves nothing). A checkpoint saved
+  // without one leaves the scaler as it is.
+  amp::GradScaler* grad_scaler = nullptr;
+  int64_t step = 0;                             // the caller's step count; names the file
+  bool rng = true;                              // torch's default CPU generator (CUDA: not yet)
+  std::map<std::string, at::Tensor> tensors{};  // the caller's extra tensors
+  std::map<std::string, std::string> values{};  // the caller's small key/value extras
 };
 
 // What load_latest found.

@@ -1,13 +1,23 @@
 // dtrain::DistributedDataParallel: one process per device, each with a full replica of the model;
 // after every backward the replicas' gradients are averaged, so identical optimizer steps keep them
-// identical.
+// identical. A torch::nn::Module, as PyTorch's DistributedDataParallel is an nn.Module.
 //
 //   auto pg = dtrain::init_process_group();
-//   auto net = std::make_shared<Net>();
+//   Net net;                                        // TORCH_MODULE(Net); or make_shared<NetImpl>()
 //   dtrain::DistributedDataParallel ddp(net, pg);  // broadcasts rank 0's parameters and buffers
-//   auto loss = loss_fn(ddp.forward(x), y);         // x: this rank's share of the batch
+//   torch::optim::SGD optimizer(ddp->parameters(), 0.1);  // the module's own parameters
+//   auto loss = loss_fn(ddp(x), y);                 // x: this rank's share of the batch
 //   loss.backward();                                // gradient all-reduces overlap with backward
 //   optimizer.step();
+//
+// Note [DDP parameter names]
+// The wrapped module is DDP's one child, registered as "module", so ddp->named_parameters() and
+// torch::save(ddp, path) name every parameter and buffer "module.<its name in the module>", exactly
+// as PyTorch's DistributedDataParallel's state_dict() does: checkpoints read and written by the two
+// use the same names. ddp->parameters() are the module's parameters themselves, in the module's
+// order (DDP adds none); ddp->train() and eval() reach the module; torch::save(ddp->module(), path)
+// saves without the prefix. torch::load(ddp, path) copies into the module's tensors in place (see
+// load() below).
 //
 // Note [DDP gradient buckets]
 // Parameters are grouped into flat buckets (in reverse registration order, roughly the order
@@ -27,6 +37,9 @@
 // summed loss by world_size / global_batch (see tools/trainer/strategies.cpp).
 #pragma once
 
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,26 +49,21 @@
 
 #include "dtrain/comm.h"
 
-namespace torch::nn {
-class Module;
-}
-
 namespace dtrain {
 
 // One bucket's gradients as a communication hook sees them.
 struct GradBucket {
   int index = 0;  // 0 = the bucket launched first (the last layers' gradients)
-  at::Tensor*
-      buffer;  // flat gradients of this rank, already divided by the world size; the hook must
-               // leave the sum over ranks in it
+  // Flat gradients of this rank, already divided by the world size; the hook must leave the sum
+  // over ranks in it.
+  at::Tensor* buffer;
 };
 
 // Replaces the plain all-reduce of each bucket, e.g. to compress it. start() is called from
 // backward as soon as the bucket is ready and must not block; finish() is called at the end of
 // backward, in bucket order, and must leave the reduced gradients in bucket.buffer. `group` is
-// DDP's group, lent for the call: a hook runs collectives on it and does not keep it (DDP holds
-// the group; a hook that held it too would only lengthen its life), which is why it is a
-// reference here and a std::shared_ptr wherever a class keeps a group.
+// DDP's group, lent for the call: a hook runs collectives on it and does not keep it (DDP holds the
+// group), which is why it is a reference here and a std::shared_ptr wherever a class keeps a group.
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -103,8 +111,9 @@ namespace detail {
 class Reducer;
 }
 
-// The type-independent part of DDP; DistributedDataParallel<M> adds a typed forward().
-class DistributedDataParallelBase {
+// The type-independent part of DistributedDataParallelImpl<M>: a module whose one child is the
+// wrapped module, registered as "module" (Note [DDP parameter names]).
+class DistributedDataParallelBase : public torch::nn::Module {
  public:
   // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same
   // parameters (names, shapes, dtypes); a mismatch is a UsageError naming the first differing
@@ -113,7 +122,7 @@ class DistributedDataParallelBase {
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<ProcessGroup> group,
                               DistributedDataParallelOptions options = {});
-  ~DistributedDataParallelBase();
+  ~DistributedDataParallelBase() override;
   DistributedDataParallelBase(const DistributedDataParallelBase&) = delete;
   DistributedDataParallelBase& operator=(const DistributedDataParallelBase&) = delete;
 
@@ -136,24 +145,41 @@ class DistributedDataParallelBase {
   // order.
   std::vector<std::vector<size_t>> bucket_layout() const;
 
-  // Call before running the module's forward yourself (DistributedDataParallel::forward does it).
-  // `samples`: rows of this rank's input, for DTRAIN_PROFILE's record (0: unknown).
+  // Call before running the module's forward yourself (forward() does it). `samples`: rows of this
+  // rank's input, for DTRAIN_PROFILE's record (0: unknown).
   void prepare_forward(int64_t samples = 0);
   // Call after the module's forward, when running it yourself (only DTRAIN_PROFILE's record needs
   // it).
   void forward_done();
 
+  // torch::load(ddp, path): copies every saved parameter and buffer into the module's own
+  // tensors in place. (torch::nn::Module's load would set_() each tensor to the one read, and
+  // set_() gives a parameter a new gradient accumulator: DDP's hooks stay on the old one and
+  // gradients would silently stop being averaged. The same holds for torch::load(module, path)
+  // after wrapping it: load the module before wrapping it, or through the DDP.) Throws
+  // UsageError naming a tensor whose saved shape differs.
+  void load(torch::serialize::InputArchive& archive) override;
+
  protected:
   std::unique_ptr<detail::Reducer> reducer_;
 };
 
+// DDP around a module of type ModuleType (anything with a forward()); held by
+// DistributedDataParallel<ModuleType>, as LibTorch's modules are held by their TORCH_MODULE
+// holders.
 template <typename ModuleType>
-class DistributedDataParallel : public DistributedDataParallelBase {
+class DistributedDataParallelImpl : public DistributedDataParallelBase {
  public:
-  DistributedDataParallel(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
-                          DistributedDataParallelOptions options = {})
+  DistributedDataParallelImpl(std::shared_ptr<ModuleType> module,
+                              std::shared_ptr<ProcessGroup> group,
+                              DistributedDataParallelOptions options = {})
       : DistributedDataParallelBase(module, std::move(group), std::move(options)),
         module_(std::move(module)) {}
+  // The module a holder holds (TORCH_MODULE(Net)'s Net, torch::nn::Sequential, ...).
+  DistributedDataParallelImpl(const torch::nn::ModuleHolder<ModuleType>& module,
+                              std::shared_ptr<ProcessGroup> group,
+                              DistributedDataParallelOptions options = {})
+      : DistributedDataParallelImpl(module.ptr(), std::move(group), std::move(options)) {}
 
   // Runs the wrapped module's forward on this rank's inputs (see prepare_forward()).
   template <typename... Args>
@@ -164,6 +190,7 @@ class DistributedDataParallel : public DistributedDataParallelBase {
     return output;
   }
 
+  // The wrapped module (registered as the child "module").
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
@@ -180,5 +207,30 @@ class DistributedDataParallel : public DistributedDataParallelBase {
 
   std::shared_ptr<ModuleType> module_;
 };
+
+// The holder: ddp->forward(x) or ddp(x), ddp->parameters(), ddp->module(), torch::save(ddp, path).
+// Constructed from the module as a std::shared_ptr or in its holder, the group, the options; the
+// deduction guides below make DistributedDataParallel ddp(net, pg) pick the module's type.
+template <typename ModuleType>
+class DistributedDataParallel
+    : public torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleType>> {
+ public:
+  using torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleType>>::ModuleHolder;
+  using Impl = DistributedDataParallelImpl<ModuleType>;
+
+  // ddp(x), as ddp->forward(x). (ModuleHolder's own operator() does not see a forward() that is a
+  // template, as this one is to take whatever the module's forward takes.)
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+template <typename ModuleType, typename... Rest>
+DistributedDataParallel(std::shared_ptr<ModuleType>, Rest&&...)
+    -> DistributedDataParallel<ModuleType>;
+template <typename ModuleType, typename... Rest>
+DistributedDataParallel(const torch::nn::ModuleHolder<ModuleType>&, Rest&&...)
+    -> DistributedDataParallel<ModuleType>;
 
 }  // namespace dtrain

@@ -1,24 +1,31 @@
 // dtrain::DataParallel: one process drives several replicas of a model, one thread each, each on
 // its own slice of the batch. Unlike LibTorch's torch::nn::parallel::data_parallel, the replicas
-// are created once and kept (only their parameters are refreshed from the module before each step),
-// and C++ has no GIL, so the replicas' forward and backward passes really run at the same time.
+// are created once and kept (only their parameters are refreshed from the module before each
+// step), and C++ has no GIL, so the replicas' forward and backward passes really run at the same
+// time. A torch::nn::Module, as PyTorch's DataParallel is an nn.Module.
 //
-//   struct Net : torch::nn::Cloneable<Net> { ... };  // replicas are made with clone()
-//   auto net = std::make_shared<Net>();
+//   struct NetImpl : torch::nn::Cloneable<NetImpl> { ... };   // replicas are made with clone()
+//   TORCH_MODULE(Net);
+//   Net net;                                                   // or std::make_shared<NetImpl>()
 //   dtrain::DataParallelOptions options;
-//   options.num_replicas = 4;                         // or options.devices = {cuda:0, cuda:1}
+//   options.num_replicas = 4;                                  // or options.devices = {...}
 //   dtrain::DataParallel dp(net, options);
-//   torch::optim::SGD opt(net->parameters(), 0.1);    // the optimizer sees the module only
+//   torch::optim::SGD opt(dp->parameters(), 0.1);              // the module's own parameters
 //   opt.zero_grad();
-//   auto loss = dp.forward_backward(x, y, loss_fn);   // fastest: a loss per replica
+//   auto loss = dp->forward_backward(x, y, loss_fn);           // fastest: a loss per replica
 //   opt.step();
+//
+// Parameter names: the module is DataParallel's one child, registered as "module", so
+// dp->named_parameters() and torch::save(dp, path) say "module.<name>", as PyTorch's DataParallel's
+// state_dict() does (Note [DDP parameter names] in dtrain/ddp.h). dp->parameters() are the module's
+// own, in its order; dp->train() and eval() reach the module, and the replicas follow it.
 //
 // Two ways to run a step:
 //   forward_backward(x, y, loss_fn): each replica computes its own loss and runs its own backward
 //     on its thread; the module's gradients become the gradient of the whole batch's mean loss.
-//   forward(x): the replicas' outputs are gathered on the first device for the caller's loss; the
-//     caller's backward() then runs through every replica. On CPU that backward runs on the
-//     caller's thread alone (LibTorch's autograd engine has one CPU worker: the caller), so
+//   forward(x), or dp(x): the replicas' outputs are gathered on the first device for the caller's
+//     loss; the caller's backward() then runs through every replica. On CPU that backward runs on
+//     the caller's thread alone (LibTorch's autograd engine has one CPU worker: the caller), so
 //     forward_backward is the faster mode on CPU; on CUDA each device's part of the backward runs
 //     on that device's engine thread.
 // Either way the module's .grad holds the full-batch gradient afterwards and the module's optimizer
@@ -50,16 +57,15 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "dtrain/errors.h"
-
-namespace torch::nn {
-class Module;
-}
 
 namespace dtrain {
 
@@ -77,7 +83,9 @@ namespace detail {
 class ReplicaSet;
 }
 
-class DataParallelBase {
+// The type-independent part of DataParallelImpl<M>: a module whose one child is the wrapped
+// module, registered as "module".
+class DataParallelBase : public torch::nn::Module {
  public:
   using Forward = std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>;
   using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
@@ -87,7 +95,7 @@ class DataParallelBase {
   // cannot clone.
   DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward,
                    DataParallelOptions options);
-  ~DataParallelBase();
+  ~DataParallelBase() override;
   DataParallelBase(const DataParallelBase&) = delete;
   DataParallelBase& operator=(const DataParallelBase&) = delete;
 
@@ -112,23 +120,45 @@ class DataParallelBase {
   std::unique_ptr<detail::ReplicaSet> replicas_;
 };
 
+// DataParallel around a module of type ModuleType (Cloneable, with forward(Tensor)); held by
+// DataParallel<ModuleType>.
 template <typename ModuleType>
-class DataParallel : public DataParallelBase {
+class DataParallelImpl : public DataParallelBase {
  public:
-  DataParallel(std::shared_ptr<ModuleType> module, DataParallelOptions options = {})
+  explicit DataParallelImpl(std::shared_ptr<ModuleType> module, DataParallelOptions options = {})
       : DataParallelBase(
             module,
             [](torch::nn::Module& replica, const at::Tensor& x) {
-              // Module is a virtual base of every LibTorch module: a dynamic_cast is required.
+              // A replica is a clone of the module, of its type: only a cast is needed.
               return dynamic_cast<ModuleType&>(replica).forward(x);
             },
             std::move(options)),
         module_(std::move(module)) {}
+  // The module a holder holds (TORCH_MODULE(Net)'s Net, torch::nn::Sequential, ...).
+  explicit DataParallelImpl(const torch::nn::ModuleHolder<ModuleType>& module,
+                            DataParallelOptions options = {})
+      : DataParallelImpl(module.ptr(), std::move(options)) {}
 
+  // The wrapped module (registered as the child "module"; it is replica 0).
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
   std::shared_ptr<ModuleType> module_;
 };
+
+// The holder: dp->forward_backward(x, y, loss_fn), dp->forward(x) or dp(x), dp->parameters(),
+// dp->module(), torch::save(dp, path). DataParallel dp(net, options) picks the module's type from
+// `net` (a std::shared_ptr or a holder).
+template <typename ModuleType>
+class DataParallel : public torch::nn::ModuleHolder<DataParallelImpl<ModuleType>> {
+ public:
+  using torch::nn::ModuleHolder<DataParallelImpl<ModuleType>>::ModuleHolder;
+  using Impl = DataParallelImpl<ModuleType>;
+};
+
+template <typename ModuleType, typename... Rest>
+DataParallel(std::shared_ptr<ModuleType>, Rest&&...) -> DataParallel<ModuleType>;
+template <typename ModuleType, typename... Rest>
+DataParallel(const torch::nn::ModuleHolder<ModuleType>&, Rest&&...) -> DataParallel<ModuleType>;
 
 }  // namespace dtrain

@@ -1,16 +1,27 @@
 // dtrain::ShardedDataParallel: data parallelism that splits the training state over the ranks
-// instead of replicating it (ZeRO stages 1-3; PyTorch's FSDP and ZeroRedundancyOptimizer).
+// instead of replicating it (ZeRO stages 1-3; PyTorch's FSDP and ZeroRedundancyOptimizer). A
+// torch::nn::Module whose parameters are this rank's shards.
 //
 //   auto pg = dtrain::init_process_group();
 //   torch::nn::Sequential net(torch::nn::Linear(784, 512), torch::nn::ReLU(), ...);
 //   dtrain::ShardedDataParallelOptions options;
 //   options.stage = 3;
-//   dtrain::ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), pg, options);
-//   torch::optim::Adam opt(sdp.parameters(), 1e-3);  // this rank's shards, NOT net->parameters()
-//   auto loss = loss_fn(sdp.forward(x), y);           // x: this rank's share of the batch
-//   loss.backward();                                  // reductions overlap with backward
-//   opt.step();                                       // updates this rank's shards only
-//   sdp.gather_full_parameters();                     // to evaluate or save the full module now
+//   dtrain::ShardedDataParallel sdp(net, pg, options);
+//   torch::optim::Adam opt(sdp->parameters(), 1e-3);  // this rank's shards, NOT net->parameters()
+//   auto loss = loss_fn(sdp(x), y);                    // x: this rank's share of the batch
+//   loss.backward();                                   // reductions overlap with backward
+//   opt.step();                                        // updates this rank's shards only
+//   sdp->gather_full_parameters();                     // to evaluate or save the full module now
+//
+// Note [Sharded parameter names]
+// As FSDP's sharded state dict, the module's parameters are this rank's shards: sdp->parameters()
+// returns one flat 1-D shard per unit (the tensors the optimizer must be built over), and
+// sdp->named_parameters() names them by their unit ("unit0", "unit1", ...: FlatShard::key). The
+// wrapped module is not a child (its full parameters only mirror the shards; ZeRO's point is that
+// the optimizer never sees them), so torch::save(sdp, path) writes this rank's shards, and
+// torch::load(sdp, path) copies a file saved at the same world size and layout back into them;
+// buffers are not included (as in sharded checkpoints). For checkpoints that reshard, see
+// dtrain/sharded_checkpoint.h. sdp->module() is the module; sdp->train() and eval() reach it.
 //
 // Note [Sharded data parallelism]
 // Parameters are grouped into units. A unit's parameters lie end to end in one flat buffer of
@@ -43,6 +54,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <cstdint>
 #include <memory>
@@ -54,7 +67,6 @@
 #include "dtrain/comm.h"
 
 namespace torch::nn {
-class Module;
 class SequentialImpl;
 }  // namespace torch::nn
 
@@ -114,8 +126,9 @@ namespace detail {
 class ShardedState;
 }
 
-// The type-independent part; ShardedDataParallel<M> adds a typed forward().
-class ShardedDataParallelBase {
+// The type-independent part of ShardedDataParallelImpl<M>: a module whose parameters are this
+// rank's shards (Note [Sharded parameter names]).
+class ShardedDataParallelBase : public torch::nn::Module {
  public:
   // Broadcasts rank 0's parameters and buffers, checks every rank has the same parameters, builds
   // the units and the shards. Blocks until every rank of `group` has constructed it (up to the
@@ -124,12 +137,12 @@ class ShardedDataParallelBase {
   ShardedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                           std::shared_ptr<ProcessGroup> group,
                           ShardedDataParallelOptions options = {});
-  ~ShardedDataParallelBase();
+  ~ShardedDataParallelBase() override;
   ShardedDataParallelBase(const ShardedDataParallelBase&) = delete;
   ShardedDataParallelBase& operator=(const ShardedDataParallelBase&) = delete;
 
-  // The shard parameters of this rank, one per unit: build the optimizer over these.
-  std::vector<at::Tensor> parameters() const;
+  // parameters() (torch::nn::Module's) are the shard parameters of this rank, one per unit: build
+  // the optimizer over these.
   int stage() const;
   const std::shared_ptr<ProcessGroup>& group() const;
 
@@ -174,16 +187,30 @@ class ShardedDataParallelBase {
   at::Tensor finish_forward(const at::Tensor& output);
   bool drives_units() const;  // true: forward goes through forward_units()
 
+  // torch::nn::Module's, extended to the wrapped module (not a child): train/eval mode reaches it.
+  void train(bool on = true) override;
+  // Reads this rank's shards by their keys and copies them into the shard parameters in place (the
+  // default load would replace the shards' storage, which the flat buffers share), then
+  // shards_changed(). Throws UsageError naming the unit whose saved shard has another size.
+  void load(torch::serialize::InputArchive& archive) override;
+
  protected:
   std::unique_ptr<detail::ShardedState> state_;
 };
 
+// ShardedDataParallel around a module of type ModuleType; held by
+// ShardedDataParallel<ModuleType>.
 template <typename ModuleType>
-class ShardedDataParallel : public ShardedDataParallelBase {
+class ShardedDataParallelImpl : public ShardedDataParallelBase {
  public:
-  ShardedDataParallel(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
-                      ShardedDataParallelOptions options = {})
+  ShardedDataParallelImpl(std::shared_ptr<ModuleType> module, std::shared_ptr<ProcessGroup> group,
+                          ShardedDataParallelOptions options = {})
       : ShardedDataParallelBase(module, std::move(group), options), module_(std::move(module)) {}
+  // The module a holder holds (TORCH_MODULE(Net)'s Net, torch::nn::Sequential, ...).
+  ShardedDataParallelImpl(const torch::nn::ModuleHolder<ModuleType>& module,
+                          std::shared_ptr<ProcessGroup> group,
+                          ShardedDataParallelOptions options = {})
+      : ShardedDataParallelImpl(module.ptr(), std::move(group), options) {}
 
   // Runs the module's forward on this rank's inputs. Stage 3 on a Sequential gathers each unit's
   // parameters in turn (one tensor in, one out); otherwise the whole module runs between
@@ -197,10 +224,34 @@ class ShardedDataParallel : public ShardedDataParallelBase {
     return finish_forward(module_->forward(std::forward<Args>(args)...));
   }
 
+  // The wrapped module (not a child: see Note [Sharded parameter names]).
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
   std::shared_ptr<ModuleType> module_;
 };
+
+// The holder: sdp->forward(x) or sdp(x), sdp->parameters() (the shards), sdp->module(),
+// torch::save(sdp, path). ShardedDataParallel sdp(net, pg, options) picks the module's type from
+// `net` (a std::shared_ptr or a holder).
+template <typename ModuleType>
+class ShardedDataParallel : public torch::nn::ModuleHolder<ShardedDataParallelImpl<ModuleType>> {
+ public:
+  using torch::nn::ModuleHolder<ShardedDataParallelImpl<ModuleType>>::ModuleHolder;
+  using Impl = ShardedDataParallelImpl<ModuleType>;
+
+  // sdp(x), as sdp->forward(x). (ModuleHolder's own operator() does not see a forward() that is a
+  // template.)
+  template <typename... Args>
+  at::Tensor operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+template <typename ModuleType, typename... Rest>
+ShardedDataParallel(std::shared_ptr<ModuleType>, Rest&&...) -> ShardedDataParallel<ModuleType>;
+template <typename ModuleType, typename... Rest>
+ShardedDataParallel(const torch::nn::ModuleHolder<ModuleType>&, Rest&&...)
+    -> ShardedDataParallel<ModuleType>;
 
 }  // namespace dtrain

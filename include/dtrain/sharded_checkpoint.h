@@ -4,8 +4,8 @@
 // loads at M ranks (and any stage), into a plain module on one device, or from one.
 //
 //   dtrain::ShardedCheckpointer checkpointer(options, pg);        // options as Checkpointer's
-//   dtrain::ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), &optimizer, &sampler};
-//   if (checkpointer.load_latest(state)) { sdp.shards_changed(); start_step = state.step; }
+//   dtrain::ShardedTrainingState state{sdp->flat_shards(), sdp->stage(), &optimizer, &sampler};
+//   if (checkpointer.load_latest(state)) { sdp->shards_changed(); start_step = state.step; }
 //   for (...) {  // every rank saves its own shards
 //     ...; state.step = step;
 //     if (step % 100 == 0) checkpointer.save(state);

@@ -10,7 +10,7 @@
 //       dtrain::ColumnParallelLinear(1024, 4096, mesh.tensor_group),  // out: this rank's features
 //       torch::nn::GELU(),                                            // elementwise: on the slice
 //       dtrain::RowParallelLinear(4096, 1024, mesh.tensor_group));    // out: full, on every rank
-//   dtrain::DistributedDataParallel ddp(mlp.ptr(), mesh.data_group);  // optional: data x tensor
+//   dtrain::DistributedDataParallel ddp(mlp, mesh.data_group);  // optional: data x tensor
 //
 // Shards: a layer of F features split over n ranks gives rank r the features [begin, begin + size)
 // with size = F / n, plus one for the first F % n ranks (local_begin(), local_size()). Every rank

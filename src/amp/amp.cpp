@@ -12,14 +12,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 
 #include "amp/autocast_state.h"
 #include "common/format.h"
-#include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 
 namespace dtrain::amp {
@@ -142,13 +139,6 @@ void check_options(const GradScalerState& state, const std::string& where) {
   if (state.growth_tracker < 0) {
     fail("growth_tracker " + std::to_string(state.growth_tracker) + ": expected at least 0");
   }
-}
-
-// %.17g reads back as the same double.
-std::string exact(double value) {
-  char text[40];
-  std::snprintf(text, sizeof text, "%.17g", value);
-  return text;
 }
 
 }  // namespace
@@ -346,50 +336,6 @@ void GradScaler::load_state_dict(const GradScalerState& state) {
   options_.backoff_factor = state.backoff_factor;
   options_.growth_interval = state.growth_interval;
   growth_tracker_ = state.growth_tracker;
-}
-
-void GradScaler::save_to(TrainingState& state, const std::string& key) const {
-  if (!options_.enabled) return;
-  GradScalerState s = state_dict();
-  state.values[key + ".scale"] = exact(s.scale);
-  state.values[key + ".growth_factor"] = exact(s.growth_factor);
-  state.values[key + ".backoff_factor"] = exact(s.backoff_factor);
-  state.values[key + ".growth_interval"] = std::to_string(s.growth_interval);
-  state.values[key + ".growth_tracker"] = std::to_string(s.growth_tracker);
-}
-
-bool GradScaler::load_from(const TrainingState& state, const std::string& key) {
-  if (!options_.enabled) return false;
-  const char* const fields[] = {"scale", "growth_factor", "backoff_factor", "growth_interval",
-                                "growth_tracker"};
-  int present = 0;
-  for (const char* field : fields) present += state.values.count(key + "." + field) ? 1 : 0;
-  if (present == 0) return false;
-  auto number = [&](const char* field) {
-    const std::string name = key + "." + field;
-    auto it = state.values.find(name);
-    if (it == state.values.end()) {
-      throw UsageError("amp::GradScaler: " + where() +
-                       "load_from: the checkpoint has part of a scaler's state but no entry '" +
-                       name + "'; it was not written by GradScaler::save_to");
-    }
-    char* end = nullptr;
-    errno = 0;
-    double value = std::strtod(it->second.c_str(), &end);
-    if (it->second.empty() || *end != '\0' || errno == ERANGE) {
-      throw UsageError("amp::GradScaler: " + where() + "load_from: checkpoint entry '" + name +
-                       "' is '" + it->second + "', not a number");
-    }
-    return value;
-  };
-  GradScalerState loaded;
-  loaded.scale = number("scale");
-  loaded.growth_factor = number("growth_factor");
-  loaded.backoff_factor = number("backoff_factor");
-  loaded.growth_interval = static_cast<int64_t>(number("growth_interval"));
-  loaded.growth_tracker = static_cast<int64_t>(number("growth_tracker"));
-  load_state_dict(loaded);
-  return true;
 }
 
 }  // namespace dtrain::amp

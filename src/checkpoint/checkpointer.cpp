@@ -3,8 +3,12 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -12,6 +16,7 @@
 #include "checkpoint/state_parts.h"
 #include "common/format.h"
 #include "common/log.h"
+#include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
@@ -21,6 +26,10 @@ namespace {
 
 // Bumped when the payload's layout changes incompatibly.
 constexpr int64_t kPayloadFormat = 1;
+
+// The GradScaler's state lies among the values, as "grad_scaler.scale", ... (where checkpoints of
+// GradScaler::save_to, before TrainingState::grad_scaler, put it: they load as they did).
+const std::string kScalerKey = "grad_scaler";
 
 // The state as it is written: tensors detached from the model (copies in asynchronous mode, so the
 // training loop may change the originals), everything else by value.
@@ -131,7 +140,54 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
     snapshot.tensors[name] = keep(tensor);
   }
   snapshot.values = state.values;
+  if (state.grad_scaler && state.grad_scaler->is_enabled()) {
+    amp::GradScalerState s = state.grad_scaler->state_dict();
+    auto exact = [](double value) {  // %.17g reads back as the same double
+      char text[40];
+      std::snprintf(text, sizeof text, "%.17g", value);
+      return std::string(text);
+    };
+    snapshot.values[kScalerKey + ".scale"] = exact(s.scale);
+    snapshot.values[kScalerKey + ".growth_factor"] = exact(s.growth_factor);
+    snapshot.values[kScalerKey + ".backoff_factor"] = exact(s.backoff_factor);
+    snapshot.values[kScalerKey + ".growth_interval"] = std::to_string(s.growth_interval);
+    snapshot.values[kScalerKey + ".growth_tracker"] = std::to_string(s.growth_tracker);
+  }
   return snapshot;
+}
+
+// The GradScaler's state from a checkpoint's values; nullopt when it holds none (saved without a
+// scaler, or with a disabled one).
+std::optional<amp::GradScalerState> saved_scaler(
+    const c10::Dict<std::string, std::string>& values,
+    const std::function<UsageError(const std::string&)>& unusable) {
+  const char* const fields[] = {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                                "growth_tracker"};
+  int present = 0;
+  for (const char* field : fields) present += values.contains(kScalerKey + "." + field) ? 1 : 0;
+  if (present == 0) return std::nullopt;
+  auto number = [&](const char* field) {
+    const std::string name = kScalerKey + "." + field;
+    if (!values.contains(name)) {
+      throw unusable("holds part of a GradScaler's state but no '" + name +
+                     "' value; it was not written by a dtrain Checkpointer");
+    }
+    const std::string text = values.at(name);
+    char* end = nullptr;
+    errno = 0;
+    double value = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || errno == ERANGE) {
+      throw unusable("its GradScaler value '" + name + "' is '" + text + "', not a number");
+    }
+    return value;
+  };
+  amp::GradScalerState loaded;
+  loaded.scale = number("scale");
+  loaded.growth_factor = number("growth_factor");
+  loaded.backoff_factor = number("backoff_factor");
+  loaded.growth_interval = static_cast<int64_t>(number("growth_interval"));
+  loaded.growth_tracker = static_cast<int64_t>(number("growth_tracker"));
+  return loaded;
 }
 
 at::Tensor bytes_tensor(const std::string& bytes) {
@@ -269,6 +325,12 @@ void apply(const std::vector<char>& payload, const std::string& path, TrainingSt
                      "); resume with the optimizer and parameters that saved it");
     }
   }
+  auto values = c10::impl::toTypedDict<std::string, std::string>(entry("values").toGenericDict());
+  if (state.grad_scaler && state.grad_scaler->is_enabled()) {
+    // Before the model: a bad entry (the scaler checks before it changes) leaves everything as it
+    // was.
+    if (auto scaler = saved_scaler(values, unusable)) state.grad_scaler->load_state_dict(*scaler);
+  }
   {
     torch::NoGradGuard no_grad;
     for (auto& [destination, saved] : model_copies) destination.copy_(saved);
@@ -282,10 +344,7 @@ void apply(const std::vector<char>& payload, const std::string& path, TrainingSt
     state.tensors[item.key()] = item.value();
   }
   state.values.clear();
-  for (const auto& item :
-       c10::impl::toTypedDict<std::string, std::string>(entry("values").toGenericDict())) {
-    state.values[item.key()] = item.value();
-  }
+  for (const auto& item : values) state.values[item.key()] = item.value();
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Shared-memory point to point for ranks on one host; see Note [Shared-memory point to point] in
-// shm_p2p.h.
+// shm_p2p.h. The segment layout, the futex waits and the peer-death checks are one protocol: kept
+// in one file (a little over 600 lines) so that both sides of every handshake read side by side.
 #include "comm/shm_p2p.h"
 
 #include <fcntl.h>

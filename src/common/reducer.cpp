@@ -1,5 +1,5 @@
 // DistributedDataParallel's gradient reducer; see Note [DDP gradient buckets] in dtrain/ddp.h.
-#include "ddp/reducer.h"
+#include "common/reducer.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -14,8 +14,11 @@
 namespace dtrain::detail {
 
 Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
-                 DistributedDataParallelOptions options)
-    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
+                 DistributedDataParallelOptions options, Finalize finalize)
+    : module_(std::move(module)),
+      group_(std::move(group)),
+      options_(std::move(options)),
+      explicit_finalize_(finalize == Finalize::kByOwner) {
   if (!module_) throw UsageError(who() + ": DistributedDataParallel: the module is null");
   if (!group_) throw UsageError("DistributedDataParallel: the process group is null");
   if (options_.bucket_cap_bytes <= 0 || options_.first_bucket_cap_bytes <= 0) {

@@ -1,5 +1,8 @@
-// The gradient reducer behind DistributedDataParallel: buckets, autograd hooks, the end-of-backward
-// finalization. See Note [DDP gradient buckets] in dtrain/ddp.h.
+// The gradient reducer: buckets, autograd hooks, the end-of-backward finalization (Note [DDP
+// gradient buckets] in dtrain/ddp.h). Its two owners are DistributedDataParallel (one backward per
+// step, finalized by the autograd engine) and DistributedPipeline's data-parallel stages (one
+// backward per micro-batch, only the last one averaged, finalized by the pipeline once it has sent
+// its own gradients on): how it is driven is chosen when it is made (Reducer::Finalize).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,8 +23,17 @@ namespace dtrain::detail {
 
 class Reducer {
  public:
+  enum class Finalize {
+    // DDP: the first gradient of a backward queues the wait for the all-reduces at the end of
+    // that backward (an autograd engine callback); prepare_forward() decides whether the step
+    // averages (not inside no_sync()). Each step is a DTRAIN_PROFILE record.
+    kAtEndOfBackward,
+    // A pipeline stage: only a backward announced with set_sync_next_backward(true) averages, and
+    // its wait happens in finalize(), called by the owner. Its steps are not recorded (yet).
+    kByOwner,
+  };
   Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
-          DistributedDataParallelOptions options);
+          DistributedDataParallelOptions options, Finalize finalize = Finalize::kAtEndOfBackward);
   ~Reducer();
 
   // `samples`: rows of this rank's input, for the DTRAIN_PROFILE record (0: unknown).
@@ -30,12 +42,7 @@ class Reducer {
     if (recorder_) recorder_->end_forward();
   }
 
-  // For a pipeline stage, which runs several backwards per step (one per micro-batch) and must not
-  // stall in the last of them: gradients are averaged only in a backward announced with
-  // set_sync_next_backward(true), and that backward's wait for the all-reduces happens in
-  // finalize(), called by the owner when it has passed its own gradients on, instead of in an
-  // end-of-backward callback.
-  void set_explicit_finalize(bool on) { explicit_finalize_ = on; }
+  // Finalize::kByOwner only (see there).
   void set_sync_next_backward(bool sync);
   void finalize();
   void enter_no_sync() { ++no_sync_depth_; }
@@ -89,7 +96,7 @@ class Reducer {
   std::atomic<int> no_sync_depth_{0};
   bool sync_this_iteration_ = true;
   bool backward_started_ = false;
-  bool explicit_finalize_ = false;
+  const bool explicit_finalize_;  // Finalize::kByOwner
   size_t next_to_launch_ = 0;
   std::unique_ptr<StepRecorder> recorder_;  // null unless DTRAIN_PROFILE is set
 };

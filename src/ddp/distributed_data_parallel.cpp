@@ -1,17 +1,60 @@
 // DistributedDataParallelBase (the reducer does the work) and the built-in compression hooks.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
 
-#include "ddp/reducer.h"
+#include <sstream>
+
+#include "common/format.h"
+#include "common/reducer.h"
 #include "dtrain/ddp.h"
 
 namespace dtrain {
+namespace {
 
+// Module::load's walk (parameters, buffers, then each child's archive), copying into the tensors
+// instead of set_() (see DistributedDataParallelBase::load). `path`: the module's dotted name.
+void copy_in_place(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                   const std::string& path, const std::string& who) {
+  auto copy = [&](const std::string& name, at::Tensor target, bool is_buffer) {
+    if (!target.defined()) return;
+    at::Tensor saved;
+    archive.read(name, saved, is_buffer);
+    if (!saved.sizes().equals(target.sizes())) {
+      std::ostringstream message;
+      message << who << ": DistributedDataParallel: load: '" << path << name << "' is "
+              << saved.sizes() << " in the file but " << target.sizes()
+              << " in the module. Likely cause: the file was saved from another model; load a "
+                 "file saved from this one.";
+      throw UsageError(message.str());
+    }
+    target.copy_(saved);
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    copy(item.key(), item.value(), /*is_buffer=*/false);
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    copy(item.key(), item.value(), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    torch::serialize::InputArchive child_archive;
+    archive.read(child.key(), child_archive);
+    copy_in_place(*child.value(), child_archive, path + child.key() + ".", who);
+  }
+}
+
+}  // namespace
+
+// Note [DDP parameter names]: the module is the one child, "module".
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                          std::shared_ptr<ProcessGroup> group,
                                                          DistributedDataParallelOptions options)
-    : reducer_(std::make_unique<detail::Reducer>(std::move(module), std::move(group),
-                                                 std::move(options))) {}
+    : torch::nn::Module("dtrain::DistributedDataParallel") {
+  if (module) register_module("module", module);  // the reducer names a null one
+  reducer_ =
+      std::make_unique<detail::Reducer>(std::move(module), std::move(group), std::move(options));
+}
 
 DistributedDataParallelBase::~DistributedDataParallelBase() = default;
 
@@ -27,6 +70,11 @@ const std::shared_ptr<ProcessGroup>& DistributedDataParallelBase::group() const 
 
 std::vector<std::vector<size_t>> DistributedDataParallelBase::bucket_layout() const {
   return reducer_->bucket_layout();
+}
+
+void DistributedDataParallelBase::load(torch::serialize::InputArchive& archive) {
+  torch::autograd::AutoGradMode no_grad(false);
+  copy_in_place(*this, archive, "", detail::rank_text(*group()));
 }
 
 void DistributedDataParallelBase::prepare_forward(int64_t samples) {

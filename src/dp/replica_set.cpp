@@ -513,10 +513,14 @@ at::Tensor ReplicaSet::forward(const at::Tensor& input) {
 
 }  // namespace detail
 
+// As PyTorch's DataParallel, the module is the one child, "module" (see dtrain/dp.h).
 DataParallelBase::DataParallelBase(std::shared_ptr<torch::nn::Module> module, Forward forward,
                                    DataParallelOptions options)
-    : replicas_(std::make_unique<detail::ReplicaSet>(std::move(module), std::move(forward),
-                                                     std::move(options))) {}
+    : torch::nn::Module("dtrain::DataParallel") {
+  if (module) register_module("module", module);  // the replica set names a null one
+  replicas_ = std::make_unique<detail::ReplicaSet>(std::move(module), std::move(forward),
+                                                   std::move(options));
+}
 
 DataParallelBase::~DataParallelBase() = default;
 

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "common/format.h"
-#include "ddp/reducer.h"
+#include "common/reducer.h"
 #include "pipeline/stage_runner.h"
 
 namespace dtrain {
@@ -172,9 +172,9 @@ class DistributedPipelineImpl {
           reducers_.push_back(nullptr);
           continue;
         }
-        reducers_.push_back(
-            std::make_unique<Reducer>(chunk.ptr(), data_group_, DistributedDataParallelOptions{}));
-        reducers_.back()->set_explicit_finalize(true);
+        reducers_.push_back(std::make_unique<Reducer>(chunk.ptr(), data_group_,
+                                                      DistributedDataParallelOptions{},
+                                                      Reducer::Finalize::kByOwner));
       }
       runner_->before_backward = [this](size_t local, bool last) {
         if (reducers_[local]) reducers_[local]->set_sync_next_backward(last);

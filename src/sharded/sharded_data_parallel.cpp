@@ -1,7 +1,9 @@
 // ShardedDataParallel (ZeRO stages 1-3): units and their flat buffers, the shard parameters, the
 // gradient hooks that reduce each unit as soon as backward has produced it, and the stage-3
 // schedule that gathers, prefetches and frees units around their forward and backward. See Note
-// [Sharded data parallelism] in dtrain/sharded.h.
+// [Sharded data parallelism] in dtrain/sharded.h. Over 600 lines on purpose: every part reads
+// and changes ShardedState's per-unit state (which unit is gathered, whose gradients are in
+// flight), and its invariants are easier to check with all their writers in one file.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -10,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/serialize/input-archive.h>
 
 #include <algorithm>
 #include <atomic>
@@ -421,7 +424,7 @@ void ShardedState::check_full_parameters() {
           who() + ": the module's full parameter '" + p.name +
           "' was changed in place since the last step; the full parameters only mirror the shards "
           "and are overwritten by the next gather. Likely cause: the optimizer was built over "
-          "module->parameters(). Build it over sdp.parameters() (this rank's shards); to load "
+          "module->parameters(). Build it over sdp->parameters() (this rank's shards); to load "
           "values, write them into flat_shards() and call shards_changed().");
     }
     if (p.placeholder &&
@@ -431,7 +434,7 @@ void ShardedState::check_full_parameters() {
           "' was zeroed or replaced since the last backward, but it is only a placeholder: this "
           "rank's gradients live on the shards. Likely cause: the optimizer was built over "
           "module->parameters(), or module->zero_grad() was called. Build the optimizer over "
-          "sdp.parameters() and call its zero_grad().");
+          "sdp->parameters() and call its zero_grad().");
     }
   }
 }
@@ -741,16 +744,13 @@ void ShardedState::reset_iteration() {
 ShardedDataParallelBase::ShardedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                  std::shared_ptr<ProcessGroup> group,
                                                  ShardedDataParallelOptions options)
-    : state_(std::make_unique<detail::ShardedState>(std::move(module), std::move(group), options)) {
+    : torch::nn::Module("dtrain::ShardedDataParallel"),
+      state_(std::make_unique<detail::ShardedState>(std::move(module), std::move(group), options)) {
+  // Note [Sharded parameter names]: the shards are the parameters, by unit.
+  for (auto& unit : state_->units_) register_parameter(unit.key, unit.shard);
 }
 
 ShardedDataParallelBase::~ShardedDataParallelBase() = default;
-
-std::vector<at::Tensor> ShardedDataParallelBase::parameters() const {
-  std::vector<at::Tensor> shards;
-  for (const auto& unit : state_->units_) shards.push_back(unit.shard);
-  return shards;
-}
 
 int ShardedDataParallelBase::stage() const { return state_->options_.stage; }
 const std::shared_ptr<ProcessGroup>& ShardedDataParallelBase::group() const {
@@ -795,6 +795,28 @@ at::Tensor ShardedDataParallelBase::finish_forward(const at::Tensor& output) {
 }
 bool ShardedDataParallelBase::drives_units() const {
   return state_->options_.stage == 3 && state_->sequential_ != nullptr;
+}
+
+void ShardedDataParallelBase::train(bool on) {
+  torch::nn::Module::train(on);
+  state_->module_->train(on);
+}
+
+void ShardedDataParallelBase::load(torch::serialize::InputArchive& archive) {
+  torch::autograd::AutoGradMode no_grad(false);
+  for (auto& unit : state_->units_) {
+    at::Tensor saved;
+    archive.read(unit.key, saved);
+    if (saved.numel() != unit.shard.numel()) {
+      throw UsageError(state_->who() + ": load: the saved shard of " + unit.key + " has " +
+                       std::to_string(saved.numel()) + " elements, this rank's has " +
+                       std::to_string(unit.shard.numel()) +
+                       ". Likely cause: it was saved at another world size or with other units "
+                       "(stage, bucket_cap_bytes). Reshard through dtrain::ShardedCheckpointer.");
+    }
+    unit.shard.copy_(saved.view_as(unit.shard));
+  }
+  state_->shards_changed();
 }
 
 }  // namespace dtrain

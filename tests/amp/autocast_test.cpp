@@ -126,16 +126,16 @@ TEST(Autocast, DataParallelReplicasRunUnderTheCallersScope) {
   };
   {
     Autocast autocast(torch::kCPU, torch::kBFloat16);
-    EXPECT_EQ(dp.forward(x).scalar_type(), torch::kBFloat16);
-    dp.forward_backward(x, y, loss_fn);
+    EXPECT_EQ(dp->forward(x).scalar_type(), torch::kBFloat16);
+    dp->forward_backward(x, y, loss_fn);
   }
   EXPECT_EQ(bf16_outputs.load(), 3) << "every replica thread must run under the caller's autocast";
   EXPECT_EQ(float_outputs.load(), 0);
   for (auto& p : net->parameters()) EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
   // Outside the scope the replicas are back in float32 (the workers' threads do not keep it).
-  dp.forward_backward(x, y, loss_fn);
+  dp->forward_backward(x, y, loss_fn);
   EXPECT_EQ(float_outputs.load(), 3);
-  EXPECT_EQ(dp.forward(x).scalar_type(), torch::kFloat);
+  EXPECT_EQ(dp->forward(x).scalar_type(), torch::kFloat);
 }
 
 // Tier 3: needs a GPU.
@@ -198,9 +198,9 @@ TEST(DataParallelCuda, TwoReplicasMatchTheCpu) {
     ref_opt.step();
     opt.zero_grad();
     if (step % 2 == 0) {
-      dp.forward_backward(pinned_x, pinned_y, loss_fn);
+      dp->forward_backward(pinned_x, pinned_y, loss_fn);
     } else {
-      loss_fn(dp.forward(pinned_x), y.to(devices[0])).backward();
+      loss_fn(dp->forward(pinned_x), y.to(devices[0])).backward();
     }
     opt.step();
   }

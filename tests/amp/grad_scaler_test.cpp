@@ -283,7 +283,7 @@ TEST(GradScaler, DdpRanksStepAndSkipInLockstep) {
     for (int step = 0; step < kSteps; ++step) {
       optimizer.zero_grad();
       torch::Tensor loss = torch::nn::functional::cross_entropy(
-          ddp.forward(xs[step * kWorld + rank]), ys[step * kWorld + rank]);
+          ddp->forward(xs[step * kWorld + rank]), ys[step * kWorld + rank]);
       if (step == 2 && rank == 1) loss = loss * kNaN;
       scaler.scale(loss).backward();
       stepped[rank] += scaler.step(optimizer) ? 1 : 0;
@@ -325,14 +325,13 @@ TEST(GradScaler, StateRoundTripsThroughACheckpoint) {
     Checkpointer checkpointer(checkpoint_options);
     TrainingState state;
     state.step = 4;
-    scaler.save_to(state);
+    state.grad_scaler = &scaler;
     checkpointer.save(state);
   }
-  Checkpointer checkpointer(checkpoint_options);
-  TrainingState loaded;
-  ASSERT_TRUE(checkpointer.load_latest(loaded));
   GradScaler restored;  // PyTorch's defaults, all replaced by the checkpoint's
-  ASSERT_TRUE(restored.load_from(loaded));
+  TrainingState loaded;
+  loaded.grad_scaler = &restored;
+  ASSERT_TRUE(Checkpointer(checkpoint_options).load_latest(loaded));
   auto want = scaler.state_dict(), got = restored.state_dict();
   EXPECT_EQ(got.scale, want.scale);
   EXPECT_EQ(got.growth_factor, 3.0);
@@ -353,21 +352,34 @@ TEST(GradScaler, StateRoundTripsThroughACheckpoint) {
             static_cast<double>(
                 static_cast<float>(static_cast<double>(static_cast<float>(3.0e4 * 0.25)) * 3.0)));
 
-  // A checkpoint saved without a scaler loads nothing; a partial one is named.
-  TrainingState empty;
-  EXPECT_FALSE(restored.load_from(empty));
-  TrainingState partial;
-  partial.values["grad_scaler.scale"] = "8";
+  // A checkpoint saved without a scaler leaves it as it is; a partial or garbled one is a
+  // UsageError naming the entry, and leaves the scaler as it was.
+  auto save_values = [&](std::map<std::string, std::string> values, int64_t step) {
+    TrainingState state;
+    state.step = step;
+    state.values = std::move(values);
+    Checkpointer(checkpoint_options).save(state);
+  };
+  const double before = restored.get_scale();
+  save_values({}, 5);
+  ASSERT_TRUE(Checkpointer(checkpoint_options).load_latest(loaded));
+  EXPECT_EQ(restored.get_scale(), before);
+  save_values({{"grad_scaler.scale", "8"}}, 6);
   try {
-    restored.load_from(partial);
+    Checkpointer(checkpoint_options).load_latest(loaded);
     FAIL() << "a partial state must not load";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("'grad_scaler.growth_factor'"), std::string::npos)
         << e.what();
   }
-  partial = loaded;
-  partial.values["grad_scaler.scale"] = "lots";
-  EXPECT_THROW(restored.load_from(partial), UsageError);
+  std::map<std::string, std::string> values = {{"grad_scaler.scale", "lots"},
+                                               {"grad_scaler.growth_factor", "2"},
+                                               {"grad_scaler.backoff_factor", "0.5"},
+                                               {"grad_scaler.growth_interval", "10"},
+                                               {"grad_scaler.growth_tracker", "0"}};
+  save_values(values, 7);
+  EXPECT_THROW(Checkpointer(checkpoint_options).load_latest(loaded), UsageError);
+  EXPECT_EQ(restored.get_scale(), before);
   std::filesystem::remove_all(checkpoint_options.dir);
 }
 

@@ -65,13 +65,13 @@ void run_sharded(int world, int stage, const torch::nn::Sequential& initial,
 
 void sharded_steps(ShardedDataParallel<torch::nn::SequentialImpl>& sdp,
                    torch::optim::Optimizer& optimizer, const Batches& data, int first, int last) {
-  const int world = sdp.group()->size(), rank = sdp.group()->rank();
+  const int world = sdp->group()->size(), rank = sdp->group()->rank();
   const int64_t share = kBatch / world;
   for (int step = first; step < last; ++step) {
     optimizer.zero_grad();
     auto x = data.x[step].narrow(0, rank * share, share);
     auto y = data.y[step].narrow(0, rank * share, share);
-    (sdp.forward(x) - y).pow(2).mean().backward();
+    (sdp->forward(x) - y).pow(2).mean().backward();
     optimizer.step();
   }
 }
@@ -99,22 +99,22 @@ TEST(ShardedCheckpointWithShardedDataParallel,
     CheckpointOptions options;
     options.dir = testing::temp_dir("dtrain-sharded-sdp");
     run_sharded(c.n, c.save_stage, initial, [&](int, Sdp& sdp, torch::nn::Sequential&) {
-      auto optimizer = make_adam(sdp.parameters());
+      auto optimizer = make_adam(sdp->parameters());
       sharded_steps(sdp, *optimizer, data, 0, 3);
-      ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
-                                 nullptr,           3,           false};
-      ShardedCheckpointer(options, sdp.group()).save(state);
+      ShardedTrainingState state{
+          sdp->flat_shards(), sdp->stage(), optimizer.get(), nullptr, 3, false};
+      ShardedCheckpointer(options, sdp->group()).save(state);
     });
     run_sharded(
         c.m, c.load_stage, make_model(), [&](int rank, Sdp& sdp, torch::nn::Sequential& model) {
-          auto optimizer = make_adam(sdp.parameters());
-          ShardedTrainingState state{sdp.flat_shards(), sdp.stage(), optimizer.get(),
-                                     nullptr,           0,           false};
-          ASSERT_TRUE(ShardedCheckpointer(options, sdp.group()).load_latest(state).has_value());
+          auto optimizer = make_adam(sdp->parameters());
+          ShardedTrainingState state{
+              sdp->flat_shards(), sdp->stage(), optimizer.get(), nullptr, 0, false};
+          ASSERT_TRUE(ShardedCheckpointer(options, sdp->group()).load_latest(state).has_value());
           EXPECT_EQ(state.step, 3);
-          sdp.shards_changed();
+          sdp->shards_changed();
           sharded_steps(sdp, *optimizer, data, 3, 6);
-          sdp.gather_full_parameters();
+          sdp->gather_full_parameters();
           if (rank != 0) return;
           auto actual = model->named_parameters();
           for (const auto& item : reference->named_parameters()) {

@@ -121,7 +121,7 @@ TEST_F(Cuda, DdpOnGpuEqualsCpuTraining) {
     const int64_t half = kGlobalBatch / 2;
     for (auto& [x, y] : data) {
       optimizer.zero_grad();
-      auto logits = ddp.forward(x.narrow(0, rank * half, half).to(devices[rank]));
+      auto logits = ddp->forward(x.narrow(0, rank * half, half).to(devices[rank]));
       torch::nn::functional::cross_entropy(logits, y.narrow(0, rank * half, half).to(devices[rank]))
           .backward();
       optimizer.step();
@@ -145,10 +145,10 @@ TEST_F(Cuda, DataParallelOnGpuEqualsCpuTraining) {
   for (auto& [x, y] : make_data()) {
     optimizer.zero_grad();
     // Each replica's loss is the mean over its half; DataParallel averages the replicas' gradients.
-    dp.forward_backward(x.to(first), y.to(first),
-                        [](const torch::Tensor& out, const torch::Tensor& target) {
-                          return torch::nn::functional::cross_entropy(out, target);
-                        });
+    dp->forward_backward(x.to(first), y.to(first),
+                         [](const torch::Tensor& out, const torch::Tensor& target) {
+                           return torch::nn::functional::cross_entropy(out, target);
+                         });
     optimizer.step();
   }
   EXPECT_LT(relative_error(cpu_parameters(*net), want), kGpuTolerance);

@@ -108,7 +108,7 @@ std::vector<std::vector<torch::Tensor>> train_ddp(int world, Optim kind,
           const Data& d = data[step];
           auto [begin, count] = shard(kGlobalBatch, world, rank);
           optimizer->zero_grad();
-          shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), world)
+          shard_loss(ddp->forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), world)
               .backward();
           optimizer->step();
         }
@@ -199,7 +199,7 @@ TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
         options.gradient_as_bucket_view = views;
         DistributedDataParallel ddp(net.ptr(), group, options);
         auto d = make_data(0);
-        shard_loss(ddp.forward(d.x.narrow(0, rank, 1)), d.y.narrow(0, rank, 1), 2).backward();
+        shard_loss(ddp->forward(d.x.narrow(0, rank, 1)), d.y.narrow(0, rank, 1), 2).backward();
         const at::Tensor& grad = net->parameters()[0].grad();
         std::string file = mapping_of(grad.data_ptr());
         if (views) {
@@ -228,7 +228,7 @@ TEST(Ddp, SharedBucketsCanBeTurnedOffAndABadValueIsNamed) {
     auto net = make_mlp();
     DistributedDataParallel ddp(net.ptr(), group);
     auto d = make_data(0);
-    ddp.forward(d.x).sum().backward();
+    ddp->forward(d.x).sum().backward();
     EXPECT_EQ(mapping_of(net->parameters()[0].grad().data_ptr()), "")
         << "DTRAIN_SHM_BUCKETS=0 was ignored";
   });
@@ -292,7 +292,8 @@ TEST(Ddp, BucketsFallBackToPrivateMemoryWithAWarningWhereDevShmLacksTheRoom) {
     group->barrier();  // every rank has built its buckets
     if (rank == 0) limit.restore();
     auto [begin, count] = shard(kGlobalBatch, 2, rank);
-    shard_loss(ddp.forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), 2).backward();
+    shard_loss(ddp->forward(d.x.narrow(0, begin, count)), d.y.narrow(0, begin, count), 2)
+        .backward();
     std::vector<at::Tensor> got;
     for (auto& p : net->parameters()) got.push_back(p.grad());
     EXPECT_EQ(mapping_of(got[0].data_ptr()), "")
@@ -323,7 +324,7 @@ TEST(Ddp, BucketsRunInReverseRegistrationOrderWithASmallFirstBucket) {
         480;  // the last layer's bias (20 B) fits, its weight (480 B) then not
     options.bucket_cap_bytes = 1 << 20;
     DistributedDataParallel ddp(net.ptr(), group, options);
-    auto layout = ddp.bucket_layout();
+    auto layout = ddp->bucket_layout();
     ASSERT_EQ(layout.size(), 2u);
     EXPECT_EQ(layout[0], (std::vector<size_t>{5}));
     EXPECT_EQ(layout[1], (std::vector<size_t>{4, 3, 2, 1, 0}));

@@ -69,7 +69,7 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
       auto xs = x[m].narrow(0, rank * per_rank, per_rank);
       auto ys = y[m].narrow(0, rank * per_rank, per_rank);
       auto step = [&] {
-        (torch::nn::functional::cross_entropy(ddp.forward(xs), ys) / micro).backward();
+        (torch::nn::functional::cross_entropy(ddp->forward(xs), ys) / micro).backward();
       };
       // Whether the ranks' gradients agree right now: they must not under no_sync (their data
       // differs), and must after the synchronizing step. Averaging is linear, so only this shows
@@ -82,7 +82,7 @@ TEST_F(DdpFeatures, NoSyncAccumulationEqualsOneLargeStep) {
         return torch::equal(all[0], all[1]);
       };
       if (m + 1 < micro) {
-        auto guard = ddp.no_sync();
+        auto guard = ddp->no_sync();
         step();
         EXPECT_FALSE(ranks_agree()) << "no_sync() still averaged the gradients";
       } else {
@@ -101,7 +101,7 @@ TEST_F(DdpFeatures, UnusedParameterErrorNamesItAndTheFix) {
     auto net = std::make_shared<Branchy>();
     DistributedDataParallel ddp(net, group);
     try {
-      ddp.forward(torch::randn({3, 6})).sum().backward();
+      ddp->forward(torch::randn({3, 6})).sum().backward();
       ADD_FAILURE() << "backward with an unused parameter did not fail";
     } catch (const std::exception& e) {
       std::string what = e.what();
@@ -136,7 +136,7 @@ TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
     torch::optim::SGD opt(net->parameters(), 0.3);
     for (int step = 0; step < 2; ++step) {
       opt.zero_grad();
-      ddp.forward(x.narrow(0, rank * 2, 2)).pow(2).mean().backward();
+      ddp->forward(x.narrow(0, rank * 2, 2)).pow(2).mean().backward();
       opt.step();
     }
     EXPECT_LT(relative_error(snapshot(*net), want), 1e-5);
@@ -210,7 +210,7 @@ void expect_compression_within(std::shared_ptr<CommHook> (*make_hook)(), double 
       opt.zero_grad();
       auto xs = x[step].narrow(0, rank * 4, 4);
       auto ys = y[step].narrow(0, rank * 4, 4);
-      torch::nn::functional::cross_entropy(ddp.forward(xs), ys).backward();
+      torch::nn::functional::cross_entropy(ddp->forward(xs), ys).backward();
       opt.step();
     }
     errors[rank] = relative_error(snapshot(*net), want);
@@ -235,8 +235,8 @@ TEST_F(DdpFeatures, BuffersFollowRankZero) {
     auto net = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
     DistributedDataParallel ddp(net.ptr(), group);
     auto bn = net[1]->as<torch::nn::BatchNorm1dImpl>();
-    ddp.forward(torch::randn({5, 4}) + rank).sum().backward();  // running stats now differ by rank
-    ddp.prepare_forward();  // the next forward starts from rank 0's
+    ddp->forward(torch::randn({5, 4}) + rank).sum().backward();  // running stats now differ by rank
+    ddp->prepare_forward();  // the next forward starts from rank 0's
     std::vector<torch::Tensor> all(3);
     for (auto& t : all) t = torch::empty({4});
     group->all_gather(all, bn->running_mean);

@@ -81,7 +81,7 @@ void train(int steps, bool mark_optimizer, std::shared_ptr<CommHook> (*make_hook
     at::Tensor x = torch::randn({8, 20}), y = torch::randint(0, 4, {8});
     for (int s = 0; s < steps; ++s) {
       optimizer.zero_grad();
-      torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();
+      torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
       if (mark_optimizer) {
         ProfileOptimizerStep timed;
         optimizer.step();

@@ -61,9 +61,9 @@ void expect_equivalent(int replicas, bool adam, Mode mode) {
   for (auto& [x, y] : batches) {
     opt->zero_grad();
     if (mode == Mode::kLossPerReplica) {
-      dp.forward_backward(x, y, mean_loss);
+      dp->forward_backward(x, y, mean_loss);
     } else {
-      mean_loss(dp.forward(x), y).backward();
+      mean_loss(dp->forward(x), y).backward();
     }
     opt->step();
   }
@@ -93,7 +93,7 @@ TEST(DataParallel, ReturnsTheWholeBatchLoss) {
   DataParallelOptions options;
   options.num_replicas = 3;
   DataParallel dp(net.ptr(), options);
-  double got = dp.forward_backward(batches[0].first, batches[0].second, mean_loss).item<double>();
+  double got = dp->forward_backward(batches[0].first, batches[0].second, mean_loss).item<double>();
   double want = mean_loss(net->forward(batches[0].first), batches[0].second).item<double>();
   EXPECT_NEAR(got, want, 1e-6);
 }
@@ -106,7 +106,7 @@ TEST(DataParallel, BuffersFollowTheModuleAndItsSlice) {
   options.num_replicas = 3;
   DataParallel dp(net.ptr(), options);
   torch::Tensor x = torch::randn({9, 4}), y = torch::randn({9, 4});
-  dp.forward_backward(x, y, [](const torch::Tensor& out, const torch::Tensor& t) {
+  dp->forward_backward(x, y, [](const torch::Tensor& out, const torch::Tensor& t) {
     return (out - t).pow(2).mean();
   });
   reference->forward(x.narrow(0, 0, 3));  // replica 0's slice: rows 0..2
@@ -127,11 +127,11 @@ TEST(DataParallel, ReplicasFollowEvalModeAndFrozenParameters) {
   net->eval();
   {
     torch::NoGradGuard no_grad;
-    EXPECT_TRUE(torch::allclose(dp.forward(x), net->forward(x))) << "a replica still runs dropout";
+    EXPECT_TRUE(torch::allclose(dp->forward(x), net->forward(x))) << "a replica still runs dropout";
   }
   net->train();
   net[0]->as<torch::nn::LinearImpl>()->weight.requires_grad_(false);
-  dp.forward_backward(
+  dp->forward_backward(
       x, torch::randn({9, 2}),
       [](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2).mean(); });
   EXPECT_FALSE(net[0]->as<torch::nn::LinearImpl>()->weight.grad().defined())
@@ -156,7 +156,7 @@ TEST(DataParallel, TwoForwardsThenOneBackwardAndRetainedGraphs) {
   auto single_loss = loss_of(single->forward(a), single->forward(b));
   single_loss.backward({}, /*retain_graph=*/true);
   single_loss.backward();
-  auto dp_loss = loss_of(dp.forward(a), dp.forward(b));
+  auto dp_loss = loss_of(dp->forward(a), dp->forward(b));
   dp_loss.backward({}, /*retain_graph=*/true);
   dp_loss.backward();
   auto got = net->parameters(), want = single->parameters();
@@ -184,7 +184,7 @@ TEST(DataParallel, AnExceptionInAReplicaNamesItAndLeavesTheRestUsable) {
     return (out - t).pow(2).mean();
   };
   try {
-    dp.forward_backward(torch::randn({11, 2}), torch::randn({11, 1}), loss);  // slices 4, 4, 3
+    dp->forward_backward(torch::randn({11, 2}), torch::randn({11, 1}), loss);  // slices 4, 4, 3
     FAIL() << "no exception";
   } catch (const Error& e) {
     EXPECT_NE(
@@ -193,7 +193,7 @@ TEST(DataParallel, AnExceptionInAReplicaNamesItAndLeavesTheRestUsable) {
         << e.what();
   }
   EXPECT_NO_THROW(
-      dp.forward_backward(torch::randn({12, 2}), torch::randn({12, 1}), loss));  // 4, 4, 4
+      dp->forward_backward(torch::randn({12, 2}), torch::randn({12, 1}), loss));  // 4, 4, 4
 }
 
 struct NotCloneable : torch::nn::Module {

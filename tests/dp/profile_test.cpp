@@ -35,7 +35,7 @@ TEST(DataParallelProfile, OneRecordPerStepThatAddsUp) {
     };
     for (int s = 0; s < steps; ++s) {
       optimizer.zero_grad();
-      dp.forward_backward(x, y, loss);
+      dp->forward_backward(x, y, loss);
       ProfileOptimizerStep timed;
       optimizer.step();
     }

@@ -115,7 +115,7 @@ double sharded_vs_ddp(RunConfig setup, const std::vector<torch::Tensor>& start) 
 
         auto net = make_mlp_from(start);
         ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, setup.options);
-        auto opt = make_optimizer(setup.optim, sdp.parameters());
+        auto opt = make_optimizer(setup.optim, sdp->parameters());
 
         for (int step = 0; step < kSteps; ++step) {
           ddp_opt->zero_grad();
@@ -126,18 +126,18 @@ double sharded_vs_ddp(RunConfig setup, const std::vector<torch::Tensor>& start) 
             std::optional<DistributedDataParallelBase::NoSyncGuard> ddp_guard;
             std::optional<ShardedDataParallelBase::NoSyncGuard> guard;
             if (!last) {
-              ddp_guard.emplace(ddp);
-              guard.emplace(sdp);
+              ddp_guard.emplace(*ddp);
+              guard.emplace(*sdp);
             }
-            torch::mse_loss(ddp.forward(b.x), b.y).backward();
-            torch::mse_loss(sdp.forward(b.x), b.y).backward();
+            torch::mse_loss(ddp->forward(b.x), b.y).backward();
+            torch::mse_loss(sdp->forward(b.x), b.y).backward();
           }
           ddp_opt->step();
           opt->step();
         }
-        sdp.gather_full_parameters();
+        sdp->gather_full_parameters();
         errors[rank] = relative_error(net->parameters(), ddp_net->parameters());
-        sdp.release_full_parameters();
+        sdp->release_full_parameters();
       },
       std::chrono::seconds(30), setup.shared_memory);
   return *std::max_element(errors.begin(), errors.end());
@@ -233,7 +233,7 @@ TEST(ShardedDataParallel, FlatShardsTileTheFlatBuffersAndShardsChangedReachesThe
       const std::vector<std::string> names = named.keys();
       std::set<std::string> seen;
       int64_t total = 0;
-      for (const auto& shard : sdp.flat_shards()) {
+      for (const auto& shard : sdp->flat_shards()) {
         int64_t size = shard.shard.numel();
         EXPECT_EQ(size, (shard.full_numel + 2) / 3) << shard.key;
         EXPECT_EQ(shard.offset, rank * size);
@@ -254,14 +254,14 @@ TEST(ShardedDataParallel, FlatShardsTileTheFlatBuffersAndShardsChangedReachesThe
       }
       EXPECT_EQ(total, 107);
       EXPECT_EQ(seen.size(), named.size());
-      sdp.shards_changed();
-      sdp.gather_full_parameters();
+      sdp->shards_changed();
+      sdp->gather_full_parameters();
       // The last parameter in flat order ends in the last rank's shard... every value is some
       // rank's + 1.
       for (auto& p : net->parameters()) {
         EXPECT_TRUE(((p == 1) | (p == 2) | (p == 3)).all().item<bool>()) << "stage " << stage;
       }
-      sdp.release_full_parameters();
+      sdp->release_full_parameters();
     });
   }
 }
@@ -300,10 +300,10 @@ TEST(ShardedDataParallel, StageThreeFreesGatheredParameters) {
       return bytes;
     };
     EXPECT_EQ(total_bytes(), 0u) << "after construction";
-    auto opt = make_optimizer(Optim::kAdam, sdp.parameters());
+    auto opt = make_optimizer(Optim::kAdam, sdp->parameters());
     for (int step = 0; step < 2; ++step) {
       auto x = torch::ones({4, 64});
-      auto loss = sdp.forward(x).square().mean();
+      auto loss = sdp->forward(x).square().mean();
       // During the first unit's forward: its parameters are gathered; the third unit's are not
       // (only the next unit, the second, is prefetched).
       ASSERT_EQ(probe->bytes_seen.size(), 3u);
@@ -319,12 +319,12 @@ TEST(ShardedDataParallel, StageThreeFreesGatheredParameters) {
     }
     // The shards: about a half of the model each, 64*64*2 + 64*4 + 64*2 + 4 = 8580 parameters.
     int64_t shard_numel = 0;
-    for (auto& s : sdp.parameters()) shard_numel += s.numel();
+    for (auto& s : sdp->parameters()) shard_numel += s.numel();
     EXPECT_LE(shard_numel, 8580 / 2 + 3);
-    sdp.gather_full_parameters();
+    sdp->gather_full_parameters();
     EXPECT_EQ(total_bytes(),
               4u * 8580);  // units of 4160, 4160 and 260 parameters: no padding at 2 ranks
-    sdp.release_full_parameters();
+    sdp->release_full_parameters();
     EXPECT_EQ(total_bytes(), 0u);
   });
 }
@@ -383,7 +383,7 @@ TEST(ShardedDataParallelErrors, OptimizerOverTheFullParameters) {
         auto wrong = make_optimizer(optim, net->parameters());
         for (int step = 0; step < 2; ++step) {
           wrong->zero_grad();
-          torch::mse_loss(sdp.forward(torch::ones({2, kInputs})), torch::zeros({2, kOutputs}))
+          torch::mse_loss(sdp->forward(torch::ones({2, kInputs})), torch::zeros({2, kOutputs}))
               .backward();
           wrong->step();
         }

@@ -79,7 +79,7 @@ TEST(DataTensorParallel, DdpOverTheDataGroupMatchesSingleProcessTraining) {
       // while DDP's bucket all-reduces on the data group are in flight.
       torch::Tensor x = batch.x.narrow(0, begin, count).clone().requires_grad_(true);
       optimizer.zero_grad();
-      torch::Tensor out = ddp.forward(x);
+      torch::Tensor out = ddp->forward(x);
       // The whole batch's mean loss, split so DDP's average over replicas restores it: this
       // replica's summed squared error times replicas / (global batch * outputs).
       torch::Tensor loss =

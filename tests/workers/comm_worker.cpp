@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
       dtrain::DistributedDataParallel<torch::nn::LinearImpl> ddp(net.ptr(), pg);
       for (int step = 0; step < 2; ++step) {
         if (step == 1 && pg->rank() == std::stoi(argv[2])) _exit(0);
-        ddp.forward(torch::ones({4, 64})).sum().backward();
+        ddp->forward(torch::ones({4, 64})).sum().backward();
       }
     }
     std::cout << "rank " << pg->rank() << " sum " << expected << std::endl;

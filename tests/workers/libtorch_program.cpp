@@ -87,7 +87,7 @@ int train_ddp(int argc, char** argv) {
     torch::load(optimizer, resume_dir + "/optimizer.pt");
     torch::load(sampler, resume_dir + "/sampler.pt");
   }
-  dtrain::DistributedDataParallel<NetImpl> ddp(net.ptr(), pg);
+  dtrain::DistributedDataParallel ddp(net, pg);  // the holder, as LibTorch programs hold modules
   auto loader = torch::data::make_data_loader(dataset, sampler,
                                               torch::data::DataLoaderOptions(kBatchPerRank));
   dtrain::install_stop_handler();
@@ -97,7 +97,7 @@ int train_ddp(int argc, char** argv) {
     sampler.set_epoch(epoch);
     for (auto& batch : *loader) {
       optimizer.zero_grad();
-      torch::nn::functional::cross_entropy(ddp.forward(batch.data), batch.target).backward();
+      torch::nn::functional::cross_entropy(ddp(batch.data), batch.target).backward();
       optimizer.step();
       ++step;
       if (pg->rank() == sigterm_rank && step == sigterm_step) std::raise(SIGTERM);

@@ -53,7 +53,7 @@ void train_ddp(int rank, int steps, const std::string& out) {
     at::Tensor x = at::randn({5, 12}, gen);
     at::Tensor y = at::randint(0, 3, {5}, gen);
     optimizer.zero_grad();
-    torch::nn::functional::cross_entropy(ddp.forward(x), y).backward();
+    torch::nn::functional::cross_entropy(ddp->forward(x), y).backward();
     optimizer.step();
   }
   if (pg->rank() == 0) {

@@ -88,7 +88,7 @@ void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
   // What the folder holds is rank 0's to judge: it reads the checkpoint and broadcasts it, so on
   // nodes without a shared file system the other ranks' folders are empty, and rightly so.
   auto existing = flags.strategy == "zero"
-                      ? dtrain::ShardedCheckpointer(checkpoint_options(flags), nullptr).list()
+                      ? dtrain::ShardedCheckpointer(checkpoint_options(flags)).list()
                       : dtrain::Checkpointer(checkpoint_options(flags)).list();
   if (flags.resume && existing.empty() && rank == 0) {
     throw dtrain::UsageError("train_fashion_mnist: --resume: no checkpoint in " + dir +
@@ -131,11 +131,12 @@ Checkpoints::Checkpoints(const Flags& flags, const std::shared_ptr<dtrain::Proce
   checkpoint_state.model = model;
   checkpoint_state.optimizer = &optimizer;
   checkpoint_state.sampler = &sampler;
+  checkpoint_state.grad_scaler = &scaler;  // a checkpoint saved without one leaves it fresh
   if (checkpointing && sdp) {
     sharded_checkpointer =
-        std::make_unique<dtrain::ShardedCheckpointer>(checkpoint_options(flags), pg.get());
+        std::make_unique<dtrain::ShardedCheckpointer>(checkpoint_options(flags), pg);
   } else if (checkpointing) {
-    checkpointer = std::make_unique<dtrain::Checkpointer>(checkpoint_options(flags));
+    checkpointer = std::make_unique<dtrain::Checkpointer>(checkpoint_options(flags), pg);
   }
 }
 
@@ -143,7 +144,7 @@ std::string Checkpoints::resume(int64_t restarts, Position& at, std::vector<int6
                                 const c10::Device& device) {
   if (!checkpointing || !(flags.resume || restarts > 0)) return {};
   auto loaded = sharded_checkpointer ? load_sharded(*sharded_checkpointer, *sdp, checkpoint_state)
-                                     : checkpointer->load_latest(checkpoint_state, pg.get());
+                                     : checkpointer->load_latest(checkpoint_state);
   if (!loaded && flags.resume) {
     throw dtrain::UsageError("train_fashion_mnist: --resume: no intact checkpoint in " +
                              flags.checkpoint_dir +
@@ -169,8 +170,6 @@ std::string Checkpoints::resume(int64_t restarts, Position& at, std::vector<int6
     if (e >= static_cast<int64_t>(epoch_samples.size())) epoch_samples.push_back(0);
     epoch_samples[e] = saved_counts[e].item<int64_t>();
   }
-  // A checkpoint saved without a scaler leaves the fresh one (load_from returns false).
-  scaler.load_from(checkpoint_state);
   if (!device.is_cpu()) move_optimizer_state(optimizer, device);
   return loaded->path;
 }
@@ -181,7 +180,6 @@ std::string Checkpoints::save(const Position& at, const std::vector<int64_t>& ep
   checkpoint_state.tensors["epoch_samples"] = torch::tensor(epoch_samples, torch::kInt64);
   checkpoint_state.values["model"] = flags.model;
   checkpoint_state.values["seed"] = std::to_string(flags.seed);
-  scaler.save_to(checkpoint_state);
   if (sdp) return save_sharded(*sharded_checkpointer, *sdp, checkpoint_state);
   return checkpointer->save(checkpoint_state);
 }

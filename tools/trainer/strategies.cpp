@@ -164,7 +164,7 @@ Strategy::Strategy(const Flags& flags, const c10::Device& device,
     mp = std::make_unique<dtrain::Pipeline>(chunks, std::vector<c10::Device>{}, pipeline_options,
                                             stages);
   } else if (flags.strategy == "pipeline") {
-    mesh = dtrain::make_rank_mesh(*pg, static_cast<int>(flags.stages));
+    mesh = dtrain::make_rank_mesh(pg, static_cast<int>(flags.stages));
     const int chunks = static_cast<int>(flags.stages) * pipeline_options.virtual_stages;
     pipeline = std::make_unique<dtrain::DistributedPipeline>(
         dtrain::split_sequential(layers, dtrain::balance_by_parameters(layers, chunks)), mesh,
@@ -174,7 +174,7 @@ Strategy::Strategy(const Flags& flags, const c10::Device& device,
   if (flags.strategy == "zero") {
     dtrain::ShardedDataParallelOptions options;
     options.stage = static_cast<int>(flags.zero_stage);
-    sdp = std::make_unique<dtrain::ShardedDataParallel<NetImpl>>(net, pg, options);
+    sdp = dtrain::ShardedDataParallel<NetImpl>(net, pg, options);
     trained = sdp->parameters();
   }
 }
@@ -184,9 +184,9 @@ void Strategy::wrap(const Placement& placement) {
     dtrain::DataParallelOptions options;
     options.num_replicas = static_cast<int>(flags.devices);
     options.devices = placement.dp_devices;
-    dp = std::make_unique<dtrain::DataParallel<NetImpl>>(net, options);
+    dp = dtrain::DataParallel<NetImpl>(net, options);
   } else if (flags.strategy == "ddp") {
-    ddp = std::make_unique<dtrain::DistributedDataParallel<NetImpl>>(net, pg);
+    ddp = dtrain::DistributedDataParallel<NetImpl>(net, pg);
   }
 }
 

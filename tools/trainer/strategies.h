@@ -76,10 +76,10 @@ struct Strategy {
   std::unique_ptr<dtrain::Pipeline> mp;
   std::unique_ptr<dtrain::DistributedPipeline> pipeline;
   dtrain::RankMesh mesh;
-  std::vector<torch::Tensor> trained;  // what this process's optimizer steps
-  std::unique_ptr<dtrain::ShardedDataParallel<NetImpl>> sdp;
-  std::unique_ptr<dtrain::DistributedDataParallel<NetImpl>> ddp;
-  std::unique_ptr<dtrain::DataParallel<NetImpl>> dp;
+  std::vector<torch::Tensor> trained;                 // what this process's optimizer steps
+  dtrain::ShardedDataParallel<NetImpl> sdp{nullptr};  // empty holders unless that strategy
+  dtrain::DistributedDataParallel<NetImpl> ddp{nullptr};
+  dtrain::DataParallel<NetImpl> dp{nullptr};
 };
 
 }  // namespace trainer

@@ -114,8 +114,7 @@ int train(const Flags& flags) {
   // through). DDP's ranks agree on every skipped step through the group.
   dtrain::amp::GradScalerOptions scaler_options;
   scaler_options.enabled = flags.amp == "fp16";
-  scaler_options.group = flags.strategy == "ddp" ? pg.get() : nullptr;
-  dtrain::amp::GradScaler scaler(scaler_options);
+  dtrain::amp::GradScaler scaler(scaler_options, flags.strategy == "ddp" ? pg : nullptr);
   int64_t skipped_steps = 0;
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
@@ -129,8 +128,8 @@ int train(const Flags& flags) {
   // included), kept in the checkpoint so that work rolled back by a restart is not counted.
   std::vector<int64_t> epoch_samples(flags.epochs, 0);
   Position at;
-  Checkpoints checkpoints(flags, pg, strategy.model.get(), strategy.sdp.get(), optimizer, sampler,
-                          scaler);
+  Checkpoints checkpoints(flags, pg, strategy.model.get(),
+                          strategy.sdp ? strategy.sdp.get() : nullptr, optimizer, sampler, scaler);
   const std::string resumed_from = checkpoints.resume(restarts, at, epoch_samples, device);
   const bool checkpointing = checkpoints.checkpointing;
   // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the
@@ -160,7 +159,7 @@ int train(const Flags& flags) {
       int64_t count =
           std::min<int64_t>(local_batch, static_cast<int64_t>(indices.size()) - step * local_batch);
       at::Tensor rows = order.narrow(0, step * local_batch, count);
-      const bool on_host = strategy.dp != nullptr;  // DataParallel scatters the batch itself
+      const bool on_host = !strategy.dp.is_empty();  // DataParallel scatters the batch itself
       at::Tensor x = batch_rows(train_set.images, rows, device, /*stay_on_host=*/on_host);
       at::Tensor y = batch_rows(train_set.labels, rows, device, /*stay_on_host=*/on_host);
       optimizer.zero_grad();

@@ -1,4 +1,6 @@
-// The c10d rendezvous store and its client (see c10d_backend.h for the protocol).
+// The c10d rendezvous store and its client (see c10d_backend.h for the protocol). Server and
+// client of one wire format in one file (a little over 600 lines), so each message's two ends are
+// read together.
 #include "launcher/elastic/c10d_backend.h"
 
 #include <arpa/inet.h>

@@ -1,4 +1,6 @@
-// The elastic rendezvous over a RendezvousBackend (see rendezvous.h and Note [Rounds] there).
+// The elastic rendezvous over a RendezvousBackend (see rendezvous.h and Note [Rounds] there). One
+// state machine, kept in one file (a little over 600 lines) so that it reads top to bottom against
+// the note.
 #include "launcher/elastic/rendezvous.h"
 
 #include <poll.h>

@@ -1,5 +1,7 @@
 // WorkerGroup: spawning, watching, relaying and stopping the local worker processes (see
-// worker_group.h).
+// worker_group.h). Over 600 lines because these four share one table of workers and one poll loop;
+// the in-place recovery issue rewrites this loop (and the trainer's restart loop) into one, and
+// splits the file along the new seams then, rather than twice.
 #include "launcher/elastic/worker_group.h"
 
 #include <fcntl.h>

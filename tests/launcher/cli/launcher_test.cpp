@@ -1,7 +1,7 @@
 // `dtrain run` end to end: the real build/bin/dtrain launching small /bin/sh workers (and Python
 // ones) that dump their environment, print, fail, get killed or sleep. Asserts on the environment,
 // the relayed output and logs, exit codes, the failure summary, restarts, and that no worker
-// outlives the launcher.
+// outlives the launcher. Over 600 lines: one suite for one contract, grouped by what it checks.
 //
 // Every wait is bounded: a launcher that does not exit in time is SIGKILLed (its workers die with
 // it through PR_SET_PDEATHSIG) and the test fails instead of hanging.

@@ -3,7 +3,7 @@
 // The time stands still until a test moves it on, and heartbeats land only when the test writes
 // them, so every deadline of Note [Rounds] is checked to the millisecond and no test sleeps through
 // one. Then the backend contract for the in-memory and the c10d backends; the c10d store's address
-// binding and token handshake.
+// binding and token handshake. Over 600 lines: every deadline of the note has its own test.
 #include "launcher/elastic/rendezvous.h"
 
 #include <arpa/inet.h>

@@ -22,7 +22,7 @@ int main() {
     double first_loss = 0, last_loss = 0;
     for (int step = 0; step < 20; ++step) {
       optimizer.zero_grad();
-      auto loss = torch::mse_loss(ddp.forward(x), y);
+      auto loss = torch::mse_loss(ddp->forward(x), y);
       loss.backward();
       optimizer.step();
       (step == 0 ? first_loss : last_loss) = loss.item<double>();
