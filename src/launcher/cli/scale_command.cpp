@@ -1,4 +1,4 @@
-// `dtrain scale`: the runs (see scale_command.h); the analysis lives in scale_report.cpp.
+// `dtrain scale`: the runs (see scale_command.h); the analysis lives in scale_analysis.cpp.
 //
 // Each worker count gets one WorkerGroup built by the same worker_group_options() as `dtrain run`
 // (so OMP_NUM_THREADS=1 per worker when several share the node and the user set none, as torchrun
