@@ -369,7 +369,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
             store_trouble_since = Clock::now();
             say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
                 "); the workers keep running while it is retried for up to " +
-                detail::seconds_text(store_patience.count() / 1000.0));
+                detail::seconds_text(store_patience));
           }
           if (Clock::now() - store_trouble_since < store_patience) continue;
           say(store_lost(options, error) + "; stopping " + std::to_string(group.running()) +
