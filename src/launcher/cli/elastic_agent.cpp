@@ -102,7 +102,8 @@ std::string node_id(const std::string& host) {
 // The backend for the flags, after its first successful contact. c10d: hosts the store when this
 // process can bind the endpoint, then waits up to join_timeout for the store to answer (its host
 // may start after this agent). Throws UsageError (exit 2) when nothing answers or the token is
-// refused.
+// refused, and elastic::NotAStoreError (exit 1) at once when another program answers at the
+// endpoint.
 std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     const RunOptions& options, const std::string& token,
     std::unique_ptr<elastic::C10dStoreServer>* server) {
@@ -152,6 +153,12 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     try {
       backend->get_state();
       return backend;
+    } catch (const elastic::NotAStoreError&) {
+      // Another program holds the port (its message says so): waiting cannot help. It ends this
+      // agent with exit code 1, the code of a rendezvous that failed (run_usage()), through
+      // run_main's handler of every error that is not a UsageError; not 2 ("fix the flags"): the
+      // flags may well be right and the port only taken for now, and a scheduler retries a 1.
+      throw;
     } catch (const TimeoutError& error) {
       last_error = strip_prefix(error.what());
     } catch (const CommError& error) {

@@ -484,6 +484,35 @@ TEST_P(C10dElasticTest, UnreachableEndpointIsAUsageError) {
       << err(0);
 }
 
+// Another program holds the c10d endpoint's port (issue 21: an HTTP server, or a program that
+// accepts and says nothing). Both agents say so in one line within seconds, long before the join
+// timeout (30 s here), and exit 1, the code of a failed rendezvous that a scheduler may retry, not
+// 2 (bad flags).
+TEST_P(C10dElasticTest, PortHeldByAnotherProgramIsNamedWithinSeconds) {
+  for (const std::string& greeting :
+       {std::string("HTTP/1.1 400 Bad Request\r\n\r\n"), std::string()}) {
+    SCOPED_TRACE(greeting.empty() ? "silent" : "HTTP");
+    ForeignListener foreign(greeting);
+    backend_.endpoint = foreign.endpoint();
+    std::size_t first = agents_.size();
+    ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=30"});
+    ChildProcess& b = start_agent("1:2", {"--rdzv-conf", "join_timeout=30"});
+    ASSERT_TRUE(a.wait(kExitTimeout)) << err(first);
+    ASSERT_TRUE(b.wait(kExitTimeout)) << err(first + 1);
+    for (std::size_t agent : {first, first + 1}) {
+      EXPECT_EQ(agents_[agent]->exit_code(), 1) << err(agent);
+      EXPECT_NE(err(agent).find("dtrain run: --rdzv-endpoint " + foreign.endpoint() +
+                                " answers, but is not a dtrain/c10d rendezvous store"),
+                std::string::npos)
+          << err(agent);
+      EXPECT_NE(err(agent).find("pick another port"), std::string::npos) << err(agent);
+      EXPECT_EQ(count(err(agent), "rendezvous store"), 1) << err(agent);
+    }
+    EXPECT_GE(foreign.accepted(), 2);
+  }
+  EXPECT_TRUE(starts().empty());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ElasticTest, testing::Values("c10d", "etcd"),
                          [](const testing::TestParamInfo<std::string>& info) {
                            return info.param;
