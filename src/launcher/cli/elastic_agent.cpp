@@ -101,9 +101,10 @@ std::string node_id(const std::string& host) {
 
 // The backend for the flags, after its first successful contact. c10d: hosts the store when this
 // process can bind the endpoint, then waits up to join_timeout for the store to answer (its host
-// may start after this agent). Throws UsageError (exit 2) when nothing answers or the token is
-// refused, and elastic::NotAStoreError (exit 1) at once when another program answers at the
-// endpoint.
+// may start after this agent). Throws CommError (exit 1) when nothing answers in time (the flags
+// may be right and the store's node only late or down: a scheduler retries a 1, not a 2),
+// UsageError (exit 2) when the token is refused, and elastic::NotAStoreError (exit 1) at once when
+// another program answers at the endpoint.
 std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     const RunOptions& options, const std::string& token,
     std::unique_ptr<elastic::C10dStoreServer>* server) {
@@ -122,8 +123,8 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     try {
       backend->check_reachable();
     } catch (const CommError& error) {
-      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint + ": " +
-                       strip_prefix(error.what()));
+      throw CommError("dtrain run: --rdzv-endpoint " + endpoint + ": " +
+                      strip_prefix(error.what()));
     }
     return backend;
 #else
@@ -165,11 +166,11 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
       last_error = strip_prefix(error.what());  // refused: its host may not have started yet
     }
     if (Clock::now() >= deadline) {
-      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint +
-                       ": no rendezvous store answered within " +
-                       detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
-                       "); start the agent on the node that has this address, or fix the "
-                       "endpoint");
+      throw CommError("dtrain run: --rdzv-endpoint " + endpoint +
+                      ": no rendezvous store answered within " +
+                      detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
+                      "); start the agent on the node that has this address, or fix the "
+                      "endpoint");
     }
     usleep(200 * 1000);
   }

@@ -313,8 +313,8 @@ TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
 Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
 signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
-for another reason (lost nodes, rendezvous timeout, another program on the c10d endpoint's port); 2
-for bad flags.
+for another reason (lost nodes, no rendezvous store answering in time, another program on the c10d
+endpoint's port); 2 for bad flags.
 )";
 }
 
