@@ -101,8 +101,10 @@ std::string node_id(const std::string& host) {
 
 // The backend for the flags, after its first successful contact. c10d: hosts the store when this
 // process can bind the endpoint, then waits up to join_timeout for the store to answer (its host
-// may start after this agent). Throws UsageError (exit 2) when nothing answers or the token is
-// refused.
+// may start after this agent). Throws CommError (exit 1) when nothing answers in time (the flags
+// may be right and the store's node only late or down: a scheduler retries a 1, not a 2),
+// UsageError (exit 2) when the token is refused, and elastic::NotAStoreError (exit 1) at once when
+// another program answers at the endpoint.
 std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     const RunOptions& options, const std::string& token,
     std::unique_ptr<elastic::C10dStoreServer>* server) {
@@ -121,8 +123,8 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     try {
       backend->check_reachable();
     } catch (const CommError& error) {
-      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint + ": " +
-                       strip_prefix(error.what()));
+      throw CommError("dtrain run: --rdzv-endpoint " + endpoint + ": " +
+                      strip_prefix(error.what()));
     }
     return backend;
 #else
@@ -152,17 +154,23 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     try {
       backend->get_state();
       return backend;
+    } catch (const elastic::NotAStoreError&) {
+      // Another program holds the port (its message says so): waiting cannot help. It ends this
+      // agent with exit code 1, the code of a rendezvous that failed (run_usage()), through
+      // run_main's handler of every error that is not a UsageError; not 2 ("fix the flags"): the
+      // flags may well be right and the port only taken for now, and a scheduler retries a 1.
+      throw;
     } catch (const TimeoutError& error) {
       last_error = strip_prefix(error.what());
     } catch (const CommError& error) {
       last_error = strip_prefix(error.what());  // refused: its host may not have started yet
     }
     if (Clock::now() >= deadline) {
-      throw UsageError("dtrain run: --rdzv-endpoint " + endpoint +
-                       ": no rendezvous store answered within " +
-                       detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
-                       "); start the agent on the node that has this address, or fix the "
-                       "endpoint");
+      throw CommError("dtrain run: --rdzv-endpoint " + endpoint +
+                      ": no rendezvous store answered within " +
+                      detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
+                      "); start the agent on the node that has this address, or fix the "
+                      "endpoint");
     }
     usleep(200 * 1000);
   }
@@ -369,7 +377,7 @@ int run_elastic(const RunOptions& options, const LaunchPlan& plan) {
             store_trouble_since = Clock::now();
             say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
                 "); the workers keep running while it is retried for up to " +
-                detail::seconds_text(store_patience.count() / 1000.0));
+                detail::seconds_text(store_patience));
           }
           if (Clock::now() - store_trouble_since < store_patience) continue;
           say(store_lost(options, error) + "; stopping " + std::to_string(group.running()) +

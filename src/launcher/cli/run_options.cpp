@@ -37,36 +37,48 @@ void parse_nnodes(const std::string& value, RunOptions& options) {
   options.nnodes = static_cast<int>(*high);
 }
 
-// --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT.
+// --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT. Every error names the whole value as given, what is
+// expected and how to write it (a bad port used to be reported alone: "got '0'").
 void parse_endpoint(const std::string& value, RunOptions& options) {
   constexpr std::string_view kFlag = "--rdzv-endpoint";
-  constexpr std::string_view kExpected = "HOST:PORT (a host name or address, a port in 1..65535)";
+  const std::string default_port = options.rdzv_backend == "etcd" ? "2379" : "29400";
+  auto bad_form = [&] {
+    fail(std::string(kFlag) + ": " +
+         expected_but_got("HOST:PORT (a host name or address, a port in 1..65535)", value) +
+         "; write it as host:" + default_port + ", or [address]:" + default_port +
+         " for an IPv6 address");
+  };
   std::string host = value;
   std::string port;
   if (!value.empty() && value.front() == '[') {
     std::size_t close = value.find(']');
-    if (close == std::string::npos) bad_value(kFlag, kExpected, value);
+    if (close == std::string::npos) bad_form();
     host = value.substr(1, close - 1);
     std::string rest = value.substr(close + 1);
     if (!rest.empty()) {
-      if (rest.front() != ':') bad_value(kFlag, kExpected, value);
+      if (rest.front() != ':') bad_form();
       port = rest.substr(1);
-      if (port.empty()) bad_value(kFlag, kExpected, value);
+      if (port.empty()) bad_form();
     }
   } else if (std::size_t colon = value.find(':'); colon != std::string::npos) {
-    if (value.find(':', colon + 1) != std::string::npos) bad_value(kFlag, kExpected, value);
+    if (value.find(':', colon + 1) != std::string::npos) bad_form();
     host = value.substr(0, colon);
     port = value.substr(colon + 1);
-    if (port.empty()) bad_value(kFlag, kExpected, value);
+    if (port.empty()) bad_form();
   }
-  if (host.empty() || host.find_first_of(" /\t") != std::string::npos) {
-    bad_value(kFlag, kExpected, value);
-  }
+  if (host.empty() || host.find_first_of(" /\t") != std::string::npos) bad_form();
   options.rdzv_host = host;
   options.rdzv_port = 0;
   if (!port.empty()) {
     std::optional<long long> number = integer_in(port, 1, 65535);
-    if (!number) bad_value(kFlag, kExpected, value);
+    if (!number) {
+      // Port 0 ("any free port") cannot work here: every node must name the same port.
+      std::string shown_host = value.front() == '[' ? "[" + host + "]" : host;
+      fail(std::string(kFlag) + ": expected HOST:PORT with a port in 1..65535, got '" + value +
+           "'; give the port the rendezvous listens on, the same on every node (e.g. " +
+           shown_host + ":" + default_port + "), or the host alone for the default port " +
+           default_port);
+    }
     options.rdzv_port = static_cast<int>(*number);
   }
 }
@@ -301,7 +313,8 @@ TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
 Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
 signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
-for another reason (lost nodes, rendezvous timeout); 2 for bad flags.
+for another reason (lost nodes, no rendezvous store answering in time, another program on the c10d
+endpoint's port); 2 for bad flags.
 )";
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string_view>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/flags.h"
 
@@ -89,8 +90,9 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
         "seconds)");
   }
   if (options.seconds && *options.seconds >= options.time_limit_s) {
-    fail("--time-limit: must exceed --seconds " + std::to_string(*options.seconds) + ", got '" +
-         std::to_string(options.time_limit_s) + "'");
+    fail("--time-limit: must exceed --seconds (" + detail::seconds_text(*options.seconds) +
+         "), got " + detail::seconds_text(options.time_limit_s) +
+         "; raise --time-limit or lower --seconds");
   }
   if (options.command.empty()) {
     fail("no program given; expected `dtrain scale [flags] [--] program [args...]`");

@@ -15,7 +15,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -37,6 +39,11 @@ constexpr std::size_t kServerHelloBytes = 4 + 1 + 1 + kNonceBytes;
 // An unauthenticated peer may send this much and take this long before it is dropped.
 constexpr std::size_t kMaxHelloFrame = 1024;
 constexpr auto kHelloDeadline = std::chrono::seconds(5);
+// The client's patience for the server's greeting, which the store sends as soon as it accepts a
+// connection: a peer silent for this long after accepting is not a store (an HTTP server waits for
+// the request). The same 5 s the store gives a client for its hello: generous for a loaded host,
+// short beside the join timeout (60 s) that the agent would otherwise wait out.
+constexpr auto kGreetingTimeout = kHelloDeadline;
 // The rendezvous state of a job is a few KiB; anything near this is a bug or an attack.
 constexpr std::size_t kMaxFrame = 16u << 20;
 
@@ -431,6 +438,65 @@ bool receive_until(int fd, std::size_t n, std::string* out, Clock::time_point de
   return true;
 }
 
+// "HTTP/1.1 400 Bad Request\r\n...": the first bytes a peer sent, printable, for a message.
+std::string preview(const std::string& bytes) {
+  constexpr std::size_t kShown = 24;
+  std::string text;
+  for (std::size_t i = 0; i < bytes.size() && i < kShown; ++i) {
+    unsigned char c = static_cast<unsigned char>(bytes[i]);
+    if (c == '\r') {
+      text += "\\r";
+    } else if (c == '\n') {
+      text += "\\n";
+    } else if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      text.push_back(static_cast<char>(c));
+    } else {
+      char escaped[5];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
+      text += escaped;
+    }
+  }
+  return bytes.size() > kShown ? text + "..." : text;
+}
+
+// Reads the store's greeting (kServerHelloBytes) into `hello`, checking every byte as it arrives
+// against the store's magic, so that another program is told by its first answer, not by a
+// timeout. Returns false when the peer closed before sending anything (what a port forwarder whose
+// target is not up yet does: the store may still come). Throws NotAStoreError saying what the peer
+// did, for the caller's message, at bytes that are not the magic, a close after some bytes, or no
+// complete greeting by `greeting_deadline`; TimeoutError("receive") at `deadline` when that comes
+// first.
+bool receive_greeting(int fd, std::string* hello, Clock::time_point greeting_deadline,
+                      Clock::time_point deadline) {
+  hello->clear();
+  Clock::time_point until = std::min(greeting_deadline, deadline);
+  while (hello->size() < kServerHelloBytes) {
+    pollfd in{fd, POLLIN, 0};
+    int ready = poll(&in, 1, remaining_ms(until));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      if (deadline < greeting_deadline) throw TimeoutError("receive");
+      std::string waited = detail::seconds_text(kGreetingTimeout);
+      throw NotAStoreError(
+          hello->empty() ? "it accepted the connection and sent nothing within " + waited
+                         : "it sent '" + preview(*hello) + "', then nothing within " + waited);
+    }
+    char buffer[kServerHelloBytes];
+    ssize_t got = recv(fd, buffer, kServerHelloBytes - hello->size(), MSG_DONTWAIT);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (got <= 0) {
+      if (hello->empty()) return false;
+      throw NotAStoreError("it sent '" + preview(*hello) + "' and closed the connection");
+    }
+    hello->append(buffer, static_cast<std::size_t>(got));
+    std::size_t checked = std::min(hello->size(), sizeof(kMagic));
+    if (hello->compare(0, checked, kMagic, checked) != 0) {
+      throw NotAStoreError("it sent '" + preview(*hello) + "'");
+    }
+  }
+  return true;
+}
+
 bool receive_frame(int fd, std::string* payload, Clock::time_point deadline) {
   std::string header;
   if (!receive_until(fd, 4, &header, deadline)) return false;
@@ -457,8 +523,13 @@ void C10dBackend::disconnect() {
   fd_ = -1;
 }
 
+std::string C10dBackend::endpoint_text() const {
+  std::string host = host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_;
+  return host + ":" + std::to_string(port_);
+}
+
 void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
-  std::string where = "the c10d rendezvous store at " + host_ + ":" + std::to_string(port_);
+  std::string where = "the c10d rendezvous store at " + endpoint_text();
   sockaddr_storage address{};
   socklen_t length = 0;
   if (!resolve(host_, port_, &address, &length)) {
@@ -492,10 +563,22 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
 
   try {
     std::string hello;
-    if (!receive_until(fd, kServerHelloBytes, &hello, deadline) ||
-        hello.compare(0, 4, kMagic, 4) != 0 || hello[4] != static_cast<char>(kProtocolVersion)) {
-      throw CommError("dtrain run: " + where +
-                      ": not a dtrain rendezvous store (wrong greeting); check --rdzv-endpoint");
+    try {
+      if (!receive_greeting(fd, &hello, Clock::now() + kGreetingTimeout, deadline)) {
+        throw CommError("dtrain run: " + where + " closed the connection before its greeting");
+      }
+    } catch (const NotAStoreError& cause) {
+      throw NotAStoreError("dtrain run: --rdzv-endpoint " + endpoint_text() +
+                           " answers, but is not a dtrain/c10d rendezvous store (" +
+                           std::string(cause.what()) +
+                           "): another program likely holds the port; pick another port for "
+                           "--rdzv-endpoint on every node, or stop that program");
+    }
+    if (hello[4] != static_cast<char>(kProtocolVersion)) {
+      throw UsageError("dtrain run: " + where + " speaks rendezvous protocol version " +
+                       std::to_string(static_cast<unsigned char>(hello[4])) +
+                       ", this dtrain speaks version " + std::to_string(kProtocolVersion) +
+                       "; run the same dtrain on every node");
     }
     bool token_required = hello[5] != 0;
     std::string server_nonce = hello.substr(6, kNonceBytes);
@@ -538,7 +621,7 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
 }
 
 std::string C10dBackend::call(const std::string& request) {
-  std::string where = "the c10d rendezvous store at " + host_ + ":" + std::to_string(port_);
+  std::string where = "the c10d rendezvous store at " + endpoint_text();
   Clock::time_point deadline = Clock::now() + timeout_;
   // A connection idle since the last call may have broken meanwhile; one fresh connection is tried
   // before the store counts as gone.

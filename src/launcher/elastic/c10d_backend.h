@@ -34,9 +34,19 @@
 #include <string>
 #include <thread>
 
+#include "dtrain/errors.h"
 #include "launcher/elastic/rendezvous_backend.h"
 
 namespace dtrain::elastic {
+
+// The peer at the endpoint accepted the connection but is not a dtrain rendezvous store: its first
+// bytes are not the store's greeting, or it sent none within the greeting timeout (5 s; a store
+// greets at once, an HTTP server waits for a request). Most likely another program holds the port.
+// Unlike a refused connection (the store's host may start later), waiting cannot help.
+class NotAStoreError : public CommError {
+ public:
+  using CommError::CommError;
+};
 
 // Serves the store on a thread of its own until destroyed.
 class C10dStoreServer {
@@ -68,7 +78,9 @@ class C10dStoreServer {
 // A client of the store at host:port for one job (the job id is the key of its state).
 class C10dBackend : public RendezvousBackend {
  public:
-  // Connects lazily, on the first call. `timeout` bounds every call (connect, hello, request).
+  // Connects lazily, on the first call. `timeout` bounds every call (connect, hello, request); the
+  // store's greeting must also come within 5 s of the connection (else NotAStoreError). A peer that
+  // speaks anything else throws NotAStoreError at its first byte that is not the store's.
   C10dBackend(std::string host, int port, std::string job_id, std::string token,
               std::chrono::milliseconds timeout);
   ~C10dBackend() override;
@@ -86,6 +98,8 @@ class C10dBackend : public RendezvousBackend {
   std::string call(const std::string& request);
   void connect_and_authenticate(std::chrono::steady_clock::time_point deadline);
   void disconnect();
+  // "host:port", "[v6]:port".
+  std::string endpoint_text() const;
 
   std::string host_;
   int port_;

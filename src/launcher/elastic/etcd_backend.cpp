@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::elastic {
@@ -181,7 +182,7 @@ EtcdBackend::EtcdBackend(const std::string& endpoint, const std::string& run_id,
   }
   if (timeout.count() <= 0) {
     throw UsageError("etcd rendezvous backend: the timeout must be positive, got " +
-                     std::to_string(timeout.count()) + " ms");
+                     detail::seconds_text(timeout));
   }
   key_ = std::move(key_prefix) + run_id + "/state";
   http_ = std::make_unique<Http>();
@@ -227,8 +228,8 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
       break;
     case CURLE_OPERATION_TIMEDOUT:
       throw TimeoutError(
-          at + ": " + operation + " got no answer within " + std::to_string(timeout_.count()) +
-          " ms; the server is stopped, overloaded or unreachable from here (" + detail + ")");
+          at + ": " + operation + " got no answer within " + detail::seconds_text(timeout_) +
+          "; the server is stopped, overloaded or unreachable from here (" + detail + ")");
     case CURLE_COULDNT_CONNECT: {
       long os_errno = 0;
       curl_easy_getinfo(curl, CURLINFO_OS_ERRNO, &os_errno);
@@ -337,8 +338,8 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
     // The comparison failed and the key is gone: it expired, or something outside dtrain deleted
     // it.
     std::string cause = state_ttl_.count() > 0
-                            ? "its TTL of " + std::to_string(state_ttl_.count()) +
-                                  " s expired with no write, or it was deleted (etcdctl del?)"
+                            ? "its TTL of " + detail::seconds_text(state_ttl_) +
+                                  " expired with no write, or it was deleted (etcdctl del?)"
                             : "it was deleted (etcdctl del?)";
     throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key vanished while the " +
                     "job was using it: " + cause + "; restart the job, or give it a new --rdzv-id");

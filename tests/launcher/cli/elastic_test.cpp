@@ -473,15 +473,45 @@ TEST_P(ElasticTest, RendezvousTimeoutNamesWhoIsThereAndHowManyAreNeeded) {
 }
 
 // Nothing answers at a c10d endpoint of another machine's address: one line, exit 2.
-TEST_P(C10dElasticTest, UnreachableEndpointIsAUsageError) {
+// Exit 1, not 2: the flags may be right and the store's node only late, so a scheduler may retry.
+TEST_P(C10dElasticTest, UnreachableEndpointEndsAsAFailedRendezvous) {
   // 192.0.2.1 (TEST-NET-1) is never this machine's, so this agent cannot host the store.
   backend_.endpoint = "192.0.2.1:29400";
   ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=1"});
   ASSERT_TRUE(a.wait(kExitTimeout));
-  EXPECT_EQ(a.exit_code(), 2) << err(0);
+  EXPECT_EQ(a.exit_code(), 1) << err(0);
   EXPECT_NE(err(0).find("--rdzv-endpoint 192.0.2.1:29400: no rendezvous store answered within 1 s"),
             std::string::npos)
       << err(0);
+}
+
+// Another program holds the c10d endpoint's port (issue 21: an HTTP server, or a program that
+// accepts and says nothing). Both agents say so in one line within seconds, long before the join
+// timeout (30 s here), and exit 1, the code of a failed rendezvous that a scheduler may retry, not
+// 2 (bad flags).
+TEST_P(C10dElasticTest, PortHeldByAnotherProgramIsNamedWithinSeconds) {
+  for (const std::string& greeting :
+       {std::string("HTTP/1.1 400 Bad Request\r\n\r\n"), std::string()}) {
+    SCOPED_TRACE(greeting.empty() ? "silent" : "HTTP");
+    ForeignListener foreign(greeting);
+    backend_.endpoint = foreign.endpoint();
+    std::size_t first = agents_.size();
+    ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=30"});
+    ChildProcess& b = start_agent("1:2", {"--rdzv-conf", "join_timeout=30"});
+    ASSERT_TRUE(a.wait(kExitTimeout)) << err(first);
+    ASSERT_TRUE(b.wait(kExitTimeout)) << err(first + 1);
+    for (std::size_t agent : {first, first + 1}) {
+      EXPECT_EQ(agents_[agent]->exit_code(), 1) << err(agent);
+      EXPECT_NE(err(agent).find("dtrain run: --rdzv-endpoint " + foreign.endpoint() +
+                                " answers, but is not a dtrain/c10d rendezvous store"),
+                std::string::npos)
+          << err(agent);
+      EXPECT_NE(err(agent).find("pick another port"), std::string::npos) << err(agent);
+      EXPECT_EQ(count(err(agent), "rendezvous store"), 1) << err(agent);
+    }
+    EXPECT_GE(foreign.accepted(), 2);
+  }
+  EXPECT_TRUE(starts().empty());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ElasticTest, testing::Values("c10d", "etcd"),

@@ -545,6 +545,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"run", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 "127.0.0.1:", "/bin/true"},
                "dtrain run: --rdzv-endpoint: expected HOST:PORT"},
+        BadRun{{"run", "--rdzv-endpoint", "hostA:0", "/bin/true"},
+               "dtrain run: --rdzv-endpoint: expected HOST:PORT with a port in 1..65535, got "
+               "'hostA:0'; give the port"},
         BadRun{{"run", "--rdzv-backend", "consul", "/bin/true"},
                "dtrain run: --rdzv-backend: expected one of c10d, etcd, static, got 'consul'"},
         BadRun{{"run", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -3,7 +3,8 @@
 // The time stands still until a test moves it on, and heartbeats land only when the test writes
 // them, so every deadline of Note [Rounds] is checked to the millisecond and no test sleeps through
 // one. Then the backend contract for the in-memory and the c10d backends; the c10d store's address
-// binding and token handshake. Over 600 lines: every deadline of the note has its own test.
+// binding and token handshake; a client that meets another program on the store's port. Over 600
+// lines: every deadline of the note has its own test.
 #include "launcher/elastic/rendezvous.h"
 
 #include <arpa/inet.h>
@@ -26,6 +27,7 @@
 #include "dtrain/errors.h"
 #include "launcher/elastic/c10d_backend.h"
 #include "launcher/elastic/ports.h"
+#include "test_support.h"
 
 namespace {
 
@@ -681,6 +683,37 @@ TEST(C10dStore, ClientSaysWhenTheStoreIsGone) {
     EXPECT_NE(std::string(error.what()).find("127.0.0.1:" + std::to_string(port)),
               std::string::npos)
         << error.what();
+  }
+}
+
+// Another program holds the endpoint's port (issue 21): an HTTP server's answer, a few bytes of a
+// binary protocol, or an accepted connection and silence. The client says so within the greeting
+// timeout (5 s), far within its call timeout (20 s here), with an error that is not a timeout (the
+// agent does not retry it) and names the endpoint.
+TEST(C10dStore, ClientNamesAnotherProgramOnThePortWithinSeconds) {
+  using dtrain::cli::testing_support::ForeignListener;
+  constexpr auto kCallTimeout = 20s;
+  for (const std::string& greeting :
+       {std::string("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"),
+        std::string("\x16\x03\x01", 3), std::string()}) {
+    SCOPED_TRACE(greeting.empty() ? "silent" : greeting.substr(0, 8));
+    ForeignListener foreign(greeting);
+    C10dBackend backend("127.0.0.1", foreign.port(), "job", "", kCallTimeout);
+    auto start = std::chrono::steady_clock::now();
+    try {
+      backend.get_state();
+      ADD_FAILURE() << "got a state from another program";
+    } catch (const dtrain::CommError& error) {
+      std::string message = error.what();
+      EXPECT_EQ(dynamic_cast<const dtrain::TimeoutError*>(&error), nullptr) << message;
+      EXPECT_NE(message.find(foreign.endpoint() + " answers, but is not a dtrain/c10d rendezvous "
+                                                  "store"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find("another program"), std::string::npos) << message;
+      EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, kCallTimeout / 2);
   }
 }
 

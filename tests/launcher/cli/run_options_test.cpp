@@ -166,6 +166,14 @@ INSTANTIATE_TEST_SUITE_P(
                  "--rdzv-endpoint: expected HOST:PORT"},
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:70000", "p"},
                  "--rdzv-endpoint: expected HOST:PORT"},
+        // The whole value, what a port may be and what to do (issue 21: "got '0'").
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "hostA:0", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT with a port in 1..65535, got 'hostA:0'; "
+                 "give the port the rendezvous listens on, the same on every node (e.g. "
+                 "hostA:29400), or the host alone for the default port 29400"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "etcd1:99999", "p"},
+                 "got 'etcd1:99999'; give the port the rendezvous listens on, the same on every "
+                 "node (e.g. etcd1:2379), or the host alone for the default port 2379"},
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "p"},
                  "--rdzv-endpoint: expected HOST:PORT"},
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "a:1:2", "p"},

@@ -77,6 +77,10 @@ INSTANTIATE_TEST_SUITE_P(
                     BadFlags{{"--steps", "5", "--seconds", "2", "p"}, "--steps and --seconds"},
                     BadFlags{{"--steps", "0", "p"}, "--steps: expected an integer in 1.."},
                     BadFlags{{"--seconds", "-1", "p"}, "--seconds"},
+                    // Seconds as every message writes them, not "15.000000" (issue 21).
+                    BadFlags{{"--seconds", "15", "--time-limit", "10", "p"},
+                             "--time-limit: must exceed --seconds (15 s), got 10 s; raise "
+                             "--time-limit or lower --seconds"},
                     BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
                     BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
                     BadFlags{{"--steps"}, "--steps: missing value"},

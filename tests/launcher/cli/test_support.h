@@ -1,13 +1,19 @@
-// Helpers shared by the launcher tests: files, bounded waits, process liveness, temporary folders
-// and child processes with their output in files (killed when the test is done with them).
+// Helpers shared by the launcher tests: files, bounded waits, process liveness, temporary folders,
+// child processes with their output in files (killed when the test is done with them) and a TCP
+// listener that stands for another program holding a port.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -181,6 +187,65 @@ class ChildProcess {
   int exit_code_ = -1;
   double seconds_ = 0;
   Clock::time_point started_;
+};
+
+// Another program on a port of 127.0.0.1 (an HTTP server, say): accepts every connection, writes
+// `greeting` to it (nothing when empty) and keeps it open, silent, until destroyed. Its thread
+// waits in poll() with a short timeout, so the destructor ends it within 100 ms.
+class ForeignListener {
+ public:
+  explicit ForeignListener(std::string greeting) : greeting_(std::move(greeting)) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    if (listen_fd_ < 0 || bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
+        listen(listen_fd_, 16) != 0 ||
+        getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+      throw std::runtime_error("ForeignListener: cannot listen on 127.0.0.1");
+    }
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~ForeignListener() {
+    stop_ = true;
+    thread_.join();
+    for (int fd : accepted_) close(fd);
+    close(listen_fd_);
+  }
+  ForeignListener(const ForeignListener&) = delete;
+  ForeignListener& operator=(const ForeignListener&) = delete;
+
+  int port() const { return port_; }
+  // "127.0.0.1:PORT"
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Connections accepted so far.
+  int accepted() const { return accepted_count_; }
+
+ private:
+  void serve() {
+    while (!stop_) {
+      pollfd in{listen_fd_, POLLIN, 0};
+      if (poll(&in, 1, 100) <= 0) continue;
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      if (!greeting_.empty()) {
+        ssize_t ignored = send(fd, greeting_.data(), greeting_.size(), MSG_NOSIGNAL);
+        (void)ignored;
+      }
+      accepted_.push_back(fd);
+      ++accepted_count_;
+    }
+  }
+
+  std::string greeting_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::vector<int> accepted_;  // touched by the thread only until it is joined
+  std::atomic<int> accepted_count_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 }  // namespace dtrain::cli::testing_support
