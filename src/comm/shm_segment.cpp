@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "comm/store_bytes.h"
+#include "common/format.h"
 
 namespace dtrain::detail {
 
@@ -79,11 +80,14 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(key + "/attached/" + std::to_string(r));
   bool all_attached = true;
+  std::vector<int> not_attached;
   try {
     store.wait(keys, timeout);
-    for (const auto& k : keys) {
-      auto value = store.get(k);
-      all_attached = all_attached && value.size() == 1 && value[0] == '1';
+    for (int r = 0; r < size; ++r) {
+      auto value = store.get(keys[r]);
+      if (value.size() == 1 && value[0] == '1') continue;
+      all_attached = false;
+      not_attached.push_back(r);
     }
   } catch (...) {
     if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
@@ -94,6 +98,14 @@ std::unique_ptr<ShmSegment> map_group_segment(c10d::Store& store, const std::str
   if (rank == 0 && !name.empty())
     shm_unlink(name.c_str());  // mapped everywhere now; no name to leak
   if (!all_attached) {
+    // Every rank says why it falls back, not only the one that failed: the message each caller
+    // prints then names the ranks whose attach failed (theirs also say how).
+    if (wanted && problem.empty()) {
+      std::vector<std::string> ranks;
+      for (int r : not_attached) ranks.push_back(std::to_string(r));
+      problem = "rank" + std::string(ranks.size() > 1 ? "s " : " ") + list_text(ranks) +
+                " could not map the segment";
+    }
     if (attached) munmap(base, bytes);
     if (fd >= 0) close(fd);
     return nullptr;
