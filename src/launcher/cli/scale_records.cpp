@@ -19,8 +19,8 @@ namespace {
 // Means over one rank's measured records, and its throughput on the records' own clock.
 struct RankSummary {
   long long steps = 0;
-  double interval_s = 0, step_s = 0, compute_s = 0, exposed_s = 0, optimizer_s = 0, comm_s = 0,
-         comm_bytes = 0, comm_ops = 0, samples = 0, samples_per_s = 0;
+  double interval_s = 0, step_s = 0, compute_s = 0, backward_s = 0, exposed_s = 0, optimizer_s = 0,
+         comm_s = 0, comm_bytes = 0, comm_ops = 0, samples = 0, samples_per_s = 0;
 };
 
 RankSummary summarize_rank(const std::vector<StepRecord>& records, std::size_t first) {
@@ -32,6 +32,7 @@ RankSummary summarize_rank(const std::vector<StepRecord>& records, std::size_t f
     const StepRecord& r = records[i];
     summary.step_s += r.step_s;
     summary.compute_s += r.forward_s + r.backward_s;
+    summary.backward_s += r.backward_s;
     summary.exposed_s += r.exposed_comm_s;
     summary.optimizer_s += r.optimizer_s;
     summary.comm_s += r.comm_s;
@@ -41,9 +42,9 @@ RankSummary summarize_rank(const std::vector<StepRecord>& records, std::size_t f
   }
   double n = static_cast<double>(count);
   double sum_step_s = summary.step_s;
-  for (double* mean :
-       {&summary.step_s, &summary.compute_s, &summary.exposed_s, &summary.optimizer_s,
-        &summary.comm_s, &summary.comm_bytes, &summary.comm_ops, &summary.samples}) {
+  for (double* mean : {&summary.step_s, &summary.compute_s, &summary.backward_s, &summary.exposed_s,
+                       &summary.optimizer_s, &summary.comm_s, &summary.comm_bytes,
+                       &summary.comm_ops, &summary.samples}) {
     *mean /= n;
   }
   // Wall time per step from the end of the step before the window to the end of the last one: it
@@ -105,6 +106,7 @@ void fill_from_records(const RunResult& run, int warmup_steps, Row& row,
     row.interval_s += r.interval_s / n;
     row.step_s += r.step_s / n;
     row.compute_s += r.compute_s / n;
+    row.backward_s += r.backward_s / n;
     row.exposed_comm_s += r.exposed_s / n;
     row.optimizer_s += r.optimizer_s / n;
     row.comm_s += r.comm_s / n;

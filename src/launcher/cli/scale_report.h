@@ -89,7 +89,8 @@ struct Row {
   double interval_s =
       0;  // wall time per step from the records' clock (step plus what lies between)
   double step_s = 0, compute_s = 0, exposed_comm_s = 0, optimizer_s = 0;
-  double other_s = 0;  // interval - compute - exposed communication - optimizer
+  double backward_s = 0;  // the part of compute_s that all-reduces can overlap with
+  double other_s = 0;     // interval - compute - exposed communication - optimizer
   double comm_s = 0, comm_bytes = 0, comm_ops = 0;
   double samples_per_rank_step = 0;
   double compute_per_sample_s = 0;
@@ -137,6 +138,9 @@ struct Prediction {
   double compute_per_sample_s = 0;
   double fixed_s = 0;        // per-step time that is neither compute nor exposed communication
   double exposed_share = 1;  // exposed communication / the model's all-reduce time (may be > 1)
+  // Compute per sample that communication can hide behind (the backward pass): the hidden part of
+  // an all-reduce never exceeds it times the samples per rank.
+  double hide_per_sample_s = 0;
   double bytes_per_step = 0, ops_per_step = 0;
   double samples_per_rank = 0;  // at the fitted row; the global batch is this times its workers
   double baseline_samples_per_s = 0;  // measured, at the baseline row
