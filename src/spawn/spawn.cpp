@@ -24,6 +24,7 @@
 
 #include "comm/thread_launch.h"
 #include "common/format.h"
+#include "common/log.h"
 
 extern char** environ;
 
@@ -87,8 +88,7 @@ int env_int(const char* name, int fallback) {
     message = "an exception that is not a std::exception";
   }
   if (status != 0) {
-    std::cerr << "[dtrain::spawn " << detail::rank_text(rank, nprocs) << "] " << message
-              << std::endl;
+    DTRAIN_LOG(kError, "dtrain::spawn: " << detail::rank_text(rank, nprocs) << ": " << message);
     if (error_fd >= 0) {
       if (message.size() > kMaxMessage) message.resize(kMaxMessage);
       ssize_t ignored = ::write(error_fd, message.data(), message.size());
@@ -334,8 +334,8 @@ void spawn_processes(int nprocs, const SpawnOptions& options) {
       const std::string text = std::string("dtrain::spawn: received SIG") + sigabbrev_np(signo) +
                                "; stopped " + std::to_string(running) +
                                " running worker(s): SIGTERM, SIGKILL after " +
-                               std::to_string(options.stop_grace.count()) + " ms";
-      std::cerr << text << std::endl;
+                               detail::seconds_text(options.stop_grace) + " if still running";
+      DTRAIN_LOG(kError, text);
       signals.restore();  // the program's own dispositions again
       ::raise(
           signo);  // by default this process ends here, killed by the signal as it would have been
