@@ -1,0 +1,157 @@
+// The transformer of gpt.h, single-device: the layers as Llama's reference code has them (RMSNorm,
+// rotary embeddings on the rotate-half convention, grouped key/value heads repeated to the query
+// heads, SwiGLU), and LibTorch's scaled_dot_product_attention for the causal attention itself.
+#include "gpt/gpt.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+
+#include "dtrain/errors.h"
+
+namespace gpt {
+
+int64_t GptConfig::hidden() const {
+  if (mlp_width > 0) return mlp_width;
+  const int64_t raw = (8 * width + 2) / 3;  // 8/3 x width, rounded up
+  return (raw + 7) / 8 * 8;
+}
+
+void GptConfig::check() const {
+  auto fail = [](const std::string& what) { throw dtrain::UsageError("gpt::GptConfig: " + what); };
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"vocab", vocab},
+                             {"seq_len", seq_len},
+                             {"layers", layers},
+                             {"width", width},
+                             {"heads", heads},
+                             {"kv_heads", kv_heads}}) {
+    if (value < 1) fail(std::string(name) + " " + std::to_string(value) + ": expected at least 1");
+  }
+  if (mlp_width < 0) fail("mlp_width " + std::to_string(mlp_width) + ": expected 0 or more");
+  if (width % heads != 0) {
+    fail("width " + std::to_string(width) + " does not divide by heads " + std::to_string(heads) +
+         "; pick a width that is a multiple of the head count");
+  }
+  if (head_dim() % 2 != 0) {
+    fail("the head dimension width / heads = " + std::to_string(head_dim()) +
+         " is odd; rotary embeddings rotate pairs of features, so it must be even");
+  }
+  if (heads % kv_heads != 0) {
+    fail("heads " + std::to_string(heads) + " does not divide by kv_heads " +
+         std::to_string(kv_heads) + "; each key/value head serves a whole number of query heads");
+  }
+  if (!(rope_theta > 0) || !(norm_eps > 0)) fail("rope_theta and norm_eps must be positive");
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
+}
+
+AttentionImpl::AttentionImpl(const GptConfig& config)
+    : heads_(config.heads), kv_heads_(config.kv_heads), head_dim_(config.head_dim()) {
+  auto linear = [&](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  wq = register_module("wq", linear(config.width, heads_ * head_dim_));
+  wk = register_module("wk", linear(config.width, kv_heads_ * head_dim_));
+  wv = register_module("wv", linear(config.width, kv_heads_ * head_dim_));
+  wo = register_module("wo", linear(heads_ * head_dim_, config.width));
+}
+
+namespace {
+
+// The rotate-half form of a rotary embedding: features i and i + d/2 are one pair.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+}  // namespace
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+  const int64_t batch = x.size(0), seq = x.size(1);
+  // [batch, heads, seq, head_dim], as scaled_dot_product_attention takes them.
+  auto split = [&](const at::Tensor& t, int64_t heads) {
+    return t.view({batch, seq, heads, head_dim_}).transpose(1, 2);
+  };
+  at::Tensor q = rotate(split(wq(x), heads_), cos, sin);
+  at::Tensor k = rotate(split(wk(x), kv_heads_), cos, sin);
+  at::Tensor v = split(wv(x), kv_heads_);
+  if (kv_heads_ != heads_) {  // each key/value head serves heads / kv_heads query heads
+    k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
+    v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
+  }
+  at::Tensor attended = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{},
+                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
+  return wo(attended.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
+}
+
+MlpImpl::MlpImpl(const GptConfig& config) {
+  auto linear = [&](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  w1 = register_module("w1", linear(config.width, config.hidden()));
+  w2 = register_module("w2", linear(config.hidden(), config.width));
+  w3 = register_module("w3", linear(config.width, config.hidden()));
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+
+BlockImpl::BlockImpl(const GptConfig& config) {
+  attention_norm = register_module("attention_norm", RMSNorm(config.width, config.norm_eps));
+  attention = register_module("attention", Attention(config));
+  mlp_norm = register_module("mlp_norm", RMSNorm(config.width, config.norm_eps));
+  mlp = register_module("mlp", Mlp(config));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor h = x + attention(attention_norm(x), cos, sin);
+  return h + mlp(mlp_norm(h));
+}
+
+GptImpl::GptImpl(GptConfig config) : config_(config) {
+  config_.check();
+  embedding = register_module("embedding", torch::nn::Embedding(config_.vocab, config_.width));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.layers; ++i) blocks->push_back(Block(config_));
+  norm = register_module("norm", RMSNorm(config_.width, config_.norm_eps));
+  head = register_module(
+      "head",
+      torch::nn::Linear(torch::nn::LinearOptions(config_.width, config_.vocab).bias(false)));
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+  if (tokens.dim() != 2 || tokens.size(1) > config_.seq_len) {
+    throw dtrain::UsageError("gpt::Gpt: expected tokens [batch, seq] with seq <= seq_len " +
+                             std::to_string(config_.seq_len) + ", got " +
+                             std::to_string(tokens.dim()) + " dimensions, sizes " +
+                             c10::str(tokens.sizes()));
+  }
+  auto [cos, sin] = rotary_tables(config_, tokens.size(1), tokens.device());
+  at::Tensor x = embedding(tokens);
+  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x, cos, sin);
+  return head(norm(x));
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(const GptConfig& config, int64_t seq,
+                                                const c10::Device& device) {
+  const int64_t dim = config.head_dim();
+  auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  // Frequency theta^(-2i/d) for pair i, the same for both halves (rotate-half convention).
+  at::Tensor inverse = at::pow(config.rope_theta, -at::arange(0, dim, 2, options) / dim);
+  at::Tensor angles = at::outer(at::arange(seq, options), inverse);  // [seq, dim / 2]
+  angles = at::cat({angles, angles}, -1);                            // [seq, dim]
+  return {angles.cos(), angles.sin()};
+}
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+}  // namespace gpt

@@ -1,0 +1,124 @@
+// A decoder-only transformer in the shape of today's open models (Llama's): token embedding; N
+// blocks of RMSNorm, causal self-attention with rotary position embeddings and grouped key/value
+// heads, RMSNorm, SwiGLU MLP, each with a residual; a final RMSNorm and an LM head. Sizes come from
+// a GptConfig. It is the "real model" of issue 20, which every layout of dtrain must train; this
+// file is the single-device model those layouts split.
+//
+//   gpt::GptConfig config;          // vocabulary 256: bytes as tokens
+//   config.layers = 4;
+//   gpt::Gpt model(config);
+//   at::Tensor logits = model(tokens);                         // [batch, seq] -> [.., vocab]
+//   at::Tensor loss = gpt::next_token_loss(logits, targets);   // mean over every position
+//
+// The blocks are the model's children "blocks.0", "blocks.1", ... (a torch::nn::ModuleList), so a
+// layout can treat a block as a unit (a ZeRO-3 unit, a pipeline stage's share).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace gpt {
+
+struct GptConfig {
+  int64_t vocab = 256;   // bytes as tokens
+  int64_t seq_len = 64;  // the longest sequence (rotary tables are built for it)
+  int64_t layers = 2;
+  int64_t width = 64;     // the model dimension
+  int64_t heads = 4;      // query heads; width must divide by it
+  int64_t kv_heads = 2;   // key/value heads (grouped-query attention); heads must divide by it
+  int64_t mlp_width = 0;  // SwiGLU's hidden width; 0: 8/3 x width rounded up to a multiple of 8
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+
+  int64_t head_dim() const { return width / heads; }
+  int64_t hidden() const;  // mlp_width, or the default above
+  // Throws dtrain::UsageError naming the first size that does not fit (e.g. "width 65 does not
+  // divide by heads 4").
+  void check() const;
+};
+
+// x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// Causal self-attention over [batch, seq, width] with rotary embeddings on queries and keys; the
+// key/value heads are shared by heads / kv_heads query heads each.
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const GptConfig& config);
+  // cos, sin: [seq, head_dim] rotary tables for the positions of x.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+};
+TORCH_MODULE(Attention);
+
+// SwiGLU: w2(silu(w1 x) * w3 x).
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const GptConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// x + attention(norm(x)), then + mlp(norm(.)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GptConfig& config);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  RMSNorm attention_norm{nullptr}, mlp_norm{nullptr};
+  Attention attention{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GptImpl : public torch::nn::Module {
+ public:
+  // Throws dtrain::UsageError for a config that does not fit (GptConfig::check).
+  explicit GptImpl(GptConfig config);
+  // tokens [batch, seq] (int64, seq <= config.seq_len) -> logits [batch, seq, vocab]. Throws
+  // dtrain::UsageError for a longer sequence.
+  at::Tensor forward(const at::Tensor& tokens);
+  const GptConfig& config() const { return config_; }
+
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  RMSNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+
+ private:
+  GptConfig config_;
+};
+TORCH_MODULE(Gpt);
+
+// The rotary tables for positions 0..seq-1: cos and sin, [seq, head_dim], float32 on `device`.
+// (Not buffers of the model: they are a function of the config, the same on every rank, so DDP
+// must not broadcast them and checkpoints need not hold them.)
+std::pair<at::Tensor, at::Tensor> rotary_tables(const GptConfig& config, int64_t seq,
+                                                const c10::Device& device);
+
+// Cross-entropy of logits [batch, seq, vocab] against targets [batch, seq], the mean over every
+// position: the next-token loss (targets are the tokens shifted by one).
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace gpt

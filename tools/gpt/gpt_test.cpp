@@ -1,0 +1,165 @@
+// The transformer of gpt.h: its shape and its causality, the config's errors, and the first layouts
+// of issue 20: DDP and ZeRO stages 1-3 over 2 and 3 thread-ranks, each on its share of the batch,
+// end with the same parameters as one process trained on the whole batch.
+#include "gpt/gpt.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dtrain/ddp.h"
+#include "dtrain/errors.h"
+#include "dtrain/sharded.h"
+#include "support/thread_ranks.h"
+
+namespace gpt {
+namespace {
+
+GptConfig tiny() {
+  GptConfig config;
+  config.seq_len = 16;
+  config.layers = 2;
+  config.width = 32;
+  config.heads = 4;
+  config.kv_heads = 2;
+  return config;
+}
+
+TEST(Gpt, LogitsHaveTheVocabularyAndNamedParameters) {
+  torch::manual_seed(0);
+  Gpt model(tiny());
+  at::Tensor tokens = torch::randint(256, {3, 16});
+  EXPECT_EQ(model(tokens).sizes(), (std::vector<int64_t>{3, 16, 256}));
+  auto names = model->named_parameters().keys();
+  for (const char* name : {"embedding.weight", "blocks.0.attention.wq.weight",
+                           "blocks.1.mlp.w3.weight", "norm.weight", "head.weight"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+  // Grouped heads: keys and values have kv_heads x head_dim = 16 outputs, queries 32.
+  auto block = model->blocks[0]->as<BlockImpl>();
+  EXPECT_EQ(block->attention->wk->weight.size(0), 16);
+  EXPECT_EQ(block->attention->wq->weight.size(0), 32);
+  EXPECT_EQ(block->mlp->w1->weight.size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
+}
+
+TEST(Gpt, APositionSeesNoLaterToken) {
+  torch::manual_seed(1);
+  Gpt model(tiny());
+  at::Tensor tokens = torch::randint(256, {2, 16});
+  at::Tensor changed = tokens.clone();
+  changed.index_put_({torch::indexing::Slice(), 9}, (tokens.select(1, 9) + 1) % 256);
+  torch::NoGradGuard no_grad;
+  at::Tensor before = model(tokens), after = model(changed);
+  // Positions 0..8 do not see token 9; position 9 and later do.
+  EXPECT_TRUE(torch::equal(before.narrow(1, 0, 9), after.narrow(1, 0, 9)));
+  EXPECT_FALSE(torch::allclose(before.narrow(1, 9, 1), after.narrow(1, 9, 1)));
+}
+
+TEST(Gpt, AConfigThatDoesNotFitIsOneLineNamingTheSize) {
+  auto message = [](GptConfig config) {
+    try {
+      Gpt model(config);
+    } catch (const dtrain::UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  GptConfig config = tiny();
+  config.width = 30;
+  EXPECT_NE(message(config).find("width 30 does not divide by heads 4"), std::string::npos)
+      << message(config);
+  config = tiny();
+  config.heads = 4;
+  config.kv_heads = 3;
+  EXPECT_NE(message(config).find("heads 4 does not divide by kv_heads 3"), std::string::npos)
+      << message(config);
+  config = tiny();
+  config.width = 36;  // head dimension 9
+  EXPECT_NE(message(config).find("is odd"), std::string::npos) << message(config);
+  Gpt model(tiny());
+  EXPECT_THROW(model(torch::zeros({1, 17}, torch::kLong)), dtrain::UsageError);
+}
+
+// k SGD steps over `world` thread-ranks, each on its rows of one batch, against one process on the
+// whole batch: every parameter within a relative 1e-5 (float32; the ranks' mean of per-rank mean
+// losses is the whole batch's mean because every rank has as many rows). zero_stage 0: DDP;
+// 1-3: ShardedDataParallel at that stage (the model is not a Sequential, so it is one unit).
+void expect_equal_to_one_process(int world, int zero_stage = 0) {
+  const GptConfig config = tiny();
+  const int64_t rows_per_rank = 2, steps = 3;
+  torch::manual_seed(7);
+  at::Tensor data = torch::randint(256, {steps, world * rows_per_rank, config.seq_len + 1});
+
+  torch::manual_seed(3);
+  Gpt reference(config);
+  std::vector<at::Tensor> initial;
+  for (const auto& p : reference->parameters()) initial.push_back(p.detach().clone());
+  torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
+  for (int64_t s = 0; s < steps; ++s) {
+    at::Tensor batch = data[s];
+    reference_optimizer.zero_grad();
+    next_token_loss(reference(batch.narrow(1, 0, config.seq_len)),
+                    batch.narrow(1, 1, config.seq_len))
+        .backward();
+    reference_optimizer.step();
+  }
+
+  std::vector<std::vector<at::Tensor>> trained(world);
+  dtrain::testing::run_group(world, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
+    // The ranks' threads draw from one generator, so their fresh models differ: rank 0 takes the
+    // reference's start and DDP's constructor gives it to every rank.
+    Gpt model(config);
+    if (rank == 0) {
+      torch::NoGradGuard no_grad;
+      auto mine = model->parameters();
+      for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(initial[i]);
+    }
+    dtrain::DistributedDataParallel<GptImpl> ddp{nullptr};
+    dtrain::ShardedDataParallel<GptImpl> sdp{nullptr};
+    std::vector<at::Tensor> stepped;
+    if (zero_stage == 0) {
+      ddp = dtrain::DistributedDataParallel(model, pg);
+      stepped = ddp->parameters();
+    } else {
+      dtrain::ShardedDataParallelOptions options;
+      options.stage = zero_stage;
+      sdp = dtrain::ShardedDataParallel(model, pg, options);
+      stepped = sdp->parameters();  // this rank's shards
+    }
+    torch::optim::SGD optimizer(stepped, 0.1);
+    for (int64_t s = 0; s < steps; ++s) {
+      at::Tensor mine = data[s].narrow(0, rank * rows_per_rank, rows_per_rank);
+      at::Tensor input = mine.narrow(1, 0, config.seq_len);
+      optimizer.zero_grad();
+      next_token_loss(ddp ? ddp(input) : sdp(input), mine.narrow(1, 1, config.seq_len)).backward();
+      optimizer.step();
+    }
+    if (sdp) sdp->gather_full_parameters();  // the whole model, to compare
+    for (const auto& p : model->parameters()) trained[rank].push_back(p.detach().clone());
+  });
+
+  auto expected = reference->named_parameters();
+  for (int rank = 0; rank < world; ++rank) {
+    ASSERT_EQ(trained[rank].size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const at::Tensor& want = expected[i].value();
+      double error = (trained[rank][i] - want).norm().item<double>() /
+                     std::max(want.norm().item<double>(), 1e-12);
+      EXPECT_LT(error, 1e-5) << "rank " << rank << "/" << world << ", " << expected[i].key();
+    }
+  }
+  // The steps moved the parameters: a test of equal starting points alone would pass too.
+  EXPECT_GT((initial.back() - reference->head->weight).abs().max().item<double>(), 1e-4);
+}
+
+TEST(GptDdp, TwoRanksEqualOneProcess) { expect_equal_to_one_process(2); }
+TEST(GptDdp, ThreeRanksEqualOneProcess) { expect_equal_to_one_process(3); }
+TEST(GptZero, EveryStageAtTwoRanksEqualsOneProcess) {
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    expect_equal_to_one_process(2, stage);
+  }
+}
+TEST(GptZero, Stage3AtThreeRanksEqualsOneProcess) { expect_equal_to_one_process(3, 3); }
+
+}  // namespace
+}  // namespace gpt
