@@ -217,7 +217,9 @@ class ShardedDataParallelImpl : public ShardedDataParallelBase {
   // prepare_forward() and finish_forward().
   template <typename... Args>
   at::Tensor forward(Args&&... args) {
-    if constexpr (std::is_same_v<ModuleType, torch::nn::SequentialImpl> && sizeof...(Args) == 1) {
+    // Any Sequential, a class derived from SequentialImpl too (its own forward() is not used).
+    if constexpr (std::is_base_of_v<torch::nn::SequentialImpl, ModuleType> &&
+                  sizeof...(Args) == 1) {
       if (drives_units()) return forward_units(std::forward<Args>(args)...);
     }
     prepare_forward();

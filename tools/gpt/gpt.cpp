@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 
+#include <tuple>
+
 #include "dtrain/errors.h"
 
 namespace gpt {
@@ -51,7 +53,10 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
 }
 
 AttentionImpl::AttentionImpl(const GptConfig& config)
-    : heads_(config.heads), kv_heads_(config.kv_heads), head_dim_(config.head_dim()) {
+    : config_(config),
+      heads_(config.heads),
+      kv_heads_(config.kv_heads),
+      head_dim_(config.head_dim()) {
   auto linear = [&](int64_t in, int64_t out) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
   };
@@ -72,9 +77,13 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 }  // namespace
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
-                                  const at::Tensor& sin) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const int64_t batch = x.size(0), seq = x.size(1);
+  if (!cos_.defined() || cos_.size(0) != seq || cos_.device() != x.device()) {
+    std::tie(cos_, sin_) = rotary_tables(config_, seq, x.device());
+  }
+  const at::Tensor& cos = cos_;
+  const at::Tensor& sin = sin_;
   // [batch, heads, seq, head_dim], as scaled_dot_product_attention takes them.
   auto split = [&](const at::Tensor& t, int64_t heads) {
     return t.view({batch, seq, heads, head_dim_}).transpose(1, 2);
@@ -109,20 +118,21 @@ BlockImpl::BlockImpl(const GptConfig& config) {
   mlp = register_module("mlp", Mlp(config));
 }
 
-at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  at::Tensor h = x + attention(attention_norm(x), cos, sin);
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + attention(attention_norm(x));
   return h + mlp(mlp_norm(h));
 }
 
 GptImpl::GptImpl(GptConfig config) : config_(config) {
   config_.check();
-  embedding = register_module("embedding", torch::nn::Embedding(config_.vocab, config_.width));
-  blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.layers; ++i) blocks->push_back(Block(config_));
-  norm = register_module("norm", RMSNorm(config_.width, config_.norm_eps));
-  head = register_module(
-      "head",
-      torch::nn::Linear(torch::nn::LinearOptions(config_.width, config_.vocab).bias(false)));
+  embedding = torch::nn::Embedding(config_.vocab, config_.width);
+  norm = RMSNorm(config_.width, config_.norm_eps);
+  head = torch::nn::Linear(torch::nn::LinearOptions(config_.width, config_.vocab).bias(false));
+  push_back("embedding", embedding);
+  for (int64_t i = 0; i < config_.layers; ++i)
+    push_back("block" + std::to_string(i), Block(config_));
+  push_back("norm", norm);
+  push_back("head", head);
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
@@ -132,10 +142,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
                              std::to_string(tokens.dim()) + " dimensions, sizes " +
                              c10::str(tokens.sizes()));
   }
-  auto [cos, sin] = rotary_tables(config_, tokens.size(1), tokens.device());
-  at::Tensor x = embedding(tokens);
-  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x, cos, sin);
-  return head(norm(x));
+  return torch::nn::SequentialImpl::forward(tokens);
 }
 
 std::pair<at::Tensor, at::Tensor> rotary_tables(const GptConfig& config, int64_t seq,

@@ -10,14 +10,19 @@
 //   at::Tensor logits = model(tokens);                         // [batch, seq] -> [.., vocab]
 //   at::Tensor loss = gpt::next_token_loss(logits, targets);   // mean over every position
 //
-// The blocks are the model's children "blocks.0", "blocks.1", ... (a torch::nn::ModuleList), so a
-// layout can treat a block as a unit (a ZeRO-3 unit, a pipeline stage's share).
+// Note [The model is a Sequential]
+// Gpt is a torch::nn::Sequential of named children, "embedding", "block0" .. "block<N-1>", "norm",
+// "head", each taking and returning one tensor (every block builds its own rotary tables). So the
+// layouts that cut a Sequential take it as it is: ZeRO-3 makes every child a unit (a block each,
+// the embedding and the head units of their own), a pipeline cuts it between blocks (the embedding
+// on the first stage, the norm and head on the last), and the parameter names say where each
+// tensor lives ("block3.attention.wq.weight").
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -63,12 +68,13 @@ TORCH_MODULE(RMSNorm);
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const GptConfig& config);
-  // cos, sin: [seq, head_dim] rotary tables for the positions of x.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 
  private:
+  GptConfig config_;
   int64_t heads_, kv_heads_, head_dim_;
+  at::Tensor cos_, sin_;  // the rotary tables of the last sequence length and device seen
 };
 TORCH_MODULE(Attention);
 
@@ -85,14 +91,15 @@ TORCH_MODULE(Mlp);
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const GptConfig& config);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor forward(const at::Tensor& x);
   RMSNorm attention_norm{nullptr}, mlp_norm{nullptr};
   Attention attention{nullptr};
   Mlp mlp{nullptr};
 };
 TORCH_MODULE(Block);
 
-class GptImpl : public torch::nn::Module {
+// The whole model (Note [The model is a Sequential]).
+class GptImpl : public torch::nn::SequentialImpl {
  public:
   // Throws dtrain::UsageError for a config that does not fit (GptConfig::check).
   explicit GptImpl(GptConfig config);
@@ -100,9 +107,14 @@ class GptImpl : public torch::nn::Module {
   // dtrain::UsageError for a longer sequence.
   at::Tensor forward(const at::Tensor& tokens);
   const GptConfig& config() const { return config_; }
+  // The model as the Sequential it is, for split_sequential and the like.
+  torch::nn::Sequential sequential() {
+    return torch::nn::Sequential(
+        std::static_pointer_cast<torch::nn::SequentialImpl>(shared_from_this()));
+  }
+  BlockImpl& block(int64_t i) { return *ptr<BlockImpl>(1 + i); }
 
   torch::nn::Embedding embedding{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
   RMSNorm norm{nullptr};
   torch::nn::Linear head{nullptr};
 

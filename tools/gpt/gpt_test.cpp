@@ -1,6 +1,7 @@
 // The transformer of gpt.h: its shape and its causality, the config's errors, and the first layouts
 // of issue 20: DDP and ZeRO stages 1-3 over 2 and 3 thread-ranks, each on its share of the batch,
-// end with the same parameters as one process trained on the whole batch.
+// end with the same parameters as one process trained on the whole batch; a single-process pipeline
+// over its blocks gives the whole batch's gradients under every schedule.
 #include "gpt/gpt.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
+#include "dtrain/pipeline.h"
 #include "dtrain/sharded.h"
 #include "support/thread_ranks.h"
 
@@ -30,15 +32,15 @@ TEST(Gpt, LogitsHaveTheVocabularyAndNamedParameters) {
   at::Tensor tokens = torch::randint(256, {3, 16});
   EXPECT_EQ(model(tokens).sizes(), (std::vector<int64_t>{3, 16, 256}));
   auto names = model->named_parameters().keys();
-  for (const char* name : {"embedding.weight", "blocks.0.attention.wq.weight",
-                           "blocks.1.mlp.w3.weight", "norm.weight", "head.weight"}) {
+  for (const char* name : {"embedding.weight", "block0.attention.wq.weight", "block1.mlp.w3.weight",
+                           "norm.weight", "head.weight"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
   }
   // Grouped heads: keys and values have kv_heads x head_dim = 16 outputs, queries 32.
-  auto block = model->blocks[0]->as<BlockImpl>();
-  EXPECT_EQ(block->attention->wk->weight.size(0), 16);
-  EXPECT_EQ(block->attention->wq->weight.size(0), 32);
-  EXPECT_EQ(block->mlp->w1->weight.size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
+  BlockImpl& block = model->block(0);
+  EXPECT_EQ(block.attention->wk->weight.size(0), 16);
+  EXPECT_EQ(block.attention->wq->weight.size(0), 32);
+  EXPECT_EQ(block.mlp->w1->weight.size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
 }
 
 TEST(Gpt, APositionSeesNoLaterToken) {
@@ -82,7 +84,7 @@ TEST(Gpt, AConfigThatDoesNotFitIsOneLineNamingTheSize) {
 // k SGD steps over `world` thread-ranks, each on its rows of one batch, against one process on the
 // whole batch: every parameter within a relative 1e-5 (float32; the ranks' mean of per-rank mean
 // losses is the whole batch's mean because every rank has as many rows). zero_stage 0: DDP;
-// 1-3: ShardedDataParallel at that stage (the model is not a Sequential, so it is one unit).
+// 1-3: ShardedDataParallel at that stage.
 void expect_equal_to_one_process(int world, int zero_stage = 0) {
   const GptConfig config = tiny();
   const int64_t rows_per_rank = 2, steps = 3;
@@ -124,6 +126,9 @@ void expect_equal_to_one_process(int world, int zero_stage = 0) {
       options.stage = zero_stage;
       sdp = dtrain::ShardedDataParallel(model, pg, options);
       stepped = sdp->parameters();  // this rank's shards
+      // Stage 3 drives the Sequential's children (Note [The model is a Sequential]): a unit, and
+      // a shard, per block, plus the embedding, the norm and the head.
+      if (zero_stage == 3) EXPECT_EQ(stepped.size(), static_cast<size_t>(config.layers + 3));
     }
     torch::optim::SGD optimizer(stepped, 0.1);
     for (int64_t s = 0; s < steps; ++s) {
@@ -160,6 +165,48 @@ TEST(GptZero, EveryStageAtTwoRanksEqualsOneProcess) {
   }
 }
 TEST(GptZero, Stage3AtThreeRanksEqualsOneProcess) { expect_equal_to_one_process(3, 3); }
+
+// Model parallelism: the model cut between blocks into 2 stages (4 chunks for the interleaved
+// schedule), 4 micro-batches on one process, gives the whole batch's gradients under every
+// schedule, with and without recomputation.
+TEST(GptPipeline, EveryScheduleGivesTheWholeBatchGradients) {
+  GptConfig config = tiny();
+  config.layers = 4;
+  torch::manual_seed(5);
+  Gpt model(config);
+  at::Tensor data = torch::randint(256, {8, config.seq_len + 1});
+  at::Tensor input = data.narrow(1, 0, config.seq_len), target = data.narrow(1, 1, config.seq_len);
+  model->zero_grad();
+  next_token_loss(model(input), target).backward();
+  std::vector<at::Tensor> expected;
+  for (const auto& p : model->parameters()) expected.push_back(p.grad().clone());
+
+  torch::nn::Sequential whole = model->sequential();
+  for (auto [kind, virtual_stages] :
+       {std::pair{dtrain::ScheduleKind::kGPipe, 1}, std::pair{dtrain::ScheduleKind::k1F1B, 1},
+        std::pair{dtrain::ScheduleKind::kInterleaved1F1B, 2}}) {
+    for (bool recompute : {false, true}) {
+      SCOPED_TRACE("schedule " + std::to_string(static_cast<int>(kind)) + ", recompute " +
+                   std::to_string(recompute));
+      dtrain::PipelineOptions options;
+      options.micro_batches = 4;
+      options.schedule = kind;
+      options.virtual_stages = virtual_stages;
+      options.recompute = recompute;
+      auto chunks =
+          dtrain::split_sequential(whole, dtrain::balance_by_parameters(whole, 2 * virtual_stages));
+      dtrain::Pipeline pipe(chunks, /*devices=*/{}, options);
+      model->zero_grad();
+      pipe.forward_backward(input, target, next_token_loss);
+      auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        double error = (params[i].grad() - expected[i]).norm().item<double>() /
+                       std::max(expected[i].norm().item<double>(), 1e-12);
+        EXPECT_LT(error, 1e-5) << model->named_parameters()[i].key();
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace gpt
