@@ -1,0 +1,63 @@
+// train_gpt end to end under `dtrain run`: DDP, ZeRO-3 and a two-stage pipeline each learn GCIDE's
+// text (the loss after 40 steps well below the first step's, which starts near ln 256 = 5.5 for a
+// fresh model), and flags that do not fit are one line and exit 2. Learning, not speed: no time is
+// asserted.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "datasets/text_corpus.h"
+#include "support/subprocess.h"
+
+namespace dtrain {
+namespace {
+
+using testing::bin;
+using testing::json_int;
+using testing::json_number;
+using testing::run_command;
+
+// A small model on the first 2 MB of the corpus: a run takes seconds on two cores.
+const std::string kSmall =
+    " --layers 2 --width 64 --heads 4 --kv-heads 2 --seq-len 32 --batch-size 8 --steps 40"
+    " --max-bytes 2000000 --log-every 0";
+
+void skip_without_corpus() {
+  if (!std::filesystem::exists(datasets::default_text_corpus())) {
+    GTEST_SKIP() << "needs the text corpus " << datasets::default_text_corpus()
+                 << " (Debian's dict-gcide; scripts/bootstrap installs it)";
+  }
+}
+
+TEST(TrainGpt, EveryLayoutLearnsTheText) {
+  skip_without_corpus();
+  for (const std::string& layout :
+       {std::string(""), std::string(" --zero 3"), std::string(" --pp 2 --micro-batches 4")}) {
+    SCOPED_TRACE("layout:" + layout);
+    auto run = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") +
+                           kSmall + layout);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_EQ(json_int(run.output, "steps"), 40) << run.output;
+    const double first = json_number(run.output, "first_loss");
+    const double last = json_number(run.output, "train_loss");
+    EXPECT_GT(first, 5.0) << run.output;  // a fresh model: about ln 256
+    EXPECT_LT(last, first - 1.5) << run.output;
+    if (layout.find("--pp") == std::string::npos) {
+      EXPECT_LT(json_number(run.output, "bits_per_byte"), 6.0) << run.output;  // uniform: 8
+    }
+  }
+}
+
+TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
+  for (const std::string& flags : {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"),
+                                   std::string(" --width 30"), std::string(" --steps x")}) {
+    SCOPED_TRACE(flags);
+    auto run =
+        run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_NE(run.output.find("train_gpt"), std::string::npos) << run.output;
+  }
+}
+
+}  // namespace
+}  // namespace dtrain
