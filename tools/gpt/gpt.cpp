@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "dtrain/errors.h"
+#include "dtrain/tensor_parallel.h"
 
 namespace gpt {
 
@@ -52,18 +53,55 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
 }
 
-AttentionImpl::AttentionImpl(const GptConfig& config)
+namespace {
+
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+// The unsplit layer, or this rank's column shard of it (its output features): drawn as the
+// unsplit layer would be either way (Note [Tensor-parallel blocks]).
+torch::nn::AnyModule column(int64_t in, int64_t out,
+                            const std::shared_ptr<dtrain::ProcessGroup>& group) {
+  torch::nn::Linear whole = linear(in, out);
+  if (!group) return torch::nn::AnyModule(whole);
+  dtrain::ColumnParallelLinearOptions options;
+  options.bias = false;
+  return torch::nn::AnyModule(dtrain::column_parallel_from(whole, group, options));
+}
+
+// The unsplit layer, or this rank's row shard (its input features), input already split.
+torch::nn::AnyModule row(int64_t in, int64_t out,
+                         const std::shared_ptr<dtrain::ProcessGroup>& group) {
+  torch::nn::Linear whole = linear(in, out);
+  if (!group) return torch::nn::AnyModule(whole);
+  dtrain::RowParallelLinearOptions options;
+  options.bias = false;
+  options.input_is_parallel = true;
+  return torch::nn::AnyModule(dtrain::row_parallel_from(whole, group, options));
+}
+
+int64_t tensor_size(const std::shared_ptr<dtrain::ProcessGroup>& group) {
+  return group ? group->size() : 1;
+}
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const GptConfig& config,
+                             std::shared_ptr<dtrain::ProcessGroup> tensor_group)
     : config_(config),
-      heads_(config.heads),
-      kv_heads_(config.kv_heads),
+      heads_(config.heads / tensor_size(tensor_group)),
+      kv_heads_(config.kv_heads / tensor_size(tensor_group)),
       head_dim_(config.head_dim()) {
-  auto linear = [&](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
-  wq = register_module("wq", linear(config.width, heads_ * head_dim_));
-  wk = register_module("wk", linear(config.width, kv_heads_ * head_dim_));
-  wv = register_module("wv", linear(config.width, kv_heads_ * head_dim_));
-  wo = register_module("wo", linear(heads_ * head_dim_, config.width));
+  const int64_t q = config.heads * head_dim_, kv = config.kv_heads * head_dim_;
+  wq = column(config.width, q, tensor_group);
+  wk = column(config.width, kv, tensor_group);
+  wv = column(config.width, kv, tensor_group);
+  wo = row(q, config.width, tensor_group);
+  register_module("wq", wq.ptr());
+  register_module("wk", wk.ptr());
+  register_module("wv", wv.ptr());
+  register_module("wo", wo.ptr());
 }
 
 namespace {
@@ -88,34 +126,37 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   auto split = [&](const at::Tensor& t, int64_t heads) {
     return t.view({batch, seq, heads, head_dim_}).transpose(1, 2);
   };
-  at::Tensor q = rotate(split(wq(x), heads_), cos, sin);
-  at::Tensor k = rotate(split(wk(x), kv_heads_), cos, sin);
-  at::Tensor v = split(wv(x), kv_heads_);
+  at::Tensor q = rotate(split(wq.forward(x), heads_), cos, sin);
+  at::Tensor k = rotate(split(wk.forward(x), kv_heads_), cos, sin);
+  at::Tensor v = split(wv.forward(x), kv_heads_);
   if (kv_heads_ != heads_) {  // each key/value head serves heads / kv_heads query heads
     k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
     v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
   }
   at::Tensor attended = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{},
                                                          /*dropout_p=*/0.0, /*is_causal=*/true);
-  return wo(attended.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
+  return wo.forward(attended.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const GptConfig& config) {
-  auto linear = [&](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
-  w1 = register_module("w1", linear(config.width, config.hidden()));
-  w2 = register_module("w2", linear(config.hidden(), config.width));
-  w3 = register_module("w3", linear(config.width, config.hidden()));
+MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group) {
+  // Drawn in the single-device order w1, w2, w3 so that every split holds the same weights.
+  w1 = column(config.width, config.hidden(), tensor_group);
+  w2 = row(config.hidden(), config.width, tensor_group);
+  w3 = column(config.width, config.hidden(), tensor_group);
+  register_module("w1", w1.ptr());
+  register_module("w2", w2.ptr());
+  register_module("w3", w3.ptr());
 }
 
-at::Tensor MlpImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  return w2.forward(at::silu(w1.forward(x)) * w3.forward(x));
+}
 
-BlockImpl::BlockImpl(const GptConfig& config) {
+BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group) {
   attention_norm = register_module("attention_norm", RMSNorm(config.width, config.norm_eps));
-  attention = register_module("attention", Attention(config));
+  attention = register_module("attention", Attention(config, tensor_group));
   mlp_norm = register_module("mlp_norm", RMSNorm(config.width, config.norm_eps));
-  mlp = register_module("mlp", Mlp(config));
+  mlp = register_module("mlp", Mlp(config, std::move(tensor_group)));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
@@ -123,14 +164,22 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   return h + mlp(mlp_norm(h));
 }
 
-GptImpl::GptImpl(GptConfig config) : config_(config) {
+GptImpl::GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group)
+    : config_(config) {
   config_.check();
+  if (tensor_group && config_.kv_heads % tensor_group->size() != 0) {
+    throw dtrain::UsageError("gpt::Gpt: kv_heads " + std::to_string(config_.kv_heads) +
+                             " does not divide by the tensor-parallel degree " +
+                             std::to_string(tensor_group->size()) +
+                             "; a key/value head and its query heads stay on one rank, so pick "
+                             "kv_heads (and heads) that are multiples of it");
+  }
   embedding = torch::nn::Embedding(config_.vocab, config_.width);
   norm = RMSNorm(config_.width, config_.norm_eps);
   head = torch::nn::Linear(torch::nn::LinearOptions(config_.width, config_.vocab).bias(false));
   push_back("embedding", embedding);
   for (int64_t i = 0; i < config_.layers; ++i)
-    push_back("block" + std::to_string(i), Block(config_));
+    push_back("block" + std::to_string(i), Block(config_, tensor_group));
   push_back("norm", norm);
   push_back("head", head);
 }

@@ -17,19 +17,33 @@
 // the embedding and the head units of their own), a pipeline cuts it between blocks (the embedding
 // on the first stage, the norm and head on the last), and the parameter names say where each
 // tensor lives ("block3.attention.wq.weight").
+//
+// Note [Tensor-parallel blocks]
+// Given a tensor group of T ranks, every block is split Megatron-style: attention by heads (q, k, v
+// column-parallel, o row-parallel), the MLP by hidden features (w1, w3 column-parallel, w2
+// row-parallel): one all-reduce forward and one backward per sub-layer (Note [Tensor-parallel
+// MLP: one all-reduce each way] in dtrain/tensor_parallel.h). The embedding, the norms and the head
+// are whole on every rank, and so are their gradients (every rank computes them from the same
+// activations). Every rank must build the model under the same torch::manual_seed: each layer
+// draws what the unsplit one would and keeps its shard, so the T ranks hold exactly the unsplit
+// model. T must divide kv_heads (a key/value head and its query heads stay on one rank).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
+
+#include "dtrain/comm.h"
 
 namespace gpt {
 
@@ -65,32 +79,40 @@ TORCH_MODULE(RMSNorm);
 
 // Causal self-attention over [batch, seq, width] with rotary embeddings on queries and keys; the
 // key/value heads are shared by heads / kv_heads query heads each.
+//
+// With a tensor group of T ranks (Note [Tensor-parallel blocks]) each rank holds heads / T query
+// heads and kv_heads / T key/value heads: wq, wk, wv are ColumnParallelLinear layers split by
+// heads, wo a RowParallelLinear whose all-reduce sums the heads' contributions.
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const GptConfig& config);
+  AttentionImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  // The projections ("wq", "wk", "wv", "wo"): torch::nn::Linear, or with a tensor group the
+  // column- (q, k, v) and row-parallel (o) layers of dtrain/tensor_parallel.h.
+  torch::nn::AnyModule wq, wk, wv, wo;
 
  private:
   GptConfig config_;
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
   at::Tensor cos_, sin_;  // the rotary tables of the last sequence length and device seen
 };
 TORCH_MODULE(Attention);
 
 // SwiGLU: w2(silu(w1 x) * w3 x).
+// With a tensor group: w1 and w3 column-parallel (each rank a slice of the hidden features, on
+// which silu and the product are elementwise), w2 row-parallel.
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const GptConfig& config);
+  MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  torch::nn::AnyModule w1, w2, w3;
 };
 TORCH_MODULE(Mlp);
 
 // x + attention(norm(x)), then + mlp(norm(.)).
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GptConfig& config);
+  BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
   at::Tensor forward(const at::Tensor& x);
   RMSNorm attention_norm{nullptr}, mlp_norm{nullptr};
   Attention attention{nullptr};
@@ -101,8 +123,10 @@ TORCH_MODULE(Block);
 // The whole model (Note [The model is a Sequential]).
 class GptImpl : public torch::nn::SequentialImpl {
  public:
-  // Throws dtrain::UsageError for a config that does not fit (GptConfig::check).
-  explicit GptImpl(GptConfig config);
+  // Throws dtrain::UsageError for a config that does not fit (GptConfig::check), or a tensor
+  // group whose size does not divide kv_heads. tensor_group: Note [Tensor-parallel blocks]; null:
+  // the whole model on this rank.
+  explicit GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group = nullptr);
   // tokens [batch, seq] (int64, seq <= config.seq_len) -> logits [batch, seq, vocab]. Throws
   // dtrain::UsageError for a longer sequence.
   at::Tensor forward(const at::Tensor& tokens);

@@ -1,11 +1,14 @@
 // The transformer of gpt.h: its shape and its causality, the config's errors, and the first layouts
 // of issue 20: DDP and ZeRO stages 1-3 over 2 and 3 thread-ranks, each on its share of the batch,
 // end with the same parameters as one process trained on the whole batch; a single-process pipeline
-// over its blocks gives the whole batch's gradients under every schedule.
+// over its blocks gives the whole batch's gradients under every schedule; tensor parallelism inside
+// the blocks equals one process.
 #include "gpt/gpt.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <mutex>
 
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
@@ -37,10 +40,10 @@ TEST(Gpt, LogitsHaveTheVocabularyAndNamedParameters) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
   }
   // Grouped heads: keys and values have kv_heads x head_dim = 16 outputs, queries 32.
-  BlockImpl& block = model->block(0);
-  EXPECT_EQ(block.attention->wk->weight.size(0), 16);
-  EXPECT_EQ(block.attention->wq->weight.size(0), 32);
-  EXPECT_EQ(block.mlp->w1->weight.size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
+  auto block = model->block(0).named_parameters();
+  EXPECT_EQ(block["attention.wk.weight"].size(0), 16);
+  EXPECT_EQ(block["attention.wq.weight"].size(0), 32);
+  EXPECT_EQ(block["mlp.w1.weight"].size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
 }
 
 TEST(Gpt, APositionSeesNoLaterToken) {
@@ -206,6 +209,88 @@ TEST(GptPipeline, EveryScheduleGivesTheWholeBatchGradients) {
       }
     }
   }
+}
+
+// Tensor parallelism inside the blocks (Note [Tensor-parallel blocks]): T ranks, every one on the
+// whole batch, each holding its heads and hidden features; after k SGD steps every rank's whole
+// tensors (embedding, norms, head) and shards equal the single-process model's, within a relative
+// 1e-5.
+void expect_tensor_parallel_equals_one_process(int tensor_size, GptConfig config) {
+  const int64_t steps = 3;
+  torch::manual_seed(11);
+  at::Tensor data = torch::randint(256, {steps, 4, config.seq_len + 1});
+  torch::manual_seed(3);
+  Gpt reference(config);
+  torch::optim::SGD reference_optimizer(reference->parameters(), 0.1);
+  for (int64_t s = 0; s < steps; ++s) {
+    reference_optimizer.zero_grad();
+    next_token_loss(reference(data[s].narrow(1, 0, config.seq_len)),
+                    data[s].narrow(1, 1, config.seq_len))
+        .backward();
+    reference_optimizer.step();
+  }
+  auto expected = reference->named_parameters();
+
+  std::mutex seed_mutex;  // the thread-ranks share one generator: one draws the model at a time
+  dtrain::testing::run_group(
+      tensor_size, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
+        Gpt model{nullptr};
+        {
+          std::lock_guard<std::mutex> lock(seed_mutex);
+          torch::manual_seed(3);
+          model = Gpt(config, pg);
+        }
+        torch::optim::SGD optimizer(model->parameters(), 0.1);
+        for (int64_t s = 0; s < steps; ++s) {
+          optimizer.zero_grad();
+          next_token_loss(model(data[s].narrow(1, 0, config.seq_len)),
+                          data[s].narrow(1, 1, config.seq_len))
+              .backward();
+          optimizer.step();
+        }
+        for (const auto& item : model->named_parameters()) {
+          at::Tensor want = expected[item.key()];
+          const at::Tensor& mine = item.value();
+          // A shard: the rows (column-parallel) or columns (row-parallel) this rank holds, found
+          // by where its slice matches in size; whole tensors compare whole.
+          if (!mine.sizes().equals(want.sizes())) {
+            const int64_t dim = mine.size(0) != want.size(0) ? 0 : 1;
+            const int64_t size = mine.size(dim), total = want.size(dim);
+            // Even splits here (the test's sizes divide), so rank r holds [r*size, (r+1)*size).
+            ASSERT_EQ(total % tensor_size, 0) << item.key();
+            want = want.narrow(dim, rank * size, size);
+          }
+          double error =
+              (mine - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-12);
+          EXPECT_LT(error, 1e-5) << "rank " << rank << ", " << item.key();
+        }
+      });
+}
+
+TEST(GptTensorParallel, TwoRanksEqualOneProcess) {
+  expect_tensor_parallel_equals_one_process(2, tiny());  // 4 heads, 2 key/value heads
+}
+
+TEST(GptTensorParallel, OneKeyValueHeadPerRankAndAnUnevenHiddenWidth) {
+  GptConfig config = tiny();
+  config.kv_heads = 4;    // plain multi-head attention: 2 query and 2 key/value heads per rank
+  config.mlp_width = 90;  // 45 hidden features per rank
+  expect_tensor_parallel_equals_one_process(2, config);
+}
+
+TEST(GptTensorParallel, ADegreeThatDoesNotDivideTheKeyValueHeadsIsNamed) {
+  GptConfig config = tiny();  // kv_heads 2
+  dtrain::testing::run_group(3, [&](int, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
+    try {
+      Gpt model(config, pg);
+      ADD_FAILURE() << "expected a UsageError";
+    } catch (const dtrain::UsageError& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("kv_heads 2 does not divide by the tensor-parallel degree 3"),
+          std::string::npos)
+          << e.what();
+    }
+  });
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
-// the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), or data x pipeline (--pp P, one block
-// range per stage, --schedule, --micro-batches). Tensor and sequence parallelism are not here yet
-// (issue 20). Prints rank 0's progress and one JSON line at the end.
+// the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), data x pipeline (--pp P, one block
+// range per stage, --schedule, --micro-batches), or data x tensor (--tp T, heads and hidden
+// features split inside each block). Sequence parallelism and the combinations of --tp with the
+// others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end.
 //
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --steps 200
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --zero 3
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --pp 2 --micro-batches 4
+//   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -26,7 +28,8 @@
 namespace {
 
 struct Flags {
-  int pp = 1;    // pipeline stages; the data-parallel degree is world / pp
+  int pp = 1;    // pipeline stages
+  int tp = 1;    // tensor-parallel ranks per block; the data-parallel degree is world / (pp x tp)
   int zero = 0;  // 0: DDP; 1-3: ZeRO stage (with --pp 1)
   std::string schedule = "1f1b";
   int micro_batches = 4;
@@ -43,6 +46,8 @@ Flags parse(int argc, char** argv) {
   Flags flags;
   CLI::App app("train_gpt: a GPT-style transformer on GCIDE's text, bytes as tokens");
   app.add_option("--pp", flags.pp, "pipeline stages (divides the world size)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block")
       ->check(CLI::Range(1, 64));
   app.add_option("--zero", flags.zero, "ZeRO stage over the data-parallel ranks (0: DDP)")
       ->check(CLI::Range(0, 3));
@@ -70,6 +75,11 @@ Flags parse(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     throw dtrain::UsageError(std::string("train_gpt: ") + e.what() + " (see --help)");
   }
+  if (flags.tp > 1 && (flags.pp > 1 || flags.zero > 0)) {
+    throw dtrain::UsageError("train_gpt: --tp " + std::to_string(flags.tp) +
+                             " with --pp or --zero: tensor parallelism combines with DDP only, "
+                             "so far; drop --pp and --zero, or --tp");
+  }
   if (flags.pp > 1 && flags.zero > 0) {
     throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +
                              std::to_string(flags.pp) +
@@ -88,15 +98,17 @@ Flags parse(int argc, char** argv) {
 int train(const Flags& flags) {
   auto pg = dtrain::init_process_group();
   const bool leader = pg->rank() == 0;
-  if (pg->size() % flags.pp != 0) {
-    throw dtrain::UsageError("train_gpt: --pp " + std::to_string(flags.pp) +
-                             " does not divide the world size " + std::to_string(pg->size()) +
-                             "; run a multiple of --pp processes");
+  if (pg->size() % (flags.pp * flags.tp) != 0) {
+    throw dtrain::UsageError("train_gpt: --pp " + std::to_string(flags.pp) + " x --tp " +
+                             std::to_string(flags.tp) + " does not divide the world size " +
+                             std::to_string(pg->size()) + "; run a multiple of their product");
   }
+  dtrain::RankMesh mesh = dtrain::make_rank_mesh(pg, flags.pp, flags.tp);
 
-  // Every rank builds the same model (rank 0's start is what DDP, ZeRO and the stages keep).
+  // Every rank builds the same model under the same seed (rank 0's start is what DDP, ZeRO and the
+  // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
-  gpt::Gpt model(flags.model);
+  gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr);
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
 
   // The layout: what the optimizer steps, how a step runs, which group holds the data replicas.
@@ -106,7 +118,6 @@ int train(const Flags& flags) {
   std::unique_ptr<dtrain::DistributedPipeline> pipe;
   std::vector<at::Tensor> parameters;
   if (flags.pp > 1) {
-    dtrain::RankMesh mesh = dtrain::make_rank_mesh(pg, flags.pp);
     data_group = mesh.data_group;
     dtrain::PipelineOptions options;
     options.micro_batches = flags.micro_batches;
@@ -123,7 +134,8 @@ int train(const Flags& flags) {
     sdp = dtrain::ShardedDataParallel(model, pg, options);
     parameters = sdp->parameters();  // this rank's shards
   } else {
-    ddp = dtrain::DistributedDataParallel(model, pg);
+    data_group = mesh.data_group;  // the whole world without --tp
+    ddp = dtrain::DistributedDataParallel(model, data_group);
     parameters = ddp->parameters();
   }
   torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(flags.lr));
@@ -166,7 +178,7 @@ int train(const Flags& flags) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   nlohmann::ordered_json result = {
-      {"steps", step},      {"world_size", pg->size()}, {"pp", flags.pp},
+      {"steps", step},      {"world_size", pg->size()}, {"pp", flags.pp},         {"tp", flags.tp},
       {"zero", flags.zero}, {"first_loss", first_loss}, {"train_loss", last_loss}};
   // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
   // inference path yet: its stages hold only their own blocks).

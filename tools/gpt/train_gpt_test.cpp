@@ -1,7 +1,7 @@
-// train_gpt end to end under `dtrain run`: DDP, ZeRO-3 and a two-stage pipeline each learn GCIDE's
-// text (the loss after 40 steps well below the first step's, which starts near ln 256 = 5.5 for a
-// fresh model), and flags that do not fit are one line and exit 2. Learning, not speed: no time is
-// asserted.
+// train_gpt end to end under `dtrain run`: DDP, ZeRO-3, a two-stage pipeline and two-way tensor
+// parallelism each learn GCIDE's text (the loss after 40 steps well below the first step's, which
+// starts near ln 256 = 5.5 for a fresh model), and flags that do not fit are one line and exit 2.
+// Learning, not speed: no time is asserted.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -32,7 +32,8 @@ void skip_without_corpus() {
 TEST(TrainGpt, EveryLayoutLearnsTheText) {
   skip_without_corpus();
   for (const std::string& layout :
-       {std::string(""), std::string(" --zero 3"), std::string(" --pp 2 --micro-batches 4")}) {
+       {std::string(""), std::string(" --zero 3"), std::string(" --pp 2 --micro-batches 4"),
+        std::string(" --tp 2")}) {
     SCOPED_TRACE("layout:" + layout);
     auto run = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") +
                            kSmall + layout);
@@ -49,8 +50,9 @@ TEST(TrainGpt, EveryLayoutLearnsTheText) {
 }
 
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
-  for (const std::string& flags : {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"),
-                                   std::string(" --width 30"), std::string(" --steps x")}) {
+  for (const std::string& flags :
+       {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --tp 2 --zero 3"),
+        std::string(" --width 30"), std::string(" --steps x")}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
