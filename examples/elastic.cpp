@@ -1,7 +1,9 @@
 // Fault-tolerant DDP training: the program saves a checkpoint every few steps and resumes from the
 // newest one when it starts, so the launcher can restart it after a failure or run it on another
 // number of nodes. SIGTERM (what `dtrain run`, Slurm and Kubernetes send to stop a job) makes every
-// rank finish the same step, save, and exit with 143, which a launcher with restarts left restarts:
+// rank finish the same step, save, and exit with 143 (stopped, not finished): the same command run
+// again resumes there. A worker that dies is restarted by the launcher (up to --max-restarts), and
+// the job resumes from the newest checkpoint:
 //   build/bin/dtrain run --nproc-per-node 2 --max-restarts 3 -- build/bin/elastic ckpt
 // Across 1 or 2 nodes, the same command on each (one line; the job shrinks and grows with them):
 //   build/bin/dtrain run --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d
