@@ -44,7 +44,8 @@ std::vector<uint8_t> read_maybe_gzip(const std::string& path, const std::string&
                                      const std::string& fix) {
   std::unique_ptr<gzFile_s, int (*)(gzFile)> file(gzopen(path.c_str(), "rb"), gzclose);
   if (!file) {
-    throw UsageError(what + " " + path + " could not be opened: " + std::strerror(errno));
+    throw UsageError(what + " " + path + " could not be opened: " + std::strerror(errno) + ". " +
+                     fix);
   }
   // 1 MiB reads behind a 1 MiB input buffer: Fashion-MNIST's training images inflate to 47 MB,
   // the text corpus to 40 MB, and zlib's 8 KiB default buffer costs extra system calls for nothing.

@@ -8,8 +8,8 @@
 
 namespace datasets {
 
-// Throws dtrain::UsageError "<what> <path> could not be opened: ..." or "... is corrupt or
-// truncated: zlib says '...'. <fix>".
+// Throws dtrain::UsageError "<what> <path> could not be opened: <why>. <fix>" or "... is corrupt
+// or truncated: zlib says '...'. <fix>".
 std::vector<uint8_t> read_maybe_gzip(const std::string& path, const std::string& what,
                                      const std::string& fix);
 

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "datasets/read_file.h"
 #include "dtrain/errors.h"
@@ -38,9 +39,9 @@ TextCorpus load_text_corpus(const std::string& path, double heldout_fraction, in
 }
 
 ByteWindows::ByteWindows(at::Tensor bytes, int64_t seq_len)
-    : tokens_(bytes.to(at::kLong)), seq_len_(seq_len) {
-  if (seq_len < 1 || tokens_.numel() < seq_len + 1) {
-    throw dtrain::UsageError("ByteWindows: " + std::to_string(tokens_.numel()) +
+    : bytes_(std::move(bytes)), seq_len_(seq_len) {
+  if (seq_len < 1 || bytes_.numel() < seq_len + 1) {
+    throw dtrain::UsageError("ByteWindows: " + std::to_string(bytes_.numel()) +
                              " bytes hold no window of seq_len " + std::to_string(seq_len) +
                              " + 1; use a shorter sequence or more text");
   }
@@ -48,11 +49,12 @@ ByteWindows::ByteWindows(at::Tensor bytes, int64_t seq_len)
 
 torch::data::Example<> ByteWindows::get(size_t index) {
   const int64_t start = static_cast<int64_t>(index) * seq_len_;
-  return {tokens_.narrow(0, start, seq_len_), tokens_.narrow(0, start + 1, seq_len_)};
+  at::Tensor window = bytes_.narrow(0, start, seq_len_ + 1).to(at::kLong);
+  return {window.narrow(0, 0, seq_len_), window.narrow(0, 1, seq_len_)};
 }
 
 std::optional<size_t> ByteWindows::size() const {
-  return static_cast<size_t>((tokens_.numel() - 1) / seq_len_);
+  return static_cast<size_t>((bytes_.numel() - 1) / seq_len_);
 }
 
 }  // namespace datasets

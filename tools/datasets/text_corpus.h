@@ -48,7 +48,7 @@ class ByteWindows : public torch::data::datasets::Dataset<ByteWindows> {
   std::optional<size_t> size() const override;
 
  private:
-  at::Tensor tokens_;  // int64 [N]
+  at::Tensor bytes_;  // uint8 [N]; a window is made int64 when it is read (8x less memory)
   int64_t seq_len_;
 };
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "datasets/text_corpus.h"
 #include "dtrain/comm.h"
@@ -74,6 +75,13 @@ Flags parse(int argc, char** argv) {
     std::exit(0);
   } catch (const CLI::ParseError& e) {
     throw dtrain::UsageError(std::string("train_gpt: ") + e.what() + " (see --help)");
+  }
+  // Checked here, not only where a pipeline is built: a misspelt --schedule without --pp is still a
+  // mistake worth one line.
+  try {
+    dtrain::parse_schedule_kind(flags.schedule);
+  } catch (const dtrain::UsageError& e) {
+    throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
   }
   if (flags.tp > 1 && (flags.pp > 1 || flags.zero > 0)) {
     throw dtrain::UsageError("train_gpt: --tp " + std::to_string(flags.tp) +
@@ -144,6 +152,17 @@ int train(const Flags& flags) {
   auto train_set = datasets::ByteWindows(corpus.train, flags.model.seq_len)
                        .map(torch::data::transforms::Stack<>());
   dtrain::DistributedSampler sampler(train_set.size().value(), data_group);
+  // The held-out windows, made before training so that a tail too short for one window is one line
+  // before the first step, not after the last (the pipeline does not validate: see below).
+  std::optional<datasets::ByteWindows> heldout;
+  if (!pipe) {
+    try {
+      heldout.emplace(corpus.heldout, flags.model.seq_len);
+    } catch (const dtrain::UsageError& e) {
+      throw dtrain::UsageError(std::string("train_gpt: the held-out text (the last 5% of the ") +
+                               "corpus, or of --max-bytes): " + e.what());
+    }
+  }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
 
@@ -161,16 +180,20 @@ int train(const Flags& flags) {
       } else {
         loss = gpt::next_token_loss(ddp ? ddp(batch.data) : sdp(batch.data), batch.target);
         loss.backward();
-        loss = loss.detach();
-        data_group->all_reduce(loss, dtrain::ReduceOp::kAvg);  // for the report only
       }
       optimizer.step();
-      const double value = loss.item<double>();
-      if (step == 0) first_loss = value;
-      last_loss = value;
       ++step;
-      if (leader && flags.log_every > 0 && step % flags.log_every == 0) {
-        std::cout << "step " << step << ": loss " << value << std::endl;
+      // The loss over the replicas only for the steps reported (the first, the logged, the last):
+      // the same steps on every rank, and no extra collective on the others. The pipeline's loss
+      // already comes back averaged.
+      const bool logged = flags.log_every > 0 && step % flags.log_every == 0;
+      if (step == 1 || logged || step == flags.steps) {
+        loss = loss.detach();
+        if (!pipe) data_group->all_reduce(loss, dtrain::ReduceOp::kAvg);
+        const double value = loss.item<double>();
+        if (step == 1) first_loss = value;
+        last_loss = value;
+        if (leader && logged) std::cout << "step " << step << ": loss " << value << std::endl;
       }
     }
   }
@@ -186,12 +209,11 @@ int train(const Flags& flags) {
     if (sdp) sdp->gather_full_parameters();
     torch::NoGradGuard no_grad;
     model->eval();
-    datasets::ByteWindows heldout(corpus.heldout, flags.model.seq_len);
     const int64_t windows =
-        std::min<int64_t>(flags.eval_windows, static_cast<int64_t>(heldout.size().value()));
+        std::min<int64_t>(flags.eval_windows, static_cast<int64_t>(heldout->size().value()));
     double total = 0;
     for (int64_t i = 0; i < windows; ++i) {
-      auto example = heldout.get(static_cast<size_t>(i));
+      auto example = heldout->get(static_cast<size_t>(i));
       total += gpt::next_token_loss(model(example.data.unsqueeze(0)), example.target.unsqueeze(0))
                    .item<double>();
     }
