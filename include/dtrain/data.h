@@ -121,6 +121,14 @@ class DistributedSampler {
   // more than total_size().
   void advance(int64_t global_samples);
 
+  // Deals the rest of this epoch over another world size, keeping state(): indices() and next()
+  // return this rank's share of the positions [samples_consumed, dataset_size) of the epoch order,
+  // as after load_state(state()) in a sampler built with world_size and rank (so set_epoch with the
+  // current epoch keeps the position). In-place recovery (dtrain/recovery.h) calls it when the
+  // group shrinks or grows mid-epoch; every copy of the sampler sees the new split. Throws
+  // UsageError unless world_size >= 1 and 0 <= rank < world_size.
+  void reshard(int world_size, int rank);
+
   SamplerState state() const;
   // Moves to state.epoch with state.samples_consumed samples of its order consumed. The state may
   // come from a run with another world size (see the class comment); set_epoch(state.epoch) keeps

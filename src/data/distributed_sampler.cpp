@@ -197,6 +197,22 @@ void DistributedSampler::advance(int64_t global_samples) {
   if (global_samples > 0) s.resumed = false;
 }
 
+void DistributedSampler::reshard(int world_size, int rank) {
+  Impl& s = *impl_;
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw UsageError(rank_of(s.rank, s.world_size) + ": DistributedSampler::reshard: rank " +
+                     std::to_string(rank) + " of world size " + std::to_string(world_size) +
+                     "; accepted: world_size >= 1 and 0 <= rank < world_size.");
+  }
+  const SamplerState position = state();
+  s.world_size = world_size;
+  s.rank = rank;
+  s.epoch = position.epoch;
+  s.pass_start = position.samples_consumed;
+  s.pass_consumed = 0;
+  s.resumed = true;
+}
+
 SamplerState DistributedSampler::state() const {
   // Past dataset_size the pass has only consumed padding, which the next run must not replay.
   const Impl& s = *impl_;

@@ -88,6 +88,15 @@ class Progress {
 }  // namespace
 
 int train(const Flags& flags) {
+  if (const char* recovery = std::getenv("DTRAIN_RECOVERY");
+      recovery != nullptr && std::string(recovery) == "in-place") {
+    const std::string reason = in_place_unsupported_reason(flags);
+    if (reason.empty()) return train_in_place(flags);
+    if (dtrain::launch_info_from_env().rank == 0) {
+      std::cout << "in-place recovery: not for " << reason
+                << "; a failure restarts the job from its last checkpoint" << std::endl;
+    }
+  }
   const int64_t restarts = restart_count();
   const auto kill_at = kill_at_step_from_env();
   const Placement placement = place(flags, dtrain::launch_info_from_env());

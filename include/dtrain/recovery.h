@@ -1,0 +1,180 @@
+// dtrain::ResilientDataParallel: DistributedDataParallel that survives the loss of ranks without a
+// restart. When a rank dies, the survivors abandon the step, re-form their group among themselves
+// and redo the step at the smaller size, from the state they hold: no process restart, no
+// checkpoint read. A replacement (a worker the launcher restarts alone, `dtrain run --recovery
+// in-place`) is admitted at a step boundary and receives the model, the optimizer and the sampler's
+// position from a live peer over the group, not from disk. torchft's idea, in C++.
+//
+//   Net net;
+//   torch::optim::SGD optimizer(net->parameters(), 0.1);
+//   dtrain::DistributedSampler sampler(dataset_size, 1, 0);  // dealt by the recovery
+//   dtrain::ResilientDataParallel rdp(net, optimizer, sampler);  // joins the job, or is admitted
+//   for (int64_t epoch = sampler.epoch(); epoch < epochs; ++epoch) {
+//     sampler.set_epoch(epoch);  // keeps the position a newcomer received
+//     while (rdp.step([&](auto& ddp) {
+//       auto batch = sampler.next(32);  // this rank's share of the step
+//       if (!batch) return false;       // the epoch is over (on every rank at once)
+//       optimizer.zero_grad();
+//       loss_fn(ddp(x_of(*batch)), y_of(*batch)).backward();
+//       optimizer.step();
+//       return true;
+//     })) {}
+//   }
+//
+// Note [In-place recovery]
+// - A step commits on every survivor or on none, in effect. A ring all-reduce can finish on one
+//   rank and fail on another, so one survivor may have stepped its optimizer where another did not.
+//   After re-forming, the survivors compare their committed step counts (at most one apart: no rank
+//   finishes a step's all-reduce before every rank has contributed to it) and the most advanced one
+//   sends its state to all; a step that finished anywhere used every rank's gradient and stands.
+// - The sampler follows committed steps: step() notes its position before the body runs, and a
+//   failed step puts it back. The survivors then deal what is left of the epoch over the new size
+//   (DistributedSampler::reshard), so every sample is used exactly once.
+// - A group that failed is never used again (Gloo has no abort: a stuck operation may still write
+//   into its buffers). Each generation gets its own store prefix ("dtrain/gen<G>/"), shared-memory
+//   segments and gradient buckets; the old ones are released on a background thread.
+// - Membership is agreed in the store (src/recovery/membership.h): survivors register for the next
+//   generation; it closes when every member of the last one has come, or those missing are seen
+//   dead (a process on this host is checked by its pid at once), or `settle` has passed. A survivor
+//   that comes after it closed is told so and exits; the launcher restarts it as a newcomer.
+// - Admission is checked every `admit_every` steps with one all-reduce of one number, so that every
+//   member sees the same answer at the same step; the store is polled for newcomers on a background
+//   thread, never on the training thread.
+// - Limits (today): the store is the c10d store that rank 0 hosts, as under `dtrain run`, so rank
+//   0's death ends the job (the launcher then restarts the whole group from the last checkpoint). A
+//   lost host or a cut link, which resets no connection, is seen only when a collective times out
+//   (the group's timeout); a member on another host that died is waited for `settle`.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "dtrain/comm.h"
+#include "dtrain/data.h"
+#include "dtrain/ddp.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+struct RecoveryOptions {
+  // After a failure, how long the survivors wait for a member that neither came nor is seen dead (a
+  // member on another host, or a slow one) before they re-form without it.
+  std::chrono::milliseconds settle = std::chrono::seconds(2);
+  // Steps between two admission checks; each costs one all-reduce of one number.
+  int64_t admit_every = 10;
+  // Re-formations (failures and admissions) after which a failure is final: a job that loses a rank
+  // on every step is broken, not unlucky.
+  int max_recoveries = 32;
+  // Fewest ranks the job goes on with; below it, a failure is final.
+  int min_size = 1;
+  // Joining, collectives and state transfer: InitOptions::timeout's meaning (0: DTRAIN_TIMEOUT_S,
+  // or kDefaultTimeout).
+  std::chrono::milliseconds timeout{0};
+  // How each generation's DistributedDataParallel is built.
+  DistributedDataParallelOptions ddp;
+};
+
+// What happened to the job so far, the same on every member (a newcomer receives it).
+struct RecoveryStats {
+  int64_t generation = 0;    // group formations after the first
+  int64_t recoveries = 0;    // failures survived in place
+  int64_t admitted = 0;      // newcomers admitted
+  int64_t steps = 0;         // committed steps
+  int64_t steps_redone = 0;  // steps abandoned by a failure and done again at the new size
+};
+
+namespace detail {
+class RecoveryCore;
+}
+
+// The type-independent part of ResilientDataParallel<M> (src/recovery/).
+class ResilientDataParallelBase {
+ public:
+  virtual ~ResilientDataParallelBase();
+  ResilientDataParallelBase(const ResilientDataParallelBase&) = delete;
+  ResilientDataParallelBase& operator=(const ResilientDataParallelBase&) = delete;
+
+  // Runs one training step: `body` does forward, backward and the optimizer step through the
+  // current DDP and returns true, or returns false without training when the sampler has nothing
+  // left (then step() returns false too). When a collective fails (CommError), the step is
+  // abandoned, the group re-formed and the body run again at the new size; when a newcomer waits,
+  // it is admitted before the body runs. Blocks for a recovery up to `settle` plus the timeout.
+  // Throws CommError when the failure is final (see RecoveryOptions), or this rank was left out.
+  bool step(const std::function<bool()>& body);
+
+  // The current generation's group (a new one after every re-formation: do not keep it across
+  // steps).
+  const std::shared_ptr<ProcessGroup>& group() const;
+  RecoveryStats stats() const;
+  // Stops watching for newcomers. Call when training is over, before the final barrier: after it
+  // rank 0 may exit and take the store with it. (The destructor does it too.)
+  void finish();
+
+ protected:
+  ResilientDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                            torch::optim::Optimizer& optimizer, DistributedSampler sampler,
+                            RecoveryOptions options);
+  // Joins the job (or, with DTRAIN_RECOVERY_JOIN=1, waits to be admitted and receives the state),
+  // then wraps. Called by the derived constructor, once wrap() can run.
+  void start();
+  // Builds this generation's DDP around the module on `group`; unwrap() drops it.
+  virtual void wrap(const std::shared_ptr<ProcessGroup>& group) = 0;
+  virtual void unwrap() = 0;
+
+ private:
+  friend class detail::RecoveryCore;
+  std::unique_ptr<detail::RecoveryCore> core_;
+};
+
+// DDP around a module of type ModuleType that recovers in place (see the top of this file).
+// `optimizer` steps the module's parameters; `sampler` is re-dealt over every generation's group
+// (build it with world size 1 and rank 0, or anything: start() deals it).
+template <typename ModuleType>
+class ResilientDataParallel : public ResilientDataParallelBase {
+ public:
+  ResilientDataParallel(std::shared_ptr<ModuleType> module, torch::optim::Optimizer& optimizer,
+                        DistributedSampler sampler, RecoveryOptions options = {})
+      : ResilientDataParallelBase(module, optimizer, sampler, options),
+        module_(std::move(module)),
+        ddp_options_(options.ddp) {
+    start();
+  }
+  ResilientDataParallel(const torch::nn::ModuleHolder<ModuleType>& module,
+                        torch::optim::Optimizer& optimizer, DistributedSampler sampler,
+                        RecoveryOptions options = {})
+      : ResilientDataParallel(module.ptr(), optimizer, std::move(sampler), std::move(options)) {}
+
+  // As ResilientDataParallelBase::step, the body given this generation's DDP.
+  template <typename Body>
+  bool step(Body&& body) {
+    return ResilientDataParallelBase::step([&] { return static_cast<bool>(body(ddp_)); });
+  }
+  DistributedDataParallel<ModuleType>& ddp() { return ddp_; }
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+
+ protected:
+  void wrap(const std::shared_ptr<ProcessGroup>& group) override {
+    ddp_ = DistributedDataParallel<ModuleType>(module_, group, ddp_options_);
+  }
+  void unwrap() override { ddp_ = DistributedDataParallel<ModuleType>(nullptr); }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+  DistributedDataParallelOptions ddp_options_;
+  DistributedDataParallel<ModuleType> ddp_{nullptr};
+};
+
+template <typename ModuleType, typename... Rest>
+ResilientDataParallel(std::shared_ptr<ModuleType>, Rest&&...) -> ResilientDataParallel<ModuleType>;
+template <typename ModuleType, typename... Rest>
+ResilientDataParallel(const torch::nn::ModuleHolder<ModuleType>&, Rest&&...)
+    -> ResilientDataParallel<ModuleType>;
+
+}  // namespace dtrain

@@ -1,0 +1,364 @@
+// ResilientDataParallel's machinery (Note [In-place recovery], dtrain/recovery.h): joining the job,
+// re-forming the group after a failure or for a newcomer, moving the state from the most advanced
+// member to the others, and watching the store for newcomers off the training thread.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "comm/connect.h"
+#include "comm/group_state.h"
+#include "common/format.h"
+#include "common/log.h"
+#include "dtrain/recovery.h"
+#include "recovery/membership.h"
+
+namespace dtrain {
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+class RecoveryCore {
+ public:
+  RecoveryCore(ResilientDataParallelBase& owner, std::shared_ptr<torch::nn::Module> module,
+               torch::optim::Optimizer& optimizer, DistributedSampler sampler,
+               RecoveryOptions options)
+      : owner_(owner),
+        module_(std::move(module)),
+        optimizer_(optimizer),
+        sampler_(std::move(sampler)),
+        options_(std::move(options)) {
+    if (options_.admit_every < 1) {
+      throw UsageError("ResilientDataParallel: admit_every is " +
+                       std::to_string(options_.admit_every) + "; accepted: >= 1 (steps).");
+    }
+  }
+
+  ~RecoveryCore() {
+    stop_watching();
+    for (auto& t : releases_) t.join();
+  }
+
+  void start();
+  bool step(const std::function<bool()>& body);
+  void stop_watching();
+
+  std::shared_ptr<ProcessGroup> group_;
+  RecoveryStats stats_;
+
+ private:
+  enum class Reason { kFailure, kAdmission };
+  void reform(Reason reason, int newcomers, const std::string& cause);
+  void connect(int64_t generation);
+  void transfer_state();
+  void release_group();
+  void watch_for_newcomers();
+  std::string who() const { return rank_text(launch_.rank, launch_.world_size); }
+
+  ResilientDataParallelBase& owner_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::optim::Optimizer& optimizer_;
+  DistributedSampler sampler_;
+  RecoveryOptions options_;
+  LaunchInfo launch_;
+  std::chrono::milliseconds timeout_{0};
+  c10::intrusive_ptr<c10d::Store> root_store_;
+  std::unique_ptr<Membership> membership_;
+  std::vector<MemberRecord> members_;
+  int64_t generation_ = 0;
+  bool newcomer_ = false;           // holds no state until the first transfer
+  int64_t newcomers_admitted_ = 0;  // newcomer numbers 1..this are admitted (or gone)
+  int64_t checked_at_step_ = -1;    // the last step count whose admission check ran
+  SamplerState committed_;          // the sampler at the last committed step
+  std::vector<std::thread> releases_;
+
+  // The watcher: polls the store for newcomers; the training thread reads what it saw.
+  std::atomic<int64_t> newcomers_seen_{0};
+  std::mutex watch_mutex_;
+  std::condition_variable watch_wake_;
+  bool watch_stop_ = false;
+  std::thread watcher_;
+};
+
+void RecoveryCore::start() {
+  launch_ = launch_info_from_env();
+  log::set_rank(launch_.rank, launch_.world_size);
+  timeout_ = resolve_timeout(options_.timeout);
+  const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
+  newcomer_ = join != nullptr && std::string(join) == "1";
+  if (newcomer_ && launch_.rank == 0) {
+    throw CommError(who() +
+                    ": in-place recovery: rank 0 hosts the job's store, so it cannot "
+                    "rejoin as a newcomer; the whole job must restart (dtrain run does "
+                    "so).");
+  }
+  InitOptions init;
+  root_store_ = open_store(init, launch_, launch_.rank, launch_.world_size, timeout_);
+  root_store_->setTimeout(timeout_);
+  membership_ = std::make_unique<Membership>(
+      root_store_, MemberRecord::of_this_process(launch_.rank, newcomer_), timeout_);
+
+  if (newcomer_) {
+    const int64_t number = membership_->request_admission();
+    DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
+    generation_ = membership_->wait_for_admission(number);
+    members_ = membership_->form(generation_, {}, 0, options_.settle);
+    membership_->joined();
+    connect(generation_);
+    transfer_state();
+    newcomer_ = false;
+    checked_at_step_ = stats_.steps;  // the members checked this step already
+  } else {
+    members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
+    connect(0);
+    sampler_.reshard(group_->size(), group_->rank());
+  }
+  owner_.wrap(group_);
+  committed_ = sampler_.state();
+  watcher_ = std::thread([this] { watch_for_newcomers(); });
+}
+
+void RecoveryCore::connect(int64_t generation) {
+  auto state = std::make_unique<GroupState>();
+  state->name = "gen" + std::to_string(generation);
+  state->size = static_cast<int>(members_.size());
+  for (size_t i = 0; i < members_.size(); ++i) {
+    state->global_ranks.push_back(members_[i].job_rank);
+    if (members_[i].same_process(MemberRecord::of_this_process(launch_.rank, false))) {
+      state->rank = static_cast<int>(i);
+    }
+  }
+  state->world_size = launch_.world_size;
+  state->timeout = timeout_;
+  state->shared_memory_allowed = shared_memory_enabled_by_env();
+  state->master_addr = launch_.master_addr;
+  state->root_store = root_store_;
+  // Note [In-place recovery]: every generation meets under its own prefix, so nothing of a broken
+  // one is read again.
+  state->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + state->name, root_store_);
+  group_ = GroupInternals::group(connect_group(std::move(state)));
+}
+
+// Hands the old generation's group to a thread of its own: Gloo's destructor joins its threads,
+// which a stuck operation may hold, and the survivors must not wait for that.
+void RecoveryCore::release_group() {
+  // Gradients may be views into the old buckets (gradient_as_bucket_view): drop them, the next
+  // backward makes new ones.
+  for (auto& p : module_->parameters()) p.mutable_grad() = at::Tensor();
+  owner_.unwrap();
+  if (group_) releases_.emplace_back([old = std::move(group_)]() mutable { old.reset(); });
+  group_.reset();
+}
+
+void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause) {
+  std::string why = cause;
+  for (;;) {
+    if (stats_.generation >= options_.max_recoveries) {
+      throw CommError(who() + ": in-place recovery: giving up after " +
+                      std::to_string(stats_.generation) +
+                      " re-formations (RecoveryOptions::max_recoveries); the last failure: " + why);
+    }
+    const int old_size = static_cast<int>(members_.size());
+    release_group();
+    ++generation_;
+    ++stats_.generation;
+    if (reason == Reason::kFailure) ++stats_.recoveries;
+    const auto began = Clock::now();
+    // A generation that cannot form (a timeout), one formed without this process or too small for
+    // the job: final. A failure after it formed: the next generation is tried.
+    members_ = membership_->form(generation_, members_, newcomers, options_.settle);
+    if (static_cast<int>(members_.size()) < options_.min_size) {
+      throw CommError(who() + ": in-place recovery: " + std::to_string(members_.size()) +
+                      " ranks left, fewer than RecoveryOptions::min_size (" +
+                      std::to_string(options_.min_size) + "); the job stops.");
+    }
+    try {
+      connect(generation_);
+      transfer_state();
+      owner_.wrap(group_);
+    } catch (const CommError& e) {
+      why = e.what();
+      reason = Reason::kFailure;
+      newcomers = 0;
+      continue;
+    }
+    if (group_->rank() == 0) {
+      DTRAIN_LOG(kWarn, "in-place recovery: generation "
+                            << generation_ << " of " << group_->size() << " ranks (was " << old_size
+                            << ") formed in " << seconds_text(Clock::now() - began) << " after "
+                            << (reason == Reason::kFailure
+                                    ? "a failure: " + why
+                                    : std::string("admitting ") + std::to_string(newcomers) +
+                                          " newcomer(s)"));
+    }
+    return;
+  }
+}
+
+// After a formation: the survivors at the most steps send everything a step depends on to the
+// others (the laggard that did not step, and newcomers), unless all are already equal.
+void RecoveryCore::transfer_state() {
+  const int64_t mine = newcomer_ ? -1 : stats_.steps;
+  auto counts = torch::tensor({mine, -mine, int64_t{newcomer_ ? 1 : 0}}, torch::kInt64);
+  group_->all_reduce(counts, ReduceOp::kMax);
+  const int64_t most = counts[0].item<int64_t>(), least = -counts[1].item<int64_t>();
+  const bool newcomers = counts[2].item<int64_t>() > 0;
+  if (most == least && !newcomers) {
+    // The common case: every survivor committed the same steps and holds the same state.
+    sampler_.load_state(committed_);
+    sampler_.reshard(group_->size(), group_->rank());
+    return;
+  }
+  auto source_tensor = torch::tensor(
+      {mine == most ? int64_t{group_->rank()} : int64_t{group_->size()}}, torch::kInt64);
+  group_->all_reduce(source_tensor, ReduceOp::kMin);
+  const int source = static_cast<int>(source_tensor.item<int64_t>());
+  const bool sending = group_->rank() == source;
+
+  // Received into copies, applied only once all arrived: a transfer cut short by another failure
+  // must not leave a half-updated replica (the next formation then sends again).
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> tensors;
+  for (auto& p : module_->parameters())
+    tensors.push_back(sending ? p.detach() : p.detach().clone());
+  for (auto& b : module_->buffers()) tensors.push_back(sending ? b.detach() : b.detach().clone());
+  for (auto& t : tensors) group_->broadcast(t, source);
+
+  std::string optimizer_bytes;
+  if (sending) {
+    torch::serialize::OutputArchive archive;
+    optimizer_.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    optimizer_bytes = out.str();
+  }
+  const SamplerState position = committed_;
+  auto counters = torch::tensor(
+      {stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries, stats_.admitted,
+       stats_.steps_redone, newcomers_admitted_, static_cast<int64_t>(optimizer_bytes.size())},
+      torch::kInt64);
+  group_->broadcast(counters, source);
+  auto bytes = torch::empty({counters[7].item<int64_t>()}, torch::kUInt8);
+  if (sending) std::memcpy(bytes.data_ptr(), optimizer_bytes.data(), optimizer_bytes.size());
+  group_->broadcast(bytes, source);
+
+  if (!sending) {
+    size_t i = 0;
+    for (auto& p : module_->parameters()) p.detach().copy_(tensors[i++]);
+    for (auto& b : module_->buffers()) b.detach().copy_(tensors[i++]);
+    std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
+                                      static_cast<size_t>(bytes.numel())));
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    optimizer_.load(archive);
+    auto c = counters.accessor<int64_t, 1>();
+    stats_.steps = c[0];
+    committed_ = SamplerState{c[1], c[2]};
+    stats_.recoveries = c[3];
+    stats_.admitted = c[4];
+    stats_.steps_redone = c[5];
+    newcomers_admitted_ = c[6];
+  }
+  stats_.generation = generation_;
+  sampler_.load_state(committed_);
+  sampler_.reshard(group_->size(), group_->rank());
+}
+
+bool RecoveryCore::step(const std::function<bool()>& body) {
+  // Where the sampler stands after the last committed step: what a transfer sends, and where a
+  // failed step puts it back.
+  committed_ = sampler_.state();
+  // Admission, at agreed steps only: every member runs this all-reduce at the same step count.
+  if (stats_.steps > 0 && stats_.steps % options_.admit_every == 0 &&
+      checked_at_step_ != stats_.steps) {
+    checked_at_step_ = stats_.steps;
+    auto seen = torch::tensor({newcomers_seen_.load()}, torch::kInt64);
+    try {
+      group_->all_reduce(seen, ReduceOp::kMax);
+      const int64_t requested = seen.item<int64_t>();
+      if (requested > newcomers_admitted_) {
+        const int64_t first = newcomers_admitted_ + 1;
+        const int count = static_cast<int>(requested - newcomers_admitted_);
+        if (group_->rank() == 0) membership_->admit(first, requested, generation_ + 1);
+        newcomers_admitted_ = requested;
+        stats_.admitted += count;
+        reform(Reason::kAdmission, count, "");
+      }
+    } catch (const CommError& e) {
+      reform(Reason::kFailure, 0, e.what());
+    }
+  }
+  for (;;) {
+    try {
+      const bool stepped = body();
+      if (stepped) ++stats_.steps;
+      return stepped;
+    } catch (const CommError& e) {
+      // Note [In-place recovery]: back to the last committed position, then re-form; the
+      // transfer settles who is ahead.
+      sampler_.load_state(committed_);
+      ++stats_.steps_redone;
+      reform(Reason::kFailure, 0, e.what());
+    }
+  }
+}
+
+void RecoveryCore::watch_for_newcomers() {
+  std::unique_lock<std::mutex> lock(watch_mutex_);
+  while (!watch_stop_) {
+    lock.unlock();
+    try {
+      newcomers_seen_.store(membership_->newcomers_requested());
+    } catch (const std::exception& e) {
+      // The store is gone (rank 0 exited or died): the training thread will hear of it from its
+      // own operations; there is nothing left to watch.
+      DTRAIN_LOG(kDebug, "in-place recovery: stopped watching for newcomers: " << e.what());
+      return;
+    }
+    lock.lock();
+    watch_wake_.wait_for(lock, std::chrono::milliseconds(100), [&] { return watch_stop_; });
+  }
+}
+
+void RecoveryCore::stop_watching() {
+  {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    watch_stop_ = true;
+  }
+  watch_wake_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+}  // namespace detail
+
+ResilientDataParallelBase::ResilientDataParallelBase(std::shared_ptr<torch::nn::Module> module,
+                                                     torch::optim::Optimizer& optimizer,
+                                                     DistributedSampler sampler,
+                                                     RecoveryOptions options)
+    : core_(std::make_unique<detail::RecoveryCore>(*this, std::move(module), optimizer,
+                                                   std::move(sampler), std::move(options))) {}
+
+ResilientDataParallelBase::~ResilientDataParallelBase() = default;
+
+void ResilientDataParallelBase::start() { core_->start(); }
+
+bool ResilientDataParallelBase::step(const std::function<bool()>& body) {
+  return core_->step(body);
+}
+
+const std::shared_ptr<ProcessGroup>& ResilientDataParallelBase::group() const {
+  return core_->group_;
+}
+
+RecoveryStats ResilientDataParallelBase::stats() const { return core_->stats_; }
+
+void ResilientDataParallelBase::finish() { core_->stop_watching(); }
+
+}  // namespace dtrain

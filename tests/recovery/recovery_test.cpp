@@ -1,0 +1,175 @@
+// In-place recovery (dtrain/recovery.h) with real processes: three workers of
+// tests/workers/recovery_worker.cpp train DDP; one kills itself (SIGKILL) after a step; the
+// survivors go on without a restart; in the second test a newcomer then takes its place and
+// receives the state from a live peer. Each test replays the committed global batches the workers
+// recorded in one process, from the same initial model, and requires the same parameters (relative
+// error < 1e-4), and requires every sample of every epoch to be used exactly once (plus the
+// sampler's padding at an epoch's end).
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "support/equivalence.h"
+#include "support/subprocess.h"
+#include "support/temp_dir.h"
+
+namespace dtrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::bin;
+using testing::json_int;
+using testing::run_command;
+
+// As the worker's.
+constexpr int64_t kSamples = 480;
+constexpr int64_t kInputs = 12;
+constexpr int64_t kClasses = 5;
+constexpr int64_t kEpochs = 4;
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Step {
+  int world = 0;
+  std::vector<int64_t> indices;  // every rank's, in the order of the files read
+};
+
+// step number -> the union of what the processes recorded for it.
+std::map<int64_t, Step> read_steps(const std::string& dir) {
+  std::map<int64_t, Step> steps;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("steps-", 0) != 0) continue;
+    std::ifstream in(entry.path());
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream fields(line);
+      int64_t step;
+      int world;
+      fields >> step >> world;
+      Step& s = steps[step];
+      s.world = world;
+      for (int64_t i; fields >> i;) s.indices.push_back(i);
+    }
+  }
+  return steps;
+}
+
+// One process, the same global batches: the mean loss over a step's samples is the mean of the
+// ranks' means when every rank holds as many samples, which the sampler guarantees.
+std::vector<torch::Tensor> replay(const std::map<int64_t, Step>& steps) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({kSamples, kInputs});
+  const auto y = torch::randint(kClasses, {kSamples});
+  torch::manual_seed(7);
+  torch::nn::Sequential net(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
+                            torch::nn::Linear(16, kClasses));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (const auto& [number, step] : steps) {
+    auto rows = torch::tensor(step.indices);
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x.index_select(0, rows)),
+                                         y.index_select(0, rows))
+        .backward();
+    optimizer.step();
+  }
+  return net->parameters();
+}
+
+// Every epoch uses each sample once, plus fewer than `world` repeats (padding) at its end.
+void expect_exactly_once(const std::map<int64_t, Step>& steps) {
+  std::vector<int64_t> count(kSamples, 0);
+  int64_t seen = 0, epoch = 0, repeats = 0;
+  for (const auto& [number, step] : steps) {
+    for (int64_t i : step.indices) {
+      if (count[i]++ > 0) ++repeats;
+      ++seen;
+    }
+    if (seen - repeats == kSamples) {  // the epoch is complete
+      EXPECT_LT(repeats, step.world) << "epoch " << epoch << ": " << repeats << " samples twice";
+      count.assign(kSamples, 0);
+      seen = repeats = 0;
+      ++epoch;
+    }
+  }
+  EXPECT_EQ(epoch, kEpochs) << "samples were lost: " << seen - repeats
+                            << " of the last epoch's recorded";
+}
+
+std::string launch_script(const std::string& dir, bool newcomer) {
+  const std::string worker = bin("recovery_worker") + " " + dir;
+  const std::string kill = " --kill-rank 2 --kill-after 5";
+  std::string env = "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                    std::to_string(free_port()) + " DTRAIN_RECOVERY=in-place ";
+  std::string flags = kill + (newcomer ? " --slow-until-admitted" : "");
+  std::string script;
+  for (int r = 0; r < 3; ++r) {
+    script += env + "RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) + " " +
+              worker + flags + " > " + dir + "/out" + std::to_string(r) + " 2>&1 & p" +
+              std::to_string(r) + "=$!; ";
+  }
+  script += "wait $p2; echo victim=$?; ";
+  if (newcomer) {
+    script += env + "RANK=2 LOCAL_RANK=2 DTRAIN_RECOVERY_JOIN=1 " + worker + flags + " > " + dir +
+              "/out3 2>&1 & p3=$!; wait $p3; echo newcomer=$?; ";
+  }
+  script += "wait $p0; echo rank0=$?; wait $p1; echo rank1=$?; cat " + dir + "/out0";
+  return "bash -c '" + script + "'";
+}
+
+class InPlaceRecovery : public ::testing::TestWithParam<bool> {};
+
+TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
+  const bool newcomer = GetParam();
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command(launch_script(dir, newcomer), 120);
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.output.find("victim=137"), std::string::npos);  // killed by SIGKILL
+  EXPECT_NE(result.output.find("rank0=0"), std::string::npos);
+  EXPECT_NE(result.output.find("rank1=0"), std::string::npos);
+  if (newcomer) EXPECT_NE(result.output.find("newcomer=0"), std::string::npos);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 1);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
+  EXPECT_EQ(json_int(result.output, "admitted"), newcomer ? 1 : 0);
+  EXPECT_EQ(json_int(result.output, "world_size"), newcomer ? 3 : 2);
+
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.begin()->second.world, 3);
+  EXPECT_EQ(steps.at(6).world, 2);  // the step after the kill, redone without rank 2
+  expect_exactly_once(steps);
+  int64_t last = 0;
+  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithoutNewcomer, InPlaceRecovery, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? std::string("NewcomerTakesTheDeadRanksPlace")
+                                             : std::string("SurvivorsOnly");
+                         });
+
+}  // namespace
+}  // namespace dtrain

@@ -1,0 +1,104 @@
+// A worker of the in-place recovery tests (tests/recovery/recovery_test.cpp): DDP on a small MLP
+// and synthetic data through dtrain::ResilientDataParallel. Every process appends each committed
+// step to <out>/steps-<pid>.txt ("<step> <world> <index> <index> ..."), so the test can replay
+// the same global batches in one process and check that every sample was used exactly once.
+//   recovery_worker OUT [--kill-rank R --kill-after S] [--slow-until-admitted]
+// The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
+// newcomer. --slow-until-admitted: 100 ms per step until a newcomer has been admitted (so one has
+// time to start), bounded by the epochs.
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "dtrain/errors.h"
+#include "dtrain/recovery.h"
+
+namespace {
+
+constexpr int64_t kSamples = 480;
+constexpr int64_t kInputs = 12;
+constexpr int64_t kClasses = 5;
+constexpr int64_t kBatch = 8;  // per rank
+constexpr int64_t kEpochs = 4;
+
+int run(int argc, char** argv) {
+  if (argc < 2)
+    throw dtrain::UsageError("usage: recovery_worker OUT [--kill-rank R --kill-after S]");
+  const std::string out = argv[1];
+  int kill_rank = -1;
+  int64_t kill_after = -1;
+  bool slow = false;
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--kill-rank" && i + 1 < argc) kill_rank = std::atoi(argv[++i]);
+    if (arg == "--kill-after" && i + 1 < argc) kill_after = std::atoll(argv[++i]);
+    if (arg == "--slow-until-admitted") slow = true;
+  }
+  const int job_rank = std::atoi(std::getenv("RANK"));
+  const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
+  const bool newcomer = join != nullptr && std::string(join) == "1";
+  torch::set_num_threads(1);
+
+  torch::manual_seed(3);
+  const auto x = torch::randn({kSamples, kInputs});
+  const auto y = torch::randint(kClasses, {kSamples});
+  torch::manual_seed(7);
+  torch::nn::Sequential net(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
+                            torch::nn::Linear(16, kClasses));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  dtrain::DistributedSampler sampler(kSamples, 1, 0);
+  dtrain::RecoveryOptions options;
+  options.admit_every = 2;
+  dtrain::ResilientDataParallel rdp(net, optimizer, sampler, options);
+
+  std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
+  for (int64_t epoch = sampler.epoch(); epoch < kEpochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    std::vector<size_t> used;
+    while (rdp.step([&](auto& ddp) {
+      auto batch = sampler.next(kBatch);
+      if (!batch) return false;
+      used = *batch;
+      auto rows = torch::tensor(std::vector<int64_t>(batch->begin(), batch->end()));
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(ddp(x.index_select(0, rows)), y.index_select(0, rows))
+          .backward();
+      optimizer.step();
+      return true;
+    })) {
+      const auto stats = rdp.stats();
+      steps << stats.steps << " " << rdp.group()->size();
+      for (size_t i : used) steps << " " << i;
+      steps << std::endl;  // flushed: the line must survive a SIGKILL right after
+      if (job_rank == kill_rank && stats.steps == kill_after && !newcomer) std::raise(SIGKILL);
+      if (slow && stats.admitted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  rdp.finish();
+  auto group = rdp.group();
+  group->barrier();
+  const auto stats = rdp.stats();
+  if (group->rank() == 0) {
+    std::vector<torch::Tensor> params;
+    for (auto& p : net->parameters()) params.push_back(p.detach().clone());
+    torch::save(params, out + "/final.pt");
+    std::cout << "{\"world_size\": " << group->size() << ", \"steps\": " << stats.steps
+              << ", \"recoveries\": " << stats.recoveries << ", \"admitted\": " << stats.admitted
+              << ", \"steps_redone\": " << stats.steps_redone
+              << ", \"generation\": " << stats.generation << "}" << std::endl;
+  }
+  group->barrier();  // rank 0 hosts the store: it leaves last
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return dtrain::run_main([&] { return run(argc, argv); });
+}
