@@ -40,5 +40,6 @@ for run in $(seq "$runs"); do
     END { for (i = s - 100; i < s; ++i) if ((i in t) && ((i + 1) in t)) print t[i + 1] - t[i] }' \
     "$work/rank0" | sort -g | awk '{ g[NR] = $1 } END { printf "%.4f", g[int((NR + 1) / 2)] }')
   echo "run $run: kill -> the survivors' next completed step ${kill_gap} s; an ordinary step ${ordinary} s (median)"
-  grep -h "formed in" "$work/rank0" | sed 's/.*\(generation [0-9]* of [0-9]* ranks (was [0-9]*) formed in [0-9.]* s\).*failed after \([0-9.]* s\).*/  \1; the failed all-reduce gave up after \2/'
+  grep -h "ready in" "$work/rank0" |
+    sed 's/.*\(generation [0-9]* of [0-9]* ranks (was [0-9]*) ready in [^)]*)\).*failed after \([0-9.]* s\).*/  \1; the failed all-reduce gave up after \2/'
 done

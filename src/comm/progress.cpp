@@ -74,11 +74,12 @@ void ProgressTracker::publish_loop() {
   }
 }
 
-std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<int>& to_global) {
+std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<int>& to_global,
+                                              bool let_peers_post) {
   publish_now();
   // A failure (unlike a timeout) can come right after peers moved on: give their publishers time to
   // post where they are. This runs only on the error path.
-  std::this_thread::sleep_for(3 * kPublishInterval);
+  if (let_peers_post) std::this_thread::sleep_for(3 * kPublishInterval);
   std::vector<int> missing;
   std::ostringstream where;
   for (int r = 0; r < size_; ++r) {

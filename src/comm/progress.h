@@ -37,8 +37,12 @@ class ProgressTracker {
   // One sentence naming the group ranks that have not reached collective `seq`, with where each was
   // last seen and how long ago (by the clocks of both hosts, to within kPublishInterval), e.g.
   // "ranks {3} never joined (rank 3 last seen at broadcast #36, 30.1 s ago)". `to_global` maps
-  // group ranks to the job's ranks for the message.
-  std::string describe_missing(uint64_t seq, const std::vector<int>& to_global);
+  // group ranks to the job's ranks for the message. `let_peers_post`: first wait a few publish
+  // intervals so that peers that moved on have posted it (a failure can come right after); not
+  // needed when the transport has already seen which peer died, and in-place recovery
+  // (dtrain/recovery.h) would wait for it on every failure.
+  std::string describe_missing(uint64_t seq, const std::vector<int>& to_global,
+                               bool let_peers_post = true);
 
  private:
   void publish_loop();

@@ -27,6 +27,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kLine = 64;
+// How often a waiting rank checks that the peers it waits for still live (one kill(pid, 0) each):
+// a dead peer is reported within this, which in-place recovery (dtrain/recovery.h) waits out on
+// every failure. The check runs only after the yield phase, so it never slows a step.
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 constexpr auto kYieldBeforeSleeping = std::chrono::milliseconds(
     2);  // one cache line per rank's record: no false sharing between ranks
 
@@ -302,7 +306,7 @@ void ShmTransport::barrier(Clock::time_point deadline) {
   futex_wake_all(wake_word);
 
   const uint64_t my_namespace = own_pid_namespace();
-  auto next_liveness_check = Clock::now() + std::chrono::milliseconds(200);
+  auto next_liveness_check = Clock::now() + kLivenessPeriod;
   Clock::time_point yield_until;
   for (int spins = 0;; ++spins) {
     uint32_t seen = wake_word->load(std::memory_order_acquire);
@@ -341,7 +345,7 @@ void ShmTransport::barrier(Clock::time_point deadline) {
       abort(ShmFailure("timed out waiting for group rank " + std::to_string(late),
                        ShmFailure::Kind::kTimeout, late));
     if (now > next_liveness_check) {
-      next_liveness_check = now + std::chrono::milliseconds(200);
+      next_liveness_check = now + kLivenessPeriod;
       for (int r = 0; r < size_; ++r) {
         int32_t pid = records[r].pid.load();
         bool same_namespace = records[r].pid_ns.load() == my_namespace;

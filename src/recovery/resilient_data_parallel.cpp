@@ -166,14 +166,17 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
                       " re-formations (RecoveryOptions::max_recoveries); the last failure: " + why);
     }
     const int old_size = static_cast<int>(members_.size());
+    // Where the time goes, for the log line: release, membership, connection, state, DDP.
+    std::vector<Clock::time_point> marks{Clock::now()};
     release_group();
+    marks.push_back(Clock::now());
     ++generation_;
     ++stats_.generation;
     if (reason == Reason::kFailure) ++stats_.recoveries;
-    const auto began = Clock::now();
     // A generation that cannot form (a timeout), one formed without this process or too small for
     // the job: final. A failure after it formed: the next generation is tried.
     members_ = membership_->form(generation_, members_, newcomers, options_.settle);
+    marks.push_back(Clock::now());
     if (static_cast<int>(members_.size()) < options_.min_size) {
       throw CommError(who() + ": in-place recovery: " + std::to_string(members_.size()) +
                       " ranks left, fewer than RecoveryOptions::min_size (" +
@@ -181,8 +184,11 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     }
     try {
       connect(generation_);
+      marks.push_back(Clock::now());
       transfer_state();
+      marks.push_back(Clock::now());
       owner_.wrap(group_);
+      marks.push_back(Clock::now());
     } catch (const CommError& e) {
       why = e.what();
       reason = Reason::kFailure;
@@ -190,13 +196,17 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
       continue;
     }
     if (group_->rank() == 0) {
-      DTRAIN_LOG(kWarn, "in-place recovery: generation "
-                            << generation_ << " of " << group_->size() << " ranks (was " << old_size
-                            << ") formed in " << seconds_text(Clock::now() - began) << " after "
-                            << (reason == Reason::kFailure
-                                    ? "a failure: " + why
-                                    : std::string("admitting ") + std::to_string(newcomers) +
-                                          " newcomer(s)"));
+      auto part = [&](size_t i) { return seconds_text(marks[i] - marks[i - 1]); };
+      DTRAIN_LOG(
+          kWarn,
+          "in-place recovery: generation "
+              << generation_ << " of " << group_->size() << " ranks (was " << old_size
+              << ") ready in " << seconds_text(marks.back() - marks.front())
+              << " (old group released " << part(1) << ", membership " << part(2) << ", connected "
+              << part(3) << ", state " << part(4) << ", DDP " << part(5) << ") after "
+              << (reason == Reason::kFailure
+                      ? "a failure: " + why
+                      : std::string("admitting ") + std::to_string(newcomers) + " newcomer(s)"));
     }
     return;
   }
