@@ -164,9 +164,9 @@ bool readable(int fd) {
 // into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
 // Returns false, restarting nothing, where the whole group must stop as in restart mode: a signal
 // came for the launcher, a usage error (exit code 2) cannot be fixed by a restart, fewer restarts
-// are left than workers failed (then one restart of the group uses them), or rank 0 died. Rank 0 hosts the workers' store
-// (TORCHELASTIC_USE_AGENT_STORE=False), so with it every survivor lost its group: only a restart
-// of the whole group from the last checkpoint helps then.
+// are left than workers failed (then one restart of the group uses them), or rank 0 died. Rank 0
+// hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=False), so with it every survivor lost its
+// group: only a restart of the whole group from the last checkpoint helps then.
 bool restart_alone(const RunOptions& options, WorkerGroup& group,
                    const elastic::WorkerGroupRound& round, const WaitResult& failed, int signal_fd,
                    int* restarts) {

@@ -316,19 +316,20 @@ Each worker's environment is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WOR
 GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (a fresh
 uuid on a single node without --master-port, unless --run-id), TORCHELASTIC_ERROR_FILE (in a
-temporary folder removed when dtrain run exits), TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,
-SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and OMP_NUM_THREADS=1 with several workers (each
-unless already set). dtrain's own: DTRAIN_RECOVERY=restart|in-place (--recovery), and
-DTRAIN_RECOVERY_JOIN=1 for a worker restarted alone, which joins the running workers as a newcomer
-and takes its state from a live peer. Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher:
-rank 0 hosts it; torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on
-one node) where torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
+temporary folder removed when dtrain run exits),
+TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and
+OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
+DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
+alone, which joins the running workers as a newcomer and takes its state from a live peer.
+Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it;
+torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on one node) where
+torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
 TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
-Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
-signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
-for another reason (lost nodes, no rendezvous store answering in time, another program on the c10d
-endpoint's port); 2 for bad flags.
+Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run); the first
+failing worker's exit code (128 + signal if a signal killed it); 128 + signal when dtrain run
+itself is interrupted; 1 when the elastic job ends for another reason (lost nodes, no rendezvous
+store answering in time, another program on the c10d endpoint's port); 2 for bad flags.
 )";
 }
 

@@ -524,6 +524,8 @@ TEST_F(LauncherTest, HelpPrintsUsageAndExitsZero) {
     RunResult run = dtrain(args);
     EXPECT_EQ(run.exit_code, 0);
     EXPECT_NE(run.out.find("usage: dtrain run"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("  --recovery MODE        restart:"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("DTRAIN_RECOVERY_JOIN=1"), std::string::npos) << run.out;
     EXPECT_EQ(run.err, "");
   }
   RunResult top = dtrain({"--help"});
