@@ -8,11 +8,18 @@
 // collective and fail too (then their launchers restart them). The attempt counters of different
 // nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
 // (elastic_agent.h), whose rendezvous restarts every node's group together.
+//
+// With --recovery in-place (static only) the survivors are meant to carry on: the library
+// (DTRAIN_RECOVERY=in-place) re-forms their group without the dead worker, and the launcher
+// restarts that worker alone as a newcomer (restart_alone() below). Rank 0's death still restarts
+// the node's group: its store is gone.
 #include "launcher/cli/run_command.h"
 
+#include <poll.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -127,6 +134,7 @@ elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
                     (options.standalone || options.master_port == 0);
   if (standalone && !options.run_id_given) group_options.run_id = random_uuid();
   group_options.max_restarts = options.max_restarts;
+  group_options.recovery = options.recovery;
   group_options.log_dir = options.log_dir;
   group_options.grace_period =
       std::chrono::milliseconds(static_cast<long long>(options.grace_period_s * 1000.0 + 0.5));
@@ -145,12 +153,58 @@ elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
 
 namespace {
 
+bool readable(int fd) {
+  struct pollfd p {
+    fd, POLLIN, 0
+  };
+  return poll(&p, 1, 0) > 0;
+}
+
+// --recovery in-place: restarts each worker of `failed` alone, as a newcomer the survivors admit
+// into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
+// Returns false, restarting nothing, where the whole group must stop as in restart mode: a signal
+// came for the launcher, a usage error (exit code 2) cannot be fixed by a restart, fewer restarts
+// are left than workers failed (then one restart of the group uses them), or rank 0 died. Rank 0
+// hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=False), so with it every survivor lost its
+// group: only a restart of the whole group from the last checkpoint helps then.
+bool restart_alone(const RunOptions& options, WorkerGroup& group,
+                   const elastic::WorkerGroupRound& round, const WaitResult& failed, int signal_fd,
+                   int* restarts) {
+  if (!recovers_in_place(options) || readable(signal_fd)) return false;
+  const std::vector<WorkerExit>& failures = failed.failures;
+  int left = options.max_restarts - *restarts;
+  if (left <= 0 || std::any_of(failures.begin(), failures.end(),
+                               [](const WorkerExit& failure) { return failure.usage_error(); })) {
+    return false;  // the caller says why it does not restart
+  }
+  if (std::any_of(failures.begin(), failures.end(),
+                  [](const WorkerExit& failure) { return failure.global_rank == 0; })) {
+    say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
+    return false;
+  }
+  if (static_cast<std::size_t>(left) < failures.size()) return false;
+  for (const WorkerExit& failure : failures) {
+    ++*restarts;
+    say("rank " + std::to_string(failure.global_rank) + "/" + std::to_string(round.world_size) +
+        " (local rank " + std::to_string(failure.local_rank) + ", pid " +
+        std::to_string(failure.pid) + ") " + failure.describe() + " on attempt " +
+        std::to_string(failure.restart_count) +
+        "; restarting it alone as a newcomer, the other workers keep running (restart " +
+        std::to_string(*restarts) + " of " + std::to_string(options.max_restarts) + ")");
+    group.restart_worker(failure.local_rank, *restarts);
+  }
+  return true;
+}
+
 int run_workers(const RunOptions& options, const LaunchPlan& plan) {
   // Installed before the first worker exists, so no Ctrl-C can slip between fork and the handler.
   elastic::SignalPipe signals(elastic::kLauncherSignals);
   WorkerGroup group(worker_group_options(options, plan));
 
-  for (int attempt = 0;; ++attempt) {
+  // Restarts so far, of the whole group or (--recovery in-place) of one worker: each counts
+  // against --max-restarts, and the count is the restarted workers' TORCHELASTIC_RESTART_COUNT.
+  int restarts = 0;
+  for (;;) {
     elastic::WorkerGroupRound round;
     round.group_rank = options.node_rank;
     round.group_world_size = options.nnodes;
@@ -160,10 +214,14 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
     // A fresh port each attempt: the previous store's port may linger, or another program may have
     // taken it meanwhile.
     round.master_port = plan.auto_port ? elastic::pick_free_port() : options.master_port;
-    round.restart_count = attempt;
+    round.restart_count = restarts;
     group.start(round);
 
     WaitResult result = group.wait(signals.fd());
+    while (result.state == WaitResult::State::kFailed &&
+           restart_alone(options, group, round, result, signals.fd(), &restarts)) {
+      result = group.wait(signals.fd());
+    }
     if (result.state == WaitResult::State::kSucceeded) {
       group.stop();  // ends whatever the workers left running in their process groups
       return 0;
@@ -194,13 +252,14 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
           "restart cannot fix; exiting with code 2");
       return exit_code;
     }
-    if (attempt >= options.max_restarts) {
+    if (restarts >= options.max_restarts) {
       say("no restarts left (--max-restarts " + std::to_string(options.max_restarts) +
           "); exiting with code " + std::to_string(exit_code));
       return exit_code;
     }
-    say("restarting the worker group of this node: attempt " + std::to_string(attempt + 1) +
-        " (restart " + std::to_string(attempt + 1) + " of " + std::to_string(options.max_restarts) +
+    ++restarts;
+    say("restarting the worker group of this node: attempt " + std::to_string(restarts) +
+        " (restart " + std::to_string(restarts) + " of " + std::to_string(options.max_restarts) +
         ")");
   }
 }

@@ -156,6 +156,13 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
                                            : "--master-port") +
            ": decided by the rendezvous with " + backend + "; drop it");
     }
+    // The agent restarts every node's workers from a new rendezvous round; admitting one newcomer
+    // into a running round is not written yet.
+    if (recovers_in_place(options)) {
+      fail(
+          "--recovery in-place: static rendezvous only for now; use --recovery restart with "
+          "--rdzv-backend c10d/etcd");
+    }
     if (options.command.empty()) {
       fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
     }
@@ -215,6 +222,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   CLI::Option* master_port = valued("--master-port", options.master_port,
                                     {integer(0, 65535, "a port in 1..65535, or 0 for a free one")});
   valued("--max-restarts", options.max_restarts, {integer(0, 1 << 30, "a non-negative integer")});
+  valued("--recovery", options.recovery, {one_of({"restart", "in-place"})});
   valued("--log-dir", options.log_dir, {non_empty("a directory")});
   // torchrun's --rdzv-id is dtrain's --run-id.
   CLI::Option* run_id =
@@ -262,13 +270,17 @@ std::string run_usage() {
 Starts --nproc-per-node copies of `program` on this node with the environment torchrun gives its
 workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), relays their output prefixed with [rank<R>]:,
-stops them all when one fails and restarts them up to --max-restarts times. A program ending in .py
-runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
+stops them all when one fails and restarts them up to --max-restarts times (with --recovery
+in-place, only the failed one). A program ending in .py runs under $DTRAIN_PYTHON (default: python3
+on PATH) unless --no-python.
 
 flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
   --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
   --max-restarts K       worker failures the job restarts from (default 0)
+  --recovery MODE        restart: a failure restarts every worker of the node (default);
+                         in-place: only the failed worker restarts, joining the survivors
+                         (static nodes only; rank 0's failure still restarts them all)
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
@@ -304,17 +316,20 @@ Each worker's environment is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WOR
 GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (a fresh
 uuid on a single node without --master-port, unless --run-id), TORCHELASTIC_ERROR_FILE (in a
-temporary folder removed when dtrain run exits), TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,
-SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and OMP_NUM_THREADS=1 with several workers (each
-unless already set). Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher:
-rank 0 hosts it; torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on
-one node) where torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
+temporary folder removed when dtrain run exits),
+TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and
+OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
+DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
+alone, which joins the running workers as a newcomer and takes its state from a live peer.
+Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it;
+torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on one node) where
+torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
 TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
-Exit code: 0 when every worker succeeds; the first failing worker's exit code (128 + signal if a
-signal killed it); 128 + signal when dtrain run itself is interrupted; 1 when the elastic job ends
-for another reason (lost nodes, no rendezvous store answering in time, another program on the c10d
-endpoint's port); 2 for bad flags.
+Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run); the first
+failing worker's exit code (128 + signal if a signal killed it); 128 + signal when dtrain run
+itself is interrupted; 1 when the elastic job ends for another reason (lost nodes, no rendezvous
+store answering in time, another program on the c10d endpoint's port); 2 for bad flags.
 )";
 }
 

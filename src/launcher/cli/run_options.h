@@ -47,6 +47,10 @@ struct RunOptions {
   int master_port = 0;
   // How often the local group is restarted after a failure before giving up: --max-restarts.
   int max_restarts = 0;
+  // --recovery: "restart" stops the node's workers when one fails and restarts them all (they
+  // resume from their checkpoint); "in-place" restarts only the failed worker, as a newcomer the
+  // survivors admit into their group (static rendezvous only). Workers see it as DTRAIN_RECOVERY.
+  std::string recovery = "restart";
   // When not empty, each rank's output is also appended to <log_dir>/rank<R>.log: --log-dir.
   std::string log_dir;
   // TORCHELASTIC_RUN_ID: --run-id or torchrun's --rdzv-id; torchrun's default is "none" (a single
@@ -73,6 +77,9 @@ RunOptions parse_run_options(const std::vector<std::string>& args);
 
 // Whether the options ask for the elastic agent (a c10d or etcd rendezvous).
 inline bool is_elastic(const RunOptions& options) { return options.rdzv_backend != "static"; }
+
+// Whether a failed worker is restarted alone (--recovery in-place).
+inline bool recovers_in_place(const RunOptions& options) { return options.recovery == "in-place"; }
 
 // The CPUs this process may run on (its affinity mask, which taskset and container limits narrow):
 // what --nproc-per-node auto means on a machine without GPUs.

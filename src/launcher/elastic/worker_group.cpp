@@ -1,7 +1,7 @@
 // WorkerGroup: spawning, watching, relaying and stopping the local worker processes (see
 // worker_group.h). Over 600 lines because these four share one table of workers and one poll loop;
-// the in-place recovery issue rewrites this loop (and the trainer's restart loop) into one, and
-// splits the file along the new seams then, rather than twice.
+// in-place recovery (restart_worker(), a section of its own after stop()) reuses both rather than
+// splitting them.
 #include "launcher/elastic/worker_group.h"
 
 #include <fcntl.h>
@@ -50,7 +50,9 @@ constexpr int kPollWithPidfdMs = 1000;
 // Exit code of a worker whose exec failed (the shell's convention for "command not found").
 constexpr int kExecFailedExitCode = 127;
 
-// The variables torchrun's agent sets for every worker; inherited values of these are replaced.
+// The variables the launcher sets for its workers, torchrun's agent's and dtrain's own; inherited
+// values of these are replaced (an outer job's DTRAIN_RECOVERY_JOIN=1 must not make every worker a
+// newcomer).
 constexpr const char* kWorkerVariables[] = {"LOCAL_RANK",
                                             "RANK",
                                             "GROUP_RANK",
@@ -67,7 +69,9 @@ constexpr const char* kWorkerVariables[] = {"LOCAL_RANK",
                                             "TORCHELASTIC_RUN_ID",
                                             "TORCHELASTIC_USE_AGENT_STORE",
                                             "TORCHELASTIC_ERROR_FILE",
-                                            "TORCHELASTIC_SIGNALS_TO_HANDLE"};
+                                            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                            "DTRAIN_RECOVERY",
+                                            "DTRAIN_RECOVERY_JOIN"};
 
 // Writes all of `data`, retrying short writes and EINTR. Output to a closed pipe (EPIPE: `dtrain
 // run | head`) or a broken terminal is dropped: losing relayed lines must never stop the launcher
@@ -160,9 +164,10 @@ struct WorkerGroup::Stream {
 struct WorkerGroup::Worker {
   int local_rank = 0;
   int global_rank = 0;
-  pid_t pid = -1;      // also the worker's process group id (it calls setpgid(0, 0))
-  int pidfd = -1;      // readable when the worker exits; -1 if the kernel has no pidfd_open
-  bool reaped = true;  // waitpid() has collected it (or it was never started)
+  pid_t pid = -1;         // also the worker's process group id (it calls setpgid(0, 0))
+  int restart_count = 0;  // its TORCHELASTIC_RESTART_COUNT (restart_worker() gives it its own)
+  int pidfd = -1;         // readable when the worker exits; -1 if the kernel has no pidfd_open
+  bool reaped = true;     // waitpid() has collected it (or it was never started)
   // Its process group may still have members (the worker itself, or children it left behind).
   // Cleared as soon as the group is seen empty, so a recycled process group id is never signalled.
   bool group_alive = false;
@@ -297,8 +302,8 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   round_ = round;
 
   std::string why;
-  std::string executable = find_executable(options_.command[0], &why);
-  if (executable.empty()) {
+  executable_ = find_executable(options_.command[0], &why);
+  if (executable_.empty()) {
     throw UsageError("dtrain run: program '" + options_.command[0] + "': " + why);
   }
   if (dev_null_ < 0) {
@@ -310,8 +315,10 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   }
 
   // The environment every worker shares: the launcher's own, minus the variables set below, plus
-  // the caller's extras, plus torchrun's. Rank-specific variables are added per worker.
-  std::vector<std::string> shared_env;
+  // the caller's extras, plus torchrun's. Rank-specific variables are added per worker
+  // (worker_env()).
+  std::vector<std::string>& shared_env = shared_env_;
+  shared_env.clear();
   auto is_replaced = [&](std::string_view entry) {
     std::string_view key = entry.substr(0, entry.find('='));
     for (const char* name : kWorkerVariables) {
@@ -345,6 +352,7 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   set("TORCHELASTIC_USE_AGENT_STORE", "False");
   // What torchrun exports from its own --signals-to-handle; dtrain handles exactly that default.
   set("TORCHELASTIC_SIGNALS_TO_HANDLE", kLauncherSignalNames);
+  set("DTRAIN_RECOVERY", options_.recovery);
   // torchrun's agent turns NCCL's async error handling on unless the user chose: a rank whose peer
   // died then fails instead of hanging in a collective, and the launcher can restart the group.
   if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr &&
@@ -352,35 +360,32 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
   }
 
-  std::vector<std::string> error_files = make_error_files();
+  std::vector<std::string> error_files;
+  for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
+    error_files.push_back(make_error_file(round.restart_count, local_rank));
+  }
   workers_.resize(static_cast<std::size_t>(options_.local_world_size));
   // Open every log before forking anything, so a bad --log-dir fails with no worker started.
   for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
     Worker& worker = workers_[static_cast<std::size_t>(local_rank)];
     worker.local_rank = local_rank;
     worker.global_rank = round.base_rank + local_rank;
+    worker.restart_count = round.restart_count;
     worker.prefix = "[rank" + std::to_string(worker.global_rank) + "]: ";
-    if (!options_.log_dir.empty()) {
-      std::string path = options_.log_dir + "/rank" + std::to_string(worker.global_rank) + ".log";
-      worker.log_fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-      if (worker.log_fd < 0) {
-        std::string error = std::strerror(errno);
-        for (Worker& opened : workers_) close_worker(opened);
-        workers_.clear();
-        throw UsageError("dtrain run: --log-dir: cannot open " + path + ": " + error);
-      }
+    try {
+      open_log(worker);
+    } catch (...) {
+      for (Worker& opened : workers_) close_worker(opened);
+      workers_.clear();
+      throw;
     }
   }
 
   for (Worker& worker : workers_) {
-    std::vector<std::string> env = shared_env;
-    env.push_back("TORCHELASTIC_ERROR_FILE=" +
-                  error_files[static_cast<std::size_t>(worker.local_rank)]);
-    env.push_back("LOCAL_RANK=" + std::to_string(worker.local_rank));
-    env.push_back("RANK=" + std::to_string(worker.global_rank));
-    env.push_back("ROLE_RANK=" + std::to_string(worker.global_rank));
+    std::vector<std::string> env =
+        worker_env(worker, error_files[static_cast<std::size_t>(worker.local_rank)], {});
     try {
-      spawn(worker, executable, env);
+      spawn(worker, env);
     } catch (...) {
       // Leave nothing of this round behind: the caller gets the error, not half a group.
       signal_groups(SIGKILL);
@@ -390,7 +395,32 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   }
 }
 
-std::vector<std::string> WorkerGroup::make_error_files() {
+void WorkerGroup::open_log(Worker& worker) {
+  if (options_.log_dir.empty()) return;
+  std::string path = options_.log_dir + "/rank" + std::to_string(worker.global_rank) + ".log";
+  worker.log_fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (worker.log_fd < 0) {
+    throw UsageError("dtrain run: --log-dir: cannot open " + path + ": " + std::strerror(errno));
+  }
+}
+
+std::vector<std::string> WorkerGroup::worker_env(
+    const Worker& worker, const std::string& error_file,
+    const std::vector<std::pair<std::string, std::string>>& overrides) const {
+  std::vector<std::string> env = shared_env_;
+  // Replaced, not appended: with a name twice, getenv() would find the round's value first.
+  for (const auto& [name, value] : overrides) {
+    std::erase_if(env, [&](const std::string& entry) { return entry.rfind(name + "=", 0) == 0; });
+    env.push_back(name + "=" + value);
+  }
+  env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
+  env.push_back("LOCAL_RANK=" + std::to_string(worker.local_rank));
+  env.push_back("RANK=" + std::to_string(worker.global_rank));
+  env.push_back("ROLE_RANK=" + std::to_string(worker.global_rank));
+  return env;
+}
+
+std::string WorkerGroup::make_error_file(int restart_count, int local_rank) {
   namespace fs = std::filesystem;
   if (error_file_root_.empty()) {
     // torchrun's place: a fresh folder under $TMPDIR (Python's tempfile.gettempdir()).
@@ -406,25 +436,19 @@ std::vector<std::string> WorkerGroup::make_error_files() {
   }
   // One folder per attempt and local rank, as torchrun lays them out, so no attempt finds an older
   // attempt's file (PyTorch's @record would warn and overwrite it).
-  std::vector<std::string> files;
-  for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
-    fs::path folder = fs::path(error_file_root_) /
-                      ("attempt_" + std::to_string(round_.restart_count)) /
-                      std::to_string(local_rank);
-    std::error_code error;
-    fs::create_directories(folder, error);
-    if (error) {
-      throw UsageError("dtrain run: cannot create " + folder.string() +
-                       " for TORCHELASTIC_ERROR_FILE: " + error.message() +
-                       "; set TMPDIR to a writable directory");
-    }
-    files.push_back((folder / "error.json").string());
+  fs::path folder = fs::path(error_file_root_) / ("attempt_" + std::to_string(restart_count)) /
+                    std::to_string(local_rank);
+  std::error_code error;
+  fs::create_directories(folder, error);
+  if (error) {
+    throw UsageError("dtrain run: cannot create " + folder.string() +
+                     " for TORCHELASTIC_ERROR_FILE: " + error.message() +
+                     "; set TMPDIR to a writable directory");
   }
-  return files;
+  return (folder / "error.json").string();
 }
 
-void WorkerGroup::spawn(Worker& worker, const std::string& executable,
-                        const std::vector<std::string>& env) {
+void WorkerGroup::spawn(Worker& worker, const std::vector<std::string>& env) {
   // Everything the child needs is built before fork(): between fork and exec only async-signal-safe
   // calls are allowed.
   std::vector<char*> argv;
@@ -434,7 +458,7 @@ void WorkerGroup::spawn(Worker& worker, const std::string& executable,
   for (const std::string& entry : env) envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
   std::string exec_error = "dtrain run: rank " + std::to_string(worker.global_rank) +
-                           ": cannot execute '" + executable + "': ";
+                           ": cannot execute '" + executable_ + "': ";
 
   int out_pipe[2];
   int err_pipe[2];
@@ -492,7 +516,7 @@ void WorkerGroup::spawn(Worker& worker, const std::string& executable,
         dup2(targets[fd], fd);
       }
     }
-    execve(executable.c_str(), argv.data(), envp.data());
+    execve(executable_.c_str(), argv.data(), envp.data());
     int error = errno;
     write_all(2, exec_error);
     write_all(2, exec_error_text(error));
@@ -520,8 +544,8 @@ void WorkerGroup::spawn(Worker& worker, const std::string& executable,
   fcntl(worker.out.fd, F_SETFL, O_NONBLOCK);
   fcntl(worker.err.fd, F_SETFL, O_NONBLOCK);
   worker.stderr_tail.clear();
-  write_log(worker, "==== dtrain run: attempt " + std::to_string(round_.restart_count) + " (" +
-                        "TORCHELASTIC_RESTART_COUNT=" + std::to_string(round_.restart_count) +
+  write_log(worker, "==== dtrain run: attempt " + std::to_string(worker.restart_count) + " (" +
+                        "TORCHELASTIC_RESTART_COUNT=" + std::to_string(worker.restart_count) +
                         "): rank " + std::to_string(worker.global_rank) + "/" +
                         std::to_string(round_.world_size) + " (local rank " +
                         std::to_string(worker.local_rank) + "), pid " + std::to_string(pid) +
@@ -607,6 +631,36 @@ std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd) {
   }
   for (Worker& worker : workers_) close_worker(worker);
   return exits;
+}
+
+// -------------------------------------------------------------------------------------------------
+// In-place recovery: one worker replaced while the others keep running.
+
+void WorkerGroup::restart_worker(int local_rank, int restart_count) {
+  if (local_rank < 0 || local_rank >= static_cast<int>(workers_.size())) {
+    throw InternalError("dtrain run: WorkerGroup::restart_worker: no local rank " +
+                        std::to_string(local_rank) + " in a group of " +
+                        std::to_string(workers_.size()) + " worker(s)");
+  }
+  Worker& worker = workers_[static_cast<std::size_t>(local_rank)];
+  if (!worker.reaped) {
+    throw InternalError("dtrain run: WorkerGroup::restart_worker: local rank " +
+                        std::to_string(local_rank) + " (pid " + std::to_string(worker.pid) +
+                        ") still runs; restart only a worker that wait() reported");
+  }
+  // What the dead worker left in its process group (a data-loader child, a shell's background job)
+  // would keep its pipes open and compete with the newcomer for its files and devices. It has no
+  // worker left to report to, so it goes at once, without a grace period.
+  if (worker.group_alive && kill(-worker.pid, 0) == 0) kill(-worker.pid, SIGKILL);
+  worker.group_alive = false;
+  close_worker(worker);  // relays the old process's last output, closes its pipes and log
+
+  worker.restart_count = restart_count;
+  std::string error_file = make_error_file(restart_count, local_rank);
+  open_log(worker);
+  spawn(worker, worker_env(worker, error_file,
+                           {{"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+                            {"DTRAIN_RECOVERY_JOIN", "1"}}));
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -757,7 +811,7 @@ void WorkerGroup::record_exit(Worker& worker, int status, std::vector<WorkerExit
   exit.global_rank = worker.global_rank;
   exit.local_rank = worker.local_rank;
   exit.pid = worker.pid;
-  exit.restart_count = round_.restart_count;
+  exit.restart_count = worker.restart_count;
   if (WIFSIGNALED(status)) {
     exit.signal = WTERMSIG(status);
   } else {
@@ -766,7 +820,7 @@ void WorkerGroup::record_exit(Worker& worker, int status, std::vector<WorkerExit
   // The unterminated last stderr line belongs in the summary too.
   exit.stderr_tail.assign(worker.stderr_tail.begin(), worker.stderr_tail.end());
   if (!worker.err.partial.empty()) exit.stderr_tail.push_back(worker.err.partial);
-  write_log(worker, "==== dtrain run: attempt " + std::to_string(round_.restart_count) + ": rank " +
+  write_log(worker, "==== dtrain run: attempt " + std::to_string(worker.restart_count) + ": rank " +
                         std::to_string(worker.global_rank) + " (pid " + std::to_string(worker.pid) +
                         ") " + exit.describe() + " ====\n");
   exits->push_back(std::move(exit));

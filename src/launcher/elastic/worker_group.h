@@ -1,8 +1,9 @@
 // WorkerGroup: the local worker processes of one node - spawning them with torchrun's environment,
 // relaying their output line by line with a rank prefix (and into per-rank log files), watching for
 // the first failure, and stopping them all (SIGTERM to each worker's process group, SIGKILL after a
-// grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop;
-// the elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds.
+// grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop
+// (with --recovery in-place it replaces a single failed worker through restart_worker()); the
+// elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds.
 //
 // Limits: a worker's children are signalled through its process group, so one that moves to a group
 // of its own (setsid, a daemon) escapes stop(). If the launcher is SIGKILLed, the kernel kills the
@@ -56,6 +57,10 @@ struct WorkerGroupOptions {
   // Extra variables for every worker, applied after the inherited environment and before
   // torchrun's.
   std::vector<std::pair<std::string, std::string>> extra_env;
+  // DTRAIN_RECOVERY: how the caller recovers from a worker's failure ("restart": the whole group;
+  // "in-place": the failed worker alone, through restart_worker()), so the workers know whether
+  // to expect a newcomer.
+  std::string recovery = "restart";
 };
 
 // What one attempt of the group runs as: fixed by the static launcher, decided by a rendezvous
@@ -144,6 +149,15 @@ class WorkerGroup {
   // grace_period plus a few seconds. Returns how each worker that was still running ended.
   std::vector<WorkerExit> stop(int interrupt_fd = -1);
 
+  // In-place recovery: spawns local rank `local_rank` again, its previous process reaped (wait()
+  // reported it), while the other workers keep running. The newcomer gets the current round's
+  // environment with TORCHELASTIC_RESTART_COUNT=restart_count and DTRAIN_RECOVERY_JOIN=1, which
+  // tells it to join the survivors' group and take its state from a live peer; a fresh
+  // TORCHELASTIC_ERROR_FILE (attempt_<restart_count>); its log appended to. What the old process
+  // left in its process group is killed first. Throws as start() does; then that worker is not
+  // running and the others are untouched.
+  void restart_worker(int local_rank, int restart_count);
+
   // Workers of the current round not yet reaped.
   int running() const;
   const WorkerGroupOptions& options() const { return options_; }
@@ -152,11 +166,19 @@ class WorkerGroup {
   struct Stream;
   struct Worker;
 
-  // TORCHELASTIC_ERROR_FILE of each local rank for the current round: <root>/attempt_<restart
-  // count>/<local rank>/error.json, the folders created (the root on first use). Throws
-  // dtrain::UsageError when they cannot be.
-  std::vector<std::string> make_error_files();
-  void spawn(Worker& worker, const std::string& executable, const std::vector<std::string>& env);
+  // TORCHELASTIC_ERROR_FILE of a local rank's attempt: <root>/attempt_<restart count>/<local
+  // rank>/error.json, the folders created (the root on first use). Throws dtrain::UsageError when
+  // they cannot be.
+  std::string make_error_file(int restart_count, int local_rank);
+  // Opens <log_dir>/rank<R>.log for appending when there is a log folder. Throws
+  // dtrain::UsageError when it cannot.
+  void open_log(Worker& worker);
+  // A worker's environment: shared_env_ with `overrides` replacing the round's values, plus the
+  // worker's own variables.
+  std::vector<std::string> worker_env(
+      const Worker& worker, const std::string& error_file,
+      const std::vector<std::pair<std::string, std::string>>& overrides) const;
+  void spawn(Worker& worker, const std::vector<std::string>& env);
   // Polls the pipes (and the extra fd) for up to timeout_ms; relays what arrived. Returns true when
   // extra_fd is readable.
   bool pump(int timeout_ms, int extra_fd);
@@ -173,6 +195,10 @@ class WorkerGroup {
   WorkerGroupOptions options_;
   WorkerGroupRound round_;
   std::vector<Worker> workers_;
+  // What start() resolved for the round, kept for restart_worker(): the program's path, and the
+  // environment every worker of the round shares.
+  std::string executable_;
+  std::vector<std::string> shared_env_;
   int dev_null_ = -1;
   // A private temporary folder holding the workers' TORCHELASTIC_ERROR_FILEs; removed with the
   // group (a SIGKILLed launcher leaves it behind, as torchrun leaves its folders every time). Empty

@@ -34,105 +34,13 @@
 #include "launcher/cli/run_options.h"
 #include "launcher/elastic/ports.h"
 #include "launcher/elastic/worker_group.h"
+#include "launcher_fixture.h"
 #include "support/system.h"
 #include "test_support.h"
 
 namespace {
 
 using namespace dtrain::cli::testing_support;
-
-// A launcher run normally takes well under a second; the bound only turns a hang into a failure,
-// and is generous because the test machine may be loaded.
-constexpr auto kRunTimeout = 30s;
-
-struct RunResult {
-  int exit_code = -1;  // -1: the launcher timed out (and was killed)
-  std::string out;
-  std::string err;
-  double seconds = 0;
-};
-
-class LauncherTest : public testing::Test {
- protected:
-  // Runs `dtrain ARGS...` to completion (bounded by `timeout`).
-  RunResult dtrain(const Args& args, const EnvChanges& env = {},
-                   std::chrono::milliseconds timeout = kRunTimeout) {
-    Args argv = {DTRAIN_LAUNCHER};
-    argv.insert(argv.end(), args.begin(), args.end());
-    std::string name = "launcher" + std::to_string(runs_++);
-    ChildProcess launcher(argv, dir_ / (name + ".out"), dir_ / (name + ".err"), env);
-    RunResult result;
-    bool exited = launcher.wait(timeout);
-    EXPECT_TRUE(exited) << "dtrain did not exit within the time limit: "
-                        << testing::PrintToString(args);
-    if (exited) result.exit_code = launcher.exit_code();
-    result.out = read_file(dir_ / (name + ".out"));
-    result.err = read_file(dir_ / (name + ".err"));
-    result.seconds = launcher.seconds();
-    return result;
-  }
-
-  // A shell worker: `script` runs under /bin/sh with the test's temporary folder as $1.
-  Args sh(const std::string& script) const {
-    return {"/bin/sh", "-c", script, "sh", dir_.path().string()};
-  }
-
-  // The pid written by each rank to "<prefix>.<rank>" in the temporary folder, once all are
-  // written.
-  std::vector<pid_t> wait_for_pids(const std::string& prefix, int ranks) {
-    std::vector<pid_t> pids;
-    bool written = wait_until(
-        [&] {
-          pids.clear();
-          for (int rank = 0; rank < ranks; ++rank) {
-            std::string text = read_file(dir_ / (prefix + "." + std::to_string(rank)));
-            if (text.empty() || text.back() != '\n') return false;
-            pids.push_back(static_cast<pid_t>(std::stol(text)));
-          }
-          return true;
-        },
-        kRunTimeout);
-    EXPECT_TRUE(written) << "workers did not write their " << prefix << " files";
-    for (pid_t pid : pids) cleanup_.push_back(pid);
-    return pids;
-  }
-
-  // Waits (bounded) for every pid to be gone; reports the survivors.
-  void expect_all_gone(const std::vector<pid_t>& pids, const std::string& what) {
-    bool gone = wait_until(
-        [&] {
-          for (pid_t pid : pids) {
-            if (process_alive(pid)) return false;
-          }
-          return true;
-        },
-        5s);
-    std::string survivors;
-    for (pid_t pid : pids) {
-      if (process_alive(pid)) survivors += " " + std::to_string(pid);
-    }
-    EXPECT_TRUE(gone) << what << " still alive:" << survivors;
-  }
-
-  void TearDown() override {
-    // A failed test must not leave sleepers behind for the next one.
-    for (pid_t pid : cleanup_) {
-      if (process_alive(pid)) {
-        kill(-pid, SIGKILL);
-        kill(pid, SIGKILL);
-      }
-    }
-  }
-
-  TempDir dir_;
-  int runs_ = 0;
-  std::vector<pid_t> cleanup_;
-};
-
-Args concat(Args head, const Args& tail) {
-  head.insert(head.end(), tail.begin(), tail.end());
-  return head;
-}
 
 // ---- environment
 // ---------------------------------------------------------------------------------
@@ -143,6 +51,7 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
                          {{"OMP_NUM_THREADS", std::nullopt},
                           {"TORCH_NCCL_ASYNC_ERROR_HANDLING", std::nullopt},
                           {"RANK", "99"},  // a stale value from an outer launcher is replaced
+                          {"DTRAIN_RECOVERY_JOIN", "1"},  // and one that only a newcomer gets
                           {"DTRAIN_TEST_PASSTHROUGH", "kept as is"}});
   ASSERT_EQ(run.exit_code, 0) << run.err;
   std::string port;
@@ -175,6 +84,8 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
     EXPECT_EQ(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     EXPECT_EQ(env["DTRAIN_TEST_PASSTHROUGH"], "kept as is");
+    EXPECT_EQ(env["DTRAIN_RECOVERY"], "restart");
+    EXPECT_EQ(env.count("DTRAIN_RECOVERY_JOIN"), 0u);
     // An automatically picked port: a valid one, and the same for every rank.
     int master_port = std::stoi(env["MASTER_PORT"]);
     EXPECT_GT(master_port, 0);
@@ -558,6 +469,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"run", "--master-port", "65536", "/bin/true"},
                "dtrain run: --master-port: expected a port"},
         BadRun{{"run", "--max-restarts", "x", "/bin/true"}, "dtrain run: --max-restarts"},
+        BadRun{{"run", "--recovery", "sometimes", "/bin/true"},
+               "dtrain run: --recovery: expected one of restart, in-place, got 'sometimes'"},
+        BadRun{{"run", "--recovery", "in-place", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "127.0.0.1:29400", "/bin/true"},
+               "dtrain run: --recovery in-place: static rendezvous only for now; use --recovery "
+               "restart with --rdzv-backend c10d/etcd"},
         BadRun{{"run", "--grace-period", "-1", "/bin/true"}, "dtrain run: --grace-period"},
         BadRun{{"run", "--nproc-per-node", "2"}, "dtrain run: no program given"},
         BadRun{{"run", "dtrain-no-such-program"},
@@ -607,6 +524,8 @@ TEST_F(LauncherTest, HelpPrintsUsageAndExitsZero) {
     RunResult run = dtrain(args);
     EXPECT_EQ(run.exit_code, 0);
     EXPECT_NE(run.out.find("usage: dtrain run"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("  --recovery MODE        restart:"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("DTRAIN_RECOVERY_JOIN=1"), std::string::npos) << run.out;
     EXPECT_EQ(run.err, "");
   }
   RunResult top = dtrain({"--help"});

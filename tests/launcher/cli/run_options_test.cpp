@@ -28,7 +28,16 @@ TEST(RunOptions, DefaultsMatchTorchrun) {
   EXPECT_DOUBLE_EQ(options.grace_period_s, 5.0);
   EXPECT_FALSE(options.no_python);
   EXPECT_FALSE(options.standalone);
+  EXPECT_EQ(options.recovery, "restart");
   EXPECT_EQ(options.command, Args({"./train"}));
+}
+
+TEST(RunOptions, RecoveryInPlaceIsForStaticNodes) {
+  EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery", "in-place", "./train"})));
+  EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery=in-place", "./train"})));
+  EXPECT_FALSE(recovers_in_place(parse_run_options({"--recovery", "restart", "./train"})));
+  EXPECT_FALSE(recovers_in_place(parse_run_options(
+      {"--nnodes=1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0", "./train"})));
 }
 
 TEST(RunOptions, AcceptsSpaceEqualsAndUnderscoreSpellings) {
@@ -143,6 +152,10 @@ INSTANTIATE_TEST_SUITE_P(
     Flags, RunOptionsRejects,
     testing::Values(
         BadInput{{"--bogus", "p"}, "unknown flag '--bogus'"},
+        BadInput{{"--recovery", "sometimes", "p"},
+                 "--recovery: expected one of restart, in-place, got 'sometimes'"},
+        BadInput{{"--recovery", "in-place", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e", "p"},
+                 "--recovery in-place: static rendezvous only for now; use --recovery restart"},
         BadInput{{"-x", "p"}, "unknown flag '-x'"},
         BadInput{{"--nproc-per-node"}, "--nproc-per-node: missing value"},
         BadInput{{"--nproc-per-node", "--nnodes", "2", "p"}, "--nproc-per-node: missing value"},

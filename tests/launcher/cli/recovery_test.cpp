@@ -1,0 +1,169 @@
+// `dtrain run --recovery in-place` end to end: a failed worker is restarted alone as a newcomer
+// (DTRAIN_RECOVERY_JOIN=1) while the others keep running; rank 0, which hosts the workers' store,
+// still restarts the whole group; restarts run out as in restart mode. The workers are /bin/sh
+// scripts that record their pid and environment per attempt in the test's temporary folder
+// ("<what>.<rank>.<TORCHELASTIC_RESTART_COUNT>"). Every wait is bounded, in the launcher run
+// (kRunTimeout) and in the scripts' loops (600 x 0.05 s).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "launcher_fixture.h"
+#include "test_support.h"
+
+namespace {
+
+using namespace dtrain::cli::testing_support;
+
+class RecoveryTest : public LauncherTest {
+ protected:
+  // The environment a worker dumped for attempt `attempt`; empty when it never ran that attempt.
+  std::map<std::string, std::string> env_of(int rank, int attempt) {
+    return parse_env(
+        read_file(dir_ / ("env." + std::to_string(rank) + "." + std::to_string(attempt))));
+  }
+  // The pid in the file $1/<name>, or -1 when the worker never wrote it.
+  pid_t pid_in(const std::string& name) {
+    std::string text = read_file(dir_ / name);
+    return text.empty() ? -1 : static_cast<pid_t>(std::stol(text));
+  }
+  // Left for TearDown to kill if the test fails before the launcher stopped it.
+  void clean_up(const std::string& pid_file) {
+    if (pid_t pid = pid_in(pid_file); pid > 0) cleanup_.push_back(pid);
+  }
+};
+
+// Records this attempt's pid and environment; then `rest`.
+std::string recorded(const std::string& rest) {
+  return "echo $$ > \"$1/pid.$RANK.$TORCHELASTIC_RESTART_COUNT\";"
+         "env > \"$1/env.$RANK.$TORCHELASTIC_RESTART_COUNT\";" +
+         rest;
+}
+
+// Waits (at most 30 s) until the file $1/<name> is written.
+std::string wait_for(const std::string& name) {
+  return "n=0; while [ ! -s \"$1/" + name + "\" ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1));" +
+         " done;";
+}
+
+TEST_F(RecoveryTest, AFailedWorkerIsRestartedAloneAsANewcomer) {
+  // Local rank 1 of 3 fails on its first run once the others are up. Ranks 0 and 2 wait for its
+  // replacement, then write their pid again: the same process, never restarted.
+  RunResult run = dtrain(
+      concat(
+          {"run", "--nproc-per-node", "3", "--recovery", "in-place", "--max-restarts", "2", "--"},
+          sh(recorded("if [ $RANK = 1 ]; then"
+                      "  if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then " +
+                      wait_for("pid.0.0") + wait_for("pid.2.0") +
+                      "    echo 'rank 1 dies' >&2; exit 3;"
+                      "  fi; exit 0;"
+                      "fi;" +
+                      wait_for("pid.1.1") + "echo $$ > \"$1/end.$RANK\"; exit 0"))),
+      {{"DTRAIN_RECOVERY_JOIN", "1"}});  // inherited: must not reach the first workers
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  for (int rank : {0, 2}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    pid_t first = pid_in("pid." + std::to_string(rank) + ".0");
+    EXPECT_GT(first, 0);
+    EXPECT_EQ(pid_in("end." + std::to_string(rank)), first) << "the survivor was restarted";
+    EXPECT_TRUE(env_of(rank, 1).empty()) << "the survivor ran a second attempt";
+    EXPECT_EQ(env_of(rank, 0).count("DTRAIN_RECOVERY_JOIN"), 0u);
+    EXPECT_EQ(env_of(rank, 0)["DTRAIN_RECOVERY"], "in-place");
+  }
+  pid_t dead = pid_in("pid.1.0");
+  std::map<std::string, std::string> newcomer = env_of(1, 1);
+  EXPECT_EQ(env_of(1, 0).count("DTRAIN_RECOVERY_JOIN"), 0u);
+  EXPECT_EQ(newcomer["DTRAIN_RECOVERY_JOIN"], "1");
+  EXPECT_EQ(newcomer["TORCHELASTIC_RESTART_COUNT"], "1");
+  EXPECT_EQ(newcomer["DTRAIN_RECOVERY"], "in-place");
+  EXPECT_EQ(newcomer["RANK"], "1");
+  EXPECT_EQ(newcomer["LOCAL_RANK"], "1");
+  EXPECT_EQ(newcomer["WORLD_SIZE"], "3");
+  // The survivors' store is still where it was: the newcomer must find it there.
+  EXPECT_EQ(newcomer["MASTER_PORT"], env_of(0, 0)["MASTER_PORT"]);
+  EXPECT_TRUE(newcomer["TORCHELASTIC_ERROR_FILE"].ends_with("/attempt_1/1/error.json"))
+      << newcomer["TORCHELASTIC_ERROR_FILE"];
+  EXPECT_NE(pid_in("pid.1.1"), dead);
+  EXPECT_NE(run.err.find("dtrain run: rank 1/3 (local rank 1, pid " + std::to_string(dead) +
+                         ") exited with code 3 on attempt 0; restarting it alone as a newcomer, "
+                         "the other workers keep running (restart 1 of 2)\n"),
+            std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("[rank1]: rank 1 dies"), std::string::npos) << run.err;
+  EXPECT_EQ(count(run.err, "restarting the worker group"), 0) << run.err;
+  EXPECT_EQ(count(run.err, "worker failed:"), 0) << run.err;
+}
+
+TEST_F(RecoveryTest, RankZerosFailureRestartsTheWholeGroup) {
+  // Rank 0 hosts the workers' store: when it dies on its first run, rank 1 (which would sleep for
+  // five minutes) is stopped and both start again, neither as a newcomer.
+  RunResult run =
+      dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts",
+                     "1", "--grace-period", "2", "--"},
+                    sh(recorded("if [ $TORCHELASTIC_RESTART_COUNT != 0 ]; then exit 0; fi;"
+                                "if [ $RANK = 0 ]; then " +
+                                wait_for("pid.1.0") +
+                                " exit 3; fi;"
+                                "exec sleep 300"))));
+  clean_up("pid.1.0");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_LT(run.seconds, 20) << "rank 1 was not stopped promptly";
+  EXPECT_NE(run.err.find("dtrain run: rank 0 hosts the store: restarting the whole group from the "
+                         "last checkpoint\n"),
+            std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("worker failed: rank 0/2"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("restarting the worker group of this node: attempt 1 (restart 1 of 1)"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(run.err.find("restarting it alone"), std::string::npos) << run.err;
+  expect_all_gone({pid_in("pid.1.0")}, "rank 1 of the first attempt");
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    std::map<std::string, std::string> second = env_of(rank, 1);
+    EXPECT_EQ(second["TORCHELASTIC_RESTART_COUNT"], "1");
+    EXPECT_EQ(second.count("DTRAIN_RECOVERY_JOIN"), 0u);
+  }
+}
+
+TEST_F(RecoveryTest, WhenRestartsRunOutTheGroupStopsAndTheLastFailureIsSummarized) {
+  // Rank 1 fails every time: its first failure is restarted alone, the newcomer's failure finds no
+  // restart left, so rank 0 (asleep) is stopped and the job ends with rank 1's exit code.
+  RunResult run = dtrain(
+      concat({"run", "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1",
+              "--grace-period", "2", "--"},
+             sh(recorded("if [ $RANK = 1 ]; then " + wait_for("pid.0.0") +
+                         " echo \"failing attempt $TORCHELASTIC_RESTART_COUNT\" >&2; exit 5; fi;"
+                         "exec sleep 300"))));
+  clean_up("pid.0.0");
+  EXPECT_EQ(run.exit_code, 5) << run.err;
+  EXPECT_LT(run.seconds, 20) << "rank 0 was not stopped promptly";
+  EXPECT_EQ(count(run.err, "restarting it alone as a newcomer"), 1) << run.err;
+  EXPECT_EQ(count(run.err, "worker failed:"), 1) << run.err;
+  EXPECT_NE(run.err.find("worker failed: rank 1/2 (local rank 1, pid " +
+                         std::to_string(pid_in("pid.1.1")) +
+                         ") exited with code 5 on attempt 1 (TORCHELASTIC_RESTART_COUNT=1)"),
+            std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("dtrain run:   [rank1]: failing attempt 1\n"), std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find("no restarts left (--max-restarts 1); exiting with code 5"),
+            std::string::npos)
+      << run.err;
+  expect_all_gone({pid_in("pid.0.0")}, "rank 0");
+}
+
+TEST_F(RecoveryTest, AUsageErrorIsNotRestarted) {
+  RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place",
+                                 "--max-restarts", "3", "--grace-period", "2", "--"},
+                                sh(recorded("if [ $RANK = 1 ]; then exit 2; fi; exec sleep 300"))));
+  clean_up("pid.0.0");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_EQ(run.err.find("restarting it alone"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("not restarting: exit code 2 is a usage error"), std::string::npos)
+      << run.err;
+  EXPECT_TRUE(env_of(1, 1).empty());
+}
+
+}  // namespace
