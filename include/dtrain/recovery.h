@@ -9,6 +9,7 @@
 //   torch::optim::SGD optimizer(net->parameters(), 0.1);
 //   dtrain::DistributedSampler sampler(dataset_size, 1, 0);  // dealt by the recovery
 //   dtrain::ResilientDataParallel rdp(net, optimizer, sampler);  // joins the job, or is admitted
+//   if (rdp.job_finished()) return 0;  // a newcomer that came too late
 //   for (int64_t epoch = sampler.epoch(); epoch < epochs; ++epoch) {
 //     sampler.set_epoch(epoch);  // keeps the position a newcomer received
 //     while (rdp.step([&](auto& ddp) {
@@ -113,9 +114,14 @@ class ResilientDataParallelBase {
   // steps).
   const std::shared_ptr<ProcessGroup>& group() const;
   RecoveryStats stats() const;
-  // Stops watching for newcomers. Call when training is over, before the final barrier: after it
-  // rank 0 may exit and take the store with it. (The destructor does it too.)
+  // Stops watching for newcomers and tells those still waiting that the job is over. Call when
+  // training is over, before the final barrier: after it rank 0 may exit and take the store with
+  // it. (The destructor stops watching too.)
   void finish();
+  // True for a newcomer that came after the job finished: it joined nothing (group() is null,
+  // step() returns false) and should end, successfully:
+  //   if (rdp.job_finished()) return 0;
+  bool job_finished() const;
 
  protected:
   ResilientDataParallelBase(std::shared_ptr<torch::nn::Module> module,

@@ -191,10 +191,11 @@ void Membership::joined() { self_.newcomer = false; }
 
 int64_t Membership::request_admission() { return store_->add(key("newcomers"), 1); }
 
-int64_t Membership::wait_for_admission(int64_t number) {
+std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
   const std::string name = "admit/" + std::to_string(number);
   const auto deadline = Clock::now() + timeout_;
   for (int round = 0; !exists(name); ++round) {
+    if (exists("finished")) return std::nullopt;
     if (Clock::now() >= deadline) {
       throw TimeoutError(self_.label() + ": in-place recovery: not admitted within " +
                          seconds_text(timeout_) + " of asking (newcomer " + std::to_string(number) +
@@ -205,6 +206,8 @@ int64_t Membership::wait_for_admission(int64_t number) {
   }
   return std::stoll(read(name));
 }
+
+void Membership::mark_finished() { write("finished", "1"); }
 
 int64_t Membership::newcomers_requested() { return store_->add(key("newcomers"), 0); }
 

@@ -6,6 +6,7 @@
 //                       (compare-and-set), by whichever member first sees it complete
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
+//   finished            written when training is over: a newcomer still waiting has nothing to join
 // Only check(), add() and compare-and-set are used while waiting, never a blocking get() of a key
 // that a dead process may never write: every wait is a bounded poll.
 #pragma once
@@ -56,9 +57,11 @@ class Membership {
   void joined();
 
   // Newcomer side: asks to be admitted (returns its number k), then waits up to the timeout for
-  // the generation that admits it.
+  // the generation that admits it; nullopt when the job finished first (nothing left to join).
   int64_t request_admission();
-  int64_t wait_for_admission(int64_t number);
+  std::optional<int64_t> wait_for_admission(int64_t number);
+  // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
+  void mark_finished();
 
   // Member side: how many newcomers have asked so far (one store round trip; thread-safe as the
   // store is), and the admission of numbers first..last into `generation`.

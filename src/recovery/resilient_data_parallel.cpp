@@ -49,7 +49,9 @@ class RecoveryCore {
   void start();
   bool step(const std::function<bool()>& body);
   void stop_watching();
+  void finish();
 
+  bool job_finished_ = false;
   std::shared_ptr<ProcessGroup> group_;
   RecoveryStats stats_;
 
@@ -108,7 +110,15 @@ void RecoveryCore::start() {
   if (newcomer_) {
     const int64_t number = membership_->request_admission();
     DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
-    generation_ = membership_->wait_for_admission(number);
+    const auto admitted = membership_->wait_for_admission(number);
+    if (!admitted) {
+      job_finished_ = true;
+      DTRAIN_LOG(kWarn,
+                 "in-place recovery: the job finished before this newcomer was admitted; "
+                 "nothing to do");
+      return;
+    }
+    generation_ = *admitted;
     members_ = membership_->form(generation_, {}, 0, options_.settle);
     membership_->joined();
     connect(generation_);
@@ -282,6 +292,7 @@ void RecoveryCore::transfer_state() {
 }
 
 bool RecoveryCore::step(const std::function<bool()>& body) {
+  if (job_finished_) return false;
   // Where the sampler stands after the last committed step: what a transfer sends, and where a
   // failed step puts it back.
   committed_ = sampler_.state();
@@ -337,6 +348,11 @@ void RecoveryCore::watch_for_newcomers() {
   }
 }
 
+void RecoveryCore::finish() {
+  stop_watching();
+  if (group_ && group_->rank() == 0 && !job_finished_) membership_->mark_finished();
+}
+
 void RecoveryCore::stop_watching() {
   {
     std::lock_guard<std::mutex> lock(watch_mutex_);
@@ -369,6 +385,8 @@ const std::shared_ptr<ProcessGroup>& ResilientDataParallelBase::group() const {
 
 RecoveryStats ResilientDataParallelBase::stats() const { return core_->stats_; }
 
-void ResilientDataParallelBase::finish() { core_->stop_watching(); }
+void ResilientDataParallelBase::finish() { core_->finish(); }
+
+bool ResilientDataParallelBase::job_finished() const { return core_->job_finished_; }
 
 }  // namespace dtrain

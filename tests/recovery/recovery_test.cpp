@@ -1,7 +1,8 @@
 // In-place recovery (dtrain/recovery.h) with real processes: three workers of
 // tests/workers/recovery_worker.cpp train DDP; one kills itself (SIGKILL) after a step; the
-// survivors go on without a restart; in the second test a newcomer then takes its place and
-// receives the state from a live peer. Each test replays the committed global batches the workers
+// survivors go on without a restart; in the second and third tests a newcomer then takes its place
+// (started by the test, or by `dtrain run --recovery in-place`) and receives the state from a live
+// peer. Each test replays the committed global batches the workers
 // recorded in one process, from the same initial model, and requires the same parameters (relative
 // error < 1e-4), and requires every sample of every epoch to be used exactly once (plus the
 // sampler's padding at an epoch's end).
@@ -112,12 +113,22 @@ void expect_exactly_once(const std::map<int64_t, Step>& steps) {
                             << " of the last epoch's recorded";
 }
 
-std::string launch_script(const std::string& dir, bool newcomer) {
+enum class Launch {
+  kSurvivorsOnly,   // three workers started by the test; rank 2 dies and is not replaced
+  kNewcomer,        // ...and the test starts a replacement with DTRAIN_RECOVERY_JOIN=1
+  kUnderDtrainRun,  // `dtrain run --recovery in-place`, which restarts rank 2 alone as a newcomer
+};
+
+std::string launch_script(const std::string& dir, Launch launch) {
   const std::string worker = bin("recovery_worker") + " " + dir;
-  const std::string kill = " --kill-rank 2 --kill-after 5";
+  const std::string flags = std::string(" --kill-rank 2 --kill-after 5") +
+                            (launch == Launch::kSurvivorsOnly ? "" : " --slow-until-admitted");
+  if (launch == Launch::kUnderDtrainRun) {
+    return bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
+           worker + flags;
+  }
   std::string env = "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                     std::to_string(free_port()) + " DTRAIN_RECOVERY=in-place ";
-  std::string flags = kill + (newcomer ? " --slow-until-admitted" : "");
   std::string script;
   for (int r = 0; r < 3; ++r) {
     script += env + "RANK=" + std::to_string(r) + " LOCAL_RANK=" + std::to_string(r) + " " +
@@ -125,7 +136,7 @@ std::string launch_script(const std::string& dir, bool newcomer) {
               std::to_string(r) + "=$!; ";
   }
   script += "wait $p2; echo victim=$?; ";
-  if (newcomer) {
+  if (launch == Launch::kNewcomer) {
     script += env + "RANK=2 LOCAL_RANK=2 DTRAIN_RECOVERY_JOIN=1 " + worker + flags + " > " + dir +
               "/out3 2>&1 & p3=$!; wait $p3; echo newcomer=$?; ";
   }
@@ -133,19 +144,24 @@ std::string launch_script(const std::string& dir, bool newcomer) {
   return "bash -c '" + script + "'";
 }
 
-class InPlaceRecovery : public ::testing::TestWithParam<bool> {};
+class InPlaceRecovery : public ::testing::TestWithParam<Launch> {};
 
 TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
-  const bool newcomer = GetParam();
+  const Launch launch = GetParam();
+  const bool newcomer = launch != Launch::kSurvivorsOnly;
   const std::string dir = testing::temp_dir("recovery");
   fs::create_directories(dir);
-  auto result = run_command(launch_script(dir, newcomer), 120);
+  auto result = run_command(launch_script(dir, launch), 120);
   SCOPED_TRACE(result.output);
   ASSERT_EQ(result.exit_code, 0);
-  EXPECT_NE(result.output.find("victim=137"), std::string::npos);  // killed by SIGKILL
-  EXPECT_NE(result.output.find("rank0=0"), std::string::npos);
-  EXPECT_NE(result.output.find("rank1=0"), std::string::npos);
-  if (newcomer) EXPECT_NE(result.output.find("newcomer=0"), std::string::npos);
+  if (launch == Launch::kUnderDtrainRun) {
+    EXPECT_NE(result.output.find("restarting it alone as a newcomer"), std::string::npos);
+  } else {
+    EXPECT_NE(result.output.find("victim=137"), std::string::npos);  // killed by SIGKILL
+    EXPECT_NE(result.output.find("rank0=0"), std::string::npos);
+    EXPECT_NE(result.output.find("rank1=0"), std::string::npos);
+    if (newcomer) EXPECT_NE(result.output.find("newcomer=0"), std::string::npos);
+  }
   EXPECT_EQ(json_int(result.output, "recoveries"), 1);
   EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
   EXPECT_EQ(json_int(result.output, "admitted"), newcomer ? 1 : 0);
@@ -165,10 +181,18 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(WithAndWithoutNewcomer, InPlaceRecovery, ::testing::Bool(),
+INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
+                         ::testing::Values(Launch::kSurvivorsOnly, Launch::kNewcomer,
+                                           Launch::kUnderDtrainRun),
                          [](const auto& info) {
-                           return info.param ? std::string("NewcomerTakesTheDeadRanksPlace")
-                                             : std::string("SurvivorsOnly");
+                           switch (info.param) {
+                             case Launch::kSurvivorsOnly:
+                               return std::string("SurvivorsOnly");
+                             case Launch::kNewcomer:
+                               return std::string("NewcomerTakesTheDeadRanksPlace");
+                             default:
+                               return std::string("UnderDtrainRunRecoveryInPlace");
+                           }
                          });
 
 }  // namespace

@@ -56,6 +56,7 @@ int run(int argc, char** argv) {
   dtrain::RecoveryOptions options;
   options.admit_every = 2;
   dtrain::ResilientDataParallel rdp(net, optimizer, sampler, options);
+  if (rdp.job_finished()) return 0;
 
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
   for (int64_t epoch = sampler.epoch(); epoch < kEpochs; ++epoch) {

@@ -64,6 +64,7 @@ int train_in_place(const Flags& flags) {
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
   dtrain::DistributedSampler sampler(train_set.labels.size(0), 1, 0, sampler_options);
   dtrain::ResilientDataParallel rdp(net, optimizer, sampler);
+  if (rdp.job_finished()) return 0;  // a replacement that came after the end: nothing to do
   const bool newcomer = rdp.stats().admitted > 0 || rdp.stats().steps > 0;
 
   // epoch_samples[e]: samples of epoch e whose gradients are in the model (committed steps only).
