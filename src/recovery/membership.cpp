@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/format.h"
+#include "common/log.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::detail {
@@ -194,8 +195,18 @@ int64_t Membership::request_admission() { return store_->add(key("newcomers"), 1
 std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
   const std::string name = "admit/" + std::to_string(number);
   const auto deadline = Clock::now() + timeout_;
-  for (int round = 0; !exists(name); ++round) {
-    if (exists("finished")) return std::nullopt;
+  for (int round = 0;; ++round) {
+    try {
+      if (exists(name)) break;
+      if (exists("finished")) return std::nullopt;
+    } catch (const std::exception& e) {
+      // Under `dtrain run` today rank 0 hosts the store (Note [In-place recovery]): it is gone
+      // when the job finished, and when rank 0 died, which the launcher answers by restarting
+      // every worker. Either way there is nothing to join.
+      DTRAIN_LOG(kWarn, "in-place recovery: the job's store went away while this newcomer waited ("
+                            << e.what() << "): the job finished, or rank 0 died");
+      return std::nullopt;
+    }
     if (Clock::now() >= deadline) {
       throw TimeoutError(self_.label() + ": in-place recovery: not admitted within " +
                          seconds_text(timeout_) + " of asking (newcomer " + std::to_string(number) +

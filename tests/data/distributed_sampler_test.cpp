@@ -288,6 +288,34 @@ TEST(DistributedSamplerTest, ResumeExactlyOnceWithoutPadding) {
   }
 }
 
+TEST(DistributedSamplerTest, ReshardDealsTheRestOverTheNewWorldSize) {
+  // In-place recovery: 4 ranks take 4 steps of 3 (48 of 120), one dies, the 3 survivors reshard
+  // the same sampler objects mid-epoch; with a copy that a loader would hold, which sees the new
+  // split too. Every sample exactly once; the rest equals a resume at world 3.
+  std::map<int64_t, int> seen;
+  std::vector<DistributedSampler> samplers;
+  for (int rank = 0; rank < 4; ++rank) {
+    samplers.emplace_back(120, 4, rank, DistributedSamplerOptions{});
+    const Indices mine = samplers.back().indices();
+    for (int64_t i = 0; i < 12; ++i) ++seen[mine[i]];
+    for (int step = 0; step < 4; ++step) samplers.back().advance(12);
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    DistributedSampler loader_copy = samplers[rank];
+    samplers[rank].reshard(3, rank);
+    EXPECT_EQ(loader_copy.world_size(), 3);
+    EXPECT_EQ(loader_copy.state().samples_consumed, 48);
+    DistributedSampler resumed(120, 3, rank, {});
+    resumed.load_state({0, 48});
+    EXPECT_EQ(loader_copy.indices(), resumed.indices());
+    for (int64_t index : loader_copy.indices()) ++seen[index];
+  }
+  ASSERT_EQ(seen.size(), 120u);
+  for (const auto& [index, times] : seen) EXPECT_EQ(times, 1) << "index " << index;
+  EXPECT_THROW(samplers[0].reshard(2, 2), UsageError);
+  EXPECT_THROW(samplers[0].reshard(0, 0), UsageError);
+}
+
 TEST(DistributedSamplerTest, PaddingOfTheOldWorldSizeDoesNotLeak) {
   // n = 10 at world 4 pads to 12; after the whole epoch the state says 10 and a resume at world 3
   // has nothing left, instead of replaying the 2 padding samples.
