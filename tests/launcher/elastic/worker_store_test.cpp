@@ -26,6 +26,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/errors.h"
 #include "gtest/gtest.h"
+#include "support/system.h"
 #include "support/thread_ranks.h"
 
 namespace dtrain::elastic {
@@ -298,6 +299,7 @@ TEST(WorkerStore, AClientThatDisconnectsWhileWaitingIsForgotten) {
   // the wait of the one that left.
   RawClient next(server.port());
   next.send_all(kValidate + wait_request({"/k2"}));
+  EXPECT_EQ(next.next_byte(200ms), std::nullopt);  // parked before "k" is set
   store->set("k", bytes("v"));
   EXPECT_EQ(next.next_byte(300ms), std::nullopt) << "answered for a key it did not wait for";
   store->set("k2", bytes("v"));
@@ -407,6 +409,42 @@ TEST(WorkerStore, TwoRanksMeetThroughItAndAllReduceOverGloo) {
     EXPECT_TRUE(torch::equal(tensor, torch::full({7}, 3.0f))) << tensor;
   });
   EXPECT_GT(client(server.port())->getNumKeys(), 0);  // they met here
+}
+
+// PyTorch's own env:// init, as torchrun's workers run it: two processes, TCPStore clients both.
+TEST(WorkerStore, PyTorchProcessesMeetThroughItUnderTheAgentStoreSwitch) {
+  const std::string& python = dtrain::testing::python_with_torch();
+  if (python.empty()) GTEST_SKIP() << dtrain::testing::kNoPythonWithTorch;
+  WorkerStore server("127.0.0.1", 0);
+  const std::string script =
+      "import datetime, torch, torch.distributed as dist\n"
+      "dist.init_process_group(\"gloo\", timeout=datetime.timedelta(seconds=60))\n"
+      "t = torch.ones(3) * (dist.get_rank() + 1)\n"
+      "dist.all_reduce(t)\n"
+      "assert t.tolist() == [3.0, 3.0, 3.0], t\n"
+      "dist.barrier()\n"
+      "dist.destroy_process_group()\n"
+      "print(\"rank\", dist.get_rank() if dist.is_initialized() else \"-\", \"ok\")\n";
+  const std::string run_rank = "timeout -k 5 90 '" + python + "' -c '" + script + "' 2>&1";
+  const std::string command =
+      "export MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(server.port()) +
+      " WORLD_SIZE=2 TORCHELASTIC_USE_AGENT_STORE=True; "
+      "(RANK=0 LOCAL_RANK=0 " +
+      run_rank +
+      ") & first=$!; "
+      "(RANK=1 LOCAL_RANK=1 " +
+      run_rank +
+      ") & second=$!; "
+      "wait $first; a=$?; wait $second; b=$?; echo \"exit $a $b\"";
+  std::string output;
+  FILE* pipe = popen(command.c_str(), "r");  // /bin/sh
+  ASSERT_NE(pipe, nullptr);
+  char chunk[4096];
+  std::size_t n = 0;
+  while ((n = fread(chunk, 1, sizeof(chunk), pipe)) > 0) output.append(chunk, n);
+  pclose(pipe);
+  EXPECT_NE(output.find("exit 0 0"), std::string::npos) << output;
+  EXPECT_GT(client(server.port())->getNumKeys(), 0);  // they met here, not in a store of rank 0
 }
 
 // Without the switch rank 0 hosts the store as before, and finds the launcher's port taken.
