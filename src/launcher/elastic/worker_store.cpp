@@ -103,7 +103,7 @@ constexpr uint64_t kMaxKeysPerRequest = 128 * 1024;
 constexpr std::size_t kMaxRequestBytes = 128 * 1024 * 1024;
 // A worker that stops reading its replies: past this much unsent output it is dropped rather than
 // held in memory for ever.
-constexpr std::size_t kMaxPendingOutput = 64 * 1024 * 1024;
+constexpr std::size_t kMaxPendingOutput = 256 * 1024 * 1024;
 
 enum class Command : uint8_t {
   kValidate = 0,
