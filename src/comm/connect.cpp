@@ -85,13 +85,26 @@ Endpoint parse_tcp(const std::string& where, const std::string& what) {
   return endpoint;
 }
 
-// Connects to (or, on rank 0, hosts) the TCPStore. A client retries until the deadline: a worker
-// may start before its master's machine is up, and c10d gives up early on some errors ("No route to
-// host").
+// Whether the launcher hosts the store at `endpoint` (TORCHELASTIC_USE_AGENT_STORE=True), so that
+// it outlives any worker and every rank, rank 0 included, is its client. Read as PyTorch's
+// rendezvous.py reads it: exactly "True", and only for the agent's own MASTER_ADDR:MASTER_PORT.
+bool agent_hosts_store(const Endpoint& endpoint) {
+  const char* flag = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  return flag && std::string(flag) == "True" && addr && endpoint.host == addr && port &&
+         std::to_string(endpoint.port) == port;
+}
+
+// Connects to (or, on rank 0 unless the launcher hosts it, hosts) the TCPStore. A client retries
+// until the deadline: a worker may start before its master's machine is up, and c10d gives up early
+// on some errors ("No route to host").
 c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, int world_size,
                                           std::chrono::milliseconds timeout) {
   const std::string who = rank_text(rank, world_size);
   const std::string where = endpoint.host + ":" + std::to_string(endpoint.port);
+  const bool agent_store = agent_hosts_store(endpoint);
+  const bool host = rank == 0 && !agent_store;
   const auto begun = Clock::now();
   const auto deadline = begun + timeout;
   int attempts = 0;
@@ -100,7 +113,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, in
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     c10d::TCPStoreOptions tcp;
     tcp.port = static_cast<uint16_t>(endpoint.port);
-    tcp.isServer = rank == 0;
+    tcp.isServer = host;
     tcp.numWorkers = world_size;
     tcp.waitWorkers =
         false;  // dtrain's own meeting (connect_group) names the ranks that never came
@@ -111,7 +124,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, in
       store->setTimeout(timeout);
       return store;
     } catch (const std::exception& e) {
-      if (rank == 0) {
+      if (host) {
         throw UsageError(who + ": cannot host the store on " + where +
                          " (MASTER_ADDR:MASTER_PORT): " + e.what() +
                          ". Pick a free port (`dtrain run` picks one when --master-port is 0).");
@@ -132,7 +145,11 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, in
                      " (MASTER_ADDR:MASTER_PORT): " + std::to_string(attempts) + " attempts over " +
                      seconds_text(Clock::now() - begun) + " (timeout " + seconds_text(timeout) +
                      "), the last one: " + last_error +
-                     ". Likely cause: rank 0 has not started or died, or the address is wrong.");
+                     (agent_store ? ". Likely cause: the launcher that hosts it "
+                                    "(TORCHELASTIC_USE_AGENT_STORE=True) is gone, or the address "
+                                    "is wrong."
+                                  : ". Likely cause: rank 0 has not started or died, or the "
+                                    "address is wrong."));
 }
 
 // Which machine this is: the hostname alone can repeat across containers, the boot id does not.

@@ -1,0 +1,49 @@
+// The store the workers of a job meet through (MASTER_ADDR:MASTER_PORT), hosted by the launcher
+// rather than by rank 0, so that it outlives any worker (issue 21): when rank 0 dies, the others
+// keep their store and can re-form the group in place. torchrun does the same: its agent hosts the
+// store and tells the workers so with TORCHELASTIC_USE_AGENT_STORE=True, under which every worker
+// (PyTorch's env:// and tcp:// init, and dtrain's) connects to it as a client.
+//
+// The launcher does not link LibTorch (it must start fast), so this is a server of its own that
+// speaks c10d's TCPStore wire protocol, as LibTorch's c10d::TCPStore client speaks it: see
+// Note [TCPStore wire protocol] in worker_store.cpp. Like TCPStore it is open: no authentication,
+// no encryption; bind it to an address only the job's machines reach.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace dtrain::elastic {
+
+class WorkerStore {
+ public:
+  // Binds host:port and serves every client on one thread of its own until destroyed. `host` is an
+  // address or name of this machine, or "" for every interface (IPv6 and IPv4 where the machine
+  // has both); port 0 lets the kernel pick a free port (read it with port()). `log`, when set,
+  // receives one line for each client dropped for breaking the protocol or its limits (a debug
+  // line: a worker that merely exits is not logged). Throws dtrain::UsageError when `host` does
+  // not resolve, is not this machine's, or the port is taken; dtrain::InternalError when no socket
+  // can be made at all.
+  WorkerStore(const std::string& host, int port,
+              std::function<void(const std::string&)> log = nullptr);
+
+  // Stops serving: closes every connection (a worker still waiting sees its connection close) and
+  // joins the thread. Never throws.
+  ~WorkerStore();
+
+  WorkerStore(const WorkerStore&) = delete;
+  WorkerStore& operator=(const WorkerStore&) = delete;
+
+  // The port it listens on: what to hand the workers as MASTER_PORT.
+  int port() const { return port_; }
+
+ private:
+  struct Server;
+  std::unique_ptr<Server> server_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace dtrain::elastic
