@@ -95,7 +95,8 @@ void RecoveryCore::start() {
   timeout_ = resolve_timeout(options_.timeout);
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
   newcomer_ = join != nullptr && std::string(join) == "1";
-  if (newcomer_ && launch_.rank == 0) {
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  if (newcomer_ && launch_.rank == 0 && !(agent_store && std::string(agent_store) == "True")) {
     throw CommError(who() +
                     ": in-place recovery: rank 0 hosts the job's store, so it cannot "
                     "rejoin as a newcomer; the whole job must restart (dtrain run does "

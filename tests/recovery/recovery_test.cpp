@@ -117,13 +117,15 @@ enum class Launch {
   kSurvivorsOnly,   // three workers started by the test; rank 2 dies and is not replaced
   kNewcomer,        // ...and the test starts a replacement with DTRAIN_RECOVERY_JOIN=1
   kUnderDtrainRun,  // `dtrain run --recovery in-place`, which restarts rank 2 alone as a newcomer
+  kRankZeroUnderDtrainRun,  // the same with rank 0 killed: the launcher hosts the store
 };
 
 std::string launch_script(const std::string& dir, Launch launch) {
   const std::string worker = bin("recovery_worker") + " " + dir;
-  const std::string flags = std::string(" --kill-rank 2 --kill-after 5") +
+  const std::string victim = launch == Launch::kRankZeroUnderDtrainRun ? "0" : "2";
+  const std::string flags = " --kill-rank " + victim + " --kill-after 5" +
                             (launch == Launch::kSurvivorsOnly ? "" : " --slow-until-admitted");
-  if (launch == Launch::kUnderDtrainRun) {
+  if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     return bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
            worker + flags;
   }
@@ -154,7 +156,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   auto result = run_command(launch_script(dir, launch), 120);
   SCOPED_TRACE(result.output);
   ASSERT_EQ(result.exit_code, 0);
-  if (launch == Launch::kUnderDtrainRun) {
+  if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     EXPECT_NE(result.output.find("restarting it alone as a newcomer"), std::string::npos);
   } else {
     EXPECT_NE(result.output.find("victim=137"), std::string::npos);  // killed by SIGKILL
@@ -183,15 +185,18 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                          ::testing::Values(Launch::kSurvivorsOnly, Launch::kNewcomer,
-                                           Launch::kUnderDtrainRun),
+                                           Launch::kUnderDtrainRun,
+                                           Launch::kRankZeroUnderDtrainRun),
                          [](const auto& info) {
                            switch (info.param) {
                              case Launch::kSurvivorsOnly:
                                return std::string("SurvivorsOnly");
                              case Launch::kNewcomer:
                                return std::string("NewcomerTakesTheDeadRanksPlace");
-                             default:
+                             case Launch::kUnderDtrainRun:
                                return std::string("UnderDtrainRunRecoveryInPlace");
+                             default:
+                               return std::string("RankZeroKilledUnderDtrainRun");
                            }
                          });
 

@@ -9,10 +9,12 @@
 // nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
 // (elastic_agent.h), whose rendezvous restarts every node's group together.
 //
-// With --recovery in-place (static only) the survivors are meant to carry on: the library
-// (DTRAIN_RECOVERY=in-place) re-forms their group without the dead worker, and the launcher
-// restarts that worker alone as a newcomer (restart_alone() below). Rank 0's death still restarts
-// the node's group: its store is gone.
+// With --recovery in-place (static only) the survivors carry on: the library
+// (DTRAIN_RECOVERY=in-place, dtrain::ResilientDataParallel) re-forms their group without the dead
+// worker, and the launcher restarts that worker alone as a newcomer (restart_alone() below). Node
+// 0's launcher then hosts the workers' store (WorkerStore, TORCHELASTIC_USE_AGENT_STORE=True), so
+// that it outlives every worker, rank 0 included; a program whose workers never formed an in-place
+// group gets the whole-group restart instead.
 #include "launcher/cli/run_command.h"
 
 #include <poll.h>
@@ -24,6 +26,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iomanip>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <system_error>
@@ -34,6 +37,7 @@
 #include "launcher/elastic/ports.h"
 #include "launcher/elastic/signal_pipe.h"
 #include "launcher/elastic/worker_group.h"
+#include "launcher/elastic/worker_store.h"
 
 namespace dtrain::cli {
 
@@ -160,16 +164,21 @@ bool readable(int fd) {
   return poll(&p, 1, 0) > 0;
 }
 
+// The key the workers' first in-place generation writes when it forms (src/recovery/membership.h):
+// its presence says the program recovers in place (dtrain::ResilientDataParallel). As the store
+// holds it: c10d's client puts "/" before every key.
+constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
+
 // --recovery in-place: restarts each worker of `failed` alone, as a newcomer the survivors admit
 // into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
 // Returns false, restarting nothing, where the whole group must stop as in restart mode: a signal
 // came for the launcher, a usage error (exit code 2) cannot be fixed by a restart, fewer restarts
-// are left than workers failed (then one restart of the group uses them), or rank 0 died. Rank 0
-// hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=False), so with it every survivor lost its
-// group: only a restart of the whole group from the last checkpoint helps then.
+// are left than workers failed (then one restart of the group uses them), the workers never formed
+// an in-place group (a program that does not recover in place: its survivors fail too), or rank 0
+// died while it hosted the store (not on node 0's launcher's: another node without a store here).
 bool restart_alone(const RunOptions& options, WorkerGroup& group,
-                   const elastic::WorkerGroupRound& round, const WaitResult& failed, int signal_fd,
-                   int* restarts) {
+                   const elastic::WorkerGroupRound& round, const elastic::WorkerStore* store,
+                   const WaitResult& failed, int signal_fd, int* restarts) {
   if (!recovers_in_place(options) || readable(signal_fd)) return false;
   const std::vector<WorkerExit>& failures = failed.failures;
   int left = options.max_restarts - *restarts;
@@ -177,7 +186,14 @@ bool restart_alone(const RunOptions& options, WorkerGroup& group,
                                [](const WorkerExit& failure) { return failure.usage_error(); })) {
     return false;  // the caller says why it does not restart
   }
-  if (std::any_of(failures.begin(), failures.end(),
+  if (store != nullptr && !store->contains(kInPlaceGroupFormed)) {
+    say("the workers formed no in-place group (the program does not use "
+        "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group from "
+        "the last checkpoint");
+    return false;
+  }
+  if (!round.agent_store &&
+      std::any_of(failures.begin(), failures.end(),
                   [](const WorkerExit& failure) { return failure.global_rank == 0; })) {
     say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
     return false;
@@ -204,6 +220,10 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
   // Restarts so far, of the whole group or (--recovery in-place) of one worker: each counts
   // against --max-restarts, and the count is the restarted workers' TORCHELASTIC_RESTART_COUNT.
   int restarts = 0;
+  // --recovery in-place: node 0's launcher hosts the workers' store, so that it outlives any
+  // worker; a fresh one for each start of the whole group (the last one's keys belong to its
+  // generations).
+  std::unique_ptr<elastic::WorkerStore> store;
   for (;;) {
     elastic::WorkerGroupRound round;
     round.group_rank = options.node_rank;
@@ -214,12 +234,21 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
     // A fresh port each attempt: the previous store's port may linger, or another program may have
     // taken it meanwhile.
     round.master_port = plan.auto_port ? elastic::pick_free_port() : options.master_port;
+    round.agent_store = recovers_in_place(options);
+    if (round.agent_store && options.node_rank == 0) {
+      store.reset();  // its port is free again for the new one
+      // One node: the loopback address the workers are given; several: every interface, as
+      // rank 0's TCPStore listens.
+      store = std::make_unique<elastic::WorkerStore>(options.nnodes == 1 ? round.master_addr : "",
+                                                     plan.auto_port ? 0 : options.master_port);
+      round.master_port = store->port();
+    }
     round.restart_count = restarts;
     group.start(round);
 
     WaitResult result = group.wait(signals.fd());
     while (result.state == WaitResult::State::kFailed &&
-           restart_alone(options, group, round, result, signals.fd(), &restarts)) {
+           restart_alone(options, group, round, store.get(), result, signals.fd(), &restarts)) {
       result = group.wait(signals.fd());
     }
     if (result.state == WaitResult::State::kSucceeded) {

@@ -347,9 +347,10 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restart_count));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   set("TORCHELASTIC_RUN_ID", options_.run_id);
-  // "False": PyTorch's env:// init then lets rank 0 host the TCPStore at MASTER_ADDR:MASTER_PORT,
-  // since this launcher runs no store of its own.
-  set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  // "False": PyTorch's env:// init then lets rank 0 host the TCPStore at MASTER_ADDR:MASTER_PORT.
+  // "True" (exactly as PyTorch reads it): node 0's launcher hosts it (WorkerStore), and every rank
+  // is a client.
+  set("TORCHELASTIC_USE_AGENT_STORE", round.agent_store ? "True" : "False");
   // What torchrun exports from its own --signals-to-handle; dtrain handles exactly that default.
   set("TORCHELASTIC_SIGNALS_TO_HANDLE", kLauncherSignalNames);
   set("DTRAIN_RECOVERY", options_.recovery);

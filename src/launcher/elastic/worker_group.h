@@ -74,9 +74,12 @@ struct WorkerGroupRound {
   int base_rank = 0;
   // WORLD_SIZE: workers over all nodes.
   int world_size = 1;
-  // MASTER_ADDR / MASTER_PORT: where rank 0 hosts the store (TORCHELASTIC_USE_AGENT_STORE=False).
+  // MASTER_ADDR / MASTER_PORT: where the workers' store is: hosted by rank 0
+  // (TORCHELASTIC_USE_AGENT_STORE=False), or by the launcher of node 0 when agent_store
+  // (TORCHELASTIC_USE_AGENT_STORE=True; --recovery in-place, so that it outlives any worker).
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
+  bool agent_store = false;
   // TORCHELASTIC_RESTART_COUNT: 0 for the first attempt.
   int restart_count = 0;
 };

@@ -85,6 +85,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -261,6 +262,8 @@ struct WorkerStore::Server {
   uint64_t next_id = 0;
   std::map<uint64_t, Client> clients;
   std::map<std::string, std::string> values;
+  // Held by the serving thread while it handles requests, and by contains() from the launcher's.
+  mutable std::mutex values_mutex;
   std::map<std::string, std::deque<std::string>> queues;
   // Key -> the clients parked on it, in arrival order (a client once per time it named the key).
   std::map<std::string, std::vector<uint64_t>> waiters;
@@ -523,6 +526,7 @@ struct WorkerStore::Server {
 
   // Handles every whole request the client has sent; marks it to drop on a refused one.
   void handle_input(uint64_t id, Client& client) {
+    std::lock_guard<std::mutex> lock(values_mutex);
     try {
       while (!client.drop && client.consumed < client.input.size() && handle_one(id, client)) {
       }
@@ -726,6 +730,11 @@ WorkerStore::WorkerStore(const std::string& host, int port,
       server->debug(std::string("worker store: stopped: ") + e.what());
     }
   });
+}
+
+bool WorkerStore::contains(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(server_->values_mutex);
+  return server_->exists(key);
 }
 
 WorkerStore::~WorkerStore() {

@@ -39,6 +39,10 @@ class WorkerStore {
   // The port it listens on: what to hand the workers as MASTER_PORT.
   int port() const { return port_; }
 
+  // Whether a key is set, as the workers would see it now (thread-safe). The launcher reads what
+  // the workers declare through it, e.g. that they recover in place (run_command.cpp).
+  bool contains(const std::string& key) const;
+
  private:
   struct Server;
   std::unique_ptr<Server> server_;

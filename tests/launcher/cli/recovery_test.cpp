@@ -1,6 +1,7 @@
 // `dtrain run --recovery in-place` end to end: a failed worker is restarted alone as a newcomer
-// (DTRAIN_RECOVERY_JOIN=1) while the others keep running; rank 0, which hosts the workers' store,
-// still restarts the whole group; restarts run out as in restart mode. The workers are /bin/sh
+// (DTRAIN_RECOVERY_JOIN=1) while the others keep running, rank 0 too (the launcher hosts the
+// workers' store); workers that form no in-place group restart together; restarts run out as in
+// restart mode. The workers are /bin/sh
 // scripts that record their pid and environment per attempt in the test's temporary folder
 // ("<what>.<rank>.<TORCHELASTIC_RESTART_COUNT>"). Every wait is bounded, in the launcher run
 // (kRunTimeout) and in the scripts' loops (600 x 0.05 s).
@@ -34,11 +35,25 @@ class RecoveryTest : public LauncherTest {
   }
 };
 
-// Records this attempt's pid and environment; then `rest`.
-std::string recorded(const std::string& rest) {
+// Records this attempt's pid and environment; then `rest`. The worker does not recover in place.
+std::string recorded_only(const std::string& rest) {
   return "echo $$ > \"$1/pid.$RANK.$TORCHELASTIC_RESTART_COUNT\";"
          "env > \"$1/env.$RANK.$TORCHELASTIC_RESTART_COUNT\";" +
          rest;
+}
+
+// As recorded_only, after writing into the launcher's store (WorkerStore, TCPStore's protocol:
+// VALIDATE with its magic number, then SET) the key that dtrain::ResilientDataParallel's first
+// generation writes: the launcher then knows the workers recover in place.
+std::string recorded(const std::string& rest) {
+  return "python3 -c 'import os, socket, struct;"
+         " s = socket.create_connection((os.environ[\"MASTER_ADDR\"], "
+         "int(os.environ[\"MASTER_PORT\"])));"
+         " k = b\"/dtrain/recovery/g0/closed\"; v = b\"sh\";"
+         " s.sendall(b\"\\0\" + struct.pack(\"<I\", 0x3C85F7CE) + b\"\\1\" +"
+         " struct.pack(\"<Q\", len(k)) + k + struct.pack(\"<Q\", len(v)) + v); s.close()' || exit "
+         "9;" +
+         recorded_only(rest);
 }
 
 // Waits (at most 30 s) until the file $1/<name> is written.
@@ -95,30 +110,51 @@ TEST_F(RecoveryTest, AFailedWorkerIsRestartedAloneAsANewcomer) {
   EXPECT_EQ(count(run.err, "worker failed:"), 0) << run.err;
 }
 
-TEST_F(RecoveryTest, RankZerosFailureRestartsTheWholeGroup) {
-  // Rank 0 hosts the workers' store: when it dies on its first run, rank 1 (which would sleep for
-  // five minutes) is stopped and both start again, neither as a newcomer.
+TEST_F(RecoveryTest, RankZeroIsRestartedAloneToo) {
+  // The launcher hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=True), so rank 0's death
+  // takes nothing from the survivors: it is restarted alone like any other rank.
   RunResult run =
       dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts",
                      "1", "--grace-period", "2", "--"},
-                    sh(recorded("if [ $TORCHELASTIC_RESTART_COUNT != 0 ]; then exit 0; fi;"
-                                "if [ $RANK = 0 ]; then " +
+                    sh(recorded("if [ $RANK = 0 ]; then"
+                                "  if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then " +
                                 wait_for("pid.1.0") +
-                                " exit 3; fi;"
-                                "exec sleep 300"))));
-  clean_up("pid.1.0");
+                                " exit 3; fi; exit 0;"
+                                "fi;" +
+                                wait_for("pid.0.1") + "echo $$ > \"$1/end.$RANK\"; exit 0"))));
   EXPECT_EQ(run.exit_code, 0) << run.err;
-  EXPECT_LT(run.seconds, 20) << "rank 1 was not stopped promptly";
-  EXPECT_NE(run.err.find("dtrain run: rank 0 hosts the store: restarting the whole group from the "
-                         "last checkpoint\n"),
-            std::string::npos)
+  EXPECT_NE(run.err.find("restarting it alone as a newcomer"), std::string::npos) << run.err;
+  EXPECT_EQ(pid_in("end.1"), pid_in("pid.1.0")) << "rank 1 was restarted";
+  std::map<std::string, std::string> newcomer = env_of(0, 1);
+  EXPECT_EQ(newcomer["DTRAIN_RECOVERY_JOIN"], "1");
+  EXPECT_EQ(newcomer["TORCHELASTIC_USE_AGENT_STORE"], "True");
+  EXPECT_EQ(newcomer["MASTER_PORT"], env_of(1, 0)["MASTER_PORT"]);
+  EXPECT_EQ(env_of(1, 0)["TORCHELASTIC_USE_AGENT_STORE"], "True");
+}
+
+TEST_F(RecoveryTest, WorkersThatFormNoInPlaceGroupRestartTogether) {
+  // Workers that never wrote the in-place group's key into the store (a program without
+  // dtrain::ResilientDataParallel) cannot take a newcomer: their survivors would fail too. So rank
+  // 1's failure stops rank 0 (which would sleep for five minutes) and both start again, neither
+  // as a newcomer.
+  RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place",
+                                 "--max-restarts", "1", "--grace-period", "2", "--"},
+                                sh(recorded_only("if [ $TORCHELASTIC_RESTART_COUNT != 0 ]; then "
+                                                 "exit 0; fi;"
+                                                 "if [ $RANK = 1 ]; then " +
+                                                 wait_for("pid.0.0") +
+                                                 " exit 3; fi;"
+                                                 "exec sleep 300"))));
+  clean_up("pid.0.0");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_LT(run.seconds, 20) << "rank 0 was not stopped promptly";
+  EXPECT_NE(run.err.find("dtrain run: the workers formed no in-place group"), std::string::npos)
       << run.err;
-  EXPECT_NE(run.err.find("worker failed: rank 0/2"), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("restarting the worker group of this node: attempt 1 (restart 1 of 1)"),
             std::string::npos)
       << run.err;
   EXPECT_EQ(run.err.find("restarting it alone"), std::string::npos) << run.err;
-  expect_all_gone({pid_in("pid.1.0")}, "rank 1 of the first attempt");
+  expect_all_gone({pid_in("pid.0.0")}, "rank 0 of the first attempt");
   for (int rank : {0, 1}) {
     SCOPED_TRACE("rank " + std::to_string(rank));
     std::map<std::string, std::string> second = env_of(rank, 1);
