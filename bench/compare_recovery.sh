@@ -36,7 +36,7 @@ stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 
 run_side() {  # side log
   local side=$1 log=$2 dir="$work/ckpt-$RANDOM"
-  local job=("$trainer" --model mlp --epochs 1 --log-every 1 --max-steps $((kill_at + 60)))
+  local job=("$trainer" --model mlp --epochs 1 --log-every 1 --max-steps $((kill_at + 1000)))
   [ "$side" = in-place ] || job+=(--checkpoint-dir "$dir" --checkpoint-every "$ckpt_every")
   case $side in
     in-place) cmd=("$dtrain" run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- "${job[@]}") ;;
@@ -51,6 +51,13 @@ run_side() {  # side log
     / step [0-9]+ loss / { for (i = 2; i < NF; ++i) if ($i == "step") { s = $(i + 1); break }
                            if (s == k && !t0) t0 = $1; if (s == k + 1 && t0 && !t1) t1 = $1 }
     END { if (t0 && t1) printf "%.3f", t1 - t0; else printf "nan" }' "$log"
+  if [ "$side" = in-place ]; then  # and to the first step back at 3 ranks (the newcomer admitted)
+    awk -v k="$kill_at" '
+      / step [0-9]+ loss / { for (i = 2; i < NF; ++i) if ($i == "step") { s = $(i + 1); break }
+                             if (s == k && !t0) t0 = $1 }
+      t0 && s > k && / world 3$/ && !t3 { t3 = $1 }
+      END { if (t0 && t3) printf " %.3f", t3 - t0; else printf " nan" }' "$log" >> "$work/full-size"
+  fi
 }
 
 declare -A times
@@ -66,5 +73,6 @@ for round in $(seq "$runs"); do
 done
 echo "kill -9 of rank 2 after step $kill_at -> rank 0's step $((kill_at + 1)) (median of $runs, seconds):"
 for side in "${sides[@]}"; do echo "  $side: $(list_median "${times[$side]}")  [${times[$side]# }]"; done
+echo "  in-place, to the first step back at 3 ranks (the newcomer admitted): $(list_median "$(cat "$work/full-size")")  [$(cat "$work/full-size")]"
 echo "  paired ratio in-place / torchrun: $(ratio_summary "${times[in-place]# }" "${times[torchrun]# }")"
 echo "  paired ratio restart / torchrun: $(ratio_summary "${times[restart]# }" "${times[torchrun]# }")"

@@ -200,5 +200,39 @@ INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                            }
                          });
 
+TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
+  // Four workers; rank 3 dies after step 5 and rank 1 after step 9, with no restarts allowed: the
+  // job goes on at 3, then at 2 ranks, each failed step redone, and still equals one process.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command(bin("dtrain") +
+                                " run --nproc-per-node 4 --recovery in-place --max-restarts 0 -- " +
+                                bin("recovery_worker") + " " + dir +
+                                " --kill-rank 3 --kill-after 5 --kill-rank 1 --kill-after 9",
+                            120);
+  SCOPED_TRACE(result.output);
+  // --max-restarts 0: the launcher replaces no one; the survivors finish, and the job succeeds.
+  EXPECT_EQ(result.exit_code, 0);
+  size_t lost = 0;
+  for (size_t at = 0; (at = result.output.find("go on without it", at)) != std::string::npos;
+       ++at) {
+    ++lost;
+  }
+  EXPECT_EQ(lost, 2u);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 2);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 2);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.at(5).world, 4);
+  EXPECT_EQ(steps.at(6).world, 3);
+  EXPECT_EQ(steps.at(10).world, 2);
+  expect_exactly_once(steps);
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace dtrain

@@ -2,10 +2,10 @@
 // and synthetic data through dtrain::ResilientDataParallel. Every process appends each committed
 // step to <out>/steps-<pid>.txt ("<step> <world> <index> <index> ..."), so the test can replay
 // the same global batches in one process and check that every sample was used exactly once.
-//   recovery_worker OUT [--kill-rank R --kill-after S] [--slow-until-admitted]
+//   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
-// newcomer. --slow-until-admitted: 100 ms per step until a newcomer has been admitted (so one has
-// time to start), bounded by the epochs.
+// newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
+// per step until a newcomer has been admitted (so one has time to start), bounded by the epochs.
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -15,6 +15,8 @@
 #include <iostream>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "dtrain/errors.h"
 #include "dtrain/recovery.h"
@@ -31,13 +33,14 @@ int run(int argc, char** argv) {
   if (argc < 2)
     throw dtrain::UsageError("usage: recovery_worker OUT [--kill-rank R --kill-after S]");
   const std::string out = argv[1];
-  int kill_rank = -1;
-  int64_t kill_after = -1;
+  std::vector<std::pair<int, int64_t>> kills;  // (job rank, after step)
   bool slow = false;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "--kill-rank" && i + 1 < argc) kill_rank = std::atoi(argv[++i]);
-    if (arg == "--kill-after" && i + 1 < argc) kill_after = std::atoll(argv[++i]);
+    if (arg == "--kill-rank" && i + 1 < argc) kills.emplace_back(std::atoi(argv[++i]), -1);
+    if (arg == "--kill-after" && i + 1 < argc && !kills.empty()) {
+      kills.back().second = std::atoll(argv[++i]);
+    }
     if (arg == "--slow-until-admitted") slow = true;
   }
   const int job_rank = std::atoi(std::getenv("RANK"));
@@ -77,7 +80,9 @@ int run(int argc, char** argv) {
       steps << stats.steps << " " << rdp.group()->size();
       for (size_t i : used) steps << " " << i;
       steps << std::endl;  // flushed: the line must survive a SIGKILL right after
-      if (job_rank == kill_rank && stats.steps == kill_after && !newcomer) std::raise(SIGKILL);
+      for (const auto& [rank, after] : kills) {
+        if (job_rank == rank && stats.steps == after && !newcomer) std::raise(SIGKILL);
+      }
       if (slow && stats.admitted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }

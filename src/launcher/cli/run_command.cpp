@@ -171,25 +171,29 @@ constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 
 // --recovery in-place: restarts each worker of `failed` alone, as a newcomer the survivors admit
 // into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
-// Returns false, restarting nothing, where the whole group must stop as in restart mode: a signal
-// came for the launcher, a usage error (exit code 2) cannot be fixed by a restart, fewer restarts
-// are left than workers failed (then one restart of the group uses them), the workers never formed
-// an in-place group (a program that does not recover in place: its survivors fail too), or rank 0
-// died while it hosted the store (not on node 0's launcher's: another node without a store here).
+// With no restart left for a worker, the survivors of an in-place group go on without it (a smaller
+// job, not a stopped one). Returns false, restarting nothing, where the whole group must stop as
+// in restart mode: a signal came for the launcher, a usage error (exit code 2) cannot be fixed by
+// a restart, the workers never formed an in-place group (a program that does not recover in place:
+// its survivors fail too), or no restart is left and this node cannot tell that they did (the store
+// is on node 0), or rank 0 died while it hosted the store.
 bool restart_alone(const RunOptions& options, WorkerGroup& group,
                    const elastic::WorkerGroupRound& round, const elastic::WorkerStore* store,
                    const WaitResult& failed, int signal_fd, int* restarts) {
   if (!recovers_in_place(options) || readable(signal_fd)) return false;
   const std::vector<WorkerExit>& failures = failed.failures;
-  int left = options.max_restarts - *restarts;
-  if (left <= 0 || std::any_of(failures.begin(), failures.end(),
-                               [](const WorkerExit& failure) { return failure.usage_error(); })) {
+  if (std::any_of(failures.begin(), failures.end(),
+                  [](const WorkerExit& failure) { return failure.usage_error(); })) {
     return false;  // the caller says why it does not restart
   }
-  if (store != nullptr && !store->contains(kInPlaceGroupFormed)) {
-    say("the workers formed no in-place group (the program does not use "
-        "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group from "
-        "the last checkpoint");
+  const int left = options.max_restarts - *restarts;
+  const bool in_place_group = store != nullptr && store->contains(kInPlaceGroupFormed);
+  if (store != nullptr && !in_place_group) {
+    if (left > 0) {
+      say("the workers formed no in-place group (the program does not use "
+          "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group "
+          "from the last checkpoint");
+    }
     return false;
   }
   if (!round.agent_store &&
@@ -198,14 +202,24 @@ bool restart_alone(const RunOptions& options, WorkerGroup& group,
     say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
     return false;
   }
-  if (static_cast<std::size_t>(left) < failures.size()) return false;
+  if (!in_place_group && static_cast<std::size_t>(std::max(left, 0)) < failures.size()) {
+    return false;
+  }
+  if (group.running() == 0 && left <= 0) return false;  // nobody left to go on
   for (const WorkerExit& failure : failures) {
+    const std::string who = "rank " + std::to_string(failure.global_rank) + "/" +
+                            std::to_string(round.world_size) + " (local rank " +
+                            std::to_string(failure.local_rank) + ", pid " +
+                            std::to_string(failure.pid) + ") " + failure.describe() +
+                            " on attempt " + std::to_string(failure.restart_count);
+    if (*restarts >= options.max_restarts) {
+      say(who + "; no restart left to replace it (--max-restarts " +
+          std::to_string(options.max_restarts) + "): the other " + std::to_string(group.running()) +
+          " worker(s) go on without it");
+      continue;
+    }
     ++*restarts;
-    say("rank " + std::to_string(failure.global_rank) + "/" + std::to_string(round.world_size) +
-        " (local rank " + std::to_string(failure.local_rank) + ", pid " +
-        std::to_string(failure.pid) + ") " + failure.describe() + " on attempt " +
-        std::to_string(failure.restart_count) +
-        "; restarting it alone as a newcomer, the other workers keep running (restart " +
+    say(who + "; restarting it alone as a newcomer, the other workers keep running (restart " +
         std::to_string(*restarts) + " of " + std::to_string(options.max_restarts) + ")");
     group.restart_worker(failure.local_rank, *restarts);
   }

@@ -280,7 +280,8 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --max-restarts K       worker failures the job restarts from (default 0)
   --recovery MODE        restart: a failure restarts every worker of the node (default);
                          in-place: only the failed worker restarts, joining the survivors
-                         (static nodes only; rank 0's failure still restarts them all)
+                         (static nodes only; programs using dtrain::ResilientDataParallel;
+                         others restart together)
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
@@ -322,7 +323,8 @@ OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
 DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
 alone, which joins the running workers as a newcomer and takes its state from a live peer.
 Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it;
-torchrun's agent hosts one and says True); MASTER_ADDR is an address (127.0.0.1 on one node) where
+torchrun's agent hosts one and says True), except with --recovery in-place, where node 0's
+launcher hosts it and says True; MASTER_ADDR is an address (127.0.0.1 on one node) where
 torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
 TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
