@@ -14,7 +14,8 @@
 # the launcher's output is stamped line by line; reported per side: seconds from rank 0's line for
 # step KILL_AT (the kill, to within a step) to its first line for step KILL_AT+1 (the job is past
 # the fault: under restart that includes the restart, the checkpoint load and the steps redone
-# since the checkpoint). Medians of the rounds, and the paired ratios against torchrun.
+# since the checkpoint); for in-place also to its first line at 3 ranks again (the replacement,
+# restarted alone, admitted). Medians of the rounds, and the paired ratios against torchrun.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -124,24 +124,26 @@ int train_in_place(const Flags& flags) {
   if (group->rank() == 0) {
     // The keys of train.cpp's line (a newcomer's counts start where it joined: samples are the
     // job's only on a rank that lived through it, which rank 0 always does), plus the recovery's.
-    nlohmann::ordered_json result = {{"test_accuracy", accuracy},
-                                     {"epochs", flags.epochs},
-                                     {"world_size", group->size()},
-                                     {"strategy", flags.strategy},
-                                     {"replicas", group->size()},
-                                     {"model", flags.model},
-                                     {"per_rank_batch", flags.batch_size},
-                                     {"train_samples", samples_processed},
-                                     {"train_time_s", train_seconds},
-                                     {"final_loss", last_loss},
-                                     {"steps", stats.steps},
-                                     {"restarts", 0},
-                                     {"recovery", "in-place"},
-                                     {"recoveries", stats.recoveries},
-                                     {"steps_redone", stats.steps_redone},
-                                     {"admitted", stats.admitted},
-                                     {"epoch_samples", epoch_samples},
-                                     {"device", device.str()}};
+    nlohmann::ordered_json result = {
+        {"test_accuracy", accuracy},
+        {"epochs", flags.epochs},
+        {"world_size", group->size()},
+        {"strategy", flags.strategy},
+        {"replicas", group->size()},
+        {"model", flags.model},
+        {"per_rank_batch", flags.batch_size},
+        {"train_samples", samples_processed},
+        {"train_time_s", train_seconds},
+        {"samples_per_s", train_seconds > 0 ? samples_processed / train_seconds : 0.0},
+        {"final_loss", last_loss},
+        {"steps", stats.steps},
+        {"restarts", 0},
+        {"recovery", "in-place"},
+        {"recoveries", stats.recoveries},
+        {"steps_redone", stats.steps_redone},
+        {"admitted", stats.admitted},
+        {"epoch_samples", epoch_samples},
+        {"device", device.str()}};
     std::cout << result.dump() << std::endl;
   }
   group->barrier();  // rank 0 hosts the store: nobody may still need it when it exits

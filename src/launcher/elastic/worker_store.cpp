@@ -1,4 +1,6 @@
-// The workers' store, a c10d TCPStore server without LibTorch (see worker_store.h).
+// The workers' store, a c10d TCPStore server without LibTorch (see worker_store.h). Over 600 lines
+// because the wire protocol's note, its request parser and its replies are read together, as in
+// c10d_backend.cpp; a third of the file is the note.
 //
 // Note [TCPStore wire protocol]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

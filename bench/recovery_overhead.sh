@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The cost of being ready to recover in place (issue 21) when nothing fails: the example trainer's
+# DDP job (--model mlp, 2 workers on this host, one epoch of Fashion-MNIST) under `dtrain run`
+# with --recovery in-place (dtrain::ResilientDataParallel: an admission all-reduce of one number
+# every 10 steps, a store poll every 100 ms on another thread, the step as a function, batches
+# taken from the sampler one at a time) against the same job under --recovery restart (plain
+# DDP). The two sides alternate; reported: samples/s of each, and the median of the paired ratios.
+#
+#   bench/recovery_overhead.sh [rounds]     (default 5)
+#
+# This is the trainer's in-place path against its usual path, everything included: what a user
+# of the trainer pays, not the recovery machinery alone.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/paired.sh"
+build=${BUILD:-$here/build}
+rounds=${1:-5}
+[ -x "$build/bin/train_fashion_mnist" ] || { echo "bench/recovery_overhead.sh: build the trainer first" >&2; exit 2; }
+
+rate() {  # recovery mode: samples/s from the trainer's JSON line
+  "$build/bin/dtrain" run --nproc-per-node 2 --recovery "$1" -- "$build/bin/train_fashion_mnist" \
+    --model mlp --epochs 1 2>/dev/null | grep -o '"samples_per_s":[0-9.e+]*' | cut -d: -f2
+}
+
+in_place="" restart=""
+for round in $(seq "$rounds"); do
+  if [ $((round % 2)) = 1 ]; then
+    a=$(rate in-place); b=$(rate restart)
+  else
+    b=$(rate restart); a=$(rate in-place)
+  fi
+  echo "round $round: in-place $a samples/s, restart $b samples/s" >&2
+  in_place="$in_place $a" restart="$restart $b"
+done
+echo "samples/s, median of $rounds: in-place $(list_median "$in_place"), restart $(list_median "$restart")"
+echo "in-place / restart, median of the paired ratios: $(ratio_summary "${in_place# }" "${restart# }")"
