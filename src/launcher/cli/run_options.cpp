@@ -328,7 +328,8 @@ launcher hosts it and says True; MASTER_ADDR is an address (127.0.0.1 on one nod
 torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
 TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
-Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run); the first
+Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run; one that
+--recovery in-place could not replace, the others going on without it, does not count); the first
 failing worker's exit code (128 + signal if a signal killed it); 128 + signal when dtrain run
 itself is interrupted; 1 when the elastic job ends for another reason (lost nodes, no rendezvous
 store answering in time, another program on the c10d endpoint's port); 2 for bad flags.
