@@ -41,10 +41,12 @@
 // - Admission is checked every `admit_every` steps with one all-reduce of one number, so that every
 //   member sees the same answer at the same step; the store is polled for newcomers on a background
 //   thread, never on the training thread.
-// - Limits (today): the store is the c10d store that rank 0 hosts, as under `dtrain run`, so rank
-//   0's death ends the job (the launcher then restarts the whole group from the last checkpoint). A
-//   lost host or a cut link, which resets no connection, is seen only when a collective times out
-//   (the group's timeout); a member on another host that died is waited for `settle`.
+// - The store must outlive every worker: under `dtrain run --recovery in-place` node 0's launcher
+//   hosts it (TORCHELASTIC_USE_AGENT_STORE=True) and rank 0 dies like any rank; started otherwise,
+//   rank 0 hosts it and its death ends the job.
+// - Limits (today): a lost host or a cut link, which resets no connection, is seen only when a
+//   collective times out (the group's timeout); a member on another host that died is waited for
+//   `settle`.
 #pragma once
 
 #include <chrono>

@@ -200,9 +200,9 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
       if (exists(name)) break;
       if (exists("finished")) return std::nullopt;
     } catch (const std::exception& e) {
-      // Under `dtrain run` today rank 0 hosts the store (Note [In-place recovery]): it is gone
-      // when the job finished, and when rank 0 died, which the launcher answers by restarting
-      // every worker. Either way there is nothing to join.
+      // Started without `dtrain run --recovery in-place`, rank 0 hosts the store (Note [In-place
+      // recovery]): it is gone when the job finished, or when rank 0 died, which ends the job.
+      // Either way there is nothing to join.
       DTRAIN_LOG(kWarn, "in-place recovery: the job's store went away while this newcomer waited ("
                             << e.what() << "): the job finished, or rank 0 died");
       return std::nullopt;

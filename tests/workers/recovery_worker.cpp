@@ -99,7 +99,7 @@ int run(int argc, char** argv) {
               << ", \"steps_redone\": " << stats.steps_redone
               << ", \"generation\": " << stats.generation << "}" << std::endl;
   }
-  group->barrier();  // rank 0 hosts the store: it leaves last
+  group->barrier();  // where rank 0 hosts the store, nobody may still need it when it exits
   return 0;
 }
 

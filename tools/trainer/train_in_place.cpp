@@ -146,7 +146,7 @@ int train_in_place(const Flags& flags) {
         {"device", device.str()}};
     std::cout << result.dump() << std::endl;
   }
-  group->barrier();  // rank 0 hosts the store: nobody may still need it when it exits
+  group->barrier();  // where rank 0 hosts the store, nobody may still need it when it exits
   return 0;
 }
 
