@@ -25,9 +25,6 @@
 #include "strategies.h"
 
 namespace trainer {
-namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // A measurement as the final line reports it: six significant digits (more would be noise).
 double six_digits(double x) {
@@ -36,6 +33,10 @@ double six_digits(double x) {
   std::snprintf(text, sizeof text, "%.6g", x);
   return std::strtod(text, nullptr);
 }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
 
 // Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
 class Progress {

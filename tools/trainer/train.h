@@ -17,6 +17,8 @@ int train(const Flags& flags);
 // training loop that does (train_in_place.cpp). train() hands over to it, or says in one line why
 // it recovers by restarting instead.
 std::string in_place_unsupported_reason(const Flags& flags);
+// A measurement as the final JSON line reports it: six significant digits.
+double six_digits(double x);
 int train_in_place(const Flags& flags);
 
 }  // namespace trainer

@@ -125,7 +125,7 @@ int train_in_place(const Flags& flags) {
     // The keys of train.cpp's line (a newcomer's counts start where it joined: samples are the
     // job's only on a rank that lived through it, which rank 0 always does), plus the recovery's.
     nlohmann::ordered_json result = {
-        {"test_accuracy", accuracy},
+        {"test_accuracy", six_digits(accuracy)},
         {"epochs", flags.epochs},
         {"world_size", group->size()},
         {"strategy", flags.strategy},
@@ -133,9 +133,9 @@ int train_in_place(const Flags& flags) {
         {"model", flags.model},
         {"per_rank_batch", flags.batch_size},
         {"train_samples", samples_processed},
-        {"train_time_s", train_seconds},
-        {"samples_per_s", train_seconds > 0 ? samples_processed / train_seconds : 0.0},
-        {"final_loss", last_loss},
+        {"train_time_s", six_digits(train_seconds)},
+        {"samples_per_s", six_digits(train_seconds > 0 ? samples_processed / train_seconds : 0.0)},
+        {"final_loss", six_digits(last_loss)},
         {"steps", stats.steps},
         {"restarts", 0},
         {"recovery", "in-place"},
