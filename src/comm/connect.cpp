@@ -25,6 +25,7 @@
 #include "comm/shm_transport.h"
 #include "comm/store_bytes.h"
 #include "common/log.h"
+#include "common/process_identity.h"
 
 namespace dtrain::detail {
 namespace {
@@ -85,14 +86,22 @@ Endpoint parse_tcp(const std::string& where, const std::string& what) {
   return endpoint;
 }
 
+}  // namespace
+
+bool launcher_hosts_store() {
+  const char* flag = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  return flag != nullptr && std::string(flag) == "True";
+}
+
+namespace {
+
 // Whether the launcher hosts the store at `endpoint` (TORCHELASTIC_USE_AGENT_STORE=True), so that
 // it outlives any worker and every rank, rank 0 included, is its client. Read as PyTorch's
 // rendezvous.py reads it: exactly "True", and only for the agent's own MASTER_ADDR:MASTER_PORT.
 bool agent_hosts_store(const Endpoint& endpoint) {
-  const char* flag = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const char* addr = std::getenv("MASTER_ADDR");
   const char* port = std::getenv("MASTER_PORT");
-  return flag && std::string(flag) == "True" && addr && endpoint.host == addr && port &&
+  return launcher_hosts_store() && addr && endpoint.host == addr && port &&
          std::to_string(endpoint.port) == port;
 }
 
@@ -154,9 +163,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const Endpoint& endpoint, int rank, in
 
 // Which machine this is: the hostname alone can repeat across containers, the boot id does not.
 std::string host_identity() {
-  char name[256] = {0};
-  gethostname(name, sizeof name - 1);
-  std::string identity = name;
+  std::string identity = own_hostname();
   if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
     char boot[64] = {0};
     if (std::fgets(boot, sizeof boot, f)) identity += std::string("/") + boot;

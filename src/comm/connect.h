@@ -24,6 +24,9 @@ bool shared_buckets_enabled_by_env();
 c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const LaunchInfo& launch,
                                            int rank, int world_size,
                                            std::chrono::milliseconds timeout);
+// TORCHELASTIC_USE_AGENT_STORE=True, read exactly as PyTorch reads it: the launcher hosts the
+// store at MASTER_ADDR:MASTER_PORT (so it outlives any worker) and every rank is its client.
+bool launcher_hosts_store();
 // The host of a "tcp://HOST:PORT" init method.
 std::string tcp_host(const std::string& init_method);
 

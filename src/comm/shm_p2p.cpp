@@ -18,6 +18,7 @@
 
 #include "comm/store_bytes.h"
 #include "common/log.h"
+#include "common/process_identity.h"
 
 namespace dtrain::detail {
 namespace {
@@ -76,11 +77,6 @@ size_t segment_bytes(int size, int64_t ring_bytes) {
 
 uint64_t padded(int64_t bytes) {
   return (static_cast<uint64_t>(bytes) + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes;
-}
-
-uint64_t own_pid_namespace() {
-  struct stat info {};
-  return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {

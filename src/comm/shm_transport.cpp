@@ -20,6 +20,7 @@
 #endif
 
 #include "common/log.h"
+#include "common/process_identity.h"
 
 namespace dtrain::detail {
 namespace {
@@ -51,11 +52,6 @@ struct alignas(kLine) RankRecord {
   // agree()).
   std::atomic<uint64_t> signature[2];
 };
-
-uint64_t own_pid_namespace() {
-  struct stat info {};
-  return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
-}
 
 RankRecord* records_of(void* base) {
   return reinterpret_cast<RankRecord*>(static_cast<char*>(base) + kLine);

@@ -12,6 +12,7 @@
 
 #include "common/format.h"
 #include "common/log.h"
+#include "common/process_identity.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::detail {
@@ -24,17 +25,6 @@ std::vector<uint8_t> bytes_of(const std::string& text) {
 }
 std::string text_of(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
-}
-
-uint64_t own_pid_namespace() {
-  struct stat info {};
-  return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
-}
-
-std::string own_hostname() {
-  char name[256] = {};
-  if (gethostname(name, sizeof name - 1) != 0) return "unknown";
-  return name;
 }
 
 std::string members_text(const std::vector<MemberRecord>& members) {

@@ -35,10 +35,16 @@ class RecoveryCore {
         optimizer_(optimizer),
         sampler_(std::move(sampler)),
         options_(std::move(options)) {
-    if (options_.admit_every < 1) {
-      throw UsageError("ResilientDataParallel: admit_every is " +
-                       std::to_string(options_.admit_every) + "; accepted: >= 1 (steps).");
-    }
+    auto check = [](bool ok, const std::string& field, int64_t value, const char* accepted) {
+      if (!ok) {
+        throw UsageError("ResilientDataParallel: RecoveryOptions::" + field + " is " +
+                         std::to_string(value) + "; accepted: " + accepted + ".");
+      }
+    };
+    check(options_.admit_every >= 1, "admit_every", options_.admit_every, ">= 1 (steps)");
+    check(options_.settle.count() >= 0, "settle", options_.settle.count(), ">= 0 (milliseconds)");
+    check(options_.max_recoveries >= 0, "max_recoveries", options_.max_recoveries, ">= 0");
+    check(options_.min_size >= 1, "min_size", options_.min_size, ">= 1 (ranks)");
   }
 
   ~RecoveryCore() {
@@ -73,6 +79,7 @@ class RecoveryCore {
   std::chrono::milliseconds timeout_{0};
   c10::intrusive_ptr<c10d::Store> root_store_;
   std::unique_ptr<Membership> membership_;
+  MemberRecord self_;  // this process, as the store knows it
   std::vector<MemberRecord> members_;
   int64_t generation_ = 0;
   bool newcomer_ = false;           // holds no state until the first transfer
@@ -93,10 +100,15 @@ void RecoveryCore::start() {
   launch_ = launch_info_from_env();
   log::set_rank(launch_.rank, launch_.world_size);
   timeout_ = resolve_timeout(options_.timeout);
-  const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
-  newcomer_ = join != nullptr && std::string(join) == "1";
-  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
-  if (newcomer_ && launch_.rank == 0 && !(agent_store && std::string(agent_store) == "True")) {
+  const std::string join =
+      std::getenv("DTRAIN_RECOVERY_JOIN") ? std::getenv("DTRAIN_RECOVERY_JOIN") : "";
+  if (join != "" && join != "0" && join != "1") {
+    throw UsageError(who() + ": DTRAIN_RECOVERY_JOIN is '" + join +
+                     "'; accepted: 1 (this process replaces a dead worker and joins the running "
+                     "job), 0 or unset. `dtrain run --recovery in-place` sets it; unset it.");
+  }
+  newcomer_ = join == "1";
+  if (newcomer_ && launch_.rank == 0 && !launcher_hosts_store()) {
     throw CommError(who() +
                     ": in-place recovery: rank 0 hosts the job's store, so it cannot "
                     "rejoin as a newcomer; the whole job must restart (dtrain run does "
@@ -105,8 +117,8 @@ void RecoveryCore::start() {
   InitOptions init;
   root_store_ = open_store(init, launch_, launch_.rank, launch_.world_size, timeout_);
   root_store_->setTimeout(timeout_);
-  membership_ = std::make_unique<Membership>(
-      root_store_, MemberRecord::of_this_process(launch_.rank, newcomer_), timeout_);
+  self_ = MemberRecord::of_this_process(launch_.rank, newcomer_);
+  membership_ = std::make_unique<Membership>(root_store_, self_, timeout_);
 
   if (newcomer_) {
     const int64_t number = membership_->request_admission();
@@ -142,7 +154,7 @@ void RecoveryCore::connect(int64_t generation) {
   state->size = static_cast<int>(members_.size());
   for (size_t i = 0; i < members_.size(); ++i) {
     state->global_ranks.push_back(members_[i].job_rank);
-    if (members_[i].same_process(MemberRecord::of_this_process(launch_.rank, false))) {
+    if (members_[i].same_process(self_)) {
       state->rank = static_cast<int>(i);
     }
   }

@@ -13,6 +13,7 @@ namespace dtrain {
 namespace {
 
 using testing::bin;
+using testing::free_port;
 using testing::json_number;
 using testing::run_command;
 
@@ -26,19 +27,6 @@ TEST(MultiProcess, AllReduceAcrossThreeProcesses) {
               std::string::npos)
         << result.output;
   }
-}
-
-// A port nobody listens on right now (the kernel's pick for port 0).
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
-  socklen_t length = sizeof address;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  close(fd);
-  return ntohs(address.sin_port);
 }
 
 TEST(MultiProcess, TwoStaticNodesOnOneMachineFormOneJob) {

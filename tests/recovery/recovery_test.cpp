@@ -6,9 +6,9 @@
 // recorded in one process, from the same initial model, and requires the same parameters (relative
 // error < 1e-4), and requires every sample of every epoch to be used exactly once (plus the
 // sampler's padding at an epoch's end).
+#include "dtrain/recovery.h"
+
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -18,35 +18,23 @@
 #include <set>
 #include <sstream>
 
+#include "dtrain/errors.h"
 #include "support/equivalence.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "workers/recovery_model.h"
 
 namespace dtrain {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::bin;
+using testing::free_port;
 using testing::json_int;
 using testing::run_command;
 
-// As the worker's.
-constexpr int64_t kSamples = 480;
-constexpr int64_t kInputs = 12;
-constexpr int64_t kClasses = 5;
-constexpr int64_t kEpochs = 4;
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+using recovery_model::kEpochs;
+using recovery_model::kSamples;
 
 struct Step {
   int world = 0;
@@ -75,13 +63,9 @@ std::map<int64_t, Step> read_steps(const std::string& dir) {
 // One process, the same global batches: the mean loss over a step's samples is the mean of the
 // ranks' means when every rank holds as many samples, which the sampler guarantees.
 std::vector<torch::Tensor> replay(const std::map<int64_t, Step>& steps) {
-  torch::manual_seed(3);
-  const auto x = torch::randn({kSamples, kInputs});
-  const auto y = torch::randint(kClasses, {kSamples});
-  torch::manual_seed(7);
-  torch::nn::Sequential net(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
-                            torch::nn::Linear(16, kClasses));
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const auto [x, y] = recovery_model::make_data();
+  auto net = recovery_model::make_net();
+  auto optimizer = recovery_model::make_optimizer(net);
   for (const auto& [number, step] : steps) {
     auto rows = torch::tensor(step.indices);
     optimizer.zero_grad();
@@ -232,6 +216,43 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   torch::load(final_params, dir + "/final.pt");
   EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
   fs::remove_all(dir);
+}
+
+TEST(RecoveryInput, BadOptionsAndVariablesAreOneUsageErrorLine) {
+  auto net = recovery_model::make_net();
+  auto optimizer = recovery_model::make_optimizer(net);
+  DistributedSampler sampler(recovery_model::kSamples, 1, 0);
+  auto expect_usage_error = [&](const RecoveryOptions& options, const std::string& needle) {
+    try {
+      ResilientDataParallel rdp(net, optimizer, sampler, options);
+      FAIL() << "accepted: " << needle;
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(needle), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  };
+  RecoveryOptions options;
+  options.admit_every = 0;
+  expect_usage_error(options, "RecoveryOptions::admit_every is 0");
+  options = {};
+  options.min_size = 0;
+  expect_usage_error(options, "RecoveryOptions::min_size is 0");
+  options = {};
+  options.settle = std::chrono::milliseconds(-1);
+  expect_usage_error(options, "RecoveryOptions::settle is -1");
+
+  // Read before any store is opened: no launcher environment is needed to see it refused.
+  setenv("DTRAIN_RECOVERY_JOIN", "yes", 1);
+  expect_usage_error({}, "DTRAIN_RECOVERY_JOIN is 'yes'");
+  unsetenv("DTRAIN_RECOVERY_JOIN");
+
+  auto result = run_command(
+      "env DTRAIN_RECOVERY=sometimes " + bin("train_fashion_mnist") + " --epochs 1", 60);
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("DTRAIN_RECOVERY is 'sometimes'; accepted: restart or in-place"),
+            std::string::npos)
+      << result.output;
 }
 
 }  // namespace

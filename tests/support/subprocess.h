@@ -2,7 +2,10 @@
 // its exit code and combined output.
 #pragma once
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdint>
@@ -19,6 +22,21 @@ struct CommandResult {
 
 inline std::string bin(const std::string& program) {
   return std::string(DTRAIN_BIN_DIR) + "/" + program;
+}
+
+// A loopback port nobody listens on right now (the kernel's pick for port 0), for a store the
+// test's processes meet at. (The launcher's own tests use dtrain::elastic::pick_free_port, which
+// lives in the launcher's library; these tests link only libdtrain.)
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+  socklen_t length = sizeof address;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
 }
 
 inline CommandResult run_command(const std::string& command, int time_limit_s = 120) {

@@ -20,14 +20,11 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/recovery.h"
+#include "recovery_model.h"
 
 namespace {
 
-constexpr int64_t kSamples = 480;
-constexpr int64_t kInputs = 12;
-constexpr int64_t kClasses = 5;
-constexpr int64_t kBatch = 8;  // per rank
-constexpr int64_t kEpochs = 4;
+using namespace recovery_model;
 
 int run(int argc, char** argv) {
   if (argc < 2)
@@ -48,13 +45,9 @@ int run(int argc, char** argv) {
   const bool newcomer = join != nullptr && std::string(join) == "1";
   torch::set_num_threads(1);
 
-  torch::manual_seed(3);
-  const auto x = torch::randn({kSamples, kInputs});
-  const auto y = torch::randint(kClasses, {kSamples});
-  torch::manual_seed(7);
-  torch::nn::Sequential net(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
-                            torch::nn::Linear(16, kClasses));
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const auto [x, y] = make_data();
+  auto net = make_net();
+  auto optimizer = make_optimizer(net);
   dtrain::DistributedSampler sampler(kSamples, 1, 0);
   dtrain::RecoveryOptions options;
   options.admit_every = 2;

@@ -7,6 +7,22 @@
 #include "dtrain/errors.h"
 
 namespace trainer {
+
+int64_t correct_predictions(torch::nn::Module& net,
+                            const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                            const datasets::MnistSplit& test, int64_t begin, int64_t end) {
+  torch::NoGradGuard no_grad;
+  net.eval();
+  int64_t correct = 0;
+  for (int64_t i = begin; i < end; i += 1000) {
+    int64_t count = std::min<int64_t>(1000, end - i);
+    auto logits = forward(test.images.narrow(0, i, count));
+    correct += logits.argmax(1).eq(test.labels.narrow(0, i, count)).sum().item<int64_t>();
+  }
+  net.train();
+  return correct;
+}
+
 namespace {
 
 torch::Tensor mean_loss(const torch::Tensor& logits, const torch::Tensor& y) {
@@ -34,17 +50,9 @@ void gather_stages(torch::nn::Sequential& layers, const dtrain::RankMesh& mesh,
 double test_accuracy(torch::nn::Module& net,
                      const std::function<torch::Tensor(const torch::Tensor&)>& forward,
                      const datasets::MnistSplit& test, dtrain::ProcessGroup& pg) {
-  torch::NoGradGuard no_grad;
-  net.eval();
   int64_t n = test.labels.size(0);
   int64_t begin = n * pg.rank() / pg.size(), end = n * (pg.rank() + 1) / pg.size();
-  int64_t correct = 0;
-  for (int64_t i = begin; i < end; i += 1000) {
-    int64_t count = std::min<int64_t>(1000, end - i);
-    auto logits = forward(test.images.narrow(0, i, count));
-    correct += logits.argmax(1).eq(test.labels.narrow(0, i, count)).sum().item<int64_t>();
-  }
-  net.train();
+  const int64_t correct = correct_predictions(net, forward, test, begin, end);
   at::Tensor counts = torch::tensor({correct, end - begin}, torch::kInt64);
   pg.all_reduce(counts);
   return static_cast<double>(counts[0].item<int64_t>()) / counts[1].item<int64_t>();

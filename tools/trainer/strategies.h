@@ -44,6 +44,12 @@ int data_parallel_replicas(const Flags& flags, int world);
 torch::Tensor batch_rows(const torch::Tensor& data, const torch::Tensor& rows,
                          const c10::Device& device, bool stay_on_host);
 
+// How many of the test split's rows [begin, end) `forward` classifies right, in eval mode and
+// without gradients (the module back in train mode after).
+int64_t correct_predictions(torch::nn::Module& net,
+                            const std::function<torch::Tensor(const torch::Tensor&)>& forward,
+                            const datasets::MnistSplit& test, int64_t begin, int64_t end);
+
 // The model of --model as --strategy trains it, built in two steps around the loading of a
 // checkpoint: the constructor makes the model and what owns its parameters (`trained`, which the
 // optimizer steps, and `model`, which a checkpoint saves); wrap() then puts DistributedDataParallel

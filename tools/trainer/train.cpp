@@ -89,8 +89,13 @@ class Progress {
 }  // namespace
 
 int train(const Flags& flags) {
-  if (const char* recovery = std::getenv("DTRAIN_RECOVERY");
-      recovery != nullptr && std::string(recovery) == "in-place") {
+  const std::string recovery = std::getenv("DTRAIN_RECOVERY") ? std::getenv("DTRAIN_RECOVERY") : "";
+  if (recovery != "" && recovery != "restart" && recovery != "in-place") {
+    throw dtrain::UsageError("train_fashion_mnist: DTRAIN_RECOVERY is '" + recovery +
+                             "'; accepted: restart or in-place (as `dtrain run --recovery` sets "
+                             "it), or unset");
+  }
+  if (recovery == "in-place") {
     const std::string reason = in_place_unsupported_reason(flags);
     if (reason.empty()) return train_in_place(flags);
     if (dtrain::launch_info_from_env().rank == 0) {

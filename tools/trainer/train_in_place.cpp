@@ -24,15 +24,10 @@ using Clock = std::chrono::steady_clock;
 
 // The whole test split on one rank: no collective, so an evaluation never meets a failure.
 double accuracy_on(NetImpl& net, const datasets::MnistSplit& test, const c10::Device& device) {
-  torch::NoGradGuard no_grad;
-  net.eval();
-  int64_t correct = 0, n = test.labels.size(0);
-  for (int64_t i = 0; i < n; i += 1000) {
-    const int64_t count = std::min<int64_t>(1000, n - i);
-    auto logits = net.forward(test.images.narrow(0, i, count).to(device)).to(torch::kCPU);
-    correct += logits.argmax(1).eq(test.labels.narrow(0, i, count)).sum().item<int64_t>();
-  }
-  net.train();
+  const int64_t n = test.labels.size(0);
+  const int64_t correct = correct_predictions(
+      net, [&](const torch::Tensor& x) { return net.forward(x.to(device)).to(torch::kCPU); }, test,
+      0, n);
   return static_cast<double>(correct) / static_cast<double>(n);
 }
 
