@@ -10,7 +10,8 @@
 // threads of a plain or DDP process). --local: every rank trains its own model without DDP, in step
 // with the others (a barrier before and after the timed steps): a DDP step's computation without
 // its communication, to see what running side by side costs. Under DTRAIN_PROFILE the optimizer
-// step is marked (dtrain::ProfileOptimizerStep).
+// step is marked (dtrain::ProfileOptimizerStep). --device cuda: the same on cuda:LOCAL_RANK (modulo
+// the GPUs; --dp: every replica on that GPU), the clock read after the GPU's queue has drained.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
     int64_t dp_replicas = 0, threads = 1;
     bool dp_gather = false, local = false;
     bool no_ddp = false, no_overlap = false, separate_grads = false;
+    std::string device_name = "cpu";
     bench::Flags("bench_ddp", "DDP step time on an MLP 784-H-H-10 (or the knobs below)")
         .integer("--hidden", hidden, "H")
         .integer("--batch", batch, "samples per rank per step")
@@ -44,6 +46,8 @@ int main(int argc, char** argv) {
                  "DataParallel over N CPU replicas in one process, B samples each", 0)
         .on("--dp-gather", dp_gather, "with --dp: outputs gathered for one loss")
         .integer("--threads", threads, "intra-op threads")
+        .text("--device", device_name, "cpu, or cuda: cuda:LOCAL_RANK modulo the GPUs",
+              {"cpu", "cuda"})
         .parse(argc, argv);
     const bool use_ddp = !no_ddp && !local && dp_replicas == 0;
     const bool overlap = !no_overlap, grad_views = !separate_grads;
@@ -54,10 +58,20 @@ int main(int argc, char** argv) {
           "bench_ddp: --no-ddp and --dp measure one process and need world size 1, got " +
           std::to_string(pg->size()));
     }
+    if (device_name == "cuda" && !torch::cuda::is_available()) {
+      throw dtrain::UsageError("bench_ddp: --device cuda: this process sees no CUDA device");
+    }
+    const c10::Device device =
+        device_name == "cpu"
+            ? c10::Device(c10::kCPU)
+            : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                          dtrain::launch_info_from_env().local_rank %
+                                          static_cast<int>(torch::cuda::device_count())));
     torch::manual_seed(0);
     torch::nn::Sequential model(torch::nn::Linear(784, hidden), torch::nn::ReLU(),
                                 torch::nn::Linear(hidden, hidden), torch::nn::ReLU(),
                                 torch::nn::Linear(hidden, 10));
+    model->to(device);
     dtrain::DistributedDataParallelOptions options;
     options.bucket_cap_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
     options.overlap = overlap;
@@ -69,12 +83,13 @@ int main(int argc, char** argv) {
     if (dp_replicas > 0) {
       dtrain::DataParallelOptions dp_options;
       dp_options.num_replicas = static_cast<int>(dp_replicas);
+      if (device.is_cuda()) dp_options.devices.assign(dp_replicas, device);
       dp = dtrain::DataParallel<torch::nn::SequentialImpl>(model.ptr(), dp_options);
     }
     torch::optim::SGD optimizer(model->parameters(), 0.01);
     const int64_t rows = dp ? batch * dp_replicas : batch;  // B per replica, like B per rank
-    at::Tensor x = torch::randn({rows, 784});
-    at::Tensor y = torch::randint(0, 10, {rows});
+    at::Tensor x = torch::randn({rows, 784}).to(device);
+    at::Tensor y = torch::randint(0, 10, {rows}).to(device);
     auto mean_loss = [](const at::Tensor& logits, const at::Tensor& target) {
       return torch::nn::functional::cross_entropy(logits, target);
     };
@@ -91,11 +106,16 @@ int main(int argc, char** argv) {
       dtrain::ProfileOptimizerStep timed;
       optimizer.step();
     };
+    // The GPU's queue drains before the clock starts and before it stops.
+    auto synchronize = [&] {
+      if (device.is_cuda()) torch::cuda::synchronize(device.index());
+      pg->barrier();
+    };
     for (int i = 0; i < 5; ++i) step();
-    pg->barrier();
+    synchronize();
     auto start = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < steps; ++i) step();
-    pg->barrier();
+    synchronize();
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
                     .count() /
                 steps;
@@ -109,6 +129,7 @@ int main(int argc, char** argv) {
                                    : " (no wrapper)";
       if (!overlap) mode += " (no overlap)";
       if (threads > 1) mode += " (" + std::to_string(threads) + " intra-op threads)";
+      if (device.is_cuda()) mode += " (" + device.str() + ")";
       std::printf("dtrain-ddp world=%d params=%lld ms/step=%.2f%s\n", pg->size(),
                   static_cast<long long>(params), ms, mode.c_str());
     }

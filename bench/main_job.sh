@@ -6,7 +6,8 @@
 # goes first; prints the medians of samples/s (training loop only) and test accuracy, and the median of the
 # paired ratios dtrain / PyTorch of samples/s (above 1: dtrain faster), with their range.
 #   bench/main_job.sh [build dir] [peer dir] [extra trainer flags...]
-# Environment: BUILD, PEERS, PYTHON (the peer's python, default <repo>/.venv/bin/python), REPEATS=5, NPROC=2.
+# Environment: BUILD, PEERS, PYTHON (the peer's python, default <repo>/.venv/bin/python), REPEATS=5, NPROC=2,
+# PEER_ARGS (more flags for the peer alone, e.g. "--device cuda" beside the trainer's --device cuda).
 #
 # The batch: the trainer runs with its own default --batch-size (none is passed). That default was a global
 # 64 and becomes 32 per rank (64 global at 2 ranks); either way the trainer reports the global batch it used
@@ -53,7 +54,8 @@ for ((i = 0; i < repeats; i++)); do
         [ -n "$batch" ] || { batch=${PEER_BATCH:-64}; batch_note=" (the trainer did not report global_batch; PEER_BATCH)"; }
       fi
     else
-      line=$(run "PyTorch torch_fmnist.py" "$python" "$peers/torch_fmnist.py" --batch-size "$batch")
+      # shellcheck disable=SC2086 # PEER_ARGS is a list of flags
+      line=$(run "PyTorch torch_fmnist.py" "$python" "$peers/torch_fmnist.py" --batch-size "$batch" ${PEER_ARGS:-})
       theirs_rate+="$(field samples_per_s <<<"$line") " theirs_acc+="$(field test_accuracy <<<"$line") "
     fi
   done
@@ -63,7 +65,7 @@ echo
 echo "| program ($nproc ranks, 1 epoch) | samples/s (median of $repeats) | test accuracy (median) |"
 echo "|---|---:|---:|"
 echo "| dtrain train_fashion_mnist $* | $(list_median "$ours_rate") | $(list_median "$ours_acc") |"
-echo "| PyTorch torch_fmnist.py | $(list_median "$theirs_rate") | $(list_median "$theirs_acc") |"
+echo "| PyTorch torch_fmnist.py ${PEER_ARGS:-}| $(list_median "$theirs_rate") | $(list_median "$theirs_acc") |"
 echo
 echo "dtrain / PyTorch samples/s, median of paired ratios (range): $(ratio_summary "$ours_rate" "$theirs_rate")"
 echo "rounds: samples/s dtrain ${ours_rate% }; PyTorch ${theirs_rate% }"

@@ -254,17 +254,22 @@ TEST(TensorParallel, BadArgumentsAreUsageErrorsNamingRankLayerAndSizes) {
   });
 }
 
+// Two ranks on their own GPUs over NCCL, or, on a machine with one GPU, both on it with their
+// collectives through Gloo (DTRAIN_CUDA_BACKEND=gloo: NCCL takes one device per rank).
 TEST(TensorParallel, CudaTensorsUseTheirOwnDevice) {
-  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) {
-    GTEST_SKIP() << "needs 2 CUDA devices (NCCL takes one device per rank)";
-  }
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (gpus < 2) setenv("DTRAIN_CUDA_BACKEND", "gloo", 1);
+  struct Unset {
+    ~Unset() { unsetenv("DTRAIN_CUDA_BACKEND"); }
+  } unset;
   torch::set_num_threads(1);
   auto batches = make_batches();
   auto reference = make_reference_mlp();
   Trace want = train(reference, batches);
   std::vector<Trace> got(2);
   run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
-    torch::Device device(torch::kCUDA, rank);
+    torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank % gpus));
     auto net = make_parallel_mlp(group);
     net->to(device);
     std::vector<Batch> on_device;

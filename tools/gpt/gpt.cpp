@@ -210,4 +210,17 @@ at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets) 
                                               targets.reshape({-1}));
 }
 
+int64_t parameter_count(const GptConfig& config) {
+  const int64_t q = config.heads * config.head_dim(), kv = config.kv_heads * config.head_dim();
+  const int64_t attention = config.width * (q + 2 * kv) + q * config.width;
+  const int64_t mlp = 3 * config.width * config.hidden();
+  const int64_t block = 2 * config.width + attention + mlp;                       // two norms
+  return 2 * config.vocab * config.width + config.layers * block + config.width;  // + final norm
+}
+
+double model_flops_per_token(const GptConfig& config) {
+  return 6.0 * static_cast<double>(parameter_count(config)) +
+         12.0 * static_cast<double>(config.layers * config.width * config.seq_len);
+}
+
 }  // namespace gpt

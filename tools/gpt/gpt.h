@@ -157,4 +157,13 @@ std::pair<at::Tensor, at::Tensor> rotary_tables(const GptConfig& config, int64_t
 // position: the next-token loss (targets are the tokens shifted by one).
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets);
 
+// The unsplit model's parameter count for `config` (whatever layout holds it).
+int64_t parameter_count(const GptConfig& config);
+
+// The FLOPs one token costs in a training step, forward and backward, as the PaLM paper's
+// appendix B counts them for model FLOPs utilisation: 6 per parameter (2 forward, 4 backward) plus
+// 12 x layers x width x seq_len for the attention scores and their weighting. bench/gpt_peer.py
+// counts the same way, so the two sides' TFLOP/s compare.
+double model_flops_per_token(const GptConfig& config);
+
 }  // namespace gpt

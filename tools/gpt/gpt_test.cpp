@@ -46,6 +46,21 @@ TEST(Gpt, LogitsHaveTheVocabularyAndNamedParameters) {
   EXPECT_EQ(block["mlp.w1.weight"].size(0), 88);  // 8/3 x 32 = 85.3, up to a multiple of 8
 }
 
+// The count behind model_flops_per_token is the model's own, grouped heads and an explicit MLP
+// width included (a term left out of the formula shows here).
+TEST(Gpt, ParameterCountIsTheModelsAndFlopsFollowIt) {
+  for (int64_t mlp_width : {0, 40}) {
+    GptConfig config = tiny();
+    config.mlp_width = mlp_width;
+    Gpt model(config);
+    int64_t numel = 0;
+    for (const auto& p : model->parameters()) numel += p.numel();
+    EXPECT_EQ(parameter_count(config), numel) << "mlp_width " << mlp_width;
+    EXPECT_DOUBLE_EQ(model_flops_per_token(config),
+                     6.0 * numel + 12.0 * config.layers * config.width * config.seq_len);
+  }
+}
+
 TEST(Gpt, APositionSeesNoLaterToken) {
   torch::manual_seed(1);
   Gpt model(tiny());

@@ -2,7 +2,13 @@
 // the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), data x pipeline (--pp P, one block
 // range per stage, --schedule, --micro-batches), or data x tensor (--tp T, heads and hidden
 // features split inside each block). Sequence parallelism and the combinations of --tp with the
-// others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end.
+// others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
+// tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
+//
+// --device auto (default) trains on cuda:LOCAL_RANK when every rank of the node has a GPU of its
+// own, else on the CPU; --device cuda also puts several ranks on one GPU (they then need
+// DTRAIN_CUDA_BACKEND=gloo, as NCCL refuses two ranks on one device). --amp bf16 runs the forward
+// under autocast (the parameters and the optimizer stay float32).
 //
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --steps 200
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --zero 3
@@ -18,6 +24,7 @@
 #include <optional>
 
 #include "datasets/text_corpus.h"
+#include "dtrain/amp.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/ddp.h"
@@ -35,8 +42,11 @@ struct Flags {
   std::string schedule = "1f1b";
   int micro_batches = 4;
   gpt::GptConfig model;
-  int64_t batch_size = 8;  // windows per data-parallel rank and step
-  int64_t steps = 100;
+  int64_t batch_size = 8;    // windows per data-parallel rank and step
+  int64_t steps = 100;       // timed steps
+  int64_t warmup_steps = 0;  // untimed steps before them (CUDA's first steps pay for its set-up)
+  std::string device = "auto";
+  std::string amp = "none";
   double lr = 3e-3;
   int64_t max_bytes = 0;      // 0: the whole corpus
   int64_t eval_windows = 64;  // held-out windows for the validation loss
@@ -62,7 +72,14 @@ Flags parse(int argc, char** argv) {
   app.add_option("--seq-len", flags.model.seq_len)->check(CLI::Range(1, 1 << 20));
   app.add_option("--batch-size", flags.batch_size, "windows per data-parallel rank")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--steps", flags.steps)->check(CLI::Range(1, 1 << 30));
+  app.add_option("--steps", flags.steps, "timed steps")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup-steps", flags.warmup_steps, "untimed steps before the timed ones")
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_option("--device", flags.device,
+                 "auto: cuda:LOCAL_RANK when each rank of the node has a GPU, else cpu")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--amp", flags.amp, "bf16: the forward under bfloat16 autocast")
+      ->check(CLI::IsMember({"none", "bf16"}));
   app.add_option("--lr", flags.lr, "AdamW's learning rate")->check(CLI::PositiveNumber);
   app.add_option("--max-bytes", flags.max_bytes, "read only this much of the corpus (0: all)")
       ->check(CLI::NonNegativeNumber);
@@ -103,7 +120,24 @@ Flags parse(int argc, char** argv) {
   return flags;
 }
 
+// Where this rank trains (see the top of the file). auto never puts two ranks on one GPU behind the
+// user's back: that needs DTRAIN_CUDA_BACKEND=gloo, which only --device cuda asks for.
+c10::Device pick_device(const std::string& device, const dtrain::LaunchInfo& launch) {
+  const bool cuda = torch::cuda::is_available();
+  if (device == "cuda" && !cuda) {
+    throw dtrain::UsageError(
+        "train_gpt: --device cuda: this process sees no CUDA device (LibTorch built without CUDA, "
+        "no GPU, or CUDA_VISIBLE_DEVICES empty); use --device cpu or auto");
+  }
+  const int64_t gpus = cuda ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  if (device == "cuda" || (device == "auto" && cuda && launch.local_world_size <= gpus)) {
+    return {c10::kCUDA, static_cast<c10::DeviceIndex>(launch.local_rank % gpus)};
+  }
+  return c10::Device(c10::kCPU);
+}
+
 int train(const Flags& flags) {
+  const c10::Device device = pick_device(flags.device, dtrain::launch_info_from_env());
   auto pg = dtrain::init_process_group();
   const bool leader = pg->rank() == 0;
   if (pg->size() % (flags.pp * flags.tp) != 0) {
@@ -117,6 +151,7 @@ int train(const Flags& flags) {
   // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
   gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr);
+  model->to(device);  // before a layout takes its parameters
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
 
   // The layout: what the optimizer steps, how a step runs, which group holds the data replicas.
@@ -166,28 +201,46 @@ int train(const Flags& flags) {
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
 
+  // The clock starts once the warm-up steps have finished on the device, and stops after the last
+  // step's loss has come back to the host (item() waits for it).
+  auto synchronize = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  const int64_t total_steps = flags.warmup_steps + flags.steps;
   int64_t step = 0;
   double first_loss = 0, last_loss = 0;
   auto start = std::chrono::steady_clock::now();
-  for (int64_t epoch = 0; step < flags.steps; ++epoch) {
+  for (int64_t epoch = 0; step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
     for (auto& batch : *loader) {
-      if (step == flags.steps) break;
+      if (step == total_steps) break;
+      if (step == flags.warmup_steps) {
+        synchronize();
+        start = std::chrono::steady_clock::now();
+      }
+      at::Tensor inputs = batch.data.to(device, /*non_blocking=*/true);
+      at::Tensor targets = batch.target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
       at::Tensor loss;
-      if (pipe) {
-        loss = pipe->forward_backward(batch.data, batch.target, gpt::next_token_loss);
-      } else {
-        loss = gpt::next_token_loss(ddp ? ddp(batch.data) : sdp(batch.data), batch.target);
-        loss.backward();
+      {
+        // The forward under autocast; the pipeline's backward runs inside forward_backward, where
+        // autocast leaves it alone (backward ops take the dtypes their forward ops had).
+        std::optional<dtrain::amp::Autocast> autocast;
+        if (flags.amp == "bf16") autocast.emplace(device.type(), torch::kBFloat16);
+        if (pipe) {
+          loss = pipe->forward_backward(inputs, targets, gpt::next_token_loss);
+        } else {
+          loss = gpt::next_token_loss(ddp ? ddp(inputs) : sdp(inputs), targets);
+        }
       }
+      if (!pipe) loss.backward();
       optimizer.step();
       ++step;
       // The loss over the replicas only for the steps reported (the first, the logged, the last):
       // the same steps on every rank, and no extra collective on the others. The pipeline's loss
       // already comes back averaged.
       const bool logged = flags.log_every > 0 && step % flags.log_every == 0;
-      if (step == 1 || logged || step == flags.steps) {
+      if (step == 1 || logged || step == total_steps) {
         loss = loss.detach();
         if (!pipe) data_group->all_reduce(loss, dtrain::ReduceOp::kAvg);
         const double value = loss.item<double>();
@@ -200,9 +253,11 @@ int train(const Flags& flags) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  nlohmann::ordered_json result = {
-      {"steps", step},      {"world_size", pg->size()}, {"pp", flags.pp},         {"tp", flags.tp},
-      {"zero", flags.zero}, {"first_loss", first_loss}, {"train_loss", last_loss}};
+  nlohmann::ordered_json result = {{"steps", flags.steps},     {"warmup_steps", flags.warmup_steps},
+                                   {"world_size", pg->size()}, {"pp", flags.pp},
+                                   {"tp", flags.tp},           {"zero", flags.zero},
+                                   {"device", device.str()},   {"amp", flags.amp},
+                                   {"first_loss", first_loss}, {"train_loss", last_loss}};
   // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
   // inference path yet: its stages hold only their own blocks).
   if (!pipe) {
@@ -214,16 +269,20 @@ int train(const Flags& flags) {
     double total = 0;
     for (int64_t i = 0; i < windows; ++i) {
       auto example = heldout->get(static_cast<size_t>(i));
-      total += gpt::next_token_loss(model(example.data.unsqueeze(0)), example.target.unsqueeze(0))
+      total += gpt::next_token_loss(model(example.data.unsqueeze(0).to(device)),
+                                    example.target.unsqueeze(0).to(device))
                    .item<double>();
     }
     const double val_loss = total / static_cast<double>(windows);
     result["val_loss"] = val_loss;
     result["bits_per_byte"] = val_loss / std::log(2.0);
   }
-  const double tokens =
-      static_cast<double>(step * flags.batch_size * flags.model.seq_len * data_group->size());
-  result["tokens_per_s"] = tokens / seconds;
+  const double tokens = static_cast<double>(flags.steps * flags.batch_size * flags.model.seq_len *
+                                            data_group->size());
+  const double tokens_per_s = tokens / seconds;
+  result["tokens_per_s"] = tokens_per_s;
+  result["model_flops_per_token"] = gpt::model_flops_per_token(flags.model);
+  result["model_tflops"] = tokens_per_s * gpt::model_flops_per_token(flags.model) / 1e12;
   if (leader) std::cout << result.dump() << std::endl;
   return 0;
 }

@@ -3,6 +3,7 @@
 // starts near ln 256 = 5.5 for a fresh model), and flags that do not fit are one line and exit 2.
 // Learning, not speed: no time is asserted.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <filesystem>
 
@@ -29,14 +30,14 @@ void skip_without_corpus() {
   }
 }
 
-TEST(TrainGpt, EveryLayoutLearnsTheText) {
-  skip_without_corpus();
+// Every layout of kSmall + `extra` under `launch` (the launcher's command line, with any
+// environment before it) learns the text.
+void expect_every_layout_learns(const std::string& launch, const std::string& extra) {
   for (const std::string& layout :
        {std::string(""), std::string(" --zero 3"), std::string(" --pp 2 --micro-batches 4"),
         std::string(" --tp 2")}) {
-    SCOPED_TRACE("layout:" + layout);
-    auto run = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") +
-                           kSmall + layout);
+    SCOPED_TRACE("layout:" + layout + extra);
+    auto run = run_command(launch + " -- " + bin("train_gpt") + kSmall + layout + extra);
     ASSERT_EQ(run.exit_code, 0) << run.output;
     EXPECT_EQ(json_int(run.output, "steps"), 40) << run.output;
     const double first = json_number(run.output, "first_loss");
@@ -49,10 +50,27 @@ TEST(TrainGpt, EveryLayoutLearnsTheText) {
   }
 }
 
+TEST(TrainGpt, EveryLayoutLearnsTheText) {
+  skip_without_corpus();
+  expect_every_layout_learns(bin("dtrain") + " run --nproc-per-node 2", " --device cpu");
+}
+
+// The same on a GPU, in bfloat16 autocast: both ranks on GPU 0 and 1, or on the one GPU there is,
+// their collectives through Gloo (NCCL takes one GPU per rank).
+TEST(TrainGpt, EveryLayoutLearnsTheTextOnTheGpu) {
+  skip_without_corpus();
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string backend =
+      torch::cuda::device_count() < 2 ? "env DTRAIN_CUDA_BACKEND=gloo " : "";
+  expect_every_layout_learns(backend + bin("dtrain") + " run --nproc-per-node 2",
+                             " --device cuda --amp bf16 --warmup-steps 2");
+}
+
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
   for (const std::string& flags :
        {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --tp 2 --zero 3"),
-        std::string(" --width 30"), std::string(" --steps x")}) {
+        std::string(" --width 30"), std::string(" --steps x"), std::string(" --amp fp16"),
+        std::string(" --device tpu")}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
