@@ -29,6 +29,15 @@ else()
 endif()
 message(STATUS "dtrain: LibTorch ${Torch_VERSION}, CUDA/NCCL paths: ${DTRAIN_WITH_CUDA}")
 
+# libstdc++ first among every program's libraries. LibTorch 2.11's libtorch.so exports copies of
+# std::filesystem functions (remove_all, permissions, ...) that crash when called from outside it
+# (a call through a null pointer), and a program's own std::filesystem calls bind to the first
+# library in its NEEDED list that defines them: libtorch, which the linker otherwise lists before
+# libstdc++. Harmless where nothing is shadowed (2.15's libtorch.so exports none). dtrain::dtrain
+# passes it on to the programs of projects that use it (src/CMakeLists.txt).
+set(DTRAIN_STDCXX_FIRST "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
+add_link_options(${DTRAIN_STDCXX_FIRST})
+
 # One precompiled <torch/torch.h> for every test, benchmark and example: parsing it costs ~25 s per
 # translation unit on two cores, the precompiled form a fraction of that. Consumers take it with
 # dtrain_use_torch_pch(target).

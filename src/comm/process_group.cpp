@@ -223,7 +223,7 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at
               group.shm->reduce_scatter_async(output, inputs, op, w.timeout));
           return;
         }
-        if (output.is_cuda()) {  // NCCL has a native reduce-scatter
+        if (output.is_cuda() && !group.cuda_through_gloo) {  // NCCL has a native reduce-scatter
           std::vector<at::Tensor> out{output};
           std::vector<std::vector<at::Tensor>> in{inputs};
           c10d::ReduceScatterOptions opts;
@@ -282,13 +282,17 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag,
       start_work(state_, "send", false, dst, options, tensor.nbytes(), [&](WorkState& w) {
         w.tag = tag;
         check_gloo_dtype(group, "send", tensor);  // the same dtypes on one host as across hosts
-        if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
-          w.in_flight = shm_message_in_flight(*group.shm_p2p,
-                                              group.shm_p2p->send(tensor.contiguous(), dst, tag));
+        // c10d's Gloo sends host memory only (it would read a device pointer as one): a CUDA tensor
+        // under DTRAIN_CUDA_BACKEND=gloo goes through a host copy.
+        at::Tensor payload =
+            tensor.is_cuda() && group.cuda_through_gloo ? tensor.to(at::kCPU) : tensor.contiguous();
+        if (group.shm_p2p && detail::ShmPointToPoint::supports(payload)) {
+          w.in_flight =
+              shm_message_in_flight(*group.shm_p2p, group.shm_p2p->send(payload, dst, tag));
           return;
         }
-        std::vector<at::Tensor> tensors{tensor};
-        w.in_flight = c10d_in_flight(backend_for(group, tensor).send(tensors, dst, tag));
+        std::vector<at::Tensor> tensors{payload};
+        w.in_flight = c10d_in_flight(backend_for(group, payload).send(tensors, dst, tag));
       }));
 }
 
@@ -299,21 +303,22 @@ Work ProcessGroup::irecv(at::Tensor& tensor, int src, int tag, const CollectiveO
       start_work(state_, "recv", false, src, options, tensor.nbytes(), [&](WorkState& w) {
         w.tag = tag;
         check_gloo_dtype(group, "recv", tensor);
-        if (group.shm_p2p && detail::ShmPointToPoint::supports(tensor)) {
-          if (tensor.is_contiguous()) {
-            w.in_flight =
-                shm_message_in_flight(*group.shm_p2p, group.shm_p2p->recv(tensor, src, tag));
-          } else {
-            // Land in a contiguous buffer; the caller's tensor gets it after a successful wait.
-            at::Tensor landing = tensor.contiguous();
-            w.in_flight =
-                shm_message_in_flight(*group.shm_p2p, group.shm_p2p->recv(landing, src, tag));
-            w.finish = [target = tensor, landing]() mutable { target.copy_(landing); };
-          }
+        // A non-contiguous tensor, or a CUDA one under DTRAIN_CUDA_BACKEND=gloo (Gloo receives into
+        // host memory only), lands in a contiguous host buffer first; the caller's tensor gets it
+        // after a successful wait.
+        at::Tensor landing = tensor.is_cuda() && group.cuda_through_gloo
+                                 ? at::empty(tensor.sizes(), tensor.options().device(at::kCPU))
+                                 : tensor.contiguous();
+        if (!landing.is_same(tensor)) {
+          w.finish = [target = tensor, landing]() mutable { target.copy_(landing); };
+        }
+        if (group.shm_p2p && detail::ShmPointToPoint::supports(landing)) {
+          w.in_flight =
+              shm_message_in_flight(*group.shm_p2p, group.shm_p2p->recv(landing, src, tag));
           return;
         }
-        std::vector<at::Tensor> tensors{tensor};
-        w.in_flight = c10d_in_flight(backend_for(group, tensor).recv(tensors, src, tag));
+        std::vector<at::Tensor> tensors{landing};
+        w.in_flight = c10d_in_flight(backend_for(group, landing).recv(tensors, src, tag));
       }));
 }
 

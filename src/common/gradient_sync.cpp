@@ -3,6 +3,8 @@
 #include "common/gradient_sync.h"
 
 #include <ATen/ATen.h>
+// Node in full: LibTorch 2.15 brings it in through variable.h, 2.11 does not.
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 

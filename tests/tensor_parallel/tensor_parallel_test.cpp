@@ -254,8 +254,11 @@ TEST(TensorParallel, BadArgumentsAreUsageErrorsNamingRankLayerAndSizes) {
   });
 }
 
-// Two ranks on their own GPUs over NCCL, or, on a machine with one GPU, both on it with their
-// collectives through Gloo (DTRAIN_CUDA_BACKEND=gloo: NCCL takes one device per rank).
+// Two ranks on their own GPUs over NCCL, or, on a machine with one GPU, rank 0 on it and rank 1 on
+// the CPU, their collectives through Gloo (DTRAIN_CUDA_BACKEND=gloo). Not both thread ranks on the
+// one GPU: LibTorch's autograd runs a device's backward work on one thread per process, so rank
+// 0's backward all-reduce would wait forever for rank 1's backward queued behind it (seen on an
+// H200: the test timed out).
 TEST(TensorParallel, CudaTensorsUseTheirOwnDevice) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int gpus = static_cast<int>(torch::cuda::device_count());
@@ -268,14 +271,20 @@ TEST(TensorParallel, CudaTensorsUseTheirOwnDevice) {
   auto reference = make_reference_mlp();
   Trace want = train(reference, batches);
   std::vector<Trace> got(2);
-  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
-    torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank % gpus));
-    auto net = make_parallel_mlp(group);
-    net->to(device);
-    std::vector<Batch> on_device;
-    for (const auto& b : batches) on_device.push_back({b.x.to(device), b.y.to(device)});
-    got[rank] = train(net, on_device);
-  });
+  run_group(
+      2,
+      [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+        torch::Device device =
+            gpus >= 2   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank))
+            : rank == 0 ? torch::Device(torch::kCUDA, 0)
+                        : torch::Device(torch::kCPU);
+        auto net = make_parallel_mlp(group);
+        net->to(device);
+        std::vector<Batch> on_device;
+        for (const auto& b : batches) on_device.push_back({b.x.to(device), b.y.to(device)});
+        got[rank] = train(net, on_device);
+      },
+      std::chrono::seconds(60), /*shared_memory=*/gpus >= 2);  // mixed devices: all through Gloo
   for (int rank = 0; rank < 2; ++rank) {
     std::vector<torch::Tensor> outputs, grads;
     for (auto& t : got[rank].outputs) outputs.push_back(t.cpu());

@@ -169,7 +169,7 @@ int train(const Flags& flags) {
     torch::nn::Sequential whole = model->sequential();
     auto chunks = dtrain::split_sequential(
         whole, dtrain::balance_by_parameters(whole, flags.pp * options.virtual_stages));
-    pipe = std::make_unique<dtrain::DistributedPipeline>(chunks, mesh, options);
+    pipe = std::make_unique<dtrain::DistributedPipeline>(chunks, mesh, options, device);
     parameters = pipe->parameters();  // this stage's
   } else if (flags.zero > 0) {
     dtrain::ShardedDataParallelOptions options;
@@ -281,6 +281,7 @@ int train(const Flags& flags) {
                                             data_group->size());
   const double tokens_per_s = tokens / seconds;
   result["tokens_per_s"] = tokens_per_s;
+  result["params"] = gpt::parameter_count(flags.model);
   result["model_flops_per_token"] = gpt::model_flops_per_token(flags.model);
   result["model_tflops"] = tokens_per_s * gpt::model_flops_per_token(flags.model) / 1e12;
   if (leader) std::cout << result.dump() << std::endl;

@@ -48,7 +48,10 @@ class Progress {
         tty_(isatty(STDOUT_FILENO)),
         start_(Clock::now()) {}
 
-  void update(int64_t step, int64_t samples, double loss) {
+  // loss() is called only when a line is drawn: reading a loss off a GPU waits for the step to
+  // finish, and a wait every step would keep the host from queueing the next one meanwhile.
+  template <typename LossFn>
+  void update(int64_t step, int64_t samples, LossFn&& loss_fn) {
     double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
     double rate = samples / std::max(elapsed, 1e-9);
     double eta = step > 0 ? elapsed / step * (total_ - step) : 0.0;
@@ -63,13 +66,14 @@ class Progress {
       std::snprintf(line, sizeof line,
                     "\repoch %lld/%lld [%-25s] %3d%% %8.0f samples/s loss %.4f ETA %5.1fs",
                     static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_),
-                    std::string(filled, '#').c_str(), percent, rate, loss, eta);
+                    std::string(filled, '#').c_str(), percent, rate, loss_fn(), eta);
       std::cout << line << std::flush;
     } else if (percent >= next_percent_ || step == total_) {
       std::snprintf(line, sizeof line,
                     "epoch %lld/%lld %3d%% step %lld/%lld %.0f samples/s loss %.4f ETA %.1fs",
                     static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_), percent,
-                    static_cast<long long>(step), static_cast<long long>(total_), rate, loss, eta);
+                    static_cast<long long>(step), static_cast<long long>(total_), rate, loss_fn(),
+                    eta);
       std::cout << line << std::endl;
       next_percent_ = percent / 10 * 10 + 10;
     }
@@ -161,6 +165,7 @@ int train(const Flags& flags) {
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
+  at::Tensor last_loss_tensor;  // read only when shown (Progress::update) and at the end
   bool stopped_early = false, preempted = false;
   for (int64_t epoch = at.epoch; epoch < flags.epochs && !stopped_early; ++epoch) {
     if (epoch != at.epoch) sampler.set_epoch(epoch);
@@ -186,10 +191,11 @@ int train(const Flags& flags) {
       epoch_samples[epoch] += count * replicas;
       ++at.steps;
       if (leader) {
-        last_loss = loss.item<double>();
-        progress.update(step + 1, (step + 1) * global_batch, last_loss);
+        last_loss_tensor = loss.detach();
+        auto read_loss = [&] { return last_loss = last_loss_tensor.item<double>(); };
+        progress.update(step + 1, (step + 1) * global_batch, read_loss);
         if (flags.log_every > 0 && at.steps % flags.log_every == 0) {
-          std::cout << "step " << at.steps << " loss " << last_loss << std::endl;
+          std::cout << "step " << at.steps << " loss " << read_loss() << std::endl;
         }
       }
       if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
@@ -207,6 +213,7 @@ int train(const Flags& flags) {
         break;
       }
     }
+    if (last_loss_tensor.defined()) last_loss = last_loss_tensor.item<double>();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
     if (leader) progress.done();
     if (preempted) break;
