@@ -284,8 +284,9 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag,
         check_gloo_dtype(group, "send", tensor);  // the same dtypes on one host as across hosts
         // c10d's Gloo sends host memory only (it would read a device pointer as one): a CUDA tensor
         // under DTRAIN_CUDA_BACKEND=gloo goes through a host copy.
-        at::Tensor payload =
-            tensor.is_cuda() && group.cuda_through_gloo ? tensor.to(at::kCPU) : tensor.contiguous();
+        at::Tensor payload = tensor.is_cuda() && group.cuda_through_gloo
+                                 ? tensor.to(at::kCPU).contiguous()
+                                 : tensor.contiguous();
         if (group.shm_p2p && detail::ShmPointToPoint::supports(payload)) {
           w.in_flight =
               shm_message_in_flight(*group.shm_p2p, group.shm_p2p->send(payload, dst, tag));
