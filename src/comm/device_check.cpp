@@ -1,7 +1,11 @@
 #include "comm/device_check.h"
 
+#include <unistd.h>
+
 #include <map>
 #include <utility>
+
+#include "common/process_identity.h"
 
 namespace dtrain::detail {
 
@@ -26,6 +30,31 @@ std::string describe_shared_device(const std::vector<RankDevice>& ranks) {
            "start at most as many processes per node as it has GPUs), or set "
            "DTRAIN_CUDA_BACKEND=gloo to let "
            "ranks share a GPU through Gloo (slower; for tests)";
+  }
+  return "";
+}
+
+int64_t own_process_id() {
+  const std::string identity =
+      own_hostname() + "/" + std::to_string(own_pid_namespace()) + "/" + std::to_string(getpid());
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : identity) hash = (hash ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(hash >> 1);
+}
+
+std::string describe_threads_sharing_a_gpu(const std::vector<RankProcess>& ranks) {
+  std::map<std::pair<int64_t, int>, std::vector<int>> users;  // (process, device) -> ranks
+  for (const RankProcess& rank : ranks) {
+    if (rank.device >= 0) users[{rank.process, rank.device}].push_back(rank.global_rank);
+  }
+  for (const auto& [where, sharing] : users) {
+    if (sharing.size() < 2) continue;
+    return "ranks " + std::to_string(sharing[0]) + " and " + std::to_string(sharing[1]) +
+           " are threads of one process training on cuda:" + std::to_string(where.second) +
+           ", but LibTorch's autograd runs a device's backward work on one thread per process, "
+           "so a collective inside one rank's backward would wait forever for the other's. Give "
+           "each thread rank a GPU of its own, or run one process per rank (dtrain run; ranks "
+           "sharing a GPU then need DTRAIN_CUDA_BACKEND=gloo)";
   }
   return "";
 }

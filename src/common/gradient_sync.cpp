@@ -12,6 +12,7 @@
 #include <map>
 #include <sstream>
 
+#include "comm/device_check.h"
 #include "common/format.h"
 
 namespace dtrain::detail {
@@ -68,13 +69,31 @@ void check_same_parameters(ProcessGroup& group, const std::vector<NamedParameter
   const int n = group.size();
   if (n == 1) return;
   // First the counts, so that the fingerprints can be gathered in tensors of one length on every
-  // rank (positions past a rank's count hold -1).
-  at::Tensor count = at::full({1}, static_cast<int64_t>(parameters.size()), at::kLong);
+  // rank (positions past a rank's count hold -1); with them each rank's process and GPU, for the
+  // check that no two thread ranks train on one GPU (comm/device_check.h).
+  int device = -1;
+  for (const auto& [name, parameter] : parameters) {
+    if (parameter.is_cuda()) {
+      device = parameter.get_device();
+      break;
+    }
+  }
+  at::Tensor count = at::tensor(
+      {static_cast<int64_t>(parameters.size()), own_process_id(), static_cast<int64_t>(device)},
+      at::kLong);
   std::vector<at::Tensor> counts(n);
-  for (auto& c : counts) c = at::empty({1}, at::kLong);
+  for (auto& c : counts) c = at::empty({3}, at::kLong);
   group.all_gather(counts, count);
   int64_t longest = 0;
-  for (const auto& c : counts) longest = std::max(longest, c.item<int64_t>());
+  std::vector<RankProcess> processes;
+  for (int r = 0; r < n; ++r) {
+    longest = std::max(longest, counts[r][0].item<int64_t>());
+    processes.push_back({group.global_rank_of(r), counts[r][1].item<int64_t>(),
+                         static_cast<int>(counts[r][2].item<int64_t>())});
+  }
+  // Every rank gathered the same: every rank refuses alike, none is left waiting.
+  const std::string sharing = describe_threads_sharing_a_gpu(processes);
+  if (!sharing.empty()) throw UsageError(rank_text(group) + ": " + what + ": " + sharing + ".");
   at::Tensor mine = at::full({longest}, int64_t{-1}, at::kLong);
   for (size_t i = 0; i < parameters.size(); ++i) {
     mine[static_cast<int64_t>(i)] = fingerprint(parameters[i].first, parameters[i].second);

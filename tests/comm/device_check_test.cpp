@@ -37,5 +37,26 @@ TEST(DeviceCheck, SameHostnameOnAnotherMachineIsNotASharedGpu) {
   EXPECT_EQ(describe_shared_device({{0, "node/boot-a", 0}, {1, "node/boot-b", 0}}), "");
 }
 
+// Before DDP or ZeRO starts: two thread ranks of one process training on one GPU would deadlock in
+// backward (autograd's one thread per device), so they are one line; processes sharing a GPU,
+// threads on GPUs of their own and threads on the CPU are fine.
+TEST(DeviceCheck, ThreadRanksTrainingOnOneGpuAreNamedWithTheWayOut) {
+  const std::string message =
+      describe_threads_sharing_a_gpu({{0, 11, 0}, {1, 22, 0}, {2, 33, 1}, {3, 33, 1}});
+  EXPECT_NE(message.find("ranks 2 and 3 are threads of one process training on cuda:1"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("one process per rank"), std::string::npos) << message;
+  EXPECT_EQ(describe_threads_sharing_a_gpu({{0, 11, 0}, {1, 22, 0}}), "");    // two processes
+  EXPECT_EQ(describe_threads_sharing_a_gpu({{0, 11, 0}, {1, 11, 1}}), "");    // a GPU each
+  EXPECT_EQ(describe_threads_sharing_a_gpu({{0, 11, -1}, {1, 11, -1}}), "");  // on the CPU
+  EXPECT_EQ(describe_threads_sharing_a_gpu({{0, 11, 0}, {1, 11, -1}}), "");   // one on the CPU
+}
+
+TEST(DeviceCheck, TheProcessIdIsStableAndNotNegative) {
+  EXPECT_EQ(own_process_id(), own_process_id());
+  EXPECT_GE(own_process_id(), 0);
+}
+
 }  // namespace
 }  // namespace dtrain::detail
