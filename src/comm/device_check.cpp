@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/process_identity.h"
+#include "common/stable_hash.h"
 
 namespace dtrain::detail {
 
@@ -37,9 +38,7 @@ std::string describe_shared_device(const std::vector<RankDevice>& ranks) {
 int64_t own_process_id() {
   const std::string identity =
       own_hostname() + "/" + std::to_string(own_pid_namespace()) + "/" + std::to_string(getpid());
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : identity) hash = (hash ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(hash >> 1);
+  return stable_hash(identity);
 }
 
 std::string describe_threads_sharing_a_gpu(const std::vector<RankProcess>& ranks) {

@@ -14,18 +14,17 @@
 
 #include "comm/device_check.h"
 #include "common/format.h"
+#include "common/stable_hash.h"
 
 namespace dtrain::detail {
 namespace {
 
-// FNV-1a: a stable 64-bit fingerprint of a parameter's name, dtype and shape, compared across ranks
-// (never negative, so that -1 can stand for "no parameter here").
+// A parameter's name, dtype and shape as one number, compared across ranks (never negative, so
+// that -1 can stand for "no parameter here").
 int64_t fingerprint(const std::string& name, const at::Tensor& t) {
   std::ostringstream text;
   text << name << '|' << t.scalar_type() << '|' << t.sizes();
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(hash >> 1);
+  return stable_hash(text.str());
 }
 
 // What a rank has at position `index`, as the message shows it.
