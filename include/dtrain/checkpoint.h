@@ -14,14 +14,23 @@
 //     if (step % 100 == 0 && pg->rank() == 0) checkpointer.save(state);
 //   }
 //
-// Note [Checkpoint file]: <dir>/checkpoint-<step>.ckpt is a 24-byte header (the magic "DTRCKPT1",
-// the payload's length and its CRC-32, little-endian) followed by the payload, a torch::pickle_save
-// zip (Python's torch.load reads it after the header) of a dict: "model" (name -> tensor, as
-// named_parameters and named_buffers), "optimizer" (LibTorch's optimizer archive, as bytes),
-// "sampler", "step", "rng", "tensors", "values". A file is written as a hidden temporary, fsynced,
-// renamed into place and the folder fsynced, so a crash leaves either the old set of files or the
-// new one, never a half-written checkpoint under a checkpoint's name; the checksum catches the rest
-// (a disk that tore a write, a file truncated or edited by hand).
+// Note [Checkpoint file]: <dir>/checkpoint-<step>.ckpt is a torch.save file that PyTorch opens
+// with torch.load(path, weights_only=True): a dict of plain state dicts, each what Python's own
+// object would give:
+//   "model"        name -> tensor (named_parameters, then named_buffers): model.load_state_dict
+//   "optimizer"    {"state", "param_groups"} as optimizer.state_dict() (SGD, Adam, AdamW, Adagrad,
+//                  RMSprop; another optimizer's LibTorch archive is "optimizer_archive", bytes)
+//   "sampler"      {"epoch", "samples_consumed"} (the samples of all ranks together)
+//   "rng"          torch.get_rng_state()'s tensor;  "grad_scaler"  GradScaler.state_dict()
+//   "step", "format" (2), "tensors" and "values" (TrainingState's extras)
+// Entries the state had no part for are absent. Its integrity check is inside: the zip's comment
+// holds a CRC-32 of every byte before it. Load reads the same from a file PyTorch wrote with
+// torch.save (state dicts as they are; a missing "step" is the file name's), checking each
+// record against the zip's own CRC-32s, and still reads the framed files of dtrain's format 1.
+// A file is written as a hidden temporary, fsynced, renamed into place and the folder fsynced, so
+// a crash leaves either the old set of files or the new one, never a half-written checkpoint under
+// a checkpoint's name; the checksums catch the rest (a disk that tore a write, a file truncated or
+// edited by hand): such a file is named in a warning and the one before it loaded.
 //
 // Loading state saved at another world size works as long as the state is replicated (the same on
 // every rank, as in DDP): the sampler's saved position counts the samples of all ranks together and

@@ -13,7 +13,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 
+#include "checkpoint/torch_archive.h"
 #include "common/log.h"
 #include "dtrain/errors.h"
 
@@ -87,7 +89,12 @@ std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const 
   return files;
 }
 
-void write_checkpoint_file(const std::string& path, const std::vector<char>& payload) {
+namespace {
+
+// Writes the parts one after another as the file at path, atomically and durably (see
+// write_file_durably).
+void write_parts(const std::string& path,
+                 std::initializer_list<std::pair<const char*, std::size_t>> parts) {
   fs::path final_path(path);
   fs::path dir = final_path.parent_path().empty() ? fs::path(".") : final_path.parent_path();
   std::error_code error;
@@ -98,16 +105,10 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& pay
   fs::path temporary =
       dir / ("." + final_path.filename().string() + ".tmp-" + std::to_string(::getpid()));
 
-  char header[kCheckpointHeaderSize] = {};
-  std::memcpy(header, kCheckpointMagic, sizeof kCheckpointMagic);
-  put_le(header + 8, payload.size(), 8);
-  put_le(header + 16, crc32_of(payload.data(), payload.size()), 4);
-
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) write_failed(path, "creating " + temporary.string(), errno);
   try {
-    write_all(fd, header, sizeof header, path);
-    write_all(fd, payload.data(), payload.size(), path);
+    for (const auto& [data, size] : parts) write_all(fd, data, size, path);
     // The data must be on disk before the rename makes it the checkpoint: otherwise a power loss
     // can leave a renamed file of zeros.
     if (::fsync(fd) != 0) write_failed(path, "fsync", errno);
@@ -132,6 +133,20 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& pay
     ::fsync(dir_fd);
     ::close(dir_fd);
   }
+}
+
+}  // namespace
+
+void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
+  write_parts(path, {{bytes.data(), bytes.size()}});
+}
+
+void write_checkpoint_file(const std::string& path, const std::vector<char>& payload) {
+  char header[kCheckpointHeaderSize] = {};
+  std::memcpy(header, kCheckpointMagic, sizeof kCheckpointMagic);
+  put_le(header + 8, payload.size(), 8);
+  put_le(header + 16, crc32_of(payload.data(), payload.size()), 4);
+  write_parts(path, {{header, sizeof header}, {payload.data(), payload.size()}});
 }
 
 bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, std::string* why) {
@@ -174,6 +189,30 @@ bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, s
     return false;
   }
   return true;
+}
+
+bool read_replicated_checkpoint_file(const std::string& path, std::vector<char>* bytes,
+                                     std::string* why) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    *why = std::string("cannot be opened (") + std::strerror(errno) + ")";
+    return false;
+  }
+  char magic[sizeof kCheckpointMagic] = {};
+  in.read(magic, sizeof magic);
+  if (in.gcount() == sizeof magic && std::memcmp(magic, kCheckpointMagic, sizeof magic) == 0) {
+    return read_checkpoint_file(path, bytes, why);  // payload format 1
+  }
+  in.clear();
+  in.seekg(0, std::ios::end);
+  bytes->resize(static_cast<std::size_t>(in.tellg()));
+  in.seekg(0);
+  in.read(bytes->data(), static_cast<std::streamsize>(bytes->size()));
+  if (!in) {
+    *why = "could not be read to its end";
+    return false;
+  }
+  return torch_archive_intact(*bytes, why);
 }
 
 void prune_checkpoint_files(const std::string& dir, const std::string& prefix, int keep_last,

@@ -1,6 +1,8 @@
-// The checkpoint file on disk (Note [Checkpoint file] in dtrain/checkpoint.h): framing a payload
-// with a length and a CRC-32, writing it atomically and durably, finding a folder's checkpoints,
-// and reading one back with every way it can be damaged told apart.
+// Checkpoint files on disk: writing them atomically and durably, finding a folder's checkpoints,
+// and reading one back with every way it can be damaged told apart. The sharded checkpoints' files
+// frame their payload with a length and a CRC-32 (the header below); the replicated checkpoints
+// are torch.save files (Note [Checkpoint file] in dtrain/checkpoint.h) and were framed too up to
+// payload format 1.
 #pragma once
 
 #include <cstdint>
@@ -26,14 +28,24 @@ std::string checkpoint_path(const std::string& dir, const std::string& prefix, i
 std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const std::string& prefix,
                                                   const std::string& suffix = ".ckpt");
 
-// Writes header + payload to a hidden temporary beside path, fsyncs it, renames it to path and
-// fsyncs the folder. Throws UsageError naming the file and the system's reason; the temporary is
-// removed and an existing file at path is left untouched.
+// Writes bytes to a hidden temporary beside path, fsyncs it, renames it to path and fsyncs the
+// folder: a crash leaves the old file or the new one, never a torn one under path's name. Throws
+// UsageError naming the file and the system's reason; the temporary is removed and an existing
+// file at path is left untouched.
+void write_file_durably(const std::string& path, const std::vector<char>& bytes);
+
+// The same with the 24-byte header in front of the payload (the sharded checkpoints' files).
 void write_checkpoint_file(const std::string& path, const std::vector<char>& payload);
 
 // Reads path's payload and checks the header. Returns false and sets *why (e.g. "truncated: 1000
 // of 5000 payload bytes", "checksum mismatch") when the file is not an intact checkpoint.
 bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, std::string* why);
+
+// Reads a replicated checkpoint whole: a torch.save file (checked by torch_archive_intact), or
+// the payload of a framed one (payload format 1, checked as read_checkpoint_file does). Returns
+// false and sets *why when it is not intact.
+bool read_replicated_checkpoint_file(const std::string& path, std::vector<char>* bytes,
+                                     std::string* why);
 
 // After checkpoint `saved_step` was written: deletes all but the newest keep_last checkpoint files
 // up to that step; logs (does not throw) what it cannot delete. Files of later steps are neither

@@ -1,6 +1,5 @@
 // dtrain::Checkpointer: turning a TrainingState into a checkpoint payload and back, the background
 // writer of asynchronous saves, and the load that rank 0 broadcasts (see dtrain/checkpoint.h).
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
 #include <cerrno>
@@ -13,7 +12,9 @@
 #include <thread>
 
 #include "checkpoint/checkpoint_file.h"
+#include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_parts.h"
+#include "checkpoint/torch_archive.h"
 #include "common/format.h"
 #include "common/log.h"
 #include "dtrain/amp.h"
@@ -24,84 +25,30 @@
 namespace dtrain {
 namespace {
 
-// Bumped when the payload's layout changes incompatibly.
-constexpr int64_t kPayloadFormat = 1;
+// Bumped when the payload's layout changes incompatibly. 1: a framed file (the 24-byte header of
+// checkpoint_file.h before a TorchScript pickle; read still). 2: a torch.save file of plain state
+// dicts (Note [Checkpoint file]).
+constexpr int64_t kPayloadFormat = 2;
 
-// The GradScaler's state lies among the values, as "grad_scaler.scale", ... (where checkpoints of
-// GradScaler::save_to, before TrainingState::grad_scaler, put it: they load as they did).
-const std::string kScalerKey = "grad_scaler";
+using Dict = c10::impl::GenericDict;
 
-// The state as it is written: tensors detached from the model (copies in asynchronous mode, so the
-// training loop may change the originals), everything else by value.
+Dict new_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
+
+// The state as it is written: tensors detached from the model (copies on the CPU in asynchronous
+// mode, so the training loop may change the originals), everything else by value.
 struct Snapshot {
   std::vector<std::pair<std::string, at::Tensor>> model;
-  // The optimizer: a deep copy to serialize later (LibTorch's own optimizers, asynchronous mode),
-  // or the optimizer itself (synchronous mode), or its archive already serialized (other
-  // optimizers, asynchronous mode).
-  std::unique_ptr<torch::optim::Optimizer> optimizer_copy;
-  const torch::optim::Optimizer* optimizer = nullptr;
-  std::string optimizer_bytes;
-  bool has_sampler = false;
-  SamplerState sampler;
+  // The optimizer in Python's form (optimizer_state.h), or for an optimizer that has none (LBFGS,
+  // the caller's own) its LibTorch archive: serialized here, on the caller's thread.
+  std::optional<c10::IValue> optimizer;
+  std::string optimizer_archive;
+  std::optional<SamplerState> sampler;
   int64_t step = 0;
   at::Tensor rng;  // undefined: not saved
+  std::optional<amp::GradScalerState> grad_scaler;
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> values;
 };
-
-at::Tensor copy_of(const at::Tensor& t) { return t.defined() ? t.detach().clone() : t; }
-
-// Note [Copying an optimizer]: LibTorch's optimizers expose their state only through their
-// archive, and serializing that archive (OutputArchive::save_to, a TorchScript export) takes
-// 10-20 ms for the trainer's MLP, too long to hold the training loop for. So for the optimizers
-// LibTorch ships, an asynchronous save builds a shadow optimizer of the same type: the same
-// parameter groups (only their identities are serialized, not their values) and a copy of every
-// parameter's state with its tensors cloned; the background thread serializes the shadow. Other
-// optimizers (LBFGS, the user's own) are serialized on the caller's thread.
-template <typename Optimizer, typename ParamState, typename Options>
-std::unique_ptr<torch::optim::Optimizer> shadow_copy(
-    const torch::optim::Optimizer& live, const std::function<void(ParamState&)>& clone_tensors) {
-  auto* typed = dynamic_cast<const Optimizer*>(&live);
-  if (typed == nullptr) return nullptr;
-  auto shadow = std::make_unique<Optimizer>(typed->param_groups(),
-                                            static_cast<const Options&>(typed->defaults()));
-  for (const auto& [key, state] : typed->state()) {
-    auto copy = state->clone();
-    clone_tensors(static_cast<ParamState&>(*copy));
-    shadow->state()[key] = std::move(copy);
-  }
-  return shadow;
-}
-
-std::unique_ptr<torch::optim::Optimizer> copy_optimizer(const torch::optim::Optimizer& live) {
-  namespace optim = torch::optim;
-  // Adam and AdamW keep the same moments under the same names.
-  auto copy_adam_moments = [](auto& s) {
-    s.exp_avg(copy_of(s.exp_avg()));
-    s.exp_avg_sq(copy_of(s.exp_avg_sq()));
-    s.max_exp_avg_sq(copy_of(s.max_exp_avg_sq()));
-  };
-  if (auto copy = shadow_copy<optim::SGD, optim::SGDParamState, optim::SGDOptions>(
-          live, [](auto& s) { s.momentum_buffer(copy_of(s.momentum_buffer())); }))
-    return copy;
-  if (auto copy = shadow_copy<optim::Adam, optim::AdamParamState, optim::AdamOptions>(
-          live, copy_adam_moments))
-    return copy;
-  if (auto copy = shadow_copy<optim::AdamW, optim::AdamWParamState, optim::AdamWOptions>(
-          live, copy_adam_moments))
-    return copy;
-  if (auto copy = shadow_copy<optim::Adagrad, optim::AdagradParamState, optim::AdagradOptions>(
-          live, [](auto& s) { s.sum(copy_of(s.sum())); }))
-    return copy;
-  if (auto copy = shadow_copy<optim::RMSprop, optim::RMSpropParamState, optim::RMSpropOptions>(
-          live, [](auto& s) {
-            s.square_avg(copy_of(s.square_avg()));
-            s.momentum_buffer(copy_of(s.momentum_buffer()));
-            s.grad_avg(copy_of(s.grad_avg()));
-          }))
-    return copy;
-  return nullptr;
-}
 
 std::string serialize_optimizer(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
@@ -123,71 +70,22 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
     for (auto& [name, tensor] : detail::model_tensors(*state.model))
       snapshot.model.emplace_back(name, keep(tensor));
   }
-  if (state.optimizer && !copy) {
-    snapshot.optimizer = state.optimizer;
-  } else if (state.optimizer) {
-    snapshot.optimizer_copy = copy_optimizer(*state.optimizer);  // Note [Copying an optimizer]
-    if (!snapshot.optimizer_copy) snapshot.optimizer_bytes = serialize_optimizer(*state.optimizer);
+  if (state.optimizer) {
+    snapshot.optimizer = detail::python_optimizer_state(*state.optimizer, copy);
+    if (!snapshot.optimizer) snapshot.optimizer_archive = serialize_optimizer(*state.optimizer);
   }
-  if (state.sampler) {
-    snapshot.has_sampler = true;
-    snapshot.sampler = state.sampler->state();
-  }
+  if (state.sampler) snapshot.sampler = state.sampler->state();
   snapshot.step = state.step;
   if (state.rng) snapshot.rng = detail::cpu_rng_state();
+  if (state.grad_scaler && state.grad_scaler->is_enabled()) {
+    snapshot.grad_scaler = state.grad_scaler->state_dict();
+  }
   for (const auto& [name, tensor] : state.tensors) {
     TORCH_CHECK(tensor.defined(), "checkpoint: TrainingState::tensors['", name, "'] is undefined");
     snapshot.tensors[name] = keep(tensor);
   }
   snapshot.values = state.values;
-  if (state.grad_scaler && state.grad_scaler->is_enabled()) {
-    amp::GradScalerState s = state.grad_scaler->state_dict();
-    auto exact = [](double value) {  // %.17g reads back as the same double
-      char text[40];
-      std::snprintf(text, sizeof text, "%.17g", value);
-      return std::string(text);
-    };
-    snapshot.values[kScalerKey + ".scale"] = exact(s.scale);
-    snapshot.values[kScalerKey + ".growth_factor"] = exact(s.growth_factor);
-    snapshot.values[kScalerKey + ".backoff_factor"] = exact(s.backoff_factor);
-    snapshot.values[kScalerKey + ".growth_interval"] = std::to_string(s.growth_interval);
-    snapshot.values[kScalerKey + ".growth_tracker"] = std::to_string(s.growth_tracker);
-  }
   return snapshot;
-}
-
-// The GradScaler's state from a checkpoint's values; nullopt when it holds none (saved without a
-// scaler, or with a disabled one).
-std::optional<amp::GradScalerState> saved_scaler(
-    const c10::Dict<std::string, std::string>& values,
-    const std::function<UsageError(const std::string&)>& unusable) {
-  const char* const fields[] = {"scale", "growth_factor", "backoff_factor", "growth_interval",
-                                "growth_tracker"};
-  int present = 0;
-  for (const char* field : fields) present += values.contains(kScalerKey + "." + field) ? 1 : 0;
-  if (present == 0) return std::nullopt;
-  auto number = [&](const char* field) {
-    const std::string name = kScalerKey + "." + field;
-    if (!values.contains(name)) {
-      throw unusable("holds part of a GradScaler's state but no '" + name +
-                     "' value; it was not written by a dtrain Checkpointer");
-    }
-    const std::string text = values.at(name);
-    char* end = nullptr;
-    errno = 0;
-    double value = std::strtod(text.c_str(), &end);
-    if (text.empty() || *end != '\0' || errno == ERANGE) {
-      throw unusable("its GradScaler value '" + name + "' is '" + text + "', not a number");
-    }
-    return value;
-  };
-  amp::GradScalerState loaded;
-  loaded.scale = number("scale");
-  loaded.growth_factor = number("growth_factor");
-  loaded.backoff_factor = number("backoff_factor");
-  loaded.growth_interval = static_cast<int64_t>(number("growth_interval"));
-  loaded.growth_tracker = static_cast<int64_t>(number("growth_tracker"));
-  return loaded;
 }
 
 at::Tensor bytes_tensor(const std::string& bytes) {
@@ -201,32 +99,42 @@ std::string tensor_bytes(const at::Tensor& t) {
   return std::string(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.numel()));
 }
 
+// Note [Checkpoint file] has the layout; each entry is what Python's own object would save
+// (state_dict() of the model, optimizer and GradScaler, torch.get_rng_state()).
 std::vector<char> encode(const Snapshot& snapshot) {
-  c10::Dict<std::string, at::Tensor> model;
-  for (const auto& [name, tensor] : snapshot.model) model.insert(name, tensor.cpu());
-  c10::Dict<std::string, at::Tensor> tensors;
-  for (const auto& [name, tensor] : snapshot.tensors) tensors.insert(name, tensor.cpu());
-  c10::Dict<std::string, std::string> values;
-  for (const auto& [key, value] : snapshot.values) values.insert(key, value);
-
-  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  Dict root = new_dict();
   root.insert("format", kPayloadFormat);
   root.insert("step", snapshot.step);
+  Dict model = new_dict();
+  for (const auto& [name, tensor] : snapshot.model) model.insert(name, tensor.cpu());
   root.insert("model", model);
-  const torch::optim::Optimizer* optimizer =
-      snapshot.optimizer_copy ? snapshot.optimizer_copy.get() : snapshot.optimizer;
-  std::string optimizer_bytes =
-      optimizer ? serialize_optimizer(*optimizer) : snapshot.optimizer_bytes;
-  root.insert("has_optimizer", !optimizer_bytes.empty());
-  root.insert("optimizer", bytes_tensor(optimizer_bytes));
-  root.insert("has_sampler", snapshot.has_sampler);
-  root.insert("sampler",
-              torch::tensor({snapshot.sampler.epoch, snapshot.sampler.samples_consumed}));
-  root.insert("has_rng", snapshot.rng.defined());
-  root.insert("rng", snapshot.rng.defined() ? snapshot.rng : torch::empty({0}, torch::kUInt8));
+  if (snapshot.optimizer) root.insert("optimizer", *snapshot.optimizer);
+  if (!snapshot.optimizer_archive.empty()) {
+    root.insert("optimizer_archive", bytes_tensor(snapshot.optimizer_archive));
+  }
+  if (snapshot.sampler) {
+    Dict sampler = new_dict();
+    sampler.insert("epoch", snapshot.sampler->epoch);
+    sampler.insert("samples_consumed", snapshot.sampler->samples_consumed);
+    root.insert("sampler", sampler);
+  }
+  if (snapshot.rng.defined()) root.insert("rng", snapshot.rng);
+  if (snapshot.grad_scaler) {
+    Dict scaler = new_dict();  // GradScaler.state_dict()'s keys
+    scaler.insert("scale", snapshot.grad_scaler->scale);
+    scaler.insert("growth_factor", snapshot.grad_scaler->growth_factor);
+    scaler.insert("backoff_factor", snapshot.grad_scaler->backoff_factor);
+    scaler.insert("growth_interval", snapshot.grad_scaler->growth_interval);
+    scaler.insert("_growth_tracker", snapshot.grad_scaler->growth_tracker);
+    root.insert("grad_scaler", scaler);
+  }
+  Dict tensors = new_dict();
+  for (const auto& [name, tensor] : snapshot.tensors) tensors.insert(name, tensor.cpu());
   root.insert("tensors", tensors);
+  Dict values = new_dict();
+  for (const auto& [key, value] : snapshot.values) values.insert(key, value);
   root.insert("values", values);
-  return torch::jit::pickle_save(root);
+  return detail::save_torch_archive(root);
 }
 
 std::string shape_text(const at::Tensor& t) {
@@ -235,72 +143,162 @@ std::string shape_text(const at::Tensor& t) {
   return out.str();
 }
 
-// Fills state from a payload that passed its checksum. Checks everything the model and sampler
-// will take before changing any of them, so a checkpoint that does not fit leaves the model as it
-// was.
-void apply(const std::vector<char>& payload, const std::string& path, TrainingState& state) {
-  auto unusable = [&](const std::string& why) {
+using Unusable = std::function<UsageError(const std::string&)>;
+
+// A format-1 payload in format 2's layout: "has_*" flags become absent entries, the sampler
+// position a dict, the optimizer's LibTorch archive "optimizer_archive"; the GradScaler stays
+// among the values, where format 1 kept it.
+Dict from_format_1(const Dict& old) {
+  Dict root = new_dict();
+  for (const char* key : {"step", "model", "tensors", "values"}) {
+    if (old.contains(key)) root.insert(key, old.at(key));
+  }
+  auto has = [&](const char* key) { return old.contains(key) && old.at(key).toBool(); };
+  if (has("has_optimizer")) root.insert("optimizer_archive", old.at("optimizer"));
+  if (has("has_sampler")) {
+    at::Tensor position = old.at("sampler").toTensor();
+    Dict sampler = new_dict();
+    sampler.insert("epoch", position[0].item<int64_t>());
+    sampler.insert("samples_consumed", position[1].item<int64_t>());
+    root.insert("sampler", sampler);
+  }
+  if (has("has_rng")) root.insert("rng", old.at("rng"));
+  return root;
+}
+
+// The GradScaler's state under values' "grad_scaler.*" (format 1, and GradScaler::save_to before
+// TrainingState::grad_scaler); nullopt when it holds none.
+std::optional<amp::GradScalerState> scaler_among_values(
+    const std::map<std::string, std::string>& values, const Unusable& unusable) {
+  const std::string prefix = "grad_scaler.";
+  const char* const fields[] = {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                                "growth_tracker"};
+  int present = 0;
+  for (const char* field : fields) present += values.count(prefix + field) ? 1 : 0;
+  if (present == 0) return std::nullopt;
+  auto number = [&](const char* field) {
+    const std::string name = prefix + field;
+    auto it = values.find(name);
+    if (it == values.end()) {
+      throw unusable("holds part of a GradScaler's state but no '" + name +
+                     "' value; it was not written by a dtrain Checkpointer");
+    }
+    char* end = nullptr;
+    errno = 0;
+    double value = std::strtod(it->second.c_str(), &end);
+    if (it->second.empty() || *end != '\0' || errno == ERANGE) {
+      throw unusable("its GradScaler value '" + name + "' is '" + it->second + "', not a number");
+    }
+    return value;
+  };
+  amp::GradScalerState loaded;
+  loaded.scale = number("scale");
+  loaded.growth_factor = number("growth_factor");
+  loaded.backoff_factor = number("backoff_factor");
+  loaded.growth_interval = static_cast<int64_t>(number("growth_interval"));
+  loaded.growth_tracker = static_cast<int64_t>(number("growth_tracker"));
+  return loaded;
+}
+
+// A number of a dict a checkpoint holds (Python may have written 2 for 2.0, or a 0-d tensor).
+double number_in(const Dict& dict, const std::string& key, const std::string& where,
+                 const Unusable& unusable) {
+  auto it = dict.find(key);
+  if (it == dict.end()) throw unusable("its " + where + " has no '" + key + "'");
+  const c10::IValue& v = it->value();
+  if (v.isDouble()) return v.toDouble();
+  if (v.isInt()) return static_cast<double>(v.toInt());
+  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();
+  throw unusable("its " + where + "'s '" + key + "' is " + v.tagKind() + ", not a number");
+}
+
+// A dict of string keys (an entry of the root) as (key, value) pairs; throws when it is not one.
+std::vector<std::pair<std::string, c10::IValue>> items_of(const c10::IValue& value,
+                                                          const std::string& what,
+                                                          const Unusable& unusable) {
+  if (!value.isGenericDict()) throw unusable("its '" + what + "' entry is not a dict");
+  std::vector<std::pair<std::string, c10::IValue>> items;
+  for (const auto& item : value.toGenericDict()) {
+    if (!item.key().isString()) throw unusable("its '" + what + "' has a key that is no string");
+    items.emplace_back(item.key().toStringRef(), item.value());
+  }
+  return items;
+}
+
+// Fills state from a checkpoint's bytes (a torch.save file, or format 1's payload, which is one
+// too) that passed their check. Checks everything before
+// changing anything, so a checkpoint that does not fit leaves the state as it was. file_step
+// stands in for a step the file does not hold (one Python wrote).
+void apply(const std::vector<char>& bytes, const std::string& path, int64_t file_step,
+           TrainingState& state) {
+  Unusable unusable = [&](const std::string& why) {
     return UsageError("checkpoint " + path + ": " + why);
   };
-  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  Dict root = new_dict();
   try {
-    root = torch::jit::pickle_load(payload).toGenericDict();
+    c10::IValue value = detail::load_torch_archive(bytes);
+    if (!value.isGenericDict()) throw std::runtime_error("not a dict");
+    root = value.toGenericDict();
   } catch (const std::exception& e) {
+    const c10::Error* error = dynamic_cast<const c10::Error*>(&e);
+    std::string cause = error ? error->what_without_backtrace() : e.what();
+    cause = cause.substr(0, cause.find('\n'));
     throw unusable(
-        "its checksum holds but its contents cannot be decoded (written by another dtrain "
-        "version?); move it aside to resume from an older one");
+        "its checksum holds but its contents cannot be decoded as a dict of state dicts (" + cause +
+        "); move it aside to resume from an older one");
   }
-  auto entry = [&](const std::string& key) {
-    auto it = root.find(key);
-    if (it == root.end()) {
-      throw unusable("has no '" + key +
-                     "' entry (written by another dtrain version?); move it aside to resume "
-                     "from an older one");
+  if (root.contains("format")) {
+    const c10::IValue& format = root.at("format");
+    if (format.isInt() && format.toInt() == 1) {
+      root = from_format_1(root);
+    } else if (!format.isInt() || format.toInt() != kPayloadFormat) {
+      throw unusable("is in format " + c10::str(format) + ", this dtrain reads formats 1 and " +
+                     std::to_string(kPayloadFormat) + "; load it with the dtrain that wrote it");
     }
+  }
+  auto entry = [&](const std::string& key, const std::string& missing) {
+    auto it = root.find(key);
+    if (it == root.end()) throw unusable("has no '" + key + "' entry; " + missing);
     return it->value();
   };
-  if (entry("format").toInt() != kPayloadFormat) {
-    throw unusable("is in format " + std::to_string(entry("format").toInt()) +
-                   ", this dtrain reads format " + std::to_string(kPayloadFormat) +
-                   "; load it with the dtrain that wrote it");
-  }
 
   std::vector<std::pair<at::Tensor, at::Tensor>> model_copies;  // (destination, saved)
   if (state.model) {
-    auto saved = c10::impl::toTypedDict<std::string, at::Tensor>(entry("model").toGenericDict());
+    auto saved = items_of(entry("model", "it was saved without a model"), "model", unusable);
+    std::map<std::string, at::Tensor> by_name;
+    for (auto& [name, value] : saved) {
+      if (!value.isTensor()) throw unusable("its model entry '" + name + "' is not a tensor");
+      by_name[name] = value.toTensor();
+    }
     auto mine = detail::model_tensors(*state.model);
     for (const auto& [name, tensor] : mine) {
-      auto it = saved.find(name);
-      if (it == saved.end()) {
+      auto it = by_name.find(name);
+      if (it == by_name.end()) {
         throw unusable("has no tensor '" + name + "' of the model (of shape " + shape_text(tensor) +
                        "); it was saved from another model: load it into the model that saved it");
       }
-      if (!it->value().sizes().equals(tensor.sizes())) {
-        throw unusable("holds '" + name + "' of shape " + shape_text(it->value()) +
+      if (!it->second.sizes().equals(tensor.sizes())) {
+        throw unusable("holds '" + name + "' of shape " + shape_text(it->second) +
                        " but the model's is " + shape_text(tensor) +
                        "; it was saved from another model: load it into the model that saved it");
       }
-      model_copies.emplace_back(tensor, it->value());
+      model_copies.emplace_back(tensor, it->second);
+      by_name.erase(it);
     }
-    if (saved.size() != mine.size()) {
-      for (const auto& item : saved) {
-        bool known = std::any_of(mine.begin(), mine.end(),
-                                 [&](const auto& m) { return m.first == item.key(); });
-        if (!known) {
-          throw unusable("holds '" + item.key() +
-                         "', which the model does not have; it was saved from another model: "
-                         "load it into the model that saved it");
-        }
-      }
+    if (!by_name.empty()) {
+      throw unusable("holds '" + by_name.begin()->first +
+                     "', which the model does not have; it was saved from another model: load "
+                     "it into the model that saved it");
     }
   }
   SamplerState sampler_state;
   if (state.sampler) {
-    if (!entry("has_sampler").toBool()) {
-      throw unusable("holds no sampler position; it was saved without TrainingState::sampler");
-    }
-    at::Tensor position = entry("sampler").toTensor();
-    sampler_state = {position[0].item<int64_t>(), position[1].item<int64_t>()};
+    c10::IValue sampler = entry("sampler", "it was saved without TrainingState::sampler");
+    if (!sampler.isGenericDict()) throw unusable("its 'sampler' entry is not a dict");
+    const Dict position = sampler.toGenericDict();
+    sampler_state = {
+        static_cast<int64_t>(number_in(position, "epoch", "sampler", unusable)),
+        static_cast<int64_t>(number_in(position, "samples_consumed", "sampler", unusable))};
     if (sampler_state.epoch < 0 || sampler_state.samples_consumed < 0 ||
         sampler_state.samples_consumed > state.sampler->dataset_size()) {
       throw unusable("its sampler position (epoch " + std::to_string(sampler_state.epoch) + ", " +
@@ -310,41 +308,73 @@ void apply(const std::vector<char>& payload, const std::string& path, TrainingSt
                      " samples; resume it with the dataset it was saved with");
     }
   }
-  if (state.optimizer) {
-    if (!entry("has_optimizer").toBool()) {
-      throw unusable("holds no optimizer state; it was saved without TrainingState::optimizer");
+  std::map<std::string, std::string> values;
+  if (root.contains("values")) {
+    for (auto& [key, value] : items_of(root.at("values"), "values", unusable)) {
+      if (!value.isString()) throw unusable("its value '" + key + "' is not a string");
+      values[key] = value.toStringRef();
     }
-    std::string bytes = tensor_bytes(entry("optimizer").toTensor());
+  }
+  std::map<std::string, at::Tensor> tensors;
+  if (root.contains("tensors")) {
+    for (auto& [name, value] : items_of(root.at("tensors"), "tensors", unusable)) {
+      if (!value.isTensor()) throw unusable("its tensors entry '" + name + "' is not a tensor");
+      tensors[name] = value.toTensor();
+    }
+  }
+  std::optional<amp::GradScalerState> scaler;
+  if (root.contains("grad_scaler")) {
+    const c10::IValue& saved = root.at("grad_scaler");
+    if (!saved.isGenericDict()) throw unusable("its 'grad_scaler' entry is not a dict");
+    const Dict d = saved.toGenericDict();
+    scaler = amp::GradScalerState{
+        number_in(d, "scale", "grad_scaler", unusable),
+        number_in(d, "growth_factor", "grad_scaler", unusable),
+        number_in(d, "backoff_factor", "grad_scaler", unusable),
+        static_cast<int64_t>(number_in(d, "growth_interval", "grad_scaler", unusable)),
+        static_cast<int64_t>(number_in(d, "_growth_tracker", "grad_scaler", unusable))};
+  } else {
+    scaler = scaler_among_values(values, unusable);
+  }
+  c10::IValue step = root.contains("step") ? root.at("step") : c10::IValue(file_step);
+  if (!step.isInt()) throw unusable("its 'step' entry is not an integer");
+
+  // The optimizer and the scaler check what they take before they change; after them nothing can
+  // fail.
+  if (state.optimizer) {
     try {
-      torch::serialize::InputArchive archive;
-      archive.load_from(bytes.data(), bytes.size());
-      state.optimizer->load(archive);
+      if (root.contains("optimizer")) {
+        detail::load_python_optimizer_state(root.at("optimizer"), *state.optimizer);
+      } else {
+        std::string bytes = tensor_bytes(
+            entry("optimizer_archive", "it was saved without TrainingState::optimizer").toTensor());
+        torch::serialize::InputArchive archive;
+        archive.load_from(bytes.data(), bytes.size());
+        state.optimizer->load(archive);
+      }
+    } catch (const UsageError&) {
+      throw;
     } catch (const c10::Error& e) {
       throw unusable(std::string("its optimizer state does not fit this optimizer (") +
                      e.what_without_backtrace() +
                      "); resume with the optimizer and parameters that saved it");
+    } catch (const std::exception& e) {
+      throw unusable(std::string("its optimizer state does not fit this optimizer (") + e.what() +
+                     "); resume with the optimizer and parameters that saved it");
     }
   }
-  auto values = c10::impl::toTypedDict<std::string, std::string>(entry("values").toGenericDict());
-  if (state.grad_scaler && state.grad_scaler->is_enabled()) {
-    // Before the model: a bad entry (the scaler checks before it changes) leaves everything as it
-    // was.
-    if (auto scaler = saved_scaler(values, unusable)) state.grad_scaler->load_state_dict(*scaler);
+  if (state.grad_scaler && state.grad_scaler->is_enabled() && scaler) {
+    state.grad_scaler->load_state_dict(*scaler);
   }
   {
     torch::NoGradGuard no_grad;
     for (auto& [destination, saved] : model_copies) destination.copy_(saved);
   }
   if (state.sampler) state.sampler->load_state(sampler_state);
-  if (state.rng && entry("has_rng").toBool()) detail::set_cpu_rng_state(entry("rng").toTensor());
-  state.step = entry("step").toInt();
-  state.tensors.clear();
-  for (const auto& item :
-       c10::impl::toTypedDict<std::string, at::Tensor>(entry("tensors").toGenericDict())) {
-    state.tensors[item.key()] = item.value();
-  }
-  state.values.clear();
-  for (const auto& item : values) state.values[item.key()] = item.value();
+  if (state.rng && root.contains("rng")) detail::set_cpu_rng_state(root.at("rng").toTensor());
+  state.step = step.toInt();
+  state.tensors = std::move(tensors);
+  state.values = std::move(values);
 }
 
 }  // namespace
@@ -393,7 +423,7 @@ std::string Checkpointer::save(const TrainingState& state) {
   wait();
   std::string path = detail::checkpoint_path(options_.dir, options_.prefix, state.step);
   auto write = [path, options = options_, step = state.step](const Snapshot& snapshot) {
-    detail::write_checkpoint_file(path, encode(snapshot));
+    detail::write_file_durably(path, encode(snapshot));
     detail::prune_checkpoint_files(options.dir, options.prefix, options.keep_last, step);
     DTRAIN_LOG(kDebug, "checkpoint: saved " << path);
   };
@@ -425,21 +455,21 @@ std::vector<std::string> Checkpointer::list() const {
 
 namespace {
 
-// The newest intact checkpoint of the folder: its path and payload, or an empty path when there is
+// The newest intact checkpoint of the folder: its file and bytes, or an empty path when there is
 // none. Newer damaged files are named in a warning and in *skipped.
-std::string find_latest(const CheckpointOptions& options, std::vector<char>* payload,
-                        std::vector<std::string>* skipped) {
+detail::CheckpointFile find_latest(const CheckpointOptions& options, std::vector<char>* bytes,
+                                   std::vector<std::string>* skipped) {
   auto files = detail::list_checkpoint_files(options.dir, options.prefix);
   for (auto file = files.rbegin(); file != files.rend(); ++file) {
     std::string why;
-    if (detail::read_checkpoint_file(file->path, payload, &why)) return file->path;
+    if (detail::read_replicated_checkpoint_file(file->path, bytes, &why)) return *file;
     DTRAIN_LOG(kWarn, "checkpoint " << file->path << " is damaged and skipped: " << why
                                     << "; trying the one before it (move the damaged file aside "
                                        "to silence this)");
     skipped->push_back(file->path);
   }
-  payload->clear();
-  return "";
+  bytes->clear();
+  return {};
 }
 
 }  // namespace
@@ -449,27 +479,34 @@ std::optional<LoadedCheckpoint> Checkpointer::load_latest(TrainingState& state) 
   wait();  // a save in flight may be the newest checkpoint
   LoadedCheckpoint loaded;
   std::vector<char> payload;
+  int64_t file_step = 0;
   if (!group || group->size() == 1) {
-    loaded.path = find_latest(options_, &payload, &loaded.skipped);
+    auto file = find_latest(options_, &payload, &loaded.skipped);
+    loaded.path = file.path;
+    file_step = file.step;
   } else {
-    // Rank 0 reads; every rank gets {failed, text length, payload length} and then text + payload
+    // Rank 0 reads; every rank gets {failed, text length, payload length, the file's step} and
+    // then text + payload
     // as one byte tensor. The text is the path, or rank 0's error message when it failed: then
     // every rank fails with the same line and none is left waiting in a broadcast.
     std::string text;
     int64_t failed = 0;
     if (group->rank() == 0) {
       try {
-        text = loaded.path = find_latest(options_, &payload, &loaded.skipped);
+        auto file = find_latest(options_, &payload, &loaded.skipped);
+        text = loaded.path = file.path;
+        file_step = file.step;
       } catch (const std::exception& e) {
         text = e.what();
         failed = 1;
         payload.clear();
       }
     }
-    at::Tensor sizes = torch::tensor(
-        {failed, static_cast<int64_t>(text.size()), static_cast<int64_t>(payload.size())});
+    at::Tensor sizes = torch::tensor({failed, static_cast<int64_t>(text.size()),
+                                      static_cast<int64_t>(payload.size()), file_step});
     group->broadcast(sizes, 0);
     failed = sizes[0].item<int64_t>();
+    file_step = sizes[3].item<int64_t>();
     const int64_t text_size = sizes[1].item<int64_t>(), payload_size = sizes[2].item<int64_t>();
     at::Tensor bytes = torch::empty({text_size + payload_size}, torch::kUInt8);
     if (group->rank() == 0) {
@@ -490,7 +527,7 @@ std::optional<LoadedCheckpoint> Checkpointer::load_latest(TrainingState& state) 
     }
   }
   if (loaded.path.empty()) return std::nullopt;
-  apply(payload, loaded.path, state);
+  apply(payload, loaded.path, file_step, state);
   loaded.step = state.step;
   return loaded;
 }

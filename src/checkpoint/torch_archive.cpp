@@ -1,0 +1,418 @@
+// torch.save's file format from C++ (see torch_archive.h).
+//
+// Note [torch.save's format]
+// A zip (stored, not compressed, records aligned to 64 bytes) with "<name>/data.pkl", a pickle
+// whose tensors are persistent ids ('storage', torch.FloatStorage, key, 'cpu', numel) naming the
+// records "<name>/data/<key>", plus "version" and "byteorder". LibTorch writes and reads the zip
+// (caffe2::serialize) and the pickle (torch::jit::Pickler, Unpickler), with two gaps that this file
+// closes:
+// - Pickler tags every dict and list with torch.jit._pickle.restore_type_tag unless told not to,
+//   and pickles an int/float/bool/tensor list through torch.jit._pickle.build_*list: globals that
+//   torch.load(weights_only=True) refuses. So aggregates are not tagged, and callers build lists
+//   as generic lists (element type Any).
+// - Python pickles a state dict (an OrderedDict with a _metadata attribute) as OrderedDict() +
+//   items + BUILD(state). LibTorch's Unpickler turns OrderedDict() into None (it expects one only
+//   as a tensor's empty backward hooks) and takes BUILD for a call of a TorchScript class: both
+//   fail. So OrderedDict() becomes an empty dict, and BUILD a SETITEM under a key no state dict
+//   has, removed after unpickling: a weights_only file has no BUILD but these, and _metadata
+//   (module versions) means nothing to LibTorch.
+// Neither LibTorch nor Python checks the zip's CRC-32s when reading (LibTorch builds miniz without
+// its CRC checks), and those do not cover the zip's own headers and padding anyway. So dtrain
+// seals what it writes with a CRC-32 of every byte before it, in the zip's comment (which zip
+// readers skip): "dtrain-crc32=<8 hex digits>". A file without that comment (one Python wrote) is
+// checked record by record against the zip's CRC-32s.
+#include "checkpoint/torch_archive.h"
+
+#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string_view>
+
+namespace dtrain::detail {
+namespace {
+
+// The zip comment that seals a file dtrain wrote: the prefix and 8 hex digits.
+constexpr char kSealPrefix[] = "dtrain-crc32=";
+constexpr std::size_t kSealSize = sizeof kSealPrefix - 1 + 8;
+
+uint64_t get_le(const char* in, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= uint64_t{static_cast<unsigned char>(in[i])} << (8 * i);
+  return value;
+}
+
+uint32_t crc32_of(const char* data, std::size_t size) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (size > 0) {  // zlib takes a uInt length
+    uInt chunk = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
+    data += chunk;
+    size -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+// The bytes of a pickle opcode's argument at `at` (just after the opcode byte), or nullopt for an
+// opcode this scanner does not know or an argument that runs past the end.
+std::optional<std::size_t> argument_size(unsigned char opcode, const char* at, const char* end) {
+  auto counted = [&](int width) -> std::optional<std::size_t> {
+    if (end - at < width) return std::nullopt;
+    uint64_t n = get_le(at, width);
+    if (n > static_cast<uint64_t>(end - at - width)) return std::nullopt;
+    return width + n;
+  };
+  auto lines = [&](int count) -> std::optional<std::size_t> {
+    const char* p = at;
+    for (int i = 0; i < count; ++i) {
+      p = static_cast<const char*>(std::memchr(p, '\n', end - p));
+      if (p == nullptr) return std::nullopt;
+      ++p;
+    }
+    return p - at;
+  };
+  // Pickle's opcodes (Python's pickletools has the table) by the argument they take.
+  static constexpr std::string_view kNone =
+      "(.012NRabd}el]ost)uQ\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98";
+  static constexpr std::string_view kOne = "\x80Khq\x82", kTwo = "M\x83", kFour = "Jjr\x84",
+                                    kEight = "G\x95";
+  static constexpr std::string_view kCounted1 = "\x8aUC\x8c", kCounted4 = "\x8bXTB",
+                                    kCounted8 = "\x8d\x8e\x96";
+  static constexpr std::string_view kOneLine = "ILFSVPpg", kTwoLines = "ci";
+  const char c = static_cast<char>(opcode);
+  auto in = [c](std::string_view set) { return set.find(c) != std::string_view::npos; };
+  if (in(kNone)) return 0;
+  if (in(kOne)) return 1;
+  if (in(kTwo)) return 2;
+  if (in(kFour)) return 4;
+  if (in(kEight)) return 8;
+  if (in(kCounted1)) return counted(1);
+  if (in(kCounted4)) return counted(4);
+  if (in(kCounted8)) return counted(8);
+  if (in(kOneLine)) return lines(1);
+  if (in(kTwoLines)) return lines(2);
+  return std::nullopt;
+}
+
+// The key under which a BUILD's state lands (Note [torch.save's format]); no state dict has it.
+constexpr std::string_view kBuildStateKey = "\x01pickle-build-state";
+
+// The stack effect of a pickle opcode, for the rewrite below: how many items it pops (kToMark:
+// down to and with the topmost MARK) and whether it pushes one. nullopt: not expected in a
+// weights_only pickle.
+constexpr int kToMark = -1;
+struct StackEffect {
+  int pops;
+  bool pushes;
+};
+std::optional<StackEffect> stack_effect(unsigned char opcode) {
+  static constexpr std::string_view kPushOne = "}])NKMJ\x8a\x8bGXT\x8cU\x8dBC\x8e\x88\x89hjILFSVgc";
+  static constexpr std::string_view kNeutral = "qrp\x94\x80\x95.Q\x85";  // BINPERSID, TUPLE1: 1->1
+  const char c = static_cast<char>(opcode);
+  auto in = [c](std::string_view set) { return set.find(c) != std::string_view::npos; };
+  if (in(kPushOne)) return StackEffect{0, true};
+  if (in(kNeutral)) return StackEffect{0, false};
+  switch (c) {
+    case '(':
+      return StackEffect{0, true};  // the mark itself is a stack entry here
+    case 't':
+    case 'l':
+    case 'd':
+      return StackEffect{kToMark, true};
+    case 'e':
+    case 'u':
+      return StackEffect{kToMark, false};
+    case 'a':
+    case 'b':
+      return StackEffect{1, false};
+    case 's':
+      return StackEffect{2, false};
+    case 'R':
+    case '\x81':
+    case '\x86':
+    case '\x93':
+      return StackEffect{2, true};
+    case '\x87':
+      return StackEffect{3, true};
+    default:
+      return std::nullopt;
+  }
+}
+
+// Note [torch.save's format]: rewrites Python's OrderedDict() into an empty dict, and BUILD into
+// SETITEM under kBuildStateKey (LibTorch's Unpickler has no POP to drop the state with, and the
+// state may memoize values that later parts of the pickle refer to, so it must stay). Walks the
+// opcodes (a byte inside a string or a number is not an opcode) keeping, for each stack item, where
+// its bytes begin in the output, so that the key can go in front of the state. "GLOBAL collections
+// OrderedDict [BINPUT n]", or later "BINGET n", followed by an empty tuple and a REDUCE (the call
+// OrderedDict()) becomes EMPTY_DICT. Returns the pickle as it was where it meets anything it cannot
+// tell: LibTorch's Unpickler then says what it cannot read.
+std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
+  const char* p = pickle.data();
+  const char* const end = p + pickle.size();
+  std::vector<char> out;
+  out.reserve(pickle.size() + 1024);
+  struct Item {
+    std::size_t begins;  // in out
+    bool mark;
+  };
+  std::vector<Item> stack;
+  std::vector<uint64_t> ordered_dict_memo;  // memo slots that hold the class OrderedDict
+  static constexpr std::string_view kOrderedDict = "collections\nOrderedDict\n";
+  // At `at`: an empty tuple and a REDUCE (the call with no arguments)? Then past them.
+  auto call_without_arguments = [&](const char* at) -> const char* {
+    return end - at >= 2 && at[0] == ')' && at[1] == 'R' ? at + 2 : nullptr;
+  };
+  auto empty_dict = [&](const char* after) {
+    stack.push_back({out.size(), false});
+    out.push_back('}');
+    return after;
+  };
+  while (p < end) {
+    const auto opcode = static_cast<unsigned char>(*p);
+    auto size = argument_size(opcode, p + 1, end);
+    auto effect = stack_effect(opcode);
+    if (!size || !effect) return pickle;
+    const char* next = p + 1 + *size;
+    if (opcode == 'c' && std::string_view(p + 1, *size) == kOrderedDict) {
+      if (next < end && (*next == 'q' || *next == 'r')) {  // memoized for later calls
+        const int width = *next == 'q' ? 1 : 4;
+        if (end - next <= width) return pickle;
+        ordered_dict_memo.push_back(get_le(next + 1, width));
+        next += 1 + width;
+      }
+      const char* after = call_without_arguments(next);
+      if (!after) return pickle;
+      p = empty_dict(after);
+      continue;
+    }
+    if ((opcode == 'h' || opcode == 'j') &&
+        std::find(ordered_dict_memo.begin(), ordered_dict_memo.end(),
+                  get_le(p + 1, opcode == 'h' ? 1 : 4)) != ordered_dict_memo.end()) {
+      const char* after = call_without_arguments(next);
+      if (!after) return pickle;
+      p = empty_dict(after);
+      continue;
+    }
+    // Where the item this opcode pushes begins: its first popped item's start, or here.
+    std::size_t begins = out.size();
+    if (effect->pops == kToMark) {
+      while (!stack.empty() && !stack.back().mark) stack.pop_back();
+      if (stack.empty()) return pickle;
+      begins = stack.back().begins;
+      stack.pop_back();
+    } else {
+      if (stack.size() < static_cast<std::size_t>(effect->pops)) return pickle;
+      if (effect->pops > 0) begins = stack[stack.size() - effect->pops].begins;
+      if (opcode == 'b') {
+        // [.., dict, state] BUILD -> [.., dict, key, state] SETITEM.
+        const std::size_t state_begins = stack.back().begins;
+        char key[5 + kBuildStateKey.size()] = {'X'};
+        const auto key_size = static_cast<uint32_t>(kBuildStateKey.size());
+        for (int i = 0; i < 4; ++i) key[1 + i] = static_cast<char>((key_size >> (8 * i)) & 0xff);
+        std::memcpy(key + 5, kBuildStateKey.data(), kBuildStateKey.size());
+        out.insert(out.begin() + static_cast<std::ptrdiff_t>(state_begins), key, key + sizeof key);
+        out.push_back('s');
+        stack.pop_back();
+        p = next;
+        continue;
+      }
+      stack.resize(stack.size() - effect->pops);
+    }
+    if (effect->pushes) stack.push_back({begins, opcode == '('});
+    out.insert(out.end(), p, next);
+    if (opcode == '.') break;
+    p = next;
+  }
+  return out;
+}
+
+// Drops what readable_by_libtorch filed under kBuildStateKey, in every dict of value.
+void drop_build_states(const c10::IValue& value) {
+  if (value.isGenericDict()) {
+    auto dict = value.toGenericDict();
+    dict.erase(std::string(kBuildStateKey));
+    for (const auto& item : dict) drop_build_states(item.value());
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) drop_build_states(item);
+  } else if (value.isTuple()) {
+    for (const c10::IValue& item : value.toTupleRef().elements()) drop_build_states(item);
+  }
+}
+
+}  // namespace
+
+std::vector<char> save_torch_archive(const c10::IValue& value) {
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* data, std::size_t size) { pickle.insert(pickle.end(), data, data + size); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+
+  std::vector<char> archive;
+  archive.reserve(pickle.size() + 4096);
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t size) {
+    const char* bytes = static_cast<const char*>(data);
+    archive.insert(archive.end(), bytes, bytes + size);
+    return size;
+  });
+  // Python's torch.load reads the tensors' bytes in this order (a big-endian reader swaps them).
+  writer.writeRecord("byteorder", "little", 6);
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+
+  // The seal: the end record's comment length, then a CRC-32 of everything up to the comment.
+  const std::size_t comment_length_at = archive.size() - 2;
+  TORCH_CHECK(get_le(archive.data() + archive.size() - 22, 4) == 0x06054b50 &&
+                  get_le(archive.data() + comment_length_at, 2) == 0,
+              "save_torch_archive: the zip does not end in an end record without a comment");
+  archive[comment_length_at] = static_cast<char>(kSealSize);
+  char seal[kSealSize + 1];
+  std::snprintf(seal, sizeof seal, "%s%08x", kSealPrefix, crc32_of(archive.data(), archive.size()));
+  archive.insert(archive.end(), seal, seal + kSealSize);
+  return archive;
+}
+
+bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
+  const char* data = bytes.data();
+  const uint64_t size = bytes.size();
+  constexpr uint64_t kEndSize = 22;  // the end-of-central-directory record without its comment
+  // The end record sits in the last 22 + 65535 bytes (after it, only its comment).
+  std::optional<uint64_t> end_at;
+  for (uint64_t at = size >= kEndSize ? size - kEndSize + 1 : 0; at-- > 0;) {
+    if (size - at > kEndSize + 0xffff) break;
+    if (get_le(data + at, 4) == 0x06054b50 && at + kEndSize + get_le(data + at + 20, 2) == size) {
+      end_at = at;
+      break;
+    }
+  }
+  if (!end_at) {
+    *why = "truncated: no zip directory at its end (or not a torch.save file)";
+    return false;
+  }
+  const uint64_t comment_size = get_le(data + *end_at + 20, 2);
+  if (comment_size == kSealSize &&
+      std::memcmp(data + size - kSealSize, kSealPrefix, sizeof kSealPrefix - 1) == 0) {
+    char expected[kSealSize + 1];
+    std::snprintf(expected, sizeof expected, "%s%08x", kSealPrefix,
+                  crc32_of(data, size - kSealSize));
+    if (std::memcmp(expected, data + size - kSealSize, kSealSize) == 0) return true;
+    *why = "checksum mismatch (the contents changed after it was written)";
+    return false;
+  }
+  // Not sealed by dtrain: each record against its CRC-32 in the zip's directory.
+  uint64_t entries = get_le(data + *end_at + 10, 2);
+  uint64_t directory_size = get_le(data + *end_at + 12, 4);
+  uint64_t directory_at = get_le(data + *end_at + 16, 4);
+  if (entries == 0xffff || directory_size == 0xffffffff || directory_at == 0xffffffff) {
+    // Zip64: a locator just before the end record points to the zip64 end record.
+    if (*end_at < 20 || get_le(data + *end_at - 20, 4) != 0x07064b50) {
+      *why = "its zip64 directory locator is missing";
+      return false;
+    }
+    uint64_t end64_at = get_le(data + *end_at - 12, 8);
+    if (end64_at + 56 > size || get_le(data + end64_at, 4) != 0x06064b50) {
+      *why = "its zip64 directory record is damaged";
+      return false;
+    }
+    entries = get_le(data + end64_at + 32, 8);
+    directory_size = get_le(data + end64_at + 40, 8);
+    directory_at = get_le(data + end64_at + 48, 8);
+  }
+  if (directory_at > size || directory_size > size - directory_at) {
+    *why = "its zip directory points outside the file";
+    return false;
+  }
+  uint64_t at = directory_at;
+  for (uint64_t i = 0; i < entries; ++i) {
+    if (at + 46 > directory_at + directory_size || get_le(data + at, 4) != 0x02014b50) {
+      *why = "its zip directory is damaged at entry " + std::to_string(i);
+      return false;
+    }
+    const uint64_t method = get_le(data + at + 10, 2);
+    const auto crc = static_cast<uint32_t>(get_le(data + at + 16, 4));
+    uint64_t record_size = get_le(data + at + 24, 4);
+    const uint64_t name_size = get_le(data + at + 28, 2), extra_size = get_le(data + at + 30, 2),
+                   comment_size = get_le(data + at + 32, 2);
+    uint64_t local_at = get_le(data + at + 42, 4);
+    if (at + 46 + name_size + extra_size + comment_size > directory_at + directory_size) {
+      *why = "its zip directory is damaged at entry " + std::to_string(i);
+      return false;
+    }
+    const std::string name(data + at + 46, name_size);
+    // Zip64 sizes and offsets live in the extra field (id 1), in this order, for each field that
+    // says 0xffffffff.
+    const bool big_size = record_size == 0xffffffff,
+               big_compressed = get_le(data + at + 20, 4) == 0xffffffff,
+               big_offset = local_at == 0xffffffff;
+    for (uint64_t e = at + 46 + name_size; e + 4 <= at + 46 + name_size + extra_size;) {
+      const uint64_t id = get_le(data + e, 2), field_size = get_le(data + e + 2, 2);
+      if (id == 1) {
+        uint64_t f = e + 4;
+        if (big_size && f + 8 <= e + 4 + field_size) record_size = get_le(data + f, 8), f += 8;
+        if (big_compressed && f + 8 <= e + 4 + field_size) f += 8;
+        if (big_offset && f + 8 <= e + 4 + field_size) local_at = get_le(data + f, 8);
+      }
+      e += 4 + field_size;
+    }
+    if (method != 0) {
+      *why = "record '" + name + "' is compressed (method " + std::to_string(method) +
+             "); torch.save stores records uncompressed";
+      return false;
+    }
+    if (local_at + 30 > size || get_le(data + local_at, 4) != 0x04034b50) {
+      *why = "record '" + name + "': its local header is damaged";
+      return false;
+    }
+    const uint64_t data_at =
+        local_at + 30 + get_le(data + local_at + 26, 2) + get_le(data + local_at + 28, 2);
+    if (data_at > size || record_size > size - data_at) {
+      *why = "record '" + name + "' runs past the end of the file (truncated?)";
+      return false;
+    }
+    if (crc32_of(data + data_at, record_size) != crc) {
+      *why = "record '" + name + "': checksum mismatch (the contents changed after it was written)";
+      return false;
+    }
+    at += 46 + name_size + extra_size + comment_size;
+  }
+  return true;
+}
+
+c10::IValue load_torch_archive(const std::vector<char>& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(
+      std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(),
+                                                             static_cast<off_t>(bytes.size())));
+  auto [pickle_data, pickle_size] = reader.getRecord("data.pkl");
+  const char* pickle_bytes = static_cast<const char*>(pickle_data.get());
+  const std::vector<char> pickle =
+      readable_by_libtorch(std::vector<char>(pickle_bytes, pickle_bytes + pickle_size));
+  std::size_t read = 0;
+  torch::jit::Unpickler unpickler(
+      [&](char* out, std::size_t n) {
+        n = std::min(n, pickle.size() - read);
+        std::memcpy(out, pickle.data() + read, n);
+        read += n;
+        return n;
+      },
+      /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
+      [&](const std::string& key) { return std::get<0>(reader.getRecord("data/" + key)); },
+      at::Device(at::kCPU));
+  unpickler.set_version(reader.version());
+  c10::IValue value = unpickler.parse_ivalue();
+  drop_build_states(value);
+  return value;
+}
+
+}  // namespace dtrain::detail

@@ -1,0 +1,31 @@
+// The file format of Python's torch.save, written and read from C++ (Note [torch.save's format] in
+// torch_archive.cpp): a zip of a pickle ("data.pkl") and one record per tensor storage.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <string>
+#include <vector>
+
+namespace dtrain::detail {
+
+// The bytes of a file that Python's torch.load(path, weights_only=True) opens as `value`: dicts,
+// lists, tuples, strings, numbers, booleans, None and CPU tensors. (torch::pickle_save tags its
+// dicts and lists with a TorchScript global that weights_only refuses, hence this.) The bytes
+// come sealed: the zip's comment holds a CRC-32 of every byte before it. Throws c10::Error for a
+// value outside that set.
+std::vector<char> save_torch_archive(const c10::IValue& value);
+
+// Whether bytes are an intact torch.save file: sealed by save_torch_archive and the seal holds, or
+// (a file Python wrote) a zip whose directory is whole and whose every record matches its CRC-32
+// (LibTorch's reader checks neither). Returns false and sets *why ("checksum mismatch", "record
+// 'archive/data/3': checksum mismatch", "truncated: no zip directory at its end ...") otherwise.
+bool torch_archive_intact(const std::vector<char>& bytes, std::string* why);
+
+// The value of a torch.save file (from Python or save_torch_archive), tensors on the CPU. Reads
+// what Python writes for a state dict (an OrderedDict with its _metadata attribute, which
+// LibTorch's own unpickler cannot take: Note [torch.save's format]). Throws c10::Error for bytes
+// that are not such a file.
+c10::IValue load_torch_archive(const std::vector<char>& bytes);
+
+}  // namespace dtrain::detail
