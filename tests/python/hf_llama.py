@@ -1,12 +1,13 @@
 """Hugging Face's side of dtrain's safetensors tests (tools/gpt/hf_export_test.cpp and
 tests/checkpoint/safetensors_test.cpp), on the project environment's transformers and safetensors.
 
-  hf_llama.py compare DIR LOGITS [--key logits_after]
-      Loads DIR (what train_gpt --export-hf wrote) with LlamaForCausalLM.from_pretrained, runs it on
-      LOGITS' "tokens" and compares with LOGITS' logits (what dtrain computed). Prints one JSON line:
-      max_abs_diff, and the same for two wrong maps a reader could make - q/k rows permuted from
-      Hugging Face's rotate-half layout to Meta's interleaved one, and gate/up swapped - which must
-      be far off for the comparison to mean anything. Exits 1 when max_abs_diff > --tolerance.
+  hf_llama.py compare DIR LOGITS [DIR LOGITS ...] [--key logits_after]
+      For each pair (several share one Python start): loads DIR (what train_gpt --export-hf
+      wrote) with LlamaForCausalLM.from_pretrained, runs it on LOGITS' "tokens" and compares with
+      LOGITS' logits (what dtrain computed). Prints one JSON line a pair: max_abs_diff, and the
+      same for two wrong maps a reader could make - q/k rows permuted from Hugging Face's
+      rotate-half layout to Meta's interleaved one, and gate/up swapped - which must be far off
+      for the comparison to mean anything. Exits 1 when a max_abs_diff > --tolerance.
   hf_llama.py make DIR REFERENCE [--max-shard-size 100KB] [--seed 0]
       Builds a random small LlamaForCausalLM, save_pretrained(DIR, safe_serialization=True,
       max_shard_size=...) (sharded), and writes REFERENCE: "tokens" and the model's "logits" on
@@ -43,15 +44,28 @@ def permute_to_interleaved(weight, heads):
 
 
 def compare(args):
+    if len(args.pairs) % 2 != 0:
+        sys.exit(f"hf_llama.py compare: expected pairs of DIR LOGITS, got {args.pairs}")
+    worst = 0.0
+    for i in range(0, len(args.pairs), 2):
+        result = compare_one(args.pairs[i], args.pairs[i + 1], args.key)
+        result["tolerance"] = args.tolerance
+        print(json.dumps(result), flush=True)
+        worst = max(worst, result["max_abs_diff"])
+    return 0 if worst <= args.tolerance else 1
+
+
+def compare_one(model_dir, logits_file, key):
     from transformers import LlamaForCausalLM
 
-    expected = load_file(args.logits)
+    expected = load_file(logits_file)
     tokens = expected["tokens"].long()
-    want = expected[args.key].float()
-    model = LlamaForCausalLM.from_pretrained(args.dir, dtype=torch.float32).eval()
+    want = expected[key].float()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = model.config
     got = logits_of(model, tokens)
-    result = {"max_abs_diff": (got - want).abs().max().item(), "max_abs_logit": want.abs().max().item()}
+    result = {"dir": model_dir, "max_abs_diff": (got - want).abs().max().item()}
+    result["max_abs_logit"] = want.abs().max().item()
 
     # The wrong maps, for scale.
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -68,9 +82,7 @@ def compare(args):
             tensor.copy_(up)
             model.state_dict()[name.replace("gate_proj", "up_proj")].copy_(state[name])
     result["max_abs_diff_swapped_gate_up"] = (logits_of(model, tokens) - want).abs().max().item()
-    result["tolerance"] = args.tolerance
-    print(json.dumps(result))
-    return 0 if result["max_abs_diff"] <= args.tolerance else 1
+    return result
 
 
 def make(args):
@@ -114,11 +126,12 @@ def copy(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("compare")
-    p.add_argument("dir")
-    p.add_argument("logits")
+    p.add_argument("pairs", nargs="+", metavar="DIR LOGITS")
     p.add_argument("--key", default="logits_after")
     # float32 logits of a few units, computed in another order (sdpa vs dtrain's kernels): about
     # 1e-6 apart; a wrong map is off by 1e-1 or more.

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
 
 #include "datasets/text_corpus.h"
 #include "dtrain/errors.h"
@@ -236,7 +237,7 @@ std::string python_with_transformers(std::string* why) {
   return python;
 }
 
-std::string script() { return std::string(DTRAIN_SOURCE_DIR) + "/tests/python/hf_llama.py"; }
+std::string script() { return DTRAIN_SOURCE_DIR "/tests/python/hf_llama.py"; }
 
 const std::string kSmall =
     " --layers 2 --width 64 --heads 4 --kv-heads 2 --seq-len 32 --batch-size 8"
@@ -254,28 +255,37 @@ TEST(TrainGptHf, TransformersLoadsTheExportAndGivesTheSameLogits) {
   const std::string python = python_with_transformers(&why);
   if (python.empty()) GTEST_SKIP() << why;
   const std::string dir = temp_dir("hf-train-export");
-  for (const std::string& layout : {std::string(""), std::string(" --tp 2"),
-                                    std::string(" --zero 3 --export-hf-max-shard 60000")}) {
-    SCOPED_TRACE("layout:" + layout);
+  const std::vector<std::string> layouts = {"", " --tp 2", " --zero 3 --export-hf-max-shard 60000"};
+  std::string pairs;  // "DIR LOGITS" of each layout, for one Python start
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    SCOPED_TRACE("layout:" + layouts[i]);
+    const std::string model = dir + "/model" + std::to_string(i);
+    const std::string logits = dir + "/logits" + std::to_string(i) + ".safetensors";
     auto run = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") +
-                           kSmall + " --steps 30" + layout + " --export-hf " + dir +
-                           "/model --logits-out " + dir + "/logits.safetensors");
+                           kSmall + " --steps 30" + layouts[i] + " --export-hf " + model +
+                           " --logits-out " + logits);
     ASSERT_EQ(run.exit_code, 0) << run.output;
-    if (layout.find("max-shard") != std::string::npos) {
-      EXPECT_TRUE(fs::exists(dir + "/model/model.safetensors.index.json"));
-    }
-    auto compare =
-        run_command("'" + python + "' " + script() + " compare " + dir + "/model " + dir +
-                        "/logits.safetensors --tolerance " + std::to_string(kLogitTolerance),
-                    300);
-    ASSERT_EQ(compare.exit_code, 0) << compare.output;
-    EXPECT_LT(json_number(compare.output, "max_abs_diff"), kLogitTolerance) << compare.output;
-    EXPECT_GT(json_number(compare.output, "max_abs_logit"), 1.0) << compare.output;
-    EXPECT_GT(json_number(compare.output, "max_abs_diff_permuted_qk"), 100 * kLogitTolerance)
-        << compare.output;
-    EXPECT_GT(json_number(compare.output, "max_abs_diff_swapped_gate_up"), 100 * kLogitTolerance)
-        << compare.output;
+    pairs += " " + model + " " + logits;
   }
+  EXPECT_TRUE(fs::exists(dir + "/model2/model.safetensors.index.json")) << "--zero 3 sharded";
+  auto compare = run_command("'" + python + "' " + script() + " compare" + pairs + " --tolerance " +
+                                 std::to_string(kLogitTolerance),
+                             300);
+  ASSERT_EQ(compare.exit_code, 0) << compare.output;
+  // One JSON line per layout, in order.
+  std::istringstream lines(compare.output);
+  std::string line;
+  size_t i = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("{\"dir\"", 0) != 0) continue;
+    ASSERT_LT(i, layouts.size()) << compare.output;
+    SCOPED_TRACE("layout:" + layouts[i++] + " " + line);
+    EXPECT_LT(json_number(line, "max_abs_diff"), kLogitTolerance);
+    EXPECT_GT(json_number(line, "max_abs_logit"), 1.0);  // trained: logits of a few units
+    EXPECT_GT(json_number(line, "max_abs_diff_permuted_qk"), 100 * kLogitTolerance);
+    EXPECT_GT(json_number(line, "max_abs_diff_swapped_gate_up"), 100 * kLogitTolerance);
+  }
+  EXPECT_EQ(i, layouts.size()) << compare.output;
   fs::remove_all(dir);
 }
 
