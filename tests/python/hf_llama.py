@@ -8,7 +8,7 @@ tests/checkpoint/safetensors_test.cpp), on the project environment's transformer
       same for two wrong maps a reader could make - q/k rows permuted from Hugging Face's
       rotate-half layout to Meta's interleaved one, and gate/up swapped - which must be far off
       for the comparison to mean anything. Exits 1 when a max_abs_diff > --tolerance.
-  hf_llama.py make DIR REFERENCE [--max-shard-size 100KB] [--seed 0]
+  hf_llama.py make DIR REFERENCE [--max-shard-size 100KB] [--seed 0] [--std 0.1]
       Builds a random small LlamaForCausalLM, save_pretrained(DIR, safe_serialization=True,
       max_shard_size=...) (sharded), and writes REFERENCE: "tokens" and the model's "logits" on
       them, for dtrain to import DIR and compare.
@@ -109,7 +109,7 @@ def make(args):
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 tensor.uniform_(0.5, 1.5)
             else:
-                tensor.normal_(0.0, 0.25)
+                tensor.normal_(0.0, args.std)
     model.save_pretrained(args.dir, safe_serialization=True, max_shard_size=args.max_shard_size)
     generator = torch.Generator().manual_seed(args.seed + 1)
     tokens = torch.randint(0, 256, (2, 40), generator=generator)
@@ -141,6 +141,7 @@ def main():
     p.add_argument("reference")
     p.add_argument("--max-shard-size", default="100KB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=0.1, help="the weights' standard deviation")
     p = commands.add_parser("copy")
     p.add_argument("input")
     p.add_argument("output")
