@@ -5,6 +5,13 @@
 // others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
 // tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
 //
+// --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
+// safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
+// such a folder (dtrain's or save_pretrained's) instead of fresh weights, its sizes from its
+// config.json. --logits-out FILE writes the model's logits on fixed tokens before and after
+// training (safetensors: "tokens", "logits_before", "logits_after") for comparing with another
+// implementation.
+//
 // --device auto (default) trains on cuda:LOCAL_RANK when every rank of the node has a GPU of its
 // own, else on the CPU; --device cuda also puts several ranks on one GPU (they then need
 // DTRAIN_CUDA_BACKEND=gloo, as NCCL refuses two ranks on one device). --amp bf16 runs the forward
@@ -14,6 +21,7 @@
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --zero 3
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --pp 2 --micro-batches 4
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
+//   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -30,8 +38,10 @@
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
 #include "dtrain/pipeline.h"
+#include "dtrain/safetensors.h"
 #include "dtrain/sharded.h"
 #include "gpt/gpt.h"
+#include "gpt/hf_export.h"
 
 namespace {
 
@@ -42,8 +52,14 @@ struct Flags {
   std::string schedule = "1f1b";
   int micro_batches = 4;
   gpt::GptConfig model;
-  int64_t batch_size = 8;    // windows per data-parallel rank and step
-  int64_t steps = 100;       // timed steps
+  int64_t window = 0;     // tokens per training window: --seq-len (model.seq_len without --init-hf)
+  std::string init_hf;    // a Hugging Face Llama folder to start from
+  std::string export_hf;  // where to write the trained model as one
+  int64_t export_hf_max_shard = 0;  // bytes per safetensors file (0: one file)
+  std::string logits_out;           // where to write logits before and after training
+  std::string logits_tokens;        // a safetensors file whose "tokens" they are computed on
+  int64_t batch_size = 8;           // windows per data-parallel rank and step
+  int64_t steps = 100;              // timed steps
   int64_t warmup_steps = 0;  // untimed steps before them (CUDA's first steps pay for its set-up)
   std::string device = "auto";
   std::string amp = "none";
@@ -65,11 +81,32 @@ Flags parse(int argc, char** argv) {
   app.add_option("--schedule", flags.schedule, "gpipe, 1f1b or interleaved (with --pp)");
   app.add_option("--micro-batches", flags.micro_batches, "micro-batches per step (with --pp)")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--layers", flags.model.layers)->check(CLI::Range(1, 1024));
-  app.add_option("--width", flags.model.width)->check(CLI::Range(2, 65536));
-  app.add_option("--heads", flags.model.heads)->check(CLI::Range(1, 1024));
-  app.add_option("--kv-heads", flags.model.kv_heads)->check(CLI::Range(1, 1024));
-  app.add_option("--seq-len", flags.model.seq_len)->check(CLI::Range(1, 1 << 20));
+  // The sizes, as pointers: with --init-hf the ones given must agree with its config.json.
+  std::vector<std::pair<CLI::Option*, int64_t*>> sizes = {
+      {app.add_option("--layers", flags.model.layers)->check(CLI::Range(1, 1024)),
+       &flags.model.layers},
+      {app.add_option("--width", flags.model.width)->check(CLI::Range(2, 65536)),
+       &flags.model.width},
+      {app.add_option("--heads", flags.model.heads)->check(CLI::Range(1, 1024)),
+       &flags.model.heads},
+      {app.add_option("--kv-heads", flags.model.kv_heads)->check(CLI::Range(1, 1024)),
+       &flags.model.kv_heads}};
+  CLI::Option* seq_len =
+      app.add_option("--seq-len", flags.model.seq_len, "tokens per window (and the model's limit)")
+          ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--init-hf", flags.init_hf,
+                 "start from this Hugging Face Llama folder (config.json + safetensors); the "
+                 "sizes come from its config.json");
+  app.add_option("--export-hf", flags.export_hf,
+                 "after training, write the model here as Hugging Face's LlamaForCausalLM");
+  app.add_option("--export-hf-max-shard", flags.export_hf_max_shard,
+                 "bytes per safetensors file of --export-hf (0: one file)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--logits-out", flags.logits_out,
+                 "write the logits on fixed tokens before and after training (safetensors)");
+  app.add_option("--logits-tokens", flags.logits_tokens,
+                 "a safetensors file whose int64 \"tokens\" [batch, seq] --logits-out uses "
+                 "(default: the first two held-out windows)");
   app.add_option("--batch-size", flags.batch_size, "windows per data-parallel rank")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--steps", flags.steps, "timed steps")->check(CLI::Range(1, 1 << 30));
@@ -105,11 +142,57 @@ Flags parse(int argc, char** argv) {
                              " with --pp or --zero: tensor parallelism combines with DDP only, "
                              "so far; drop --pp and --zero, or --tp");
   }
+  for (auto [flag, value] :
+       {std::pair<const char*, const std::string*>{"--export-hf", &flags.export_hf},
+        {"--logits-out", &flags.logits_out}}) {
+    if (flags.pp > 1 && !value->empty()) {
+      throw dtrain::UsageError(
+          std::string("train_gpt: ") + flag + " with --pp " + std::to_string(flags.pp) +
+          ": a pipeline's stages each hold their own blocks and gathering them is not "
+          "implemented yet; the layouts that export so far are DDP, --zero 1-3 and --tp");
+    }
+  }
   if (flags.pp > 1 && flags.zero > 0) {
     throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +
                              std::to_string(flags.pp) +
                              ": ZeRO over a pipeline's data dimension is not implemented; drop "
                              "one of the two");
+  }
+  flags.window = flags.model.seq_len;
+  if (!flags.init_hf.empty()) {
+    // The model is the folder's: a size flag may repeat its config.json but not contradict it;
+    // --seq-len is then only the training window, which must fit max_position_embeddings.
+    gpt::GptConfig config;
+    try {
+      config = gpt::read_hf_config(flags.init_hf);
+    } catch (const dtrain::UsageError& e) {
+      throw dtrain::UsageError(std::string("train_gpt: --init-hf: ") + e.what());
+    }
+    for (auto [option, value] : sizes) {
+      const int64_t from_file = option->get_name() == "--layers"  ? config.layers
+                                : option->get_name() == "--width" ? config.width
+                                : option->get_name() == "--heads" ? config.heads
+                                                                  : config.kv_heads;
+      if (option->count() > 0 && *value != from_file) {
+        throw dtrain::UsageError("train_gpt: " + option->get_name() + " " + std::to_string(*value) +
+                                 " conflicts with --init-hf " + flags.init_hf +
+                                 "'s config.json, which says " + std::to_string(from_file) +
+                                 "; drop the flag (the sizes come from config.json)");
+      }
+    }
+    if (config.vocab < 256) {
+      throw dtrain::UsageError("train_gpt: --init-hf " + flags.init_hf + ": vocab_size " +
+                               std::to_string(config.vocab) +
+                               " is below 256, and train_gpt's tokens are bytes");
+    }
+    flags.window = seq_len->count() > 0 ? flags.model.seq_len
+                                        : std::min<int64_t>(flags.model.seq_len, config.seq_len);
+    if (flags.window > config.seq_len) {
+      throw dtrain::UsageError("train_gpt: --seq-len " + std::to_string(flags.window) +
+                               " is longer than --init-hf " + flags.init_hf +
+                               "'s max_position_embeddings " + std::to_string(config.seq_len));
+    }
+    flags.model = config;
   }
   try {
     flags.model.check();
@@ -151,8 +234,40 @@ int train(const Flags& flags) {
   // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
   gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr);
+  if (!flags.init_hf.empty()) gpt::load_hf(*model, flags.init_hf);  // each rank its shard
   model->to(device);  // before a layout takes its parameters
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
+
+  // --logits-out: the model's logits on fixed tokens now, before a layout takes the parameters
+  // (ZeRO-3 frees the module's own), and after training. Every rank computes them (a tensor
+  // group's forward is collective); rank 0 writes.
+  at::Tensor logit_tokens, logits_before;
+  auto logits_of = [&] {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    at::Tensor logits = model(logit_tokens.to(device)).to(at::kCPU, at::kFloat);
+    model->train();
+    return logits;
+  };
+  if (!flags.logits_out.empty()) {
+    if (!flags.logits_tokens.empty()) {
+      dtrain::TensorTable file = dtrain::load_safetensors(flags.logits_tokens);
+      const at::Tensor* tokens = file.find("tokens");
+      if (!tokens || tokens->scalar_type() != at::kLong || tokens->dim() != 2 ||
+          tokens->size(1) > flags.model.seq_len || tokens->min().item<int64_t>() < 0 ||
+          tokens->max().item<int64_t>() >= flags.model.vocab) {
+        throw dtrain::UsageError("train_gpt: --logits-tokens " + flags.logits_tokens +
+                                 ": expected an int64 tensor \"tokens\" [batch, seq] with seq <= " +
+                                 std::to_string(flags.model.seq_len) + " and values below " +
+                                 std::to_string(flags.model.vocab));
+      }
+      logit_tokens = *tokens;
+    } else {
+      datasets::ByteWindows windows(corpus.heldout, flags.window);
+      logit_tokens = at::stack({windows.get(0).data, windows.get(1).data});
+    }
+    logits_before = logits_of();
+  }
 
   // The layout: what the optimizer steps, how a step runs, which group holds the data replicas.
   std::shared_ptr<dtrain::ProcessGroup> data_group = pg;
@@ -184,15 +299,15 @@ int train(const Flags& flags) {
   torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(flags.lr));
 
   // Windows dealt over the data-parallel replicas (both stages of a pipeline read the same).
-  auto train_set = datasets::ByteWindows(corpus.train, flags.model.seq_len)
-                       .map(torch::data::transforms::Stack<>());
+  auto train_set =
+      datasets::ByteWindows(corpus.train, flags.window).map(torch::data::transforms::Stack<>());
   dtrain::DistributedSampler sampler(train_set.size().value(), data_group);
   // The held-out windows, made before training so that a tail too short for one window is one line
   // before the first step, not after the last (the pipeline does not validate: see below).
   std::optional<datasets::ByteWindows> heldout;
   if (!pipe) {
     try {
-      heldout.emplace(corpus.heldout, flags.model.seq_len);
+      heldout.emplace(corpus.heldout, flags.window);
     } catch (const dtrain::UsageError& e) {
       throw dtrain::UsageError(std::string("train_gpt: the held-out text (the last 5% of the ") +
                                "corpus, or of --max-bytes): " + e.what());
@@ -276,14 +391,31 @@ int train(const Flags& flags) {
     const double val_loss = total / static_cast<double>(windows);
     result["val_loss"] = val_loss;
     result["bits_per_byte"] = val_loss / std::log(2.0);
+    // The whole model is on every rank here (ZeRO gathered it above; a tensor group gathers in
+    // export_hf and runs its forward together).
+    if (!flags.logits_out.empty()) {
+      dtrain::TensorTable logits;
+      logits.insert("tokens", logit_tokens);
+      logits.insert("logits_before", logits_before);
+      logits.insert("logits_after", logits_of());
+      if (leader) dtrain::save_safetensors_file(flags.logits_out, logits);
+    }
+    if (!flags.export_hf.empty()) {
+      gpt::HfExportOptions options;
+      options.max_shard_bytes = flags.export_hf_max_shard;
+      gpt::export_hf(*model, flags.export_hf, options, /*write=*/leader);
+      result["export_hf"] = flags.export_hf;
+    }
   }
-  const double tokens = static_cast<double>(flags.steps * flags.batch_size * flags.model.seq_len *
-                                            data_group->size());
+  const double tokens =
+      static_cast<double>(flags.steps * flags.batch_size * flags.window * data_group->size());
   const double tokens_per_s = tokens / seconds;
+  gpt::GptConfig trained = flags.model;  // FLOPs as the windows trained, not the model's limit
+  trained.seq_len = flags.window;
   result["tokens_per_s"] = tokens_per_s;
-  result["params"] = gpt::parameter_count(flags.model);
-  result["model_flops_per_token"] = gpt::model_flops_per_token(flags.model);
-  result["model_tflops"] = tokens_per_s * gpt::model_flops_per_token(flags.model) / 1e12;
+  result["params"] = gpt::parameter_count(trained);
+  result["model_flops_per_token"] = gpt::model_flops_per_token(trained);
+  result["model_tflops"] = tokens_per_s * gpt::model_flops_per_token(trained) / 1e12;
   if (leader) std::cout << result.dump() << std::endl;
   return 0;
 }
