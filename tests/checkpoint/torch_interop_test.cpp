@@ -169,5 +169,28 @@ TEST(CheckpointInterop, CenteredRmspropWithMomentum) {
   });
 }
 
+// A model trained by dtrain's trainer, evaluated in PyTorch from its checkpoint alone
+// (tests/python/evaluate_trainer_checkpoint.py), scores what the trainer reported. Untrained
+// weights score about 0.1; two predictions of 10000 may flip on summation order.
+TEST(CheckpointInterop, PyTorchEvaluatesTheTrainersModelToItsAccuracy) {
+  const std::string python = testing::python_with_torch();
+  if (python.empty()) GTEST_SKIP() << testing::kNoPythonWithTorch;
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  const std::string dir = testing::temp_dir("dtrain-interop-trainer");
+  auto trained = testing::run_command(testing::bin("train_fashion_mnist") +
+                                      " --max-steps 300 --checkpoint-dir " + dir);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const double reported = testing::json_number(trained.output, "test_accuracy");
+  ASSERT_GT(reported, 0.5) << trained.output;
+  auto evaluated = testing::run_command(python + " " + DTRAIN_SOURCE_DIR +
+                                        "/tests/python/evaluate_trainer_checkpoint.py " + dir +
+                                        "/checkpoint-300.ckpt " + testing::fashion_mnist_dir());
+  ASSERT_EQ(evaluated.exit_code, 0) << evaluated.output;
+  const auto at = evaluated.output.rfind("accuracy ");
+  ASSERT_NE(at, std::string::npos) << evaluated.output;
+  EXPECT_NEAR(std::stod(evaluated.output.substr(at + 9)), reported, 2e-4) << evaluated.output;
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace dtrain
