@@ -41,6 +41,7 @@ struct Snapshot {
   // The optimizer in Python's form (optimizer_state.h), or for an optimizer that has none (LBFGS,
   // the caller's own) its LibTorch archive: serialized here, on the caller's thread.
   std::optional<c10::IValue> optimizer;
+  std::string optimizer_class;  // Python's name of it
   std::string optimizer_archive;
   std::optional<SamplerState> sampler;
   int64_t step = 0;
@@ -72,6 +73,7 @@ Snapshot take_snapshot(const TrainingState& state, bool copy) {
   }
   if (state.optimizer) {
     snapshot.optimizer = detail::python_optimizer_state(*state.optimizer, copy);
+    snapshot.optimizer_class = detail::python_optimizer_class(*state.optimizer);
     if (!snapshot.optimizer) snapshot.optimizer_archive = serialize_optimizer(*state.optimizer);
   }
   if (state.sampler) snapshot.sampler = state.sampler->state();
@@ -108,7 +110,11 @@ std::vector<char> encode(const Snapshot& snapshot) {
   Dict model = new_dict();
   for (const auto& [name, tensor] : snapshot.model) model.insert(name, tensor.cpu());
   root.insert("model", model);
-  if (snapshot.optimizer) root.insert("optimizer", *snapshot.optimizer);
+  if (snapshot.optimizer) {
+    root.insert("optimizer", *snapshot.optimizer);
+    // Python's state dict does not say whose it is; this does, for a clear refusal at load.
+    root.insert("optimizer_class", snapshot.optimizer_class);
+  }
   if (!snapshot.optimizer_archive.empty()) {
     root.insert("optimizer_archive", bytes_tensor(snapshot.optimizer_archive));
   }
@@ -343,6 +349,13 @@ void apply(const std::vector<char>& bytes, const std::string& path, int64_t file
   // fail.
   if (state.optimizer) {
     try {
+      const std::string mine = detail::python_optimizer_class(*state.optimizer);
+      if (root.contains("optimizer_class") && root.at("optimizer_class").isString() &&
+          root.at("optimizer_class").toStringRef() != mine) {
+        throw unusable("holds the state of " + root.at("optimizer_class").toStringRef() +
+                       ", not of this " + (mine.empty() ? "optimizer" : mine) +
+                       "; resume with the optimizer that saved it");
+      }
       if (root.contains("optimizer")) {
         detail::load_python_optimizer_state(root.at("optimizer"), *state.optimizer);
       } else {

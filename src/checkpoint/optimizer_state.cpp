@@ -50,6 +50,9 @@ bool flag(const Dict& dict, const std::string& key) {
 template <typename Optimizer, typename Options, typename State>
 struct Mapping {
   const char* name;
+  // Whether every parameter has a state from construction on (Adagrad's accumulators: its step()
+  // does not create a missing one).
+  bool state_from_construction;
   std::function<void(const Options&, Dict&)> save_group;
   std::function<void(const Dict&, Options&)> load_group;  // throws for what LibTorch lacks
   std::function<void(const State&, Dict&, const std::function<at::Tensor(const at::Tensor&)>&)>
@@ -151,6 +154,10 @@ bool load_with(const IValue& saved, optim::Optimizer& live,
       IValue index = params.get(p);
       if (!index.isInt()) refuse(where + "'s params holds a " + index.tagKind() + ", not an index");
       auto it = state.find(index.toInt());
+      if (it == state.end() && mapping.state_from_construction) {
+        refuse("it holds no state for parameter " + std::to_string(index.toInt()) + ", which " +
+               mapping.name + " keeps for every parameter");
+      }
       if (it == state.end()) continue;  // a parameter that has not stepped yet
       const std::string state_where = "state[" + std::to_string(index.toInt()) + "]";
       if (!it->value().isGenericDict()) refuse(state_where + " is not a dict");
@@ -177,6 +184,7 @@ template <typename Optimizer, typename Options, typename State>
 Mapping<Optimizer, Options, State> adam_mapping(const char* name, bool decoupled) {
   return {
       name,
+      /*state_from_construction=*/false,
       [decoupled](const Options& o, Dict& g) {
         g.insert("lr", o.lr());
         g.insert("betas",
@@ -224,6 +232,7 @@ Mapping<Optimizer, Options, State> adam_mapping(const char* name, bool decoupled
 const Mapping<optim::SGD, optim::SGDOptions, optim::SGDParamState>& sgd() {
   static const Mapping<optim::SGD, optim::SGDOptions, optim::SGDParamState> mapping{
       "SGD",
+      /*state_from_construction=*/false,
       [](const optim::SGDOptions& o, Dict& g) {
         g.insert("lr", o.lr());
         g.insert("momentum", o.momentum());
@@ -256,6 +265,7 @@ const Mapping<optim::SGD, optim::SGDOptions, optim::SGDParamState>& sgd() {
 const Mapping<optim::Adagrad, optim::AdagradOptions, optim::AdagradParamState>& adagrad() {
   static const Mapping<optim::Adagrad, optim::AdagradOptions, optim::AdagradParamState> mapping{
       "Adagrad",
+      /*state_from_construction=*/true,
       [](const optim::AdagradOptions& o, Dict& g) {
         g.insert("lr", o.lr());
         g.insert("lr_decay", o.lr_decay());
@@ -288,6 +298,7 @@ const Mapping<optim::Adagrad, optim::AdagradOptions, optim::AdagradParamState>& 
 const Mapping<optim::RMSprop, optim::RMSpropOptions, optim::RMSpropParamState>& rmsprop() {
   static const Mapping<optim::RMSprop, optim::RMSpropOptions, optim::RMSpropParamState> mapping{
       "RMSprop",
+      /*state_from_construction=*/false,
       [](const optim::RMSpropOptions& o, Dict& g) {
         g.insert("lr", o.lr());
         g.insert("alpha", o.alpha());
@@ -346,6 +357,15 @@ std::optional<c10::IValue> python_optimizer_state(const torch::optim::Optimizer&
   if (auto saved = save_with(optimizer, copy, adagrad())) return saved;
   if (auto saved = save_with(optimizer, copy, rmsprop())) return saved;
   return std::nullopt;
+}
+
+std::string python_optimizer_class(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const optim::SGD*>(&optimizer)) return sgd().name;
+  if (dynamic_cast<const optim::Adam*>(&optimizer)) return adam().name;
+  if (dynamic_cast<const optim::AdamW*>(&optimizer)) return adamw().name;
+  if (dynamic_cast<const optim::Adagrad*>(&optimizer)) return adagrad().name;
+  if (dynamic_cast<const optim::RMSprop*>(&optimizer)) return rmsprop().name;
+  return "";
 }
 
 void load_python_optimizer_state(const c10::IValue& saved, torch::optim::Optimizer& optimizer) {

@@ -21,6 +21,10 @@ namespace dtrain::detail {
 std::optional<c10::IValue> python_optimizer_state(const torch::optim::Optimizer& optimizer,
                                                   bool copy);
 
+// "SGD", "Adam", "AdamW", "Adagrad" or "RMSprop" (Python's class names); empty for another
+// optimizer.
+std::string python_optimizer_class(const torch::optim::Optimizer& optimizer);
+
 // Loads such a dict (from python_optimizer_state, or Python's torch.save of
 // optimizer.state_dict()) into `optimizer`: each group's hyperparameters and each parameter's
 // state. Throws std::runtime_error saying what does not fit (another optimizer type, group or

@@ -396,5 +396,47 @@ TEST(Checkpointer, CheckpointOfAnotherModelIsOneLineNamingTheFile) {
   fs::remove_all(options.dir);
 }
 
+TEST(Checkpointer, CheckpointOfAnotherOptimizerIsOneLineAndChangesNothing) {
+  CheckpointOptions options;
+  options.dir = temp_dir("dtrain-ckpt-other-optimizer");
+  auto model = make_model();
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  train_steps(model, sgd, 2);
+  TrainingState state{model.get(), &sgd};
+  state.step = 2;
+  std::string path = Checkpointer(options).save(state);
+
+  auto restored = make_model();
+  auto before = restored->parameters()[0].clone();
+  torch::optim::Adam adam(restored->parameters());
+  TrainingState into{restored.get(), &adam};
+  try {
+    Checkpointer(options).load_latest(into);
+    FAIL() << "no error";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()), "checkpoint " + path +
+                                         ": holds the state of SGD, not of this Adam; resume with "
+                                         "the optimizer that saved it");
+  }
+  EXPECT_TRUE(torch::equal(before, restored->parameters()[0]));  // the model was left as it was
+  EXPECT_TRUE(adam.state().empty());
+
+  // The same SGD with a parameter group fewer: the counts are named.
+  auto other = make_model();
+  auto params = other->parameters();
+  torch::optim::SGD partial(std::vector<at::Tensor>(params.begin(), params.begin() + 2),
+                            torch::optim::SGDOptions(0.1).momentum(0.9));
+  TrainingState into_partial{other.get(), &partial};
+  try {
+    Checkpointer(options).load_latest(into_partial);
+    FAIL() << "no error";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("param_groups[0] holds 6 parameters, this SGD's 2"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(options.dir);
+}
+
 }  // namespace
 }  // namespace dtrain
