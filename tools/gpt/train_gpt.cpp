@@ -12,6 +12,10 @@
 // training (safetensors: "tokens", "logits_before", "logits_after") for comparing with another
 // implementation.
 //
+// --checkpoint-dir DIR saves the run's state after the last step (and every --checkpoint-every N
+// steps); --resume (or a restart by the launcher) continues from the newest checkpoint exactly, in
+// DDP, --tp and --zero (GptCheckpoints below); --pp does not checkpoint yet.
+//
 // --device auto (default) trains on cuda:LOCAL_RANK when every rank of the node has a GPU of its
 // own, else on the CPU; --device cuda also puts several ranks on one GPU (they then need
 // DTRAIN_CUDA_BACKEND=gloo, as NCCL refuses two ranks on one device). --amp bf16 runs the forward
@@ -33,6 +37,7 @@
 
 #include "datasets/text_corpus.h"
 #include "dtrain/amp.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/ddp.h"
@@ -40,6 +45,7 @@
 #include "dtrain/pipeline.h"
 #include "dtrain/safetensors.h"
 #include "dtrain/sharded.h"
+#include "dtrain/sharded_checkpoint.h"
 #include "gpt/gpt.h"
 #include "gpt/hf_export.h"
 
@@ -67,6 +73,9 @@ struct Flags {
   int64_t max_bytes = 0;      // 0: the whole corpus
   int64_t eval_windows = 64;  // held-out windows for the validation loss
   int64_t log_every = 20;
+  std::string checkpoint_dir;    // where checkpoints go (none without it)
+  int64_t checkpoint_every = 0;  // also every N steps (0: only after the last)
+  bool resume = false;           // continue from checkpoint_dir's newest checkpoint
 };
 
 Flags parse(int argc, char** argv) {
@@ -122,6 +131,13 @@ Flags parse(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--eval-windows", flags.eval_windows)->check(CLI::Range(1, 1 << 20));
   app.add_option("--log-every", flags.log_every)->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", flags.checkpoint_dir,
+                 "save checkpoints there (after the last step, and every --checkpoint-every)");
+  app.add_option("--checkpoint-every", flags.checkpoint_every, "also save every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", flags.resume,
+               "continue from --checkpoint-dir's newest checkpoint (by itself after a restart by "
+               "the launcher)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -200,8 +216,101 @@ Flags parse(int argc, char** argv) {
     throw dtrain::UsageError(
         std::string("train_gpt: --layers/--width/--heads/--kv-heads/--seq-len: ") + e.what());
   }
+  if (!flags.checkpoint_dir.empty() && flags.pp > 1) {
+    throw dtrain::UsageError("train_gpt: --checkpoint-dir with --pp " + std::to_string(flags.pp) +
+                             ": the pipeline's stages do not checkpoint yet; drop one of them");
+  }
+  if (flags.checkpoint_dir.empty() && (flags.resume || flags.checkpoint_every > 0)) {
+    throw dtrain::UsageError(
+        "train_gpt: --resume and --checkpoint-every need --checkpoint-dir; name the folder");
+  }
   return flags;
 }
+
+// --checkpoint-dir: the run's state in dtrain's checkpoints, saved after every --checkpoint-every
+// steps and after the last, and resumed exactly (the resumed run continues as an uninterrupted one
+// would: parameters, AdamW's moments, the sampler's place in the epoch). DDP: one replicated
+// checkpoint that rank 0 writes and every rank loads through rank 0. With --tp each tensor rank
+// holds other shards, so each of them has its own files, <dir>/checkpoint-tp<t>-<step>.ckpt,
+// written by that tensor rank's first data-parallel replica. ZeRO: every rank writes its shards
+// (dtrain::ShardedCheckpointer), which load at another world size and stage too.
+class GptCheckpoints {
+ public:
+  GptCheckpoints(const Flags& flags, const dtrain::RankMesh& mesh,
+                 const std::shared_ptr<dtrain::ProcessGroup>& pg, gpt::Gpt& model,
+                 dtrain::ShardedDataParallel<gpt::GptImpl>& sdp, torch::optim::Optimizer& optimizer,
+                 dtrain::DistributedSampler& sampler)
+      : flags_(flags), mesh_(mesh), sdp_(sdp), optimizer_(optimizer), sampler_(sampler) {
+    if (flags.checkpoint_dir.empty()) return;
+    dtrain::CheckpointOptions options;
+    options.dir = flags.checkpoint_dir;
+    if (sdp) {
+      sharded_ = std::make_unique<dtrain::ShardedCheckpointer>(options, pg);
+    } else {
+      if (flags.tp > 1) options.prefix = "checkpoint-tp" + std::to_string(mesh.tensor_index);
+      replicated_ = std::make_unique<dtrain::Checkpointer>(options, mesh.data_group);
+      state_ = {model.get(), &optimizer, &sampler};
+    }
+  }
+
+  // The step to continue from: the newest checkpoint's with --resume or after a restart by the
+  // launcher, else 0. A first run into a folder that holds checkpoints is refused, so that they are
+  // never overwritten by a run that did not ask to continue from them.
+  int64_t resume() {
+    if (flags_.checkpoint_dir.empty()) return 0;
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const bool restarted = restarts && std::atoll(restarts) > 0;
+    if (!flags_.resume && !restarted) {
+      if (!(sharded_ ? sharded_->list() : replicated_->list()).empty()) {
+        throw dtrain::UsageError("train_gpt: --checkpoint-dir " + flags_.checkpoint_dir +
+                                 " already holds checkpoints; pass --resume to continue from "
+                                 "them, or name another folder");
+      }
+      return 0;
+    }
+    if (sharded_) {
+      dtrain::ShardedTrainingState state = sharded_state();
+      if (!sharded_->load_latest(state)) return 0;
+      sdp_->shards_changed();
+      return state.step;
+    }
+    if (!replicated_->load_latest(state_)) return 0;
+    return state_.step;
+  }
+
+  // After `step` steps: saves when --checkpoint-every says so, and after the last step.
+  void maybe_save(int64_t step, bool last) {
+    if (flags_.checkpoint_dir.empty()) return;
+    if (!last && (flags_.checkpoint_every == 0 || step % flags_.checkpoint_every != 0)) return;
+    if (sharded_) {
+      dtrain::ShardedTrainingState state = sharded_state();
+      state.step = step;
+      sharded_->save(state);
+    } else if (mesh_.data_group->rank() == 0) {
+      state_.step = step;
+      replicated_->save(state_);
+    }
+  }
+
+ private:
+  dtrain::ShardedTrainingState sharded_state() {
+    dtrain::ShardedTrainingState state;
+    state.shards = sdp_->flat_shards();
+    state.stage = flags_.zero;
+    state.optimizer = &optimizer_;
+    state.sampler = &sampler_;
+    return state;
+  }
+
+  const Flags& flags_;
+  const dtrain::RankMesh& mesh_;
+  dtrain::ShardedDataParallel<gpt::GptImpl>& sdp_;
+  torch::optim::Optimizer& optimizer_;
+  dtrain::DistributedSampler& sampler_;
+  std::unique_ptr<dtrain::Checkpointer> replicated_;
+  std::unique_ptr<dtrain::ShardedCheckpointer> sharded_;
+  dtrain::TrainingState state_;
+};
 
 // Where this rank trains (see the top of the file). auto never puts two ranks on one GPU behind the
 // user's back: that needs DTRAIN_CUDA_BACKEND=gloo, which only --device cuda asks for.
@@ -315,6 +424,12 @@ int train(const Flags& flags) {
   }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
+  GptCheckpoints checkpoints(flags, mesh, pg, model, sdp, optimizer, sampler);
+  const int64_t resumed_step = checkpoints.resume();
+  if (leader && resumed_step > 0) {
+    std::cout << "resumed from " << flags.checkpoint_dir << " at step " << resumed_step
+              << std::endl;
+  }
 
   // The clock starts once the warm-up steps have finished on the device, and stops after the last
   // step's loss has come back to the host (item() waits for it).
@@ -322,14 +437,17 @@ int train(const Flags& flags) {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
   const int64_t total_steps = flags.warmup_steps + flags.steps;
-  int64_t step = 0;
+  // A resumed run times the steps it takes (after the warm-up, if it has not passed it).
+  const int64_t first_timed_step = std::max(flags.warmup_steps, resumed_step);
+  int64_t step = resumed_step;
   double first_loss = 0, last_loss = 0;
   auto start = std::chrono::steady_clock::now();
-  for (int64_t epoch = 0; step < total_steps; ++epoch) {
+  // From the resumed epoch on: set_epoch of the epoch the sampler loaded keeps its place in it.
+  for (int64_t epoch = sampler.state().epoch; step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
     for (auto& batch : *loader) {
       if (step == total_steps) break;
-      if (step == flags.warmup_steps) {
+      if (step == first_timed_step) {
         synchronize();
         start = std::chrono::steady_clock::now();
       }
@@ -351,15 +469,16 @@ int train(const Flags& flags) {
       if (!pipe) loss.backward();
       optimizer.step();
       ++step;
+      checkpoints.maybe_save(step, step == total_steps);
       // The loss over the replicas only for the steps reported (the first, the logged, the last):
       // the same steps on every rank, and no extra collective on the others. The pipeline's loss
       // already comes back averaged.
       const bool logged = flags.log_every > 0 && step % flags.log_every == 0;
-      if (step == 1 || logged || step == total_steps) {
+      if (step == resumed_step + 1 || logged || step == total_steps) {
         loss = loss.detach();
         if (!pipe) data_group->all_reduce(loss, dtrain::ReduceOp::kAvg);
         const double value = loss.item<double>();
-        if (step == 1) first_loss = value;
+        if (step == resumed_step + 1) first_loss = value;
         last_loss = value;
         if (leader && logged) std::cout << "step " << step << ": loss " << value << std::endl;
       }
@@ -368,6 +487,7 @@ int train(const Flags& flags) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
+  const int64_t timed_steps = std::max<int64_t>(0, total_steps - first_timed_step);
   nlohmann::ordered_json result = {{"steps", flags.steps},     {"warmup_steps", flags.warmup_steps},
                                    {"world_size", pg->size()}, {"pp", flags.pp},
                                    {"tp", flags.tp},           {"zero", flags.zero},
@@ -407,9 +527,10 @@ int train(const Flags& flags) {
       result["export_hf"] = flags.export_hf;
     }
   }
+  if (resumed_step > 0) result["resumed_step"] = resumed_step;
   const double tokens =
-      static_cast<double>(flags.steps * flags.batch_size * flags.window * data_group->size());
-  const double tokens_per_s = tokens / seconds;
+      static_cast<double>(timed_steps * flags.batch_size * flags.window * data_group->size());
+  const double tokens_per_s = timed_steps > 0 ? tokens / seconds : 0;
   gpt::GptConfig trained = flags.model;  // FLOPs as the windows trained, not the model's limit
   trained.seq_len = flags.window;
   result["tokens_per_s"] = tokens_per_s;

@@ -4,6 +4,7 @@
 // Learning, not speed: no time is asserted.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -66,11 +67,50 @@ TEST(TrainGpt, EveryLayoutLearnsTheTextOnTheGpu) {
                              " --device cuda --amp bf16 --warmup-steps 2");
 }
 
+// A run stopped after 3 of 6 steps and resumed from its checkpoint ends where an uninterrupted
+// run of 6 ends, to the last bit of the losses: in DDP, ZeRO-3 (resumed at another stage, 2) and
+// data x tensor. A resume that lost any part of the state (AdamW's moments, the sampler's place)
+// would train on other numbers or other windows and end elsewhere.
+TEST(TrainGpt, ResumedRunEndsWhereAnUninterruptedOneEnds) {
+  skip_without_corpus();
+  const std::string small =
+      " --layers 2 --width 64 --heads 4 --kv-heads 2 --seq-len 32 "
+      "--batch-size 4 --max-bytes 200000 --eval-windows 8 --log-every 0";
+  const std::string launch = bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt");
+  for (const auto& [layout, resumed_layout] : {std::pair<std::string, std::string>{"", ""},
+                                               {" --zero 3", " --zero 2"},
+                                               {" --tp 2", " --tp 2"}}) {
+    SCOPED_TRACE("layout:" + layout);
+    const std::string dir = "/tmp/dtrain-gpt-resume-" + std::to_string(::getpid());
+    std::filesystem::remove_all(dir);
+    auto whole = run_command(launch + small + layout + " --steps 6");
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    auto first = run_command(launch + small + layout + " --steps 3 --checkpoint-dir " + dir);
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    auto again = run_command(launch + small + layout + " --steps 6 --checkpoint-dir " + dir);
+    EXPECT_EQ(again.exit_code, 2) << again.output;  // the folder holds checkpoints: no --resume
+    EXPECT_NE(again.output.find("already holds checkpoints; pass --resume"), std::string::npos)
+        << again.output;
+    auto resumed = run_command(launch + small + resumed_layout +
+                               " --steps 6 --resume "
+                               "--checkpoint-dir " +
+                               dir);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_EQ(json_int(resumed.output, "resumed_step"), 3) << resumed.output;
+    EXPECT_EQ(json_number(resumed.output, "train_loss"), json_number(whole.output, "train_loss"))
+        << whole.output << resumed.output;
+    EXPECT_EQ(json_number(resumed.output, "val_loss"), json_number(whole.output, "val_loss"))
+        << whole.output << resumed.output;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
   for (const std::string& flags :
        {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --tp 2 --zero 3"),
         std::string(" --width 30"), std::string(" --steps x"), std::string(" --amp fp16"),
-        std::string(" --device tpu")}) {
+        std::string(" --device tpu"), std::string(" --pp 2 --checkpoint-dir /tmp/x"),
+        std::string(" --resume")}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
