@@ -12,7 +12,7 @@
 #
 # The cluster: root runs everything (SlurmUser=root); no cgroups (proctrack/linuxproc, task/none), so it runs
 # in containers; JobRequeue=1 and KillWait=10 s (a SIGTERMed step has 10 s before its SIGKILL); a requeued job
-# may start again after cred_expire=10 s (Slurm's default is 120 s).
+# may start again after cred_expire=5 s (Slurm's default is 120 s).
 set -uo pipefail
 
 usage() {
@@ -35,16 +35,19 @@ wait_for() {
   return 1
 }
 
-# Ends a process we started: SIGTERM, then SIGKILL after 5 s. Only pids recorded in DIR/pids.
-end_pid() {
-  local pid=$1
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid" 2>/dev/null
+# Ends the processes we started (pids from DIR/pids, never found by name): SIGTERM to all at once, SIGKILL to
+# those still there after 5 s.
+end_pids() {
+  local pid left
+  (($#)) || return 0
+  kill -TERM "$@" 2>/dev/null
   for ((i = 0; i < 25; ++i)); do
-    kill -0 "$pid" 2>/dev/null || return 0
+    left=()
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && left+=("$pid"); done
+    ((${#left[@]})) || return 0
     sleep 0.2
   done
-  kill -KILL "$pid" 2>/dev/null
+  kill -KILL "${left[@]}" 2>/dev/null
 }
 
 # The processes of this cluster's jobs: those whose environment names this cluster's slurm.conf (slurmstepd
@@ -70,8 +73,10 @@ stop() {
     # Jobs first, so that slurmd can end their steps; then the daemons; then whatever of the jobs is left.
     SLURM_CONF=$dir/slurm.conf scancel --quiet --user="$(id -un)" 2>/dev/null
     SLURM_CONF=$dir/slurm.conf wait_for 3 bash -c '[ -z "$(squeue --noheader 2>/dev/null)" ]'
-    local pid name
-    tac "$dir/pids" | while read -r pid name; do end_pid "$pid"; done
+    # The Slurm daemons, then munged (they may still want it to say goodbye).
+    end_pids $(awk '$2 != "munged" { print $1 }' "$dir/pids")
+    end_pids $(awk '$2 == "munged" { print $1 }' "$dir/pids")
+    local pid
     for pid in $(cluster_pids); do kill -KILL "$pid" 2>/dev/null; done
   fi
   rm -rf "$dir"
@@ -117,6 +122,10 @@ s = [socket.socket() for _ in range(2)]
 for x in s: x.bind(("", 0))
 print(*(x.getsockname()[1] for x in s))') || cannot "python3 could not find two free ports"
   read -r ctld_port slurmd_port <<<"$ports"
+  # Job ids start at the controller's port, not at 1: a Slurm job's ranks meet on port 15000 + job id %
+  # 20000 (src/comm/launch_env.cpp), and two clusters of tests running at once would otherwise both
+  # hand out job 1.
+  local first_job_id=$ctld_port
 
   local socket=$dir/munge/munge.socket
   cat >"$dir/slurm.conf" <<CONF
@@ -128,7 +137,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$socket,cred_expire=10
+AuthInfo=socket=$socket,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -145,6 +154,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -153,6 +163,7 @@ JobRequeue=1
 KillWait=10
 InactiveLimit=0
 MinJobAge=60
+FirstJobId=$first_job_id
 NodeName=$host CPUs=$cpus State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
