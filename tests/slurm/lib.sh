@@ -27,7 +27,9 @@ start_cluster() {
     skip "Fashion-MNIST is not in \$DTRAIN_FASHION_MNIST_DIR or $data (Debian: dataset-fashion-mnist)"
   cluster=$(mktemp -d /tmp/dtrain-slurm.XXXXXX)
   work=$(mktemp -d /tmp/dtrain-slurm-work.XXXXXX)
-  trap 'bash "$here/slurm_cluster.sh" stop "$cluster"; rm -rf "$work"' EXIT
+  # DTRAIN_KEEP_TEST_FILES=1 keeps the test's files (its job output, checkpoints) for a look afterwards.
+  trap 'bash "$here/slurm_cluster.sh" stop "$cluster"
+        [ "${DTRAIN_KEEP_TEST_FILES:-0}" = 1 ] && echo "$name: kept $work" || rm -rf "$work"' EXIT
   local reason rc
   reason=$(bash "$here/slurm_cluster.sh" start "$cluster" 2>&1)
   rc=$?
