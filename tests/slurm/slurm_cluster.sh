@@ -69,6 +69,10 @@ cluster_pids() {
 
 stop() {
   [ -d "$dir" ] || return 0
+  if [ ! -f "$dir/pids" ] && [ -n "$(ls -A "$dir")" ]; then
+    echo "slurm_cluster: not removing $dir: it holds files but no cluster (no $dir/pids)" >&2
+    return 1
+  fi
   if [ -f "$dir/pids" ]; then
     # Jobs first, so that slurmd can end their steps; then the daemons; then whatever of the jobs is left.
     SLURM_CONF=$dir/slurm.conf scancel --quiet --user="$(id -un)" 2>/dev/null
@@ -106,6 +110,10 @@ start() {
   done
   mkdir -p "$dir" || cannot "cannot create $dir"
   dir=$(cd "$dir" && pwd)
+  [ -z "$(ls -A "$dir")" ] || {
+    echo "slurm_cluster: $dir is not empty; start a cluster in a new or empty folder" >&2
+    exit 2
+  }
   # munged wants its socket's folders open to all (execute) and its key readable by root alone.
   chmod 755 "$dir"
   mkdir -p "$dir/munge" "$dir/state" "$dir/spool"
@@ -130,7 +138,7 @@ print(*(x.getsockname()[1] for x in s))') || cannot "python3 could not find two 
   local socket=$dir/munge/munge.socket
   cat >"$dir/slurm.conf" <<CONF
 ClusterName=dtrain-test
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
@@ -164,7 +172,7 @@ KillWait=10
 InactiveLimit=0
 MinJobAge=60
 FirstJobId=$first_job_id
-NodeName=$host CPUs=$cpus State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
 
