@@ -33,7 +33,10 @@ struct Position {
   int64_t steps = 0;             // optimizer steps taken in all
 };
 
-// TORCHELASTIC_RESTART_COUNT as `dtrain run` and torchrun set it: 0 in the first attempt.
+// How many times this run was started again, 0 in the first attempt: the larger of
+// TORCHELASTIC_RESTART_COUNT (`dtrain run` and torchrun restarting their workers) and
+// SLURM_RESTART_COUNT (Slurm requeueing the job: `scontrol requeue`, preemption with
+// PreemptMode=REQUEUE, a node failure). Above 0, the run resumes from its checkpoint by itself.
 int64_t restart_count();
 
 // Checked on every rank before anything starts, so that all ranks fail the same way, at once, and
@@ -78,7 +81,7 @@ struct Checkpoints {
 
 // Test hook for the fault-injection tests: DTRAIN_TEST_KILL_AT_STEP=RANK:STEP[:SIGNAL] makes that
 // rank send itself SIGNAL (default 9, SIGKILL) right after optimizer step STEP of the first attempt
-// (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch, or (15) preempted alone.
+// (restart_count() 0): a worker dying mid-epoch, or (15) preempted alone.
 struct KillAt {
   int64_t rank = -1, step = -1;
   int signal = SIGKILL;

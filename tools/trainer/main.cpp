@@ -16,13 +16,15 @@
 //
 // Checkpoints (--checkpoint-dir, checkpoints.h): at the end of every epoch, every
 // --checkpoint-every steps, and on SIGTERM. A run restarted by its launcher
-// (TORCHELASTIC_RESTART_COUNT > 0) resumes by itself from the newest intact checkpoint; a first run
-// never overwrites a folder that holds checkpoints unless told --resume. --strategy zero saves
-// sharded checkpoints, which resume at any world size and --zero-stage.
+// (TORCHELASTIC_RESTART_COUNT > 0) or requeued by Slurm (SLURM_RESTART_COUNT > 0) resumes by
+// itself from the newest intact checkpoint; a first run never overwrites a folder that holds
+// checkpoints unless told --resume. --strategy zero saves sharded checkpoints, which resume at any
+// world size and --zero-stage.
 //
-// Preemption: on SIGTERM (what `dtrain run` and torchrun send their workers when stopping them) the
-// ranks finish the current step, agree on it, rank 0 saves a checkpoint, and every rank exits with
-// code 143 (128 + SIGTERM: the job is not finished, so no script may take it for success).
+// Preemption: on SIGTERM (what `dtrain run` and torchrun send their workers when stopping them, and
+// Slurm its tasks when it cancels, requeues or preempts a job) the ranks finish the current step,
+// agree on it, rank 0 saves a checkpoint, and every rank exits with code 143 (128 + SIGTERM: the
+// job is not finished, so no script may take it for success).
 //
 // The files: flags (the command line), models (the two networks), strategies (the five ways to
 // train them), checkpoints (saving, resuming, preemption, the fault-injection hook), train (the
