@@ -40,6 +40,10 @@ struct LaunchInfo {
       master_addr;      // host of the rank-0 store; empty when world_size == 1 and none was given
   int master_port = 0;  // port of the rank-0 store; 0 when unknown
   std::string source;   // which environment it came from: "torchrun", "slurm", "openmpi", "none"
+  // How often this job was restarted before this attempt: the larger of TORCHELASTIC_RESTART_COUNT
+  // (`dtrain run`, torchrun) and SLURM_RESTART_COUNT (a requeued Slurm job), whatever the launch
+  // environment; 0 in a first attempt. A program resumes from its checkpoints when it is above 0.
+  int64_t restarts = 0;
 };
 
 // Reads the launch environment. Precedence: torchrun's names (RANK, WORLD_SIZE, LOCAL_RANK,

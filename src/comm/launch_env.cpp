@@ -1,5 +1,6 @@
 // Reads who this process is from a launcher's environment: torchrun / `dtrain run`, Slurm's srun,
 // Open MPI's mpirun. One binary then runs under any of them without flags.
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -26,6 +27,21 @@ int parse_int(const Getenv& env, const char* name, int min, int max, const std::
                      ". Launch with `dtrain run`, torchrun, srun or mpirun, or fix the variable.");
   }
   return static_cast<int>(parsed);
+}
+
+// A restart counter: 0 when unset; a UsageError naming it when it is not a count.
+int64_t restart_count(const Getenv& env, const char* name, const char* set_by) {
+  const char* value = env(name);
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  long long count = std::strtoll(value, &end, 10);
+  if (*end != '\0' || count < 0 || errno != 0) {
+    throw UsageError(std::string(name) + " '" + value +
+                     "': expected a non-negative integer (set by " + set_by +
+                     "); unset it or fix it");
+  }
+  return count;
 }
 
 bool has(const Getenv& env, const char* name) {
@@ -161,6 +177,14 @@ LaunchInfo launch_info_from_env(const Getenv& getenv_override) {
     info.source = "none";
     fill_master(env, info);
   }
+  // The larger, not the sum: the two can count the same event. A requeued Slurm job that runs
+  // `dtrain run` starts its launcher afresh (TORCHELASTIC_RESTART_COUNT 0 again), but a requeued
+  // node job rejoining an elastic rendezvous that outlived it gets the next round, which counts
+  // that requeue too. The larger never counts a restart twice, and is above 0 exactly when either
+  // layer restarted this run, which is all that deciding to resume needs.
+  info.restarts =
+      std::max(restart_count(env, "TORCHELASTIC_RESTART_COUNT", "`dtrain run` or torchrun"),
+               restart_count(env, "SLURM_RESTART_COUNT", "Slurm, in a requeued job"));
   return info;
 }
 

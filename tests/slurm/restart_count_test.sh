@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A run that Slurm requeued resumes by itself: SLURM_RESTART_COUNT above 0 counts as a restart just as
-# TORCHELASTIC_RESTART_COUNT does (tools/trainer/checkpoints.h, restart_count()), and the final JSON line's
-# "restarts" reports the larger of the two. No cluster needed: the variables are set by hand, on one rank.
+# TORCHELASTIC_RESTART_COUNT does (dtrain::LaunchInfo::restarts, which the trainer reads), and the final JSON
+# line's "restarts" reports the larger of the two. No cluster needed: the variables are set by hand, on one rank.
 # Usage: restart_count_test.sh BUILD_BIN_DIR
 source "$(dirname "$0")/lib.sh"
 [ -x "$trainer" ] || fail "$trainer is not built (cmake --build build --target train_fashion_mnist)"

@@ -254,12 +254,12 @@ class GptCheckpoints {
   }
 
   // The step to continue from: the newest checkpoint's with --resume or after a restart by the
-  // launcher, else 0. A first run into a folder that holds checkpoints is refused, so that they are
-  // never overwritten by a run that did not ask to continue from them.
+  // launcher or Slurm (dtrain::LaunchInfo::restarts), else 0. A first run into a folder that holds
+  // checkpoints is refused, so that they are never overwritten by a run that did not ask to
+  // continue from them.
   int64_t resume() {
     if (flags_.checkpoint_dir.empty()) return 0;
-    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    const bool restarted = restarts && std::atoll(restarts) > 0;
+    const bool restarted = dtrain::launch_info_from_env().restarts > 0;
     if (!flags_.resume && !restarted) {
       if (!(sharded_ ? sharded_->list() : replicated_->list()).empty()) {
         throw dtrain::UsageError("train_gpt: --checkpoint-dir " + flags_.checkpoint_dir +

@@ -63,32 +63,9 @@ dtrain::CheckpointOptions checkpoint_options(const Flags& flags) {
   return options;
 }
 
-// A restart counter from the environment: 0 when unset; a UsageError naming it when not a count.
-int64_t count_from_env(const char* name, const char* set_by) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return 0;
-  char* end = nullptr;
-  errno = 0;
-  long long count = std::strtoll(value, &end, 10);
-  if (*end != '\0' || count < 0 || errno != 0) {
-    throw dtrain::UsageError(std::string("train_fashion_mnist: ") + name + " '" + value +
-                             "': expected a non-negative integer (set by " + set_by +
-                             "); unset it or fix it");
-  }
-  return count;
-}
-
 }  // namespace
 
-int64_t restart_count() {
-  // The larger of the two, not their sum: they can count the same event. A requeued Slurm job
-  // that runs `dtrain run` starts its launcher afresh (TORCHELASTIC_RESTART_COUNT 0 again), but a
-  // requeued node job rejoining an elastic rendezvous that outlived it gets the next round, which
-  // counts that requeue too. The larger never counts a restart twice, and is above 0 exactly when
-  // either layer restarted this run, which is all that deciding to resume needs.
-  return std::max(count_from_env("TORCHELASTIC_RESTART_COUNT", "`dtrain run` or torchrun"),
-                  count_from_env("SLURM_RESTART_COUNT", "Slurm, in a requeued job"));
-}
+int64_t restart_count() { return dtrain::launch_info_from_env().restarts; }
 
 void check_checkpoint_dir(const Flags& flags, int rank, bool restarted) {
   if (flags.checkpoint_dir.empty()) return;

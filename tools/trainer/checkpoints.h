@@ -36,7 +36,8 @@ struct Position {
 // How many times this run was started again, 0 in the first attempt: the larger of
 // TORCHELASTIC_RESTART_COUNT (`dtrain run` and torchrun restarting their workers) and
 // SLURM_RESTART_COUNT (Slurm requeueing the job: `scontrol requeue`, preemption with
-// PreemptMode=REQUEUE, a node failure). Above 0, the run resumes from its checkpoint by itself.
+// PreemptMode=REQUEUE, a node failure): dtrain::LaunchInfo::restarts. Above 0, the run resumes from
+// its checkpoint by itself.
 int64_t restart_count();
 
 // Checked on every rank before anything starts, so that all ranks fail the same way, at once, and
