@@ -777,6 +777,8 @@ void load_dcp_safetensors(const std::string& dir, DcpShards& state,
     auto scratch_optimizer = detail::scratch_optimizer(kind, scratch_tensors);
     detail::fill_shards(*source, scratch, scratch_optimizer.get());
     for (const auto& item : state.buffers) buffers.push_back(folder->read(item.key()));
+  } catch (const UsageError& e) {
+    failure = std::make_exception_ptr(UsageError(ranks.who() + ": " + e.what()));
   } catch (...) {
     failure = std::current_exception();
   }
