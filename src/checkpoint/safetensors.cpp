@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/safetensors_internal.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -327,6 +328,101 @@ TensorTable load_index(const std::string& path) {
   return tensors;
 }
 
+// A file's header as parse_header() checked it.
+struct ParsedHeader {
+  uint64_t header_size = 0;
+  std::vector<Entry> entries;  // in data order
+  std::map<std::string, std::string> metadata;
+};
+
+// The header of `file`, checked entry by entry and then as a whole (Note [Safetensors file]); the
+// entries in data order.
+ParsedHeader parse_header(const File& file, const std::string& path) {
+  if (file.size() < 8) {
+    fail(path, "truncated: " + std::to_string(file.size()) +
+                   " bytes, shorter than the 8-byte header length a safetensors file starts with");
+  }
+  uint64_t header_size = 0;
+  file.read(&header_size, 8, 0);
+  if (header_size > kMaxHeaderBytes) {
+    fail(path, "the header length " + std::to_string(header_size) + " is over the format's limit " +
+                   std::to_string(kMaxHeaderBytes) + ": damaged, or not a safetensors file");
+  }
+  if (header_size > file.size() - 8) {
+    fail(path, "the header length " + std::to_string(header_size) + " runs past the end of the " +
+                   std::to_string(file.size()) +
+                   "-byte file: truncated, or not a safetensors file");
+  }
+  std::string text(header_size, '\0');
+  file.read(text.data(), header_size, 8);
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(path, std::string("the header is not valid JSON (") + e.what() + "): damaged");
+  }
+  if (!header.is_object()) fail(path, "the header is " + header.dump() + ", not a JSON object");
+
+  ParsedHeader result;
+  result.header_size = header_size;
+  std::vector<Entry>& entries = result.entries;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) fail(path, "__metadata__ is not an object of strings");
+      for (const auto& [key, text_value] : value.items()) {
+        if (!text_value.is_string()) {
+          fail(path, "__metadata__ \"" + key + "\" is " + text_value.dump() + ", not a string");
+        }
+        result.metadata[key] = text_value.get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(path, name, value));
+  }
+
+  // The offsets as a whole. The data section must be exactly the tensors' bytes laid end to end
+  // (the format allows no holes and no sharing).
+  const uint64_t data_size = file.size() - 8 - header_size;
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t described = 0;  // the tensors' bytes, all together
+  for (const auto& entry : entries) described += entry.end - entry.begin;
+  const bool laid_end_to_end =
+      !entries.empty() && entries.back().end == described && entries.front().begin == 0;
+  for (const auto& entry : entries) {
+    if (entry.end <= data_size) continue;
+    if (laid_end_to_end) {
+      fail(path, "truncated: the header describes " + std::to_string(described) +
+                     " bytes of tensor data, the file holds " + std::to_string(data_size) +
+                     " after the header (" + std::to_string(file.size()) + " bytes in all)");
+    }
+    fail(path, "tensor '" + entry.name + "': data_offsets [" + std::to_string(entry.begin) + ", " +
+                   std::to_string(entry.end) + "] out of range: the data after the header is " +
+                   std::to_string(data_size) + " bytes");
+  }
+  uint64_t covered = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& entry = entries[i];
+    if (entry.begin < covered) {
+      fail(path, "tensor '" + entry.name + "': data_offsets [" + std::to_string(entry.begin) +
+                     ", " + std::to_string(entry.end) + "] overlap tensor '" + entries[i - 1].name +
+                     "' (which ends at " + std::to_string(covered) + ")");
+    }
+    if (entry.begin > covered) {
+      fail(path, "bytes [" + std::to_string(covered) + ", " + std::to_string(entry.begin) +
+                     ") of the data belong to no tensor (a hole before '" + entry.name + "')");
+    }
+    covered = entry.end;
+  }
+  if (covered != data_size) {
+    fail(path,
+         "the last " + std::to_string(data_size - covered) +
+             " bytes of the data belong to no tensor: damaged, or written by a broken writer");
+  }
+  return result;
+}
+
 }  // namespace
 
 void save_safetensors_file(const std::string& path, const TensorTable& tensors,
@@ -387,87 +483,11 @@ void save_safetensors_file(const std::string& path, const TensorTable& tensors,
 
 SafetensorsFile read_safetensors_file(const std::string& path) {
   File file(path);
-  if (file.size() < 8) {
-    fail(path, "truncated: " + std::to_string(file.size()) +
-                   " bytes, shorter than the 8-byte header length a safetensors file starts with");
-  }
-  uint64_t header_size = 0;
-  file.read(&header_size, 8, 0);
-  if (header_size > kMaxHeaderBytes) {
-    fail(path, "the header length " + std::to_string(header_size) + " is over the format's limit " +
-                   std::to_string(kMaxHeaderBytes) + ": damaged, or not a safetensors file");
-  }
-  if (header_size > file.size() - 8) {
-    fail(path, "the header length " + std::to_string(header_size) + " runs past the end of the " +
-                   std::to_string(file.size()) +
-                   "-byte file: truncated, or not a safetensors file");
-  }
-  std::string text(header_size, '\0');
-  file.read(text.data(), header_size, 8);
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(path, std::string("the header is not valid JSON (") + e.what() + "): damaged");
-  }
-  if (!header.is_object()) fail(path, "the header is " + header.dump() + ", not a JSON object");
-
+  ParsedHeader parsed = parse_header(file, path);
+  const uint64_t header_size = parsed.header_size;
   SafetensorsFile result;
-  std::vector<Entry> entries;
-  for (const auto& [name, value] : header.items()) {
-    if (name == "__metadata__") {
-      if (!value.is_object()) fail(path, "__metadata__ is not an object of strings");
-      for (const auto& [key, text_value] : value.items()) {
-        if (!text_value.is_string()) {
-          fail(path, "__metadata__ \"" + key + "\" is " + text_value.dump() + ", not a string");
-        }
-        result.metadata[key] = text_value.get<std::string>();
-      }
-      continue;
-    }
-    entries.push_back(parse_entry(path, name, value));
-  }
-
-  // The offsets as a whole. The data section must be exactly the tensors' bytes laid end to end
-  // (the format allows no holes and no sharing).
-  const uint64_t data_size = file.size() - 8 - header_size;
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  uint64_t described = 0;  // the tensors' bytes, all together
-  for (const auto& entry : entries) described += entry.end - entry.begin;
-  const bool laid_end_to_end =
-      !entries.empty() && entries.back().end == described && entries.front().begin == 0;
-  for (const auto& entry : entries) {
-    if (entry.end <= data_size) continue;
-    if (laid_end_to_end) {
-      fail(path, "truncated: the header describes " + std::to_string(described) +
-                     " bytes of tensor data, the file holds " + std::to_string(data_size) +
-                     " after the header (" + std::to_string(file.size()) + " bytes in all)");
-    }
-    fail(path, "tensor '" + entry.name + "': data_offsets [" + std::to_string(entry.begin) + ", " +
-                   std::to_string(entry.end) + "] out of range: the data after the header is " +
-                   std::to_string(data_size) + " bytes");
-  }
-  uint64_t covered = 0;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Entry& entry = entries[i];
-    if (entry.begin < covered) {
-      fail(path, "tensor '" + entry.name + "': data_offsets [" + std::to_string(entry.begin) +
-                     ", " + std::to_string(entry.end) + "] overlap tensor '" + entries[i - 1].name +
-                     "' (which ends at " + std::to_string(covered) + ")");
-    }
-    if (entry.begin > covered) {
-      fail(path, "bytes [" + std::to_string(covered) + ", " + std::to_string(entry.begin) +
-                     ") of the data belong to no tensor (a hole before '" + entry.name + "')");
-    }
-    covered = entry.end;
-  }
-  if (covered != data_size) {
-    fail(path,
-         "the last " + std::to_string(data_size - covered) +
-             " bytes of the data belong to no tensor: damaged, or written by a broken writer");
-  }
+  result.metadata = std::move(parsed.metadata);
+  const std::vector<Entry>& entries = parsed.entries;
 
   uint32_t crc = crc32_update(0, nullptr, 0);
   for (const auto& entry : entries) {
@@ -599,5 +619,19 @@ void load_into(torch::nn::Module& module, const TensorTable& tensors,
     if (target) target->copy_(item.value());
   }
 }
+
+namespace detail {
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  File file(path);
+  ParsedHeader parsed = parse_header(file, path);
+  SafetensorsHeader header;
+  header.metadata = std::move(parsed.metadata);
+  for (const auto& entry : parsed.entries)
+    header.tensors.push_back({entry.name, entry.type, entry.shape});
+  return header;
+}
+
+}  // namespace detail
 
 }  // namespace dtrain
