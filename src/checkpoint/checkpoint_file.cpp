@@ -13,7 +13,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <initializer_list>
 
 #include "checkpoint/torch_archive.h"
 #include "common/log.h"
@@ -24,39 +23,25 @@ namespace {
 
 namespace fs = std::filesystem;
 
-uint32_t crc32_of(const char* data, std::size_t size) {
-  // zlib's crc32 takes a uInt length: feed it in chunks so payloads over 4 GiB work.
-  uLong crc = crc32(0L, Z_NULL, 0);
-  while (size > 0) {
-    uInt chunk = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
-    data += chunk;
-    size -= chunk;
-  }
-  return static_cast<uint32_t>(crc);
-}
+uint32_t crc32_of(const char* data, std::size_t size) { return crc32_update(0, data, size); }
 
 void put_le(char* out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((value >> (8 * i)) & 0xff);
 }
 
-uint64_t get_le(const char* in, int bytes) {
-  uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) value |= uint64_t{static_cast<unsigned char>(in[i])} << (8 * i);
-  return value;
+[[noreturn]] void write_failed(const std::string& kind, const std::string& path,
+                               const std::string& what, int error) {
+  throw UsageError(kind + " " + path + ": " + what + " failed (" + std::strerror(error) +
+                   "); free space or fix the folder's permissions; what was there before is "
+                   "left as it was");
 }
 
-[[noreturn]] void write_failed(const std::string& path, const std::string& what, int error) {
-  throw UsageError("checkpoint " + path + ": " + what + " failed (" + std::strerror(error) +
-                   "); free space or fix the folder's permissions; the previous checkpoints were "
-                   "left as they are");
-}
-
-void write_all(int fd, const char* data, std::size_t size, const std::string& path) {
+void write_all(int fd, const char* data, std::size_t size, const std::string& kind,
+               const std::string& path) {
   while (size > 0) {
     ssize_t n = ::write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) write_failed(path, "writing", errno);
+    if (n <= 0) write_failed(kind, path, "writing", n < 0 ? errno : EIO);
     data += n;
     size -= static_cast<std::size_t>(n);
   }
@@ -89,29 +74,42 @@ std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const 
   return files;
 }
 
-namespace {
+uint32_t crc32_update(uint32_t crc, const void* data, std::size_t size) {
+  // zlib's crc32 takes a uInt length: feed it in chunks so payloads over 4 GiB work.
+  const auto* bytes = static_cast<const Bytef*>(data);
+  while (size > 0) {
+    const uInt chunk = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
+    crc = static_cast<uint32_t>(::crc32(crc, bytes, chunk));
+    bytes += chunk;
+    size -= chunk;
+  }
+  return crc;
+}
 
-// Writes the parts one after another as the file at path, atomically and durably (see
-// write_file_durably).
-void write_parts(const std::string& path,
-                 std::initializer_list<std::pair<const char*, std::size_t>> parts) {
+uint64_t read_le(const char* in, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= uint64_t{static_cast<unsigned char>(in[i])} << (8 * i);
+  return value;
+}
+
+void write_file_durably(const std::string& path, const FilePieces& parts, const std::string& kind) {
   fs::path final_path(path);
   fs::path dir = final_path.parent_path().empty() ? fs::path(".") : final_path.parent_path();
   std::error_code error;
   fs::create_directories(dir, error);
-  if (error) write_failed(path, "creating its folder", error.value());
+  if (error) write_failed(kind, path, "creating its folder", error.value());
   // Hidden and unique per process, so that a listing never mistakes it for a checkpoint and two
   // writers never share one.
   fs::path temporary =
       dir / ("." + final_path.filename().string() + ".tmp-" + std::to_string(::getpid()));
 
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) write_failed(path, "creating " + temporary.string(), errno);
+  if (fd < 0) write_failed(kind, path, "creating " + temporary.string(), errno);
   try {
-    for (const auto& [data, size] : parts) write_all(fd, data, size, path);
+    for (const auto& [data, size] : parts) write_all(fd, data, size, kind, path);
     // The data must be on disk before the rename makes it the checkpoint: otherwise a power loss
     // can leave a renamed file of zeros.
-    if (::fsync(fd) != 0) write_failed(path, "fsync", errno);
+    if (::fsync(fd) != 0) write_failed(kind, path, "fsync", errno);
   } catch (...) {
     ::close(fd);
     fs::remove(temporary, error);
@@ -120,12 +118,12 @@ void write_parts(const std::string& path,
   if (::close(fd) != 0) {
     int saved = errno;
     fs::remove(temporary, error);
-    write_failed(path, "closing", saved);
+    write_failed(kind, path, "closing", saved);
   }
   if (::rename(temporary.c_str(), final_path.c_str()) != 0) {
     int saved = errno;
     fs::remove(temporary, error);
-    write_failed(path, "renaming " + temporary.string() + " to it", saved);
+    write_failed(kind, path, "renaming " + temporary.string() + " to it", saved);
   }
   // The rename itself lives in the folder: fsync the folder so that it survives a crash too.
   int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -135,10 +133,8 @@ void write_parts(const std::string& path,
   }
 }
 
-}  // namespace
-
 void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
-  write_parts(path, {{bytes.data(), bytes.size()}});
+  write_file_durably(path, {{bytes.data(), bytes.size()}});
 }
 
 void write_checkpoint_file(const std::string& path, const std::vector<char>& payload) {
@@ -146,7 +142,7 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& pay
   std::memcpy(header, kCheckpointMagic, sizeof kCheckpointMagic);
   put_le(header + 8, payload.size(), 8);
   put_le(header + 16, crc32_of(payload.data(), payload.size()), 4);
-  write_parts(path, {{header, sizeof header}, {payload.data(), payload.size()}});
+  write_file_durably(path, {{header, sizeof header}, {payload.data(), payload.size()}});
 }
 
 bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, std::string* why) {
@@ -168,8 +164,8 @@ bool read_checkpoint_file(const std::string& path, std::vector<char>* payload, s
     *why = "not a dtrain checkpoint (its first bytes are not DTRCKPT1)";
     return false;
   }
-  const uint64_t size = get_le(header + 8, 8);
-  const uint32_t crc = static_cast<uint32_t>(get_le(header + 16, 4));
+  const uint64_t size = read_le(header + 8, 8);
+  const uint32_t crc = static_cast<uint32_t>(read_le(header + 16, 4));
   if (file_size - kCheckpointHeaderSize != size) {
     *why = (file_size - kCheckpointHeaderSize < size ? "truncated: " : "has trailing bytes: ") +
            std::to_string(file_size - kCheckpointHeaderSize) +

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dtrain::detail {
@@ -33,6 +34,19 @@ std::vector<CheckpointFile> list_checkpoint_files(const std::string& dir, const 
 // UsageError naming the file and the system's reason; the temporary is removed and an existing
 // file at path is left untouched.
 void write_file_durably(const std::string& path, const std::vector<char>& bytes);
+
+// The same for bytes in pieces, written one after another; `kind` begins the error's line
+// ("safetensors <path>: fsync failed (...)").
+using FilePieces = std::vector<std::pair<const char*, std::size_t>>;
+void write_file_durably(const std::string& path, const FilePieces& pieces,
+                        const std::string& kind = "checkpoint");
+
+// zlib's CRC-32 of `size` bytes continuing from `crc` (0 to begin), for any size (zlib's own takes
+// at most 4 GiB at once). The checksum of every dtrain file.
+uint32_t crc32_update(uint32_t crc, const void* data, std::size_t size);
+
+// The little-endian unsigned integer of `bytes` bytes at `in` (the file formats' fields).
+uint64_t read_le(const char* in, int bytes);
 
 // The same with the 24-byte header in front of the payload (the sharded checkpoints' files).
 void write_checkpoint_file(const std::string& path, const std::vector<char>& payload);

@@ -38,18 +38,6 @@ constexpr int64_t kIndexVersion = 1;
 // Optimizer state as torch.distributed.checkpoint flattens {"optim": get_optimizer_state_dict()}.
 constexpr const char* kStatePrefix = "optim.state.";
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << at::IntArrayRef(shape);
-  return out.str();
-}
-
 // "[3:5, 0:4]"
 std::string box_text(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
   std::string text = "[";
@@ -469,20 +457,6 @@ class DcpSource : public StateSource {
  private:
   DcpFolder& folder_;
   OptimizerKind kind_ = OptimizerKind::kNone;
-};
-
-// The group's collectives, or nothing for one process.
-struct Ranks {
-  ProcessGroup* group;
-  int rank() const { return group ? group->rank() : 0; }
-  int size() const { return group ? group->size() : 1; }
-  std::string who() const { return group ? rank_text(*group) : rank_text(0, 1); }
-  void all_reduce(at::Tensor& t) const {
-    if (group && group->size() > 1) group->all_reduce(t);
-  }
-  void broadcast(at::Tensor& t) const {
-    if (group && group->size() > 1) group->broadcast(t, 0);
-  }
 };
 
 // "{1, 3}": the ranks whose entry of `flags` (the first size() of them) is not 0.

@@ -8,7 +8,6 @@
 #include <sys/stat.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -21,6 +20,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/checkpoint_file.h"
 #include "checkpoint/safetensors_internal.h"
 #include "dtrain/errors.h"
 
@@ -28,6 +28,8 @@ namespace dtrain {
 namespace {
 
 namespace fs = std::filesystem;
+using detail::crc32_update;
+using detail::write_file_durably;
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; dtrain reads and writes it without swapping");
 
@@ -79,72 +81,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw UsageError("safetensors: " + path + ": " + what);
-}
-
-[[noreturn]] void write_failed(const std::string& path, const std::string& step, int error) {
-  fail(path, "cannot be written (" + step + ": " + std::strerror(error) +
-                 "); check the folder exists, is writable and has space");
-}
-
-void write_all(int fd, const char* data, size_t size, const std::string& path) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) write_failed(path, "write", n < 0 ? errno : EIO);
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-// Writes the pieces to a hidden temporary beside `path`, fsyncs it, renames it over `path` and
-// fsyncs the folder (as write_checkpoint_file in checkpoint_file.cpp does), so that a crash leaves
-// the old file or the whole new one. The temporary is removed when anything fails.
-void write_atomically(const std::string& path,
-                      const std::vector<std::pair<const char*, size_t>>& pieces) {
-  fs::path final_path(path);
-  fs::path dir = final_path.parent_path().empty() ? fs::path(".") : final_path.parent_path();
-  std::error_code error;
-  fs::create_directories(dir, error);
-  if (error) write_failed(path, "creating its folder", error.value());
-  std::string hidden = ".";  // (not "." + name: GCC 12 warns of a memcpy overlap there)
-  hidden += final_path.filename().string() + ".tmp-" + std::to_string(::getpid());
-  const fs::path temporary = dir / hidden;
-  int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) write_failed(path, "creating " + temporary.string(), errno);
-  try {
-    for (const auto& [data, size] : pieces) write_all(fd, data, size, path);
-    if (::fsync(fd) != 0) write_failed(path, "fsync", errno);
-  } catch (...) {
-    ::close(fd);
-    fs::remove(temporary, error);
-    throw;
-  }
-  if (::close(fd) != 0) {
-    int saved = errno;
-    fs::remove(temporary, error);
-    write_failed(path, "closing", saved);
-  }
-  if (::rename(temporary.c_str(), final_path.c_str()) != 0) {
-    int saved = errno;
-    fs::remove(temporary, error);
-    write_failed(path, "renaming " + temporary.string() + " to it", saved);
-  }
-  int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
-}
-
-uint32_t crc32_update(uint32_t crc, const void* data, size_t size) {
-  const auto* bytes = static_cast<const Bytef*>(data);
-  while (size > 0) {  // zlib takes a uInt length
-    const uInt chunk = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
-    crc = static_cast<uint32_t>(::crc32(crc, bytes, chunk));
-    bytes += chunk;
-    size -= chunk;
-  }
-  return crc;
 }
 
 std::string hex32(uint32_t value) {
@@ -478,7 +414,7 @@ void save_safetensors_file(const std::string& path, const TensorTable& tensors,
       pieces.push_back({static_cast<const char*>(bytes.data_ptr()), bytes.nbytes()});
     }
   }
-  write_atomically(path, pieces);
+  write_file_durably(path, pieces, "safetensors");
 }
 
 SafetensorsFile read_safetensors_file(const std::string& path) {
@@ -547,7 +483,7 @@ std::vector<std::string> save_safetensors(const std::string& dir, const TensorTa
                             {"weight_map", weight_map}};
     const std::string text = index.dump(2) + "\n";
     written.push_back((fs::path(dir) / kIndexName).string());
-    write_atomically(written.back(), {{text.data(), text.size()}});
+    write_file_durably(written.back(), {{text.data(), text.size()}}, "safetensors");
   }
   // An earlier export's files this one did not write would otherwise be read with it (an old index
   // preferred to the new model.safetensors, or shards of another count lying beside these).

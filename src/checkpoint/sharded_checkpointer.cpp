@@ -24,20 +24,7 @@ using detail::RankFile;
 using detail::SavedShards;
 using detail::ShardedMetadata;
 
-// The group's collectives, or nothing for one process without a group (a view of the
-// checkpointer's group for the length of one call).
-struct Ranks {
-  ProcessGroup* group;
-  int rank() const { return group ? group->rank() : 0; }
-  int size() const { return group ? group->size() : 1; }
-  std::string who() const { return group ? detail::rank_text(*group) : detail::rank_text(0, 1); }
-  void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const {
-    if (group && group->size() > 1) group->all_reduce(t, op);
-  }
-  void broadcast(at::Tensor& t) const {
-    if (group && group->size() > 1) group->broadcast(t, 0);
-  }
-};
+using detail::Ranks;
 
 std::vector<detail::CheckpointFile> list_folders(const CheckpointOptions& options) {
   auto entries = detail::list_checkpoint_files(options.dir, options.prefix, /*suffix=*/"");

@@ -23,6 +23,8 @@ using nlohmann::json;
 // Bumped when the layout of the metadata or of a rank file changes incompatibly.
 constexpr int64_t kShardedFormat = 1;
 
+}  // namespace
+
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -34,8 +36,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   out << at::IntArrayRef(shape);
   return out.str();
 }
-
-}  // namespace
 
 std::string sharded_folder(const std::string& dir, const std::string& prefix, int64_t step) {
   return (fs::path(dir) / (prefix + "-" + std::to_string(step))).string();

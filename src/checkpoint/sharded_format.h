@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "common/format.h"
+#include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/sharded_checkpoint.h"
 
@@ -150,5 +152,24 @@ void fill_shards(StateSource& source, std::vector<FlatShard>& shards,
 // Fills a plain module's parameters and, with an optimizer over them, its state from source.
 void fill_module(StateSource& source, torch::nn::Module& module,
                  torch::optim::Optimizer* optimizer);
+
+// The element count of a shape, and its text ("[3, 4]"), for the sharded formats' checks.
+int64_t numel_of(const std::vector<int64_t>& shape);
+std::string shape_text(const std::vector<int64_t>& shape);
+
+// A group's collectives, or nothing for one process without a group (a view of a checkpointer's
+// group for the length of one call): the sharded checkpoints and the DCP export share it.
+struct Ranks {
+  ProcessGroup* group;
+  int rank() const { return group ? group->rank() : 0; }
+  int size() const { return group ? group->size() : 1; }
+  std::string who() const { return group ? rank_text(*group) : rank_text(0, 1); }
+  void all_reduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum) const {
+    if (group && group->size() > 1) group->all_reduce(t, op);
+  }
+  void broadcast(at::Tensor& t) const {
+    if (group && group->size() > 1) group->broadcast(t, 0);
+  }
+};
 
 }  // namespace dtrain::detail

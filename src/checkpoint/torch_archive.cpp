@@ -28,13 +28,14 @@
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string_view>
+
+#include "checkpoint/checkpoint_file.h"
 
 namespace dtrain::detail {
 namespace {
@@ -43,29 +44,14 @@ namespace {
 constexpr char kSealPrefix[] = "dtrain-crc32=";
 constexpr std::size_t kSealSize = sizeof kSealPrefix - 1 + 8;
 
-uint64_t get_le(const char* in, int bytes) {
-  uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) value |= uint64_t{static_cast<unsigned char>(in[i])} << (8 * i);
-  return value;
-}
-
-uint32_t crc32_of(const char* data, std::size_t size) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  while (size > 0) {  // zlib takes a uInt length
-    uInt chunk = static_cast<uInt>(std::min<std::size_t>(size, 1u << 30));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
-    data += chunk;
-    size -= chunk;
-  }
-  return static_cast<uint32_t>(crc);
-}
+uint32_t crc32_of(const char* data, std::size_t size) { return crc32_update(0, data, size); }
 
 // The bytes of a pickle opcode's argument at `at` (just after the opcode byte), or nullopt for an
 // opcode this scanner does not know or an argument that runs past the end.
 std::optional<std::size_t> argument_size(unsigned char opcode, const char* at, const char* end) {
   auto counted = [&](int width) -> std::optional<std::size_t> {
     if (end - at < width) return std::nullopt;
-    uint64_t n = get_le(at, width);
+    uint64_t n = read_le(at, width);
     if (n > static_cast<uint64_t>(end - at - width)) return std::nullopt;
     return width + n;
   };
@@ -185,7 +171,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       if (next < end && (*next == 'q' || *next == 'r')) {  // memoized for later calls
         const int width = *next == 'q' ? 1 : 4;
         if (end - next <= width) return pickle;
-        ordered_dict_memo.push_back(get_le(next + 1, width));
+        ordered_dict_memo.push_back(read_le(next + 1, width));
         next += 1 + width;
       }
       const char* after = call_without_arguments(next);
@@ -195,7 +181,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
     }
     if ((opcode == 'h' || opcode == 'j') &&
         std::find(ordered_dict_memo.begin(), ordered_dict_memo.end(),
-                  get_le(p + 1, opcode == 'h' ? 1 : 4)) != ordered_dict_memo.end()) {
+                  read_le(p + 1, opcode == 'h' ? 1 : 4)) != ordered_dict_memo.end()) {
       const char* after = call_without_arguments(next);
       if (!after) return pickle;
       p = empty_dict(after);
@@ -274,8 +260,8 @@ std::vector<char> save_torch_archive(const c10::IValue& value) {
 
   // The seal: the end record's comment length, then a CRC-32 of everything up to the comment.
   const std::size_t comment_length_at = archive.size() - 2;
-  TORCH_CHECK(get_le(archive.data() + archive.size() - 22, 4) == 0x06054b50 &&
-                  get_le(archive.data() + comment_length_at, 2) == 0,
+  TORCH_CHECK(read_le(archive.data() + archive.size() - 22, 4) == 0x06054b50 &&
+                  read_le(archive.data() + comment_length_at, 2) == 0,
               "save_torch_archive: the zip does not end in an end record without a comment");
   archive[comment_length_at] = static_cast<char>(kSealSize);
   char seal[kSealSize + 1];
@@ -292,7 +278,7 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
   std::optional<uint64_t> end_at;
   for (uint64_t at = size >= kEndSize ? size - kEndSize + 1 : 0; at-- > 0;) {
     if (size - at > kEndSize + 0xffff) break;
-    if (get_le(data + at, 4) == 0x06054b50 && at + kEndSize + get_le(data + at + 20, 2) == size) {
+    if (read_le(data + at, 4) == 0x06054b50 && at + kEndSize + read_le(data + at + 20, 2) == size) {
       end_at = at;
       break;
     }
@@ -301,7 +287,7 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
     *why = "truncated: no zip directory at its end (or not a torch.save file)";
     return false;
   }
-  const uint64_t comment_size = get_le(data + *end_at + 20, 2);
+  const uint64_t comment_size = read_le(data + *end_at + 20, 2);
   if (comment_size == kSealSize &&
       std::memcmp(data + size - kSealSize, kSealPrefix, sizeof kSealPrefix - 1) == 0) {
     char expected[kSealSize + 1];
@@ -312,23 +298,23 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
     return false;
   }
   // Not sealed by dtrain: each record against its CRC-32 in the zip's directory.
-  uint64_t entries = get_le(data + *end_at + 10, 2);
-  uint64_t directory_size = get_le(data + *end_at + 12, 4);
-  uint64_t directory_at = get_le(data + *end_at + 16, 4);
+  uint64_t entries = read_le(data + *end_at + 10, 2);
+  uint64_t directory_size = read_le(data + *end_at + 12, 4);
+  uint64_t directory_at = read_le(data + *end_at + 16, 4);
   if (entries == 0xffff || directory_size == 0xffffffff || directory_at == 0xffffffff) {
     // Zip64: a locator just before the end record points to the zip64 end record.
-    if (*end_at < 20 || get_le(data + *end_at - 20, 4) != 0x07064b50) {
+    if (*end_at < 20 || read_le(data + *end_at - 20, 4) != 0x07064b50) {
       *why = "its zip64 directory locator is missing";
       return false;
     }
-    uint64_t end64_at = get_le(data + *end_at - 12, 8);
-    if (end64_at + 56 > size || get_le(data + end64_at, 4) != 0x06064b50) {
+    uint64_t end64_at = read_le(data + *end_at - 12, 8);
+    if (end64_at + 56 > size || read_le(data + end64_at, 4) != 0x06064b50) {
       *why = "its zip64 directory record is damaged";
       return false;
     }
-    entries = get_le(data + end64_at + 32, 8);
-    directory_size = get_le(data + end64_at + 40, 8);
-    directory_at = get_le(data + end64_at + 48, 8);
+    entries = read_le(data + end64_at + 32, 8);
+    directory_size = read_le(data + end64_at + 40, 8);
+    directory_at = read_le(data + end64_at + 48, 8);
   }
   if (directory_at > size || directory_size > size - directory_at) {
     *why = "its zip directory points outside the file";
@@ -336,16 +322,16 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
   }
   uint64_t at = directory_at;
   for (uint64_t i = 0; i < entries; ++i) {
-    if (at + 46 > directory_at + directory_size || get_le(data + at, 4) != 0x02014b50) {
+    if (at + 46 > directory_at + directory_size || read_le(data + at, 4) != 0x02014b50) {
       *why = "its zip directory is damaged at entry " + std::to_string(i);
       return false;
     }
-    const uint64_t method = get_le(data + at + 10, 2);
-    const auto crc = static_cast<uint32_t>(get_le(data + at + 16, 4));
-    uint64_t record_size = get_le(data + at + 24, 4);
-    const uint64_t name_size = get_le(data + at + 28, 2), extra_size = get_le(data + at + 30, 2),
-                   comment_size = get_le(data + at + 32, 2);
-    uint64_t local_at = get_le(data + at + 42, 4);
+    const uint64_t method = read_le(data + at + 10, 2);
+    const auto crc = static_cast<uint32_t>(read_le(data + at + 16, 4));
+    uint64_t record_size = read_le(data + at + 24, 4);
+    const uint64_t name_size = read_le(data + at + 28, 2), extra_size = read_le(data + at + 30, 2),
+                   comment_size = read_le(data + at + 32, 2);
+    uint64_t local_at = read_le(data + at + 42, 4);
     if (at + 46 + name_size + extra_size + comment_size > directory_at + directory_size) {
       *why = "its zip directory is damaged at entry " + std::to_string(i);
       return false;
@@ -354,15 +340,15 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
     // Zip64 sizes and offsets live in the extra field (id 1), in this order, for each field that
     // says 0xffffffff.
     const bool big_size = record_size == 0xffffffff,
-               big_compressed = get_le(data + at + 20, 4) == 0xffffffff,
+               big_compressed = read_le(data + at + 20, 4) == 0xffffffff,
                big_offset = local_at == 0xffffffff;
     for (uint64_t e = at + 46 + name_size; e + 4 <= at + 46 + name_size + extra_size;) {
-      const uint64_t id = get_le(data + e, 2), field_size = get_le(data + e + 2, 2);
+      const uint64_t id = read_le(data + e, 2), field_size = read_le(data + e + 2, 2);
       if (id == 1) {
         uint64_t f = e + 4;
-        if (big_size && f + 8 <= e + 4 + field_size) record_size = get_le(data + f, 8), f += 8;
+        if (big_size && f + 8 <= e + 4 + field_size) record_size = read_le(data + f, 8), f += 8;
         if (big_compressed && f + 8 <= e + 4 + field_size) f += 8;
-        if (big_offset && f + 8 <= e + 4 + field_size) local_at = get_le(data + f, 8);
+        if (big_offset && f + 8 <= e + 4 + field_size) local_at = read_le(data + f, 8);
       }
       e += 4 + field_size;
     }
@@ -371,12 +357,12 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
              "); torch.save stores records uncompressed";
       return false;
     }
-    if (local_at + 30 > size || get_le(data + local_at, 4) != 0x04034b50) {
+    if (local_at + 30 > size || read_le(data + local_at, 4) != 0x04034b50) {
       *why = "record '" + name + "': its local header is damaged";
       return false;
     }
     const uint64_t data_at =
-        local_at + 30 + get_le(data + local_at + 26, 2) + get_le(data + local_at + 28, 2);
+        local_at + 30 + read_le(data + local_at + 26, 2) + read_le(data + local_at + 28, 2);
     if (data_at > size || record_size > size - data_at) {
       *why = "record '" + name + "' runs past the end of the file (truncated?)";
       return false;
