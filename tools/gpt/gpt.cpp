@@ -251,7 +251,7 @@ GptImpl::GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_
   if (sequence_group_) {
     auto scattered =
         std::make_shared<ScatteredEmbeddingImpl>(config_.vocab, config_.width, sequence_group_);
-    embedding = torch::nn::Embedding(scattered);
+    embedding = torch::nn::Embedding(std::shared_ptr<torch::nn::EmbeddingImpl>(scattered));
     push_back("embedding", scattered);  // the Sequential calls the scattering forward
   } else {
     embedding = torch::nn::Embedding(config_.vocab, config_.width);
