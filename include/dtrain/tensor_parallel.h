@@ -24,8 +24,10 @@
 // instead when that is too much. To split a layer that already exists (trained, or loaded), use
 // column_parallel_from / row_parallel_from.
 //
-// Collectives: the layers communicate only through their group (all_reduce, all_gather), on the
-// device of the tensors they get: Gloo for CPU tensors, NCCL for CUDA tensors in a CUDA build.
+// Collectives: the layers communicate only through their group (all_reduce, all_gather, and
+// reduce_scatter under sequence parallelism), on the device of the tensors they get: shared memory
+// or Gloo for CPU tensors (ProcessGroup::uses_shared_memory), NCCL for CUDA tensors in a CUDA
+// build.
 // Every rank of the group must run the same layers in the same order with inputs of the same shape,
 // as for any collective; a rank that skips a layer leaves the others waiting until the group's
 // timeout. The backward's collectives run on the thread that runs backward (LibTorch's autograd
@@ -47,6 +49,38 @@
 // backward, and none when X needs no gradient (the model's first layer). gather_output and
 // input_is_parallel = false break this pairing and cost an all-gather each (forward, resp.
 // backward); they are for layers that stand alone.
+//
+// Note [Sequence parallelism]
+// Megatron-LM's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation
+// in Large Transformer Models"), an option on top of the pairing above. Between a row-parallel
+// layer and the next column-parallel one a transformer runs layer norms, residual adds and other
+// work that is elementwise along the sequence; plain tensor parallelism repeats that work, and
+// keeps its activations, whole on every rank of the group. Under sequence parallelism each of the
+// T ranks holds 1/T of the sequence there instead: a tensor [.., seq, features] becomes this rank's
+// slice [.., seq / T, features] (dimension -2 is the sequence; rank r holds positions
+// [r seq/T, (r+1) seq/T)). The all-reduce at each end of the pair splits in its two halves:
+//
+//   entering the column-parallel layers: all-gather the slices along the sequence (forward);
+//     backward reduce-scatters the input's gradient, which the all-reduce of
+//     copy_to_tensor_parallel summed before (sequence_parallel_column_linear)
+//   leaving the row-parallel layer: reduce-scatter the partial products along the sequence
+//     (forward); backward all-gathers the output's gradient (reduce_scatter_to_sequence_parallel)
+//
+// An all-reduce is a reduce-scatter followed by an all-gather, so the traffic is the same as
+// tensor parallelism's and the activations between the pairs shrink T-fold. The column-parallel
+// layers keep only the slice for their weight gradients and all-gather it again in backward (the
+// paper's section 4.2.3), so the gathered input is not kept either. Parameters that act on a slice
+// (a norm's weight, a row-parallel layer's bias) get a gradient from 1/T of the positions on each
+// rank: they go through sequence_parallel_parameter, whose backward all-reduces their gradient over
+// the group, so that each rank holds the whole sequence's gradient, as under tensor parallelism.
+// Transports: the all-gathers and reduce-scatters are ProcessGroup::all_gather and
+// ProcessGroup::reduce_scatter, real ones: among ranks on one host (uses_shared_memory()) CPU
+// tensors go through shared memory, each rank moving and summing only its share (bfloat16 and
+// float16 CPU tensors travel as float32 there, the transport's type); on CUDA tensors NCCL's
+// all-gather and reduce-scatter. Only CPU tensors between hosts (or with DTRAIN_SHM=0) go through
+// Gloo, whose c10d backend has a real all-gather but no reduce-scatter
+// (ProcessGroup::reduce_scatter_async says what it does there). The sequence length must divide
+// by T: a sequence that does not is one UsageError naming the length and the degree.
 #pragma once
 
 #include <torch/nn/cloneable.h>
@@ -56,6 +90,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
+#include <vector>
 
 #include "dtrain/comm.h"
 
@@ -68,6 +103,12 @@ struct ColumnParallelLinearOptions {
   // all-gather forward; backward takes this rank's slice of the gradient without communication).
   // Leave it off when a RowParallelLinear with input_is_parallel follows (see the Note above).
   bool gather_output = false;
+  // Sequence parallelism (Note [Sequence parallelism]): the input is this rank's slice
+  // [.., seq / n, in_features] of the sequence; the layer all-gathers the sequence and its output
+  // is [.., seq, local_size()]. Backward reduce-scatters the input's gradient and all-gathers the
+  // input again for the weight's gradient. Several layers on one input (query, key and value) share
+  // one all-gather through sequence_parallel_column_linear.
+  bool sequence_parallel = false;
 };
 
 struct RowParallelLinearOptions {
@@ -79,6 +120,11 @@ struct RowParallelLinearOptions {
   // full [.., in_features] on every rank and each rank takes its slice (backward then all-gathers
   // the input's gradient).
   bool input_is_parallel = true;
+  // Sequence parallelism (Note [Sequence parallelism]): reduce-scatter the partial products along
+  // the sequence instead of all-reducing them, so the output is this rank's slice
+  // [.., seq / n, out_features] of the sum (backward all-gathers its gradient). The bias is added
+  // to the slice through sequence_parallel_parameter.
+  bool sequence_parallel = false;
 };
 
 class ColumnParallelLinear;  // module holders, defined by TORCH_MODULE below
@@ -202,5 +248,46 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   int64_t local_size_ = 0;
 };
 TORCH_MODULE(RowParallelLinear);
+
+// ---- Sequence parallelism (Note [Sequence parallelism]) ----
+// The autograd functions the sequence-parallel regions are built from. Each is collective over
+// `group` (every rank calls it, in the same order, with tensors of the same shape), blocks until
+// this rank's part of the collective is done (up to the group's timeout), and is the identity
+// without communication for a group of one rank. The sequence is dimension -2 of
+// [.., seq, features]; a whole sequence whose length does not divide by group->size() is a
+// UsageError naming the rank, the length and the degree.
+
+// Enter the region from a tensor that is the same on every rank (an embedding's output): full
+// [.., seq, features] -> this rank's slice [.., seq / n, features], without communication. Backward
+// all-gathers the gradient, so the producer (replicated on every rank) gets the whole of it.
+at::Tensor scatter_to_sequence_parallel(const at::Tensor& full,
+                                        const std::shared_ptr<ProcessGroup>& group);
+
+// Leave the region to work that is replicated on every rank (the final norm's output going to a
+// whole LM head): slice -> [.., seq, features] by an all-gather. Backward takes this rank's slice
+// of the gradient without communication: every rank computed the same gradient downstream.
+at::Tensor gather_from_sequence_parallel(const at::Tensor& slice,
+                                         const std::shared_ptr<ProcessGroup>& group);
+
+// Enter the tensor-parallel region: one all-gather of the slice [.., seq / n, in] and, for each
+// weight W_i [out_i, in] (column-parallel shards), y_i = gathered W_i^T [.., seq, out_i]. Only the
+// slice is kept for backward, which all-gathers it again for the weights' gradients and
+// reduce-scatters the input's gradient sum_i dy_i W_i (overlapping the two collectives with the
+// products). Under autocast the products run in the autocast type, as at::linear's would.
+std::vector<at::Tensor> sequence_parallel_column_linear(const at::Tensor& slice,
+                                                        at::TensorList weights,
+                                                        const std::shared_ptr<ProcessGroup>& group);
+
+// Leave the tensor-parallel region: partial products [.., seq, features] (a row-parallel layer's
+// before its all-reduce) -> this rank's slice [.., seq / n, features] of their sum over the group,
+// by a reduce-scatter. Backward all-gathers the gradient.
+at::Tensor reduce_scatter_to_sequence_parallel(const at::Tensor& partial,
+                                               const std::shared_ptr<ProcessGroup>& group);
+
+// A parameter that acts on this rank's slice only (a norm's weight, a row-parallel bias): returns
+// it unchanged; backward all-reduces (sums) its gradient over the group, so that every rank's
+// gradient is the whole sequence's, before it reaches the parameter (and DDP's hooks, or ZeRO's).
+at::Tensor sequence_parallel_parameter(const at::Tensor& parameter,
+                                       const std::shared_ptr<ProcessGroup>& group);
 
 }  // namespace dtrain

@@ -117,8 +117,15 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
       "in_features",
       "Every rank of the group must get the whole input (the same on every rank); a slice of the "
       "features is the input of a RowParallelLinear.");
-  at::Tensor local = at::linear(detail::copy_to_tensor_parallel(input, group_), weight,
-                                bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  at::Tensor local;
+  if (options_.sequence_parallel) {
+    // The all-gather's backward reduce-scatters the input's gradient: no all-reduce here.
+    local = sequence_parallel_column_linear(input, {weight}, group_)[0];
+    if (bias.defined()) local = local + bias;
+  } else {
+    local = at::linear(detail::copy_to_tensor_parallel(input, group_), weight,
+                       bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+  }
   if (!options_.gather_output) return local;
   return detail::gather_from_tensor_parallel(local, group_, out_features_);
 }
@@ -128,7 +135,8 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << out_features_ << ", rows=[" << local_begin_ << ", "
          << local_begin_ + local_size_ << ")"
          << ", bias=" << (options_.bias ? "true" : "false")
-         << ", gather_output=" << (options_.gather_output ? "true" : "false") << ")";
+         << ", gather_output=" << (options_.gather_output ? "true" : "false")
+         << (options_.sequence_parallel ? ", sequence_parallel=true" : "") << ")";
 }
 
 ColumnParallelLinear column_parallel_from(const torch::nn::Linear& linear,
@@ -206,6 +214,12 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
     local = detail::scatter_to_tensor_parallel(input, group_, in_features_);
   }
   // This rank's input features' share of every output, summed over the ranks; then the bias, once.
+  // Under sequence parallelism the sum arrives as this rank's slice of the sequence, so the bias
+  // sees only those positions and its gradient is all-reduced (sequence_parallel_parameter).
+  if (options_.sequence_parallel) {
+    at::Tensor output = reduce_scatter_to_sequence_parallel(at::linear(local, weight), group_);
+    return bias.defined() ? output + sequence_parallel_parameter(bias, group_) : output;
+  }
   at::Tensor output = detail::reduce_from_tensor_parallel(at::linear(local, weight), group_);
   return bias.defined() ? output + bias : output;
 }
@@ -215,7 +229,8 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", out_features=" << out_features_ << ", columns=[" << local_begin_ << ", "
          << local_begin_ + local_size_ << ")"
          << ", bias=" << (options_.bias ? "true" : "false")
-         << ", input_is_parallel=" << (options_.input_is_parallel ? "true" : "false") << ")";
+         << ", input_is_parallel=" << (options_.input_is_parallel ? "true" : "false")
+         << (options_.sequence_parallel ? ", sequence_parallel=true" : "") << ")";
 }
 
 RowParallelLinear row_parallel_from(const torch::nn::Linear& linear,

@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
 
+#include <initializer_list>
 #include <tuple>
+#include <vector>
 
 #include "dtrain/errors.h"
 #include "dtrain/tensor_parallel.h"
@@ -45,12 +47,18 @@ void GptConfig::check() const {
   if (!(rope_theta > 0) || !(norm_eps > 0)) fail("rope_theta and norm_eps must be positive");
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps,
+                         std::shared_ptr<dtrain::ProcessGroup> sequence_group, bool gather_sequence)
+    : eps_(eps), sequence_group_(std::move(sequence_group)), gather_sequence_(gather_sequence) {
   weight = register_parameter("weight", at::ones({dim}));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
+  if (!sequence_group_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
+  // This rank's positions only: the weight's gradient is a partial sum, all-reduced in backward.
+  at::Tensor scale = dtrain::sequence_parallel_parameter(weight, sequence_group_);
+  at::Tensor y = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * scale;
+  return gather_sequence_ ? dtrain::gather_from_sequence_parallel(y, sequence_group_) : y;
 }
 
 namespace {
@@ -60,26 +68,65 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
 }
 
 // The unsplit layer, or this rank's column shard of it (its output features): drawn as the
-// unsplit layer would be either way (Note [Tensor-parallel blocks]).
+// unsplit layer would be either way (Note [Tensor-parallel blocks]). sequence_parallel: its input
+// is this rank's slice of the sequence (Note [Sequence-parallel blocks]).
 torch::nn::AnyModule column(int64_t in, int64_t out,
-                            const std::shared_ptr<dtrain::ProcessGroup>& group) {
+                            const std::shared_ptr<dtrain::ProcessGroup>& group,
+                            bool sequence_parallel) {
   torch::nn::Linear whole = linear(in, out);
   if (!group) return torch::nn::AnyModule(whole);
   dtrain::ColumnParallelLinearOptions options;
   options.bias = false;
+  options.sequence_parallel = sequence_parallel;
   return torch::nn::AnyModule(dtrain::column_parallel_from(whole, group, options));
 }
 
-// The unsplit layer, or this rank's row shard (its input features), input already split.
+// The unsplit layer, or this rank's row shard (its input features), input already split;
+// sequence_parallel: its output is this rank's slice of the sequence.
 torch::nn::AnyModule row(int64_t in, int64_t out,
-                         const std::shared_ptr<dtrain::ProcessGroup>& group) {
+                         const std::shared_ptr<dtrain::ProcessGroup>& group,
+                         bool sequence_parallel) {
   torch::nn::Linear whole = linear(in, out);
   if (!group) return torch::nn::AnyModule(whole);
   dtrain::RowParallelLinearOptions options;
   options.bias = false;
   options.input_is_parallel = true;
+  options.sequence_parallel = sequence_parallel;
   return torch::nn::AnyModule(dtrain::row_parallel_from(whole, group, options));
 }
+
+// The column-parallel projections' weights, for one all-gather that serves all of them.
+std::vector<at::Tensor> column_weights(std::initializer_list<const torch::nn::AnyModule*> layers) {
+  std::vector<at::Tensor> weights;
+  for (const torch::nn::AnyModule* layer : layers)
+    weights.push_back(layer->get<dtrain::ColumnParallelLinear>()->weight);
+  return weights;
+}
+
+// The group sequence parallelism splits the sequence over, or null.
+std::shared_ptr<dtrain::ProcessGroup> sequence_group_of(
+    const std::shared_ptr<dtrain::ProcessGroup>& tensor_group, bool sequence_parallel) {
+  return sequence_parallel ? tensor_group : nullptr;
+}
+
+// The token embedding under sequence parallelism: the whole table on every rank, its output
+// scattered to this rank's slice of the sequence (Note [Sequence-parallel blocks]). A
+// torch::nn::EmbeddingImpl still (the same draw, the same "embedding.weight"), whose forward the
+// model's Sequential calls.
+class ScatteredEmbeddingImpl : public torch::nn::EmbeddingImpl {
+ public:
+  ScatteredEmbeddingImpl(int64_t vocab, int64_t width,
+                         std::shared_ptr<dtrain::ProcessGroup> sequence_group)
+      : torch::nn::EmbeddingImpl(torch::nn::EmbeddingOptions(vocab, width)),
+        sequence_group_(std::move(sequence_group)) {}
+  at::Tensor forward(const at::Tensor& tokens) {
+    return dtrain::scatter_to_sequence_parallel(torch::nn::EmbeddingImpl::forward(tokens),
+                                                sequence_group_);
+  }
+
+ private:
+  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;
+};
 
 int64_t tensor_size(const std::shared_ptr<dtrain::ProcessGroup>& group) {
   return group ? group->size() : 1;
@@ -88,16 +135,18 @@ int64_t tensor_size(const std::shared_ptr<dtrain::ProcessGroup>& group) {
 }  // namespace
 
 AttentionImpl::AttentionImpl(const GptConfig& config,
-                             std::shared_ptr<dtrain::ProcessGroup> tensor_group)
+                             std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+                             bool sequence_parallel)
     : config_(config),
+      sequence_group_(sequence_group_of(tensor_group, sequence_parallel)),
       heads_(config.heads / tensor_size(tensor_group)),
       kv_heads_(config.kv_heads / tensor_size(tensor_group)),
       head_dim_(config.head_dim()) {
   const int64_t q = config.heads * head_dim_, kv = config.kv_heads * head_dim_;
-  wq = column(config.width, q, tensor_group);
-  wk = column(config.width, kv, tensor_group);
-  wv = column(config.width, kv, tensor_group);
-  wo = row(q, config.width, tensor_group);
+  wq = column(config.width, q, tensor_group, sequence_parallel);
+  wk = column(config.width, kv, tensor_group, sequence_parallel);
+  wv = column(config.width, kv, tensor_group, sequence_parallel);
+  wo = row(q, config.width, tensor_group, sequence_parallel);
   register_module("wq", wq.ptr());
   register_module("wk", wk.ptr());
   register_module("wv", wv.ptr());
@@ -116,7 +165,9 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }  // namespace
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
-  const int64_t batch = x.size(0), seq = x.size(1);
+  // Under sequence parallelism x is this rank's slice of the sequence; q, k, v cover all of it.
+  const int64_t batch = x.size(0),
+                seq = sequence_group_ ? x.size(1) * sequence_group_->size() : x.size(1);
   if (!cos_.defined() || cos_.size(0) != seq || cos_.device() != x.device()) {
     std::tie(cos_, sin_) = rotary_tables(config_, seq, x.device());
   }
@@ -126,9 +177,16 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   auto split = [&](const at::Tensor& t, int64_t heads) {
     return t.view({batch, seq, heads, head_dim_}).transpose(1, 2);
   };
-  at::Tensor q = rotate(split(wq.forward(x), heads_), cos, sin);
-  at::Tensor k = rotate(split(wk.forward(x), kv_heads_), cos, sin);
-  at::Tensor v = split(wv.forward(x), kv_heads_);
+  std::vector<at::Tensor> qkv;
+  if (sequence_group_) {  // one all-gather for the three (Note [Sequence-parallel blocks])
+    qkv = dtrain::sequence_parallel_column_linear(x, column_weights({&wq, &wk, &wv}),
+                                                  sequence_group_);
+  } else {
+    qkv = {wq.forward(x), wk.forward(x), wv.forward(x)};
+  }
+  at::Tensor q = rotate(split(qkv[0], heads_), cos, sin);
+  at::Tensor k = rotate(split(qkv[1], kv_heads_), cos, sin);
+  at::Tensor v = split(qkv[2], kv_heads_);
   if (kv_heads_ != heads_) {  // each key/value head serves heads / kv_heads query heads
     k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
     v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
@@ -138,25 +196,35 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   return wo.forward(attended.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group) {
+MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+                 bool sequence_parallel)
+    : sequence_group_(sequence_group_of(tensor_group, sequence_parallel)) {
   // Drawn in the single-device order w1, w2, w3 so that every split holds the same weights.
-  w1 = column(config.width, config.hidden(), tensor_group);
-  w2 = row(config.hidden(), config.width, tensor_group);
-  w3 = column(config.width, config.hidden(), tensor_group);
+  w1 = column(config.width, config.hidden(), tensor_group, sequence_parallel);
+  w2 = row(config.hidden(), config.width, tensor_group, sequence_parallel);
+  w3 = column(config.width, config.hidden(), tensor_group, sequence_parallel);
   register_module("w1", w1.ptr());
   register_module("w2", w2.ptr());
   register_module("w3", w3.ptr());
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  if (sequence_group_) {  // one all-gather for w1 and w3 (Note [Sequence-parallel blocks])
+    std::vector<at::Tensor> h =
+        dtrain::sequence_parallel_column_linear(x, column_weights({&w1, &w3}), sequence_group_);
+    return w2.forward(at::silu(h[0]) * h[1]);
+  }
   return w2.forward(at::silu(w1.forward(x)) * w3.forward(x));
 }
 
-BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group) {
-  attention_norm = register_module("attention_norm", RMSNorm(config.width, config.norm_eps));
-  attention = register_module("attention", Attention(config, tensor_group));
-  mlp_norm = register_module("mlp_norm", RMSNorm(config.width, config.norm_eps));
-  mlp = register_module("mlp", Mlp(config, std::move(tensor_group)));
+BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+                     bool sequence_parallel) {
+  auto sequence_group = sequence_group_of(tensor_group, sequence_parallel);
+  attention_norm =
+      register_module("attention_norm", RMSNorm(config.width, config.norm_eps, sequence_group));
+  attention = register_module("attention", Attention(config, tensor_group, sequence_parallel));
+  mlp_norm = register_module("mlp_norm", RMSNorm(config.width, config.norm_eps, sequence_group));
+  mlp = register_module("mlp", Mlp(config, std::move(tensor_group), sequence_parallel));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
@@ -164,9 +232,15 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   return h + mlp(mlp_norm(h));
 }
 
-GptImpl::GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group)
-    : config_(config) {
+GptImpl::GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+                 bool sequence_parallel)
+    : config_(config), sequence_group_(sequence_group_of(tensor_group, sequence_parallel)) {
   config_.check();
+  if (sequence_parallel && !tensor_group) {
+    throw dtrain::UsageError(
+        "gpt::Gpt: sequence_parallel without a tensor group: sequence parallelism splits the "
+        "sequence over the tensor-parallel ranks; pass the tensor group, or leave it off");
+  }
   if (tensor_group && config_.kv_heads % tensor_group->size() != 0) {
     throw dtrain::UsageError("gpt::Gpt: kv_heads " + std::to_string(config_.kv_heads) +
                              " does not divide by the tensor-parallel degree " +
@@ -174,12 +248,20 @@ GptImpl::GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_
                              "; a key/value head and its query heads stay on one rank, so pick "
                              "kv_heads (and heads) that are multiples of it");
   }
-  embedding = torch::nn::Embedding(config_.vocab, config_.width);
-  norm = RMSNorm(config_.width, config_.norm_eps);
+  if (sequence_group_) {
+    auto scattered =
+        std::make_shared<ScatteredEmbeddingImpl>(config_.vocab, config_.width, sequence_group_);
+    embedding = torch::nn::Embedding(std::shared_ptr<torch::nn::EmbeddingImpl>(scattered));
+    push_back("embedding", scattered);  // the Sequential calls the scattering forward
+  } else {
+    embedding = torch::nn::Embedding(config_.vocab, config_.width);
+    push_back("embedding", embedding);
+  }
+  // The final norm works on this rank's slice and gathers the sequence for the whole head.
+  norm = RMSNorm(config_.width, config_.norm_eps, sequence_group_, /*gather_sequence=*/true);
   head = torch::nn::Linear(torch::nn::LinearOptions(config_.width, config_.vocab).bias(false));
-  push_back("embedding", embedding);
   for (int64_t i = 0; i < config_.layers; ++i)
-    push_back("block" + std::to_string(i), Block(config_, tensor_group));
+    push_back("block" + std::to_string(i), Block(config_, tensor_group, sequence_parallel));
   push_back("norm", norm);
   push_back("head", head);
 }
@@ -190,6 +272,16 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
                              std::to_string(config_.seq_len) + ", got " +
                              std::to_string(tokens.dim()) + " dimensions, sizes " +
                              c10::str(tokens.sizes()));
+  }
+  if (sequence_group_ && tokens.size(1) % sequence_group_->size() != 0) {
+    throw dtrain::UsageError(
+        "rank " + std::to_string(sequence_group_->global_rank()) + "/" +
+        std::to_string(sequence_group_->global_size()) + ": gpt::Gpt: the sequence length " +
+        std::to_string(tokens.size(1)) + " does not divide by the tensor-parallel degree " +
+        std::to_string(sequence_group_->size()) +
+        ": sequence parallelism gives every tensor rank an equal slice of the sequence; pick a "
+        "sequence length (seq_len, train_gpt's --seq-len) that is a multiple of " +
+        std::to_string(sequence_group_->size()));
   }
   return torch::nn::SequentialImpl::forward(tokens);
 }

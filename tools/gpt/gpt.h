@@ -27,6 +27,23 @@
 // activations). Every rank must build the model under the same torch::manual_seed: each layer
 // draws what the unsplit one would and keeps its shard, so the T ranks hold exactly the unsplit
 // model. T must divide kv_heads (a key/value head and its query heads stay on one rank).
+//
+// Note [Sequence-parallel blocks]
+// With sequence_parallel as well (Note [Sequence parallelism] in dtrain/tensor_parallel.h), the
+// residual stream between the tensor-parallel matmuls is split along the sequence: the embedding's
+// output is scattered (each rank keeps its 1/T of the positions; backward all-gathers the
+// gradient, so the embedding's gradient stays whole on every rank), each block's norms and
+// residual adds work on [batch, seq / T, width], the attention and the MLP all-gather the
+// normalized slice once (q, k, v share one all-gather, and w1, w3 another) and reduce-scatter the
+// output of wo, resp. w2. The final norm works on the slice and all-gathers its output for the
+// head, which stays whole on every rank: the model's output is then the same full logits as in
+// every other layout (the loss, validation and export need no change) and the head's gradient is
+// whole on every rank with no all-reduce of its vocab x width; the price is that every rank
+// computes all the logits, as under plain tensor parallelism (a column-parallel head would need a
+// cross-entropy over vocabulary shards). The norms' weights see 1/T of the positions on a rank:
+// RMSNorm passes them through dtrain::sequence_parallel_parameter, whose backward all-reduces
+// their gradient over the tensor group (2 x layers + 1 all-reduces of `width` floats per
+// backward). The sequence length must divide by T.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -66,14 +83,21 @@ struct GptConfig {
 };
 
 // x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
+// With a sequence group (Note [Sequence-parallel blocks]) x is this rank's slice of the sequence
+// and the weight's gradient is all-reduced over the group; gather_sequence all-gathers the output
+// along the sequence (the final norm, before the whole head).
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps,
+              std::shared_ptr<dtrain::ProcessGroup> sequence_group = nullptr,
+              bool gather_sequence = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 
  private:
   double eps_;
+  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;
+  bool gather_sequence_ = false;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -82,10 +106,13 @@ TORCH_MODULE(RMSNorm);
 //
 // With a tensor group of T ranks (Note [Tensor-parallel blocks]) each rank holds heads / T query
 // heads and kv_heads / T key/value heads: wq, wk, wv are ColumnParallelLinear layers split by
-// heads, wo a RowParallelLinear whose all-reduce sums the heads' contributions.
+// heads, wo a RowParallelLinear whose all-reduce sums the heads' contributions. With
+// sequence_parallel the input and output are this rank's slice of the sequence (Note
+// [Sequence-parallel blocks]).
 class AttentionImpl : public torch::nn::Module {
  public:
-  AttentionImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
+  AttentionImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+                bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& x);
   // The projections ("wq", "wk", "wv", "wo"): torch::nn::Linear, or with a tensor group the
   // column- (q, k, v) and row-parallel (o) layers of dtrain/tensor_parallel.h.
@@ -93,26 +120,33 @@ class AttentionImpl : public torch::nn::Module {
 
  private:
   GptConfig config_;
-  int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
+  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;  // null without sequence parallelism
+  int64_t heads_, kv_heads_, head_dim_;                   // this rank's heads
   at::Tensor cos_, sin_;  // the rotary tables of the last sequence length and device seen
 };
 TORCH_MODULE(Attention);
 
 // SwiGLU: w2(silu(w1 x) * w3 x).
 // With a tensor group: w1 and w3 column-parallel (each rank a slice of the hidden features, on
-// which silu and the product are elementwise), w2 row-parallel.
+// which silu and the product are elementwise), w2 row-parallel. With sequence_parallel: as
+// AttentionImpl.
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
+  MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+          bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::AnyModule w1, w2, w3;
+
+ private:
+  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;  // null without sequence parallelism
 };
 TORCH_MODULE(Mlp);
 
 // x + attention(norm(x)), then + mlp(norm(.)).
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group);
+  BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
+            bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& x);
   RMSNorm attention_norm{nullptr}, mlp_norm{nullptr};
   Attention attention{nullptr};
@@ -125,12 +159,16 @@ class GptImpl : public torch::nn::SequentialImpl {
  public:
   // Throws dtrain::UsageError for a config that does not fit (GptConfig::check), or a tensor
   // group whose size does not divide kv_heads. tensor_group: Note [Tensor-parallel blocks]; null:
-  // the whole model on this rank.
-  explicit GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group = nullptr);
+  // the whole model on this rank. sequence_parallel (with a tensor group): Note
+  // [Sequence-parallel blocks].
+  explicit GptImpl(GptConfig config, std::shared_ptr<dtrain::ProcessGroup> tensor_group = nullptr,
+                   bool sequence_parallel = false);
   // tokens [batch, seq] (int64, seq <= config.seq_len) -> logits [batch, seq, vocab]. Throws
-  // dtrain::UsageError for a longer sequence.
+  // dtrain::UsageError for a longer sequence, or under sequence parallelism one whose length does
+  // not divide by the tensor-parallel degree.
   at::Tensor forward(const at::Tensor& tokens);
   const GptConfig& config() const { return config_; }
+  bool sequence_parallel() const { return sequence_group_ != nullptr; }
   // The model as the Sequential it is, for split_sequential and the like.
   torch::nn::Sequential sequential() {
     return torch::nn::Sequential(
@@ -144,6 +182,7 @@ class GptImpl : public torch::nn::SequentialImpl {
 
  private:
   GptConfig config_;
+  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;  // null without sequence parallelism
 };
 TORCH_MODULE(Gpt);
 

@@ -1,9 +1,10 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
 // the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), data x pipeline (--pp P, one block
 // range per stage, --schedule, --micro-batches), or data x tensor (--tp T, heads and hidden
-// features split inside each block). Sequence parallelism and the combinations of --tp with the
-// others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
-// tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
+// features split inside each block; --sp adds sequence parallelism, the norms and residuals on a
+// slice of the sequence: Note [Sequence-parallel blocks] in gpt.h). The combinations of --tp with
+// the others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end,
+// with tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
 // safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
@@ -25,6 +26,7 @@
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --zero 3
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --pp 2 --micro-batches 4
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
+//   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2 --sp
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
 #include <torch/torch.h>
 
@@ -55,6 +57,7 @@ struct Flags {
   int pp = 1;    // pipeline stages
   int tp = 1;    // tensor-parallel ranks per block; the data-parallel degree is world / (pp x tp)
   int zero = 0;  // 0: DDP; 1-3: ZeRO stage (with --pp 1)
+  bool sp = false;  // sequence parallelism over the tensor group (with --tp > 1)
   std::string schedule = "1f1b";
   int micro_batches = 4;
   gpt::GptConfig model;
@@ -85,6 +88,8 @@ Flags parse(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block")
       ->check(CLI::Range(1, 64));
+  app.add_flag("--sp", flags.sp,
+               "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
   app.add_option("--zero", flags.zero, "ZeRO stage over the data-parallel ranks (0: DDP)")
       ->check(CLI::Range(0, 3));
   app.add_option("--schedule", flags.schedule, "gpipe, 1f1b or interleaved (with --pp)");
@@ -216,6 +221,18 @@ Flags parse(int argc, char** argv) {
     throw dtrain::UsageError(
         std::string("train_gpt: --layers/--width/--heads/--kv-heads/--seq-len: ") + e.what());
   }
+  if (flags.sp && flags.tp < 2) {
+    throw dtrain::UsageError("train_gpt: --sp with --tp " + std::to_string(flags.tp) +
+                             ": sequence parallelism splits the sequence over the tensor-parallel "
+                             "ranks; add --tp 2 or more, or drop --sp");
+  }
+  if (flags.sp && flags.window % flags.tp != 0) {
+    throw dtrain::UsageError("train_gpt: --seq-len " + std::to_string(flags.window) +
+                             " does not divide by --tp " + std::to_string(flags.tp) +
+                             ": --sp gives every tensor rank an equal slice of the sequence; pick "
+                             "a --seq-len that is a multiple of " +
+                             std::to_string(flags.tp));
+  }
   if (!flags.checkpoint_dir.empty() && flags.pp > 1) {
     throw dtrain::UsageError("train_gpt: --checkpoint-dir with --pp " + std::to_string(flags.pp) +
                              ": the pipeline's stages do not checkpoint yet; drop one of them");
@@ -342,7 +359,7 @@ int train(const Flags& flags) {
   // Every rank builds the same model under the same seed (rank 0's start is what DDP, ZeRO and the
   // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
-  gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr);
+  gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr, flags.sp);
   if (!flags.init_hf.empty()) gpt::load_hf(*model, flags.init_hf);  // each rank its shard
   model->to(device);  // before a layout takes its parameters
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
@@ -490,9 +507,10 @@ int train(const Flags& flags) {
   const int64_t timed_steps = std::max<int64_t>(0, total_steps - first_timed_step);
   nlohmann::ordered_json result = {{"steps", flags.steps},     {"warmup_steps", flags.warmup_steps},
                                    {"world_size", pg->size()}, {"pp", flags.pp},
-                                   {"tp", flags.tp},           {"zero", flags.zero},
-                                   {"device", device.str()},   {"amp", flags.amp},
-                                   {"first_loss", first_loss}, {"train_loss", last_loss}};
+                                   {"tp", flags.tp},           {"sp", flags.sp},
+                                   {"zero", flags.zero},       {"device", device.str()},
+                                   {"amp", flags.amp},         {"first_loss", first_loss},
+                                   {"train_loss", last_loss}};
   // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
   // inference path yet: its stages hold only their own blocks).
   if (!pipe) {
