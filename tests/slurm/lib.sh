@@ -30,7 +30,9 @@ start_cluster() {
   work=$(mktemp -d /tmp/dtrain-slurm-work.XXXXXX)
   # DTRAIN_KEEP_TEST_FILES=1 keeps the test's files (its job output, checkpoints) for a look afterwards.
   # DTRAIN_KEEP_TEST_FILES=1 keeps the daemons' logs there too.
-  trap '[ "${DTRAIN_KEEP_TEST_FILES:-0}" = 1 ] && cp "$cluster"/*.log "$work/" 2>/dev/null
+  # A test's own helpers on the cluster (pids in $stop_first) go before it.
+  trap '[ -n "${stop_first:-}" ] && kill $stop_first 2>/dev/null && sleep 1
+        [ "${DTRAIN_KEEP_TEST_FILES:-0}" = 1 ] && cp "$cluster"/*.log "$work/" 2>/dev/null
         bash "$here/slurm_cluster.sh" stop "$cluster"
         [ "${DTRAIN_KEEP_TEST_FILES:-0}" = 1 ] && echo "$name: kept $work" || rm -rf "$work"' EXIT
   local reason rc
