@@ -1,8 +1,10 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
-// the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), data x pipeline (--pp P, one block
-// range per stage, --schedule, --micro-batches), or data x tensor (--tp T, heads and hidden
-// features split inside each block). Sequence parallelism and the combinations of --tp with the
-// others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
+// the flags ask for (tools/gpt/parallelize.h): DDP (default), ZeRO stage 1-3 (--zero), data x
+// pipeline (--pp P, one block range per stage, --schedule, --micro-batches), or data x tensor
+// (--tp T, heads and hidden features split inside each block). --recompute makes every block
+// recompute its activations in backward; --clip-grad N clips the gradient to the global norm N
+// (over every shard, tensor rank and stage). Sequence parallelism and the combinations of --tp
+// with the others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
 // tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
@@ -48,13 +50,16 @@
 #include "dtrain/sharded_checkpoint.h"
 #include "gpt/gpt.h"
 #include "gpt/hf_export.h"
+#include "gpt/parallelize.h"
 
 namespace {
 
 struct Flags {
-  int pp = 1;    // pipeline stages
-  int tp = 1;    // tensor-parallel ranks per block; the data-parallel degree is world / (pp x tp)
-  int zero = 0;  // 0: DDP; 1-3: ZeRO stage (with --pp 1)
+  int pp = 1;              // pipeline stages
+  int tp = 1;              // tensor-parallel ranks per block
+  int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1 --tp 1)
+  bool recompute = false;  // every block recomputes its activations in backward
+  double clip_grad = 0;    // the global gradient norm's bound (0: no clipping)
   std::string schedule = "1f1b";
   int micro_batches = 4;
   gpt::GptConfig model;
@@ -87,6 +92,12 @@ Flags parse(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_option("--zero", flags.zero, "ZeRO stage over the data-parallel ranks (0: DDP)")
       ->check(CLI::Range(0, 3));
+  app.add_flag("--recompute", flags.recompute,
+               "recompute every block's activations in backward (less memory, one more forward)");
+  app.add_option("--clip-grad", flags.clip_grad,
+                 "clip the gradient to this global 2-norm (over every shard, tensor rank and "
+                 "stage; 0: no clipping)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--schedule", flags.schedule, "gpipe, 1f1b or interleaved (with --pp)");
   app.add_option("--micro-batches", flags.micro_batches, "micro-batches per step (with --pp)")
       ->check(CLI::Range(1, 1024));
@@ -332,17 +343,25 @@ int train(const Flags& flags) {
   const c10::Device device = pick_device(flags.device, dtrain::launch_info_from_env());
   auto pg = dtrain::init_process_group();
   const bool leader = pg->rank() == 0;
-  if (pg->size() % (flags.pp * flags.tp) != 0) {
-    throw dtrain::UsageError("train_gpt: --pp " + std::to_string(flags.pp) + " x --tp " +
-                             std::to_string(flags.tp) + " does not divide the world size " +
-                             std::to_string(pg->size()) + "; run a multiple of their product");
+  gpt::LayoutOptions layout_options;
+  layout_options.tp = flags.tp;
+  layout_options.pp = flags.pp;
+  layout_options.zero = flags.zero;
+  layout_options.recompute = flags.recompute;
+  layout_options.bf16 = flags.amp == "bf16";
+  layout_options.schedule = dtrain::parse_schedule_kind(flags.schedule);
+  layout_options.micro_batches = flags.micro_batches;
+  try {
+    gpt::check_degrees(layout_options, pg->size());  // the same line on every rank
+  } catch (const dtrain::UsageError& e) {
+    throw dtrain::UsageError(std::string("train_gpt: ") + e.what());
   }
-  dtrain::RankMesh mesh = dtrain::make_rank_mesh(pg, flags.pp, flags.tp);
+  dtrain::RankMesh mesh = gpt::make_mesh(layout_options, pg);
 
   // Every rank builds the same model under the same seed (rank 0's start is what DDP, ZeRO and the
   // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
-  gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr);
+  gpt::Gpt model = gpt::make_model(flags.model, layout_options, mesh);
   if (!flags.init_hf.empty()) gpt::load_hf(*model, flags.init_hf);  // each rank its shard
   model->to(device);  // before a layout takes its parameters
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
@@ -378,36 +397,16 @@ int train(const Flags& flags) {
     logits_before = logits_of();
   }
 
-  // The layout: what the optimizer steps, how a step runs, which group holds the data replicas.
-  std::shared_ptr<dtrain::ProcessGroup> data_group = pg;
-  dtrain::DistributedDataParallel<gpt::GptImpl> ddp{nullptr};
-  dtrain::ShardedDataParallel<gpt::GptImpl> sdp{nullptr};
-  std::unique_ptr<dtrain::DistributedPipeline> pipe;
-  std::vector<at::Tensor> parameters;
-  if (flags.pp > 1) {
-    data_group = mesh.data_group;
-    dtrain::PipelineOptions options;
-    options.micro_batches = flags.micro_batches;
-    options.schedule = dtrain::parse_schedule_kind(flags.schedule);
-    options.virtual_stages = options.schedule == dtrain::ScheduleKind::kInterleaved1F1B ? 2 : 1;
-    torch::nn::Sequential whole = model->sequential();
-    auto chunks = dtrain::split_sequential(
-        whole, dtrain::balance_by_parameters(whole, flags.pp * options.virtual_stages));
-    pipe = std::make_unique<dtrain::DistributedPipeline>(chunks, mesh, options, device);
-    parameters = pipe->parameters();  // this stage's
-  } else if (flags.zero > 0) {
-    dtrain::ShardedDataParallelOptions options;
-    options.stage = flags.zero;
-    sdp = dtrain::ShardedDataParallel(model, pg, options);
-    parameters = sdp->parameters();  // this rank's shards
-  } else {
-    data_group = mesh.data_group;  // the whole world without --tp
-    ddp = dtrain::DistributedDataParallel(model, data_group);
-    parameters = ddp->parameters();
-  }
-  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(flags.lr));
+  // The layout (tools/gpt/parallelize.h): what the optimizer steps, how a step runs, which group
+  // holds the data replicas.
+  gpt::Parallel layout(model, layout_options, mesh, pg, device);
+  const std::shared_ptr<dtrain::ProcessGroup>& data_group = layout.data_group();
+  auto& sdp = layout.sdp;
+  const bool pipe = layout.pipe != nullptr;
+  torch::optim::AdamW optimizer(layout.parameters(), torch::optim::AdamWOptions(flags.lr));
 
-  // Windows dealt over the data-parallel replicas (both stages of a pipeline read the same).
+  // Windows dealt over the data-parallel replicas (every stage and tensor rank of a replica reads
+  // the same).
   auto train_set =
       datasets::ByteWindows(corpus.train, flags.window).map(torch::data::transforms::Stack<>());
   dtrain::DistributedSampler sampler(train_set.size().value(), data_group);
@@ -454,19 +453,8 @@ int train(const Flags& flags) {
       at::Tensor inputs = batch.data.to(device, /*non_blocking=*/true);
       at::Tensor targets = batch.target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
-      at::Tensor loss;
-      {
-        // The forward under autocast; the pipeline's backward runs inside forward_backward, where
-        // autocast leaves it alone (backward ops take the dtypes their forward ops had).
-        std::optional<dtrain::amp::Autocast> autocast;
-        if (flags.amp == "bf16") autocast.emplace(device.type(), torch::kBFloat16);
-        if (pipe) {
-          loss = pipe->forward_backward(inputs, targets, gpt::next_token_loss);
-        } else {
-          loss = gpt::next_token_loss(ddp ? ddp(inputs) : sdp(inputs), targets);
-        }
-      }
-      if (!pipe) loss.backward();
+      at::Tensor loss = layout.forward_backward(inputs, targets);
+      if (flags.clip_grad > 0) layout.clip_grad_norm(flags.clip_grad);
       optimizer.step();
       ++step;
       checkpoints.maybe_save(step, step == total_steps);
@@ -488,11 +476,19 @@ int train(const Flags& flags) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const int64_t timed_steps = std::max<int64_t>(0, total_steps - first_timed_step);
-  nlohmann::ordered_json result = {{"steps", flags.steps},     {"warmup_steps", flags.warmup_steps},
-                                   {"world_size", pg->size()}, {"pp", flags.pp},
-                                   {"tp", flags.tp},           {"zero", flags.zero},
-                                   {"device", device.str()},   {"amp", flags.amp},
-                                   {"first_loss", first_loss}, {"train_loss", last_loss}};
+  nlohmann::ordered_json result = {{"steps", flags.steps},
+                                   {"warmup_steps", flags.warmup_steps},
+                                   {"world_size", pg->size()},
+                                   {"pp", flags.pp},
+                                   {"dp", data_group->size()},
+                                   {"tp", flags.tp},
+                                   {"zero", flags.zero},
+                                   {"recompute", flags.recompute},
+                                   {"clip_grad", flags.clip_grad},
+                                   {"device", device.str()},
+                                   {"amp", flags.amp},
+                                   {"first_loss", first_loss},
+                                   {"train_loss", last_loss}};
   // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
   // inference path yet: its stages hold only their own blocks).
   if (!pipe) {
