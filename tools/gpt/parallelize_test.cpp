@@ -1,8 +1,8 @@
-// The layouts of parallelize.h against one process: DDP, ZeRO, tensor and pipeline parallelism
-// over 2 thread-ranks, with recomputed blocks and the clipped global norm, each end k SGD steps
-// with the parameters of one process trained on the whole batch (every whole tensor and every
-// tensor shard within a relative 1e-5, float32), and the degrees that do not fit the world are one
-// error naming them.
+// The layouts of parallelize.h against one process: data x tensor x pipeline meshes of 2 and 4
+// thread-ranks, ZeRO, recomputed blocks and the clipped global norm each end k SGD steps with the
+// parameters of one process trained on the whole batch (every whole tensor and every tensor shard
+// within a relative 1e-5, float32), and the degrees that do not fit the world are one error naming
+// them.
 #include "gpt/parallelize.h"
 
 #include <gtest/gtest.h>
@@ -136,6 +136,14 @@ LayoutOptions layout(int dp, int tp, int pp, int zero = 0, bool recompute = fals
 // Clipping at 0.5 binds on every step here (the norms are ~1-3).
 constexpr double kClip = 0.5;
 
+TEST(GptLayout, DataTensorPipelineMeshesEqualOneProcess) {
+  for (auto [dp, tp, pp] : {std::tuple{2, 1, 2}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
+    SCOPED_TRACE("dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
+                 std::to_string(pp));
+    expect_layout_equals_one_process(layout(dp, tp, pp), dp * tp * pp);
+  }
+}
+
 // Recomputed blocks give the gradients of stored ones: in DDP, ZeRO-3 (which gathers a block
 // again before its backward redoes the forward), tensor parallelism (whose all-reduces run again)
 // and a pipeline.
@@ -154,11 +162,13 @@ TEST(GptLayout, RecomputedBlocksEqualOneProcessInEveryLayout) {
 TEST(GptLayout, ClippingByTheGlobalNormEqualsOneProcessInEveryLayout) {
   for (auto [dp, tp, pp, zero] :
        {std::tuple{2, 1, 1, 0}, std::tuple{2, 1, 1, 2}, std::tuple{2, 1, 1, 3},
-        std::tuple{1, 2, 1, 0}, std::tuple{1, 1, 2, 0}}) {
+        std::tuple{1, 2, 1, 0}, std::tuple{1, 1, 2, 0}, std::tuple{1, 2, 2, 0}}) {
     SCOPED_TRACE("dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
                  std::to_string(pp) + ", zero " + std::to_string(zero));
     expect_layout_equals_one_process(layout(dp, tp, pp, zero), dp * tp * pp, kClip);
   }
+  // Everything at once on 4 ranks: a tensor x pipeline mesh with recomputed blocks, clipped.
+  expect_layout_equals_one_process(layout(1, 2, 2, 0, /*recompute=*/true), 4, kClip);
 }
 
 TEST(GptLayout, DegreesThatDoNotFitTheWorldAreNamed) {

@@ -1,10 +1,11 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
-// the flags ask for (tools/gpt/parallelize.h): DDP (default), ZeRO stage 1-3 (--zero), data x
-// pipeline (--pp P, one block range per stage, --schedule, --micro-batches), or data x tensor
-// (--tp T, heads and hidden features split inside each block). --recompute makes every block
-// recompute its activations in backward; --clip-grad N clips the gradient to the global norm N
-// (over every shard, tensor rank and stage). Sequence parallelism and the combinations of --tp
-// with the others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
+// the flags ask for (tools/gpt/parallelize.h): --dp D x --tp T x --pp P ranks on one mesh (D
+// defaults to world / (T x P)): D data-parallel replicas (DDP, or ZeRO stage 1-3 with --zero when
+// T = P = 1), each of P pipeline stages (one block range per stage, --schedule, --micro-batches),
+// each stage's blocks split over T tensor ranks (heads and hidden features). --recompute makes
+// every block recompute its activations in backward; --clip-grad N clips the gradient to the
+// global norm N (over every shard, tensor rank and stage). Sequence parallelism and ZeRO with --tp
+// or --pp are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
 // tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
@@ -27,6 +28,7 @@
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --zero 3
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --pp 2 --micro-batches 4
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
+//   build/bin/dtrain run --nproc-per-node 8 -- build/bin/train_gpt --dp 2 --tp 2 --pp 2
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
 #include <torch/torch.h>
 
@@ -55,6 +57,7 @@
 namespace {
 
 struct Flags {
+  int dp = 0;              // data-parallel replicas; 0: world / (pp x tp)
   int pp = 1;              // pipeline stages
   int tp = 1;              // tensor-parallel ranks per block
   int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1 --tp 1)
@@ -86,7 +89,9 @@ struct Flags {
 Flags parse(int argc, char** argv) {
   Flags flags;
   CLI::App app("train_gpt: a GPT-style transformer on GCIDE's text, bytes as tokens");
-  app.add_option("--pp", flags.pp, "pipeline stages (divides the world size)")
+  app.add_option("--dp", flags.dp, "data-parallel replicas (default: world size / (tp x pp))")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--pp", flags.pp, "pipeline stages (dp x tp x pp is the world size)")
       ->check(CLI::Range(1, 64));
   app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block")
       ->check(CLI::Range(1, 64));
@@ -164,10 +169,11 @@ Flags parse(int argc, char** argv) {
   } catch (const dtrain::UsageError& e) {
     throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
   }
-  if (flags.tp > 1 && (flags.pp > 1 || flags.zero > 0)) {
-    throw dtrain::UsageError("train_gpt: --tp " + std::to_string(flags.tp) +
-                             " with --pp or --zero: tensor parallelism combines with DDP only, "
-                             "so far; drop --pp and --zero, or --tp");
+  if (flags.tp > 1 && flags.zero > 0) {
+    throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --tp " +
+                             std::to_string(flags.tp) +
+                             ": ZeRO over the data dimension of a tensor-parallel layout is not "
+                             "implemented; use --zero 0 (DDP over the replicas) with --tp");
   }
   for (auto [flag, value] :
        {std::pair<const char*, const std::string*>{"--export-hf", &flags.export_hf},
@@ -344,6 +350,7 @@ int train(const Flags& flags) {
   auto pg = dtrain::init_process_group();
   const bool leader = pg->rank() == 0;
   gpt::LayoutOptions layout_options;
+  layout_options.dp = flags.dp;
   layout_options.tp = flags.tp;
   layout_options.pp = flags.pp;
   layout_options.zero = flags.zero;
