@@ -20,6 +20,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/optim/adamw.h>
 
 #include <memory>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/sharded.h"
+#include "dtrain/sharded_checkpoint.h"
 #include "gpt/gpt.h"
 
 namespace gpt {
@@ -63,6 +65,10 @@ Gpt make_model(const GptConfig& config, const LayoutOptions& options, const dtra
 // The model of make_model in the layout: this rank's pipeline stage (pp > 1) and the data
 // dimension around it, DDP (over the mesh's data group) or ZeRO (over the world). Blocks on DDP's
 // or ZeRO's set-up (rank 0 of each data group broadcasts its parameters).
+// The whole model's parameters, by name and shape, in the model's order (whatever layout holds
+// them).
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const GptConfig& config);
+
 class Parallel {
  public:
   Parallel(Gpt model, const LayoutOptions& options, dtrain::RankMesh mesh,
@@ -89,6 +95,17 @@ class Parallel {
   // True for a parameter split over the tensor group (the blocks' projections with tp > 1).
   bool tensor_split(const at::Tensor& parameter) const;
 
+  // Checkpoints (Note [Layout-neutral checkpoints] in parallelize.cpp): every layout saves into
+  // and resumes from the same sharded checkpoints, keyed by the whole model's parameter names, so a
+  // run resumes in any other layout and at any world size. `checkpointer` is over the world;
+  // `optimizer` is over parameters(). Collective over the world. load returns the step of the
+  // checkpoint loaded, or nullopt when there is none; it throws dtrain::UsageError when the
+  // checkpoint is of another model.
+  void save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
+            dtrain::DistributedSampler& sampler, int64_t step);
+  std::optional<int64_t> load(dtrain::ShardedCheckpointer& checkpointer,
+                              torch::optim::AdamW& optimizer, dtrain::DistributedSampler& sampler);
+
   const dtrain::RankMesh& mesh() const { return mesh_; }
   // The ranks that read other windows: the mesh's data group (the world with ZeRO).
   const std::shared_ptr<dtrain::ProcessGroup>& data_group() const { return data_group_; }
@@ -99,6 +116,9 @@ class Parallel {
   std::unique_ptr<dtrain::DistributedPipeline> pipe;
 
  private:
+  struct Piece;  // one parameter's part of a checkpoint (parallelize.cpp)
+  std::vector<Piece> pieces(bool saving);
+
   LayoutOptions options_;
   dtrain::RankMesh mesh_;
   std::shared_ptr<dtrain::ProcessGroup> world_, data_group_;

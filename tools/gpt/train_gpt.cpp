@@ -17,7 +17,7 @@
 //
 // --checkpoint-dir DIR saves the run's state after the last step (and every --checkpoint-every N
 // steps); --resume (or a restart by the launcher) continues from the newest checkpoint exactly, in
-// DDP, --tp and --zero (GptCheckpoints below); --pp does not checkpoint yet.
+// every layout, and in another layout or world size too (GptCheckpoints below).
 //
 // --device auto (default) trains on cuda:LOCAL_RANK when every rank of the node has a GPU of its
 // own, else on the CPU; --device cuda also puts several ranks on one GPU (they then need
@@ -233,10 +233,6 @@ Flags parse(int argc, char** argv) {
     throw dtrain::UsageError(
         std::string("train_gpt: --layers/--width/--heads/--kv-heads/--seq-len: ") + e.what());
   }
-  if (!flags.checkpoint_dir.empty() && flags.pp > 1) {
-    throw dtrain::UsageError("train_gpt: --checkpoint-dir with --pp " + std::to_string(flags.pp) +
-                             ": the pipeline's stages do not checkpoint yet; drop one of them");
-  }
   if (flags.checkpoint_dir.empty() && (flags.resume || flags.checkpoint_every > 0)) {
     throw dtrain::UsageError(
         "train_gpt: --resume and --checkpoint-every need --checkpoint-dir; name the folder");
@@ -244,30 +240,21 @@ Flags parse(int argc, char** argv) {
   return flags;
 }
 
-// --checkpoint-dir: the run's state in dtrain's checkpoints, saved after every --checkpoint-every
-// steps and after the last, and resumed exactly (the resumed run continues as an uninterrupted one
-// would: parameters, AdamW's moments, the sampler's place in the epoch). DDP: one replicated
-// checkpoint that rank 0 writes and every rank loads through rank 0. With --tp each tensor rank
-// holds other shards, so each of them has its own files, <dir>/checkpoint-tp<t>-<step>.ckpt,
-// written by that tensor rank's first data-parallel replica. ZeRO: every rank writes its shards
-// (dtrain::ShardedCheckpointer), which load at another world size and stage too.
+// --checkpoint-dir: the run's state in dtrain's sharded checkpoints, saved after every
+// --checkpoint-every steps and after the last, and resumed exactly (the resumed run continues as an
+// uninterrupted one would: parameters, AdamW's moments, the sampler's place in the epoch). Every
+// layout saves the same form, keyed by the whole model's parameter names (Note [Layout-neutral
+// checkpoints] in parallelize.cpp), so a run resumes in any other layout and world size.
 class GptCheckpoints {
  public:
-  GptCheckpoints(const Flags& flags, const dtrain::RankMesh& mesh,
-                 const std::shared_ptr<dtrain::ProcessGroup>& pg, gpt::Gpt& model,
-                 dtrain::ShardedDataParallel<gpt::GptImpl>& sdp, torch::optim::Optimizer& optimizer,
+  GptCheckpoints(const Flags& flags, const std::shared_ptr<dtrain::ProcessGroup>& pg,
+                 gpt::Parallel& layout, torch::optim::AdamW& optimizer,
                  dtrain::DistributedSampler& sampler)
-      : flags_(flags), mesh_(mesh), sdp_(sdp), optimizer_(optimizer), sampler_(sampler) {
+      : flags_(flags), layout_(layout), optimizer_(optimizer), sampler_(sampler) {
     if (flags.checkpoint_dir.empty()) return;
     dtrain::CheckpointOptions options;
     options.dir = flags.checkpoint_dir;
-    if (sdp) {
-      sharded_ = std::make_unique<dtrain::ShardedCheckpointer>(options, pg);
-    } else {
-      if (flags.tp > 1) options.prefix = "checkpoint-tp" + std::to_string(mesh.tensor_index);
-      replicated_ = std::make_unique<dtrain::Checkpointer>(options, mesh.data_group);
-      state_ = {model.get(), &optimizer, &sampler};
-    }
+    checkpointer_ = std::make_unique<dtrain::ShardedCheckpointer>(options, pg);
   }
 
   // The step to continue from: the newest checkpoint's with --resume or after a restart by the
@@ -275,58 +262,32 @@ class GptCheckpoints {
   // checkpoints is refused, so that they are never overwritten by a run that did not ask to
   // continue from them.
   int64_t resume() {
-    if (flags_.checkpoint_dir.empty()) return 0;
+    if (!checkpointer_) return 0;
     const bool restarted = dtrain::launch_info_from_env().restarts > 0;
     if (!flags_.resume && !restarted) {
-      if (!(sharded_ ? sharded_->list() : replicated_->list()).empty()) {
+      if (!checkpointer_->list().empty()) {
         throw dtrain::UsageError("train_gpt: --checkpoint-dir " + flags_.checkpoint_dir +
                                  " already holds checkpoints; pass --resume to continue from "
                                  "them, or name another folder");
       }
       return 0;
     }
-    if (sharded_) {
-      dtrain::ShardedTrainingState state = sharded_state();
-      if (!sharded_->load_latest(state)) return 0;
-      sdp_->shards_changed();
-      return state.step;
-    }
-    if (!replicated_->load_latest(state_)) return 0;
-    return state_.step;
+    return layout_.load(*checkpointer_, optimizer_, sampler_).value_or(0);
   }
 
   // After `step` steps: saves when --checkpoint-every says so, and after the last step.
   void maybe_save(int64_t step, bool last) {
-    if (flags_.checkpoint_dir.empty()) return;
+    if (!checkpointer_) return;
     if (!last && (flags_.checkpoint_every == 0 || step % flags_.checkpoint_every != 0)) return;
-    if (sharded_) {
-      dtrain::ShardedTrainingState state = sharded_state();
-      state.step = step;
-      sharded_->save(state);
-    } else if (mesh_.data_group->rank() == 0) {
-      state_.step = step;
-      replicated_->save(state_);
-    }
+    layout_.save(*checkpointer_, optimizer_, sampler_, step);
   }
 
  private:
-  dtrain::ShardedTrainingState sharded_state() {
-    dtrain::ShardedTrainingState state;
-    state.shards = sdp_->flat_shards();
-    state.stage = flags_.zero;
-    state.optimizer = &optimizer_;
-    state.sampler = &sampler_;
-    return state;
-  }
-
   const Flags& flags_;
-  const dtrain::RankMesh& mesh_;
-  dtrain::ShardedDataParallel<gpt::GptImpl>& sdp_;
-  torch::optim::Optimizer& optimizer_;
+  gpt::Parallel& layout_;
+  torch::optim::AdamW& optimizer_;
   dtrain::DistributedSampler& sampler_;
-  std::unique_ptr<dtrain::Checkpointer> replicated_;
-  std::unique_ptr<dtrain::ShardedCheckpointer> sharded_;
-  dtrain::TrainingState state_;
+  std::unique_ptr<dtrain::ShardedCheckpointer> checkpointer_;
 };
 
 // Where this rank trains (see the top of the file). auto never puts two ranks on one GPU behind the
@@ -430,7 +391,7 @@ int train(const Flags& flags) {
   }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
-  GptCheckpoints checkpoints(flags, mesh, pg, model, sdp, optimizer, sampler);
+  GptCheckpoints checkpoints(flags, pg, layout, optimizer, sampler);
   const int64_t resumed_step = checkpoints.resume();
   if (leader && resumed_step > 0) {
     std::cout << "resumed from " << flags.checkpoint_dir << " at step " << resumed_step
