@@ -77,8 +77,8 @@ class Parallel {
   Parallel& operator=(const Parallel&) = delete;
 
   // One step's forward and backward on this replica's windows (inputs and targets [batch, seq];
-  // every rank of a replica passes the same ones): the gradients averaged over the replicas. Returns
-  // the loss: this replica's mean (the pipeline's: averaged over the replicas already).
+  // every rank of a replica passes the same ones): the gradients averaged over the replicas.
+  // Returns the loss: this replica's mean (the pipeline's: averaged over the replicas already).
   at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
 
   // After forward_backward: scales every gradient by max_norm / (norm + 1e-6) when that is below 1,
