@@ -4,12 +4,16 @@
 #include "gpt/gpt.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
 #include <torch/nn/functional/loss.h>
 
 #include <initializer_list>
+#include <optional>
 #include <tuple>
 #include <vector>
 
+#include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/tensor_parallel.h"
 
@@ -227,7 +231,65 @@ BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGro
   mlp = register_module("mlp", Mlp(config, std::move(tensor_group), sequence_parallel));
 }
 
+namespace {
+
+// Note [Recomputed blocks]
+// A block with recompute set runs its forward without recording the graph, keeping only its input
+// x; backward runs the forward again (under the autocast state the first forward had) and takes
+// the gradients of x and of the block's parameters from that graph. The parameters are inputs of
+// this node, so their gradients reach their accumulators through the outer backward as any
+// gradient does: DDP's and ZeRO's hooks see one gradient per parameter, in block order, and ZeRO-3
+// has gathered the block's parameters again (its pre-backward runs before this node) when the
+// forward is redone. A tensor-parallel block repeats its forward all-reduces in backward, in the
+// same order on every rank of its group.
+struct RecomputedBlock : public torch::autograd::Function<RecomputedBlock> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            at::TensorList parameters, BlockImpl* block) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
+    const c10::DeviceType type = x.device().type();
+    ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(type);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(at::autocast::get_autocast_dtype(type));
+    return block->forward(x);  // Function::apply runs forward without recording gradients
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* block = reinterpret_cast<BlockImpl*>(ctx->saved_data["block"].toInt());
+    at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    std::vector<at::Tensor> inputs = {x};
+    for (const auto& p : block->parameters()) inputs.push_back(p);
+    at::Tensor output;
+    {
+      torch::autograd::AutoGradMode grad_mode(true);
+      std::optional<dtrain::amp::Autocast> autocast;
+      if (ctx->saved_data["autocast"].toBool()) {
+        autocast.emplace(x.device().type(),
+                         static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt()));
+      }
+      block->recompute = false;  // this time the graph is the point
+      try {
+        output = block->forward(x);
+      } catch (...) {
+        block->recompute = true;
+        throw;
+      }
+      block->recompute = true;
+    }
+    auto result = torch::autograd::grad({output}, inputs, {grads[0]}, /*retain_graph=*/false,
+                                        /*create_graph=*/false, /*allow_unused=*/true);
+    result.push_back(at::Tensor());  // the block pointer
+    return result;
+  }
+};
+
+}  // namespace
+
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  if (recompute && torch::autograd::GradMode::is_enabled()) {
+    std::vector<at::Tensor> params = parameters();
+    return RecomputedBlock::apply(x, at::TensorList(params), this);
+  }
   at::Tensor h = x + attention(attention_norm(x));
   return h + mlp(mlp_norm(h));
 }

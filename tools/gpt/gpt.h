@@ -151,6 +151,9 @@ class BlockImpl : public torch::nn::Module {
   RMSNorm attention_norm{nullptr}, mlp_norm{nullptr};
   Attention attention{nullptr};
   Mlp mlp{nullptr};
+  // Activation recomputation (Note [Recomputed blocks] in gpt.cpp): a forward that records
+  // gradients keeps only the block's input and runs the block again in backward.
+  bool recompute = false;
 };
 TORCH_MODULE(Block);
 
@@ -175,6 +178,10 @@ class GptImpl : public torch::nn::SequentialImpl {
         std::static_pointer_cast<torch::nn::SequentialImpl>(shared_from_this()));
   }
   BlockImpl& block(int64_t i) { return *ptr<BlockImpl>(1 + i); }
+  // Every block's BlockImpl::recompute.
+  void set_recompute(bool on) {
+    for (int64_t i = 0; i < config_.layers; ++i) block(i).recompute = on;
+  }
 
   torch::nn::Embedding embedding{nullptr};
   RMSNorm norm{nullptr};

@@ -1,10 +1,13 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
-// the flags ask for: DDP (default), ZeRO stage 1-3 (--zero), data x pipeline (--pp P, one block
-// range per stage, --schedule, --micro-batches), or data x tensor (--tp T, heads and hidden
-// features split inside each block; --sp adds sequence parallelism, the norms and residuals on a
-// slice of the sequence: Note [Sequence-parallel blocks] in gpt.h). The combinations of --tp with
-// the others are not here yet (issue 20). Prints rank 0's progress and one JSON line at the end,
-// with tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
+// the flags ask for (tools/gpt/parallelize.h): --dp D x --tp T x --pp P ranks on one mesh (D
+// defaults to world / (T x P)): D data-parallel replicas (DDP, or ZeRO stage 1-3 with --zero when
+// T = P = 1), each of P pipeline stages (one block range per stage, --schedule, --micro-batches),
+// each stage's blocks split over T tensor ranks (heads and hidden features); --sp adds sequence
+// parallelism, the norms and residuals on a slice of the sequence (Note [Sequence-parallel blocks]
+// in gpt.h). --recompute makes every block recompute its activations in backward; --clip-grad N
+// clips the gradient to the global norm N (over every shard, tensor rank and stage). ZeRO with --tp
+// or --pp is not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
+// tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
 // safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
@@ -15,7 +18,7 @@
 //
 // --checkpoint-dir DIR saves the run's state after the last step (and every --checkpoint-every N
 // steps); --resume (or a restart by the launcher) continues from the newest checkpoint exactly, in
-// DDP, --tp and --zero (GptCheckpoints below); --pp does not checkpoint yet.
+// every layout, and in another layout or world size too (GptCheckpoints below).
 //
 // --device auto (default) trains on cuda:LOCAL_RANK when every rank of the node has a GPU of its
 // own, else on the CPU; --device cuda also puts several ranks on one GPU (they then need
@@ -27,6 +30,7 @@
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --pp 2 --micro-batches 4
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2 --sp
+//   build/bin/dtrain run --nproc-per-node 8 -- build/bin/train_gpt --dp 2 --tp 2 --pp 2
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
 #include <torch/torch.h>
 
@@ -50,14 +54,18 @@
 #include "dtrain/sharded_checkpoint.h"
 #include "gpt/gpt.h"
 #include "gpt/hf_export.h"
+#include "gpt/parallelize.h"
 
 namespace {
 
 struct Flags {
-  int pp = 1;    // pipeline stages
-  int tp = 1;    // tensor-parallel ranks per block; the data-parallel degree is world / (pp x tp)
-  int zero = 0;  // 0: DDP; 1-3: ZeRO stage (with --pp 1)
-  bool sp = false;  // sequence parallelism over the tensor group (with --tp > 1)
+  int dp = 0;              // data-parallel replicas; 0: world / (pp x tp)
+  int pp = 1;              // pipeline stages
+  int tp = 1;              // tensor-parallel ranks per block
+  int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1 --tp 1)
+  bool sp = false;         // sequence parallelism over the tensor group (with --tp > 1)
+  bool recompute = false;  // every block recomputes its activations in backward
+  double clip_grad = 0;    // the global gradient norm's bound (0: no clipping)
   std::string schedule = "1f1b";
   int micro_batches = 4;
   gpt::GptConfig model;
@@ -84,7 +92,9 @@ struct Flags {
 Flags parse(int argc, char** argv) {
   Flags flags;
   CLI::App app("train_gpt: a GPT-style transformer on GCIDE's text, bytes as tokens");
-  app.add_option("--pp", flags.pp, "pipeline stages (divides the world size)")
+  app.add_option("--dp", flags.dp, "data-parallel replicas (default: world size / (tp x pp))")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--pp", flags.pp, "pipeline stages (dp x tp x pp is the world size)")
       ->check(CLI::Range(1, 64));
   app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block")
       ->check(CLI::Range(1, 64));
@@ -92,6 +102,12 @@ Flags parse(int argc, char** argv) {
                "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
   app.add_option("--zero", flags.zero, "ZeRO stage over the data-parallel ranks (0: DDP)")
       ->check(CLI::Range(0, 3));
+  app.add_flag("--recompute", flags.recompute,
+               "recompute every block's activations in backward (less memory, one more forward)");
+  app.add_option("--clip-grad", flags.clip_grad,
+                 "clip the gradient to this global 2-norm (over every shard, tensor rank and "
+                 "stage; 0: no clipping)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--schedule", flags.schedule, "gpipe, 1f1b or interleaved (with --pp)");
   app.add_option("--micro-batches", flags.micro_batches, "micro-batches per step (with --pp)")
       ->check(CLI::Range(1, 1024));
@@ -158,10 +174,11 @@ Flags parse(int argc, char** argv) {
   } catch (const dtrain::UsageError& e) {
     throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
   }
-  if (flags.tp > 1 && (flags.pp > 1 || flags.zero > 0)) {
-    throw dtrain::UsageError("train_gpt: --tp " + std::to_string(flags.tp) +
-                             " with --pp or --zero: tensor parallelism combines with DDP only, "
-                             "so far; drop --pp and --zero, or --tp");
+  if (flags.tp > 1 && flags.zero > 0) {
+    throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --tp " +
+                             std::to_string(flags.tp) +
+                             ": ZeRO over the data dimension of a tensor-parallel layout is not "
+                             "implemented; use --zero 0 (DDP over the replicas) with --tp");
   }
   for (auto [flag, value] :
        {std::pair<const char*, const std::string*>{"--export-hf", &flags.export_hf},
@@ -233,10 +250,6 @@ Flags parse(int argc, char** argv) {
                              "a --seq-len that is a multiple of " +
                              std::to_string(flags.tp));
   }
-  if (!flags.checkpoint_dir.empty() && flags.pp > 1) {
-    throw dtrain::UsageError("train_gpt: --checkpoint-dir with --pp " + std::to_string(flags.pp) +
-                             ": the pipeline's stages do not checkpoint yet; drop one of them");
-  }
   if (flags.checkpoint_dir.empty() && (flags.resume || flags.checkpoint_every > 0)) {
     throw dtrain::UsageError(
         "train_gpt: --resume and --checkpoint-every need --checkpoint-dir; name the folder");
@@ -244,30 +257,21 @@ Flags parse(int argc, char** argv) {
   return flags;
 }
 
-// --checkpoint-dir: the run's state in dtrain's checkpoints, saved after every --checkpoint-every
-// steps and after the last, and resumed exactly (the resumed run continues as an uninterrupted one
-// would: parameters, AdamW's moments, the sampler's place in the epoch). DDP: one replicated
-// checkpoint that rank 0 writes and every rank loads through rank 0. With --tp each tensor rank
-// holds other shards, so each of them has its own files, <dir>/checkpoint-tp<t>-<step>.ckpt,
-// written by that tensor rank's first data-parallel replica. ZeRO: every rank writes its shards
-// (dtrain::ShardedCheckpointer), which load at another world size and stage too.
+// --checkpoint-dir: the run's state in dtrain's sharded checkpoints, saved after every
+// --checkpoint-every steps and after the last, and resumed exactly (the resumed run continues as an
+// uninterrupted one would: parameters, AdamW's moments, the sampler's place in the epoch). Every
+// layout saves the same form, keyed by the whole model's parameter names (Note [Layout-neutral
+// checkpoints] in parallelize.cpp), so a run resumes in any other layout and world size.
 class GptCheckpoints {
  public:
-  GptCheckpoints(const Flags& flags, const dtrain::RankMesh& mesh,
-                 const std::shared_ptr<dtrain::ProcessGroup>& pg, gpt::Gpt& model,
-                 dtrain::ShardedDataParallel<gpt::GptImpl>& sdp, torch::optim::Optimizer& optimizer,
+  GptCheckpoints(const Flags& flags, const std::shared_ptr<dtrain::ProcessGroup>& pg,
+                 gpt::Parallel& layout, torch::optim::AdamW& optimizer,
                  dtrain::DistributedSampler& sampler)
-      : flags_(flags), mesh_(mesh), sdp_(sdp), optimizer_(optimizer), sampler_(sampler) {
+      : flags_(flags), layout_(layout), optimizer_(optimizer), sampler_(sampler) {
     if (flags.checkpoint_dir.empty()) return;
     dtrain::CheckpointOptions options;
     options.dir = flags.checkpoint_dir;
-    if (sdp) {
-      sharded_ = std::make_unique<dtrain::ShardedCheckpointer>(options, pg);
-    } else {
-      if (flags.tp > 1) options.prefix = "checkpoint-tp" + std::to_string(mesh.tensor_index);
-      replicated_ = std::make_unique<dtrain::Checkpointer>(options, mesh.data_group);
-      state_ = {model.get(), &optimizer, &sampler};
-    }
+    checkpointer_ = std::make_unique<dtrain::ShardedCheckpointer>(options, pg);
   }
 
   // The step to continue from: the newest checkpoint's with --resume or after a restart by the
@@ -275,58 +279,32 @@ class GptCheckpoints {
   // checkpoints is refused, so that they are never overwritten by a run that did not ask to
   // continue from them.
   int64_t resume() {
-    if (flags_.checkpoint_dir.empty()) return 0;
+    if (!checkpointer_) return 0;
     const bool restarted = dtrain::launch_info_from_env().restarts > 0;
     if (!flags_.resume && !restarted) {
-      if (!(sharded_ ? sharded_->list() : replicated_->list()).empty()) {
+      if (!checkpointer_->list().empty()) {
         throw dtrain::UsageError("train_gpt: --checkpoint-dir " + flags_.checkpoint_dir +
                                  " already holds checkpoints; pass --resume to continue from "
                                  "them, or name another folder");
       }
       return 0;
     }
-    if (sharded_) {
-      dtrain::ShardedTrainingState state = sharded_state();
-      if (!sharded_->load_latest(state)) return 0;
-      sdp_->shards_changed();
-      return state.step;
-    }
-    if (!replicated_->load_latest(state_)) return 0;
-    return state_.step;
+    return layout_.load(*checkpointer_, optimizer_, sampler_).value_or(0);
   }
 
   // After `step` steps: saves when --checkpoint-every says so, and after the last step.
   void maybe_save(int64_t step, bool last) {
-    if (flags_.checkpoint_dir.empty()) return;
+    if (!checkpointer_) return;
     if (!last && (flags_.checkpoint_every == 0 || step % flags_.checkpoint_every != 0)) return;
-    if (sharded_) {
-      dtrain::ShardedTrainingState state = sharded_state();
-      state.step = step;
-      sharded_->save(state);
-    } else if (mesh_.data_group->rank() == 0) {
-      state_.step = step;
-      replicated_->save(state_);
-    }
+    layout_.save(*checkpointer_, optimizer_, sampler_, step);
   }
 
  private:
-  dtrain::ShardedTrainingState sharded_state() {
-    dtrain::ShardedTrainingState state;
-    state.shards = sdp_->flat_shards();
-    state.stage = flags_.zero;
-    state.optimizer = &optimizer_;
-    state.sampler = &sampler_;
-    return state;
-  }
-
   const Flags& flags_;
-  const dtrain::RankMesh& mesh_;
-  dtrain::ShardedDataParallel<gpt::GptImpl>& sdp_;
-  torch::optim::Optimizer& optimizer_;
+  gpt::Parallel& layout_;
+  torch::optim::AdamW& optimizer_;
   dtrain::DistributedSampler& sampler_;
-  std::unique_ptr<dtrain::Checkpointer> replicated_;
-  std::unique_ptr<dtrain::ShardedCheckpointer> sharded_;
-  dtrain::TrainingState state_;
+  std::unique_ptr<dtrain::ShardedCheckpointer> checkpointer_;
 };
 
 // Where this rank trains (see the top of the file). auto never puts two ranks on one GPU behind the
@@ -349,17 +327,27 @@ int train(const Flags& flags) {
   const c10::Device device = pick_device(flags.device, dtrain::launch_info_from_env());
   auto pg = dtrain::init_process_group();
   const bool leader = pg->rank() == 0;
-  if (pg->size() % (flags.pp * flags.tp) != 0) {
-    throw dtrain::UsageError("train_gpt: --pp " + std::to_string(flags.pp) + " x --tp " +
-                             std::to_string(flags.tp) + " does not divide the world size " +
-                             std::to_string(pg->size()) + "; run a multiple of their product");
+  gpt::LayoutOptions layout_options;
+  layout_options.dp = flags.dp;
+  layout_options.tp = flags.tp;
+  layout_options.pp = flags.pp;
+  layout_options.zero = flags.zero;
+  layout_options.recompute = flags.recompute;
+  layout_options.sp = flags.sp;
+  layout_options.bf16 = flags.amp == "bf16";
+  layout_options.schedule = dtrain::parse_schedule_kind(flags.schedule);
+  layout_options.micro_batches = flags.micro_batches;
+  try {
+    gpt::check_degrees(layout_options, pg->size());  // the same line on every rank
+  } catch (const dtrain::UsageError& e) {
+    throw dtrain::UsageError(std::string("train_gpt: ") + e.what());
   }
-  dtrain::RankMesh mesh = dtrain::make_rank_mesh(pg, flags.pp, flags.tp);
+  dtrain::RankMesh mesh = gpt::make_mesh(layout_options, pg);
 
   // Every rank builds the same model under the same seed (rank 0's start is what DDP, ZeRO and the
   // stages keep; with --tp each rank keeps its shard of the same draw).
   torch::manual_seed(0);
-  gpt::Gpt model(flags.model, flags.tp > 1 ? mesh.tensor_group : nullptr, flags.sp);
+  gpt::Gpt model = gpt::make_model(flags.model, layout_options, mesh);
   if (!flags.init_hf.empty()) gpt::load_hf(*model, flags.init_hf);  // each rank its shard
   model->to(device);  // before a layout takes its parameters
   auto corpus = datasets::load_text_corpus(datasets::default_text_corpus(), 0.05, flags.max_bytes);
@@ -395,36 +383,16 @@ int train(const Flags& flags) {
     logits_before = logits_of();
   }
 
-  // The layout: what the optimizer steps, how a step runs, which group holds the data replicas.
-  std::shared_ptr<dtrain::ProcessGroup> data_group = pg;
-  dtrain::DistributedDataParallel<gpt::GptImpl> ddp{nullptr};
-  dtrain::ShardedDataParallel<gpt::GptImpl> sdp{nullptr};
-  std::unique_ptr<dtrain::DistributedPipeline> pipe;
-  std::vector<at::Tensor> parameters;
-  if (flags.pp > 1) {
-    data_group = mesh.data_group;
-    dtrain::PipelineOptions options;
-    options.micro_batches = flags.micro_batches;
-    options.schedule = dtrain::parse_schedule_kind(flags.schedule);
-    options.virtual_stages = options.schedule == dtrain::ScheduleKind::kInterleaved1F1B ? 2 : 1;
-    torch::nn::Sequential whole = model->sequential();
-    auto chunks = dtrain::split_sequential(
-        whole, dtrain::balance_by_parameters(whole, flags.pp * options.virtual_stages));
-    pipe = std::make_unique<dtrain::DistributedPipeline>(chunks, mesh, options, device);
-    parameters = pipe->parameters();  // this stage's
-  } else if (flags.zero > 0) {
-    dtrain::ShardedDataParallelOptions options;
-    options.stage = flags.zero;
-    sdp = dtrain::ShardedDataParallel(model, pg, options);
-    parameters = sdp->parameters();  // this rank's shards
-  } else {
-    data_group = mesh.data_group;  // the whole world without --tp
-    ddp = dtrain::DistributedDataParallel(model, data_group);
-    parameters = ddp->parameters();
-  }
-  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(flags.lr));
+  // The layout (tools/gpt/parallelize.h): what the optimizer steps, how a step runs, which group
+  // holds the data replicas.
+  gpt::Parallel layout(model, layout_options, mesh, pg, device);
+  const std::shared_ptr<dtrain::ProcessGroup>& data_group = layout.data_group();
+  auto& sdp = layout.sdp;
+  const bool pipe = layout.pipe != nullptr;
+  torch::optim::AdamW optimizer(layout.parameters(), torch::optim::AdamWOptions(flags.lr));
 
-  // Windows dealt over the data-parallel replicas (both stages of a pipeline read the same).
+  // Windows dealt over the data-parallel replicas (every stage and tensor rank of a replica reads
+  // the same).
   auto train_set =
       datasets::ByteWindows(corpus.train, flags.window).map(torch::data::transforms::Stack<>());
   dtrain::DistributedSampler sampler(train_set.size().value(), data_group);
@@ -441,7 +409,7 @@ int train(const Flags& flags) {
   }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
-  GptCheckpoints checkpoints(flags, mesh, pg, model, sdp, optimizer, sampler);
+  GptCheckpoints checkpoints(flags, pg, layout, optimizer, sampler);
   const int64_t resumed_step = checkpoints.resume();
   if (leader && resumed_step > 0) {
     std::cout << "resumed from " << flags.checkpoint_dir << " at step " << resumed_step
@@ -471,19 +439,8 @@ int train(const Flags& flags) {
       at::Tensor inputs = batch.data.to(device, /*non_blocking=*/true);
       at::Tensor targets = batch.target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
-      at::Tensor loss;
-      {
-        // The forward under autocast; the pipeline's backward runs inside forward_backward, where
-        // autocast leaves it alone (backward ops take the dtypes their forward ops had).
-        std::optional<dtrain::amp::Autocast> autocast;
-        if (flags.amp == "bf16") autocast.emplace(device.type(), torch::kBFloat16);
-        if (pipe) {
-          loss = pipe->forward_backward(inputs, targets, gpt::next_token_loss);
-        } else {
-          loss = gpt::next_token_loss(ddp ? ddp(inputs) : sdp(inputs), targets);
-        }
-      }
-      if (!pipe) loss.backward();
+      at::Tensor loss = layout.forward_backward(inputs, targets);
+      if (flags.clip_grad > 0) layout.clip_grad_norm(flags.clip_grad);
       optimizer.step();
       ++step;
       checkpoints.maybe_save(step, step == total_steps);
@@ -505,11 +462,19 @@ int train(const Flags& flags) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const int64_t timed_steps = std::max<int64_t>(0, total_steps - first_timed_step);
-  nlohmann::ordered_json result = {{"steps", flags.steps},     {"warmup_steps", flags.warmup_steps},
-                                   {"world_size", pg->size()}, {"pp", flags.pp},
-                                   {"tp", flags.tp},           {"sp", flags.sp},
-                                   {"zero", flags.zero},       {"device", device.str()},
-                                   {"amp", flags.amp},         {"first_loss", first_loss},
+  nlohmann::ordered_json result = {{"steps", flags.steps},
+                                   {"warmup_steps", flags.warmup_steps},
+                                   {"world_size", pg->size()},
+                                   {"pp", flags.pp},
+                                   {"dp", data_group->size()},
+                                   {"tp", flags.tp},
+                                   {"sp", flags.sp},
+                                   {"zero", flags.zero},
+                                   {"recompute", flags.recompute},
+                                   {"clip_grad", flags.clip_grad},
+                                   {"device", device.str()},
+                                   {"amp", flags.amp},
+                                   {"first_loss", first_loss},
                                    {"train_loss", last_loss}};
   // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
   // inference path yet: its stages hold only their own blocks).

@@ -1,0 +1,429 @@
+// The layouts of parallelize.h: the degrees' checks, the mesh, the model wrapped per rank, the
+// global gradient norm and the layout-neutral checkpoints.
+#include "gpt/parallelize.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+
+#include "dtrain/amp.h"
+#include "dtrain/errors.h"
+
+namespace gpt {
+
+namespace {
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string degrees_text(const LayoutOptions& options, int dp) {
+  return "--dp " + std::to_string(dp) + " x --tp " + std::to_string(options.tp) + " x --pp " +
+         std::to_string(options.pp);
+}
+
+}  // namespace
+
+int check_degrees(const LayoutOptions& options, int world_size) {
+  const std::string world = std::to_string(world_size);
+  if (options.tp < 1 || options.pp < 1 || options.dp < 0) {
+    throw dtrain::UsageError("--dp " + std::to_string(options.dp) + ", --tp " +
+                             std::to_string(options.tp) + ", --pp " + std::to_string(options.pp) +
+                             ": the degrees must be at least 1 (--dp 0: the world size / (tp x "
+                             "pp))");
+  }
+  const int model = options.tp * options.pp;  // each at most 64 (train_gpt's flags)
+  if (world_size % model != 0) {
+    throw dtrain::UsageError("--tp " + std::to_string(options.tp) + " x --pp " +
+                             std::to_string(options.pp) + " = " + std::to_string(model) +
+                             " does not divide the world size " + world +
+                             "; run a multiple of their product, or change the degrees");
+  }
+  const int dp = options.dp > 0 ? options.dp : world_size / model;
+  if (static_cast<int64_t>(dp) * model != world_size) {
+    throw dtrain::UsageError(
+        degrees_text(options, dp) + " = " + std::to_string(static_cast<int64_t>(dp) * model) +
+        " ranks, but the world size is " + world +
+        "; their product must equal it (leave --dp out for " + world + " / (tp x pp))");
+  }
+  if (options.zero > 0 && model > 1) {
+    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --tp " +
+                             std::to_string(options.tp) + " --pp " + std::to_string(options.pp) +
+                             ": ZeRO over the data dimension of a tensor or pipeline layout is not "
+                             "implemented; use --zero 0 (DDP over the replicas) there");
+  }
+  return dp;
+}
+
+dtrain::RankMesh make_mesh(const LayoutOptions& options,
+                           const std::shared_ptr<dtrain::ProcessGroup>& world) {
+  check_degrees(options, world->size());
+  return dtrain::make_rank_mesh(world, options.pp, options.tp);
+}
+
+Gpt make_model(const GptConfig& config, const LayoutOptions& options,
+               const dtrain::RankMesh& mesh) {
+  Gpt model(config, options.tp > 1 ? mesh.tensor_group : nullptr, options.tp > 1 && options.sp);
+  model->set_recompute(options.recompute);
+  return model;
+}
+
+Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh mesh,
+                   std::shared_ptr<dtrain::ProcessGroup> world, c10::Device device)
+    : model(std::move(model_in)),
+      options_(options),
+      mesh_(std::move(mesh)),
+      world_(std::move(world)),
+      data_group_(mesh_.data_group),
+      device_(device) {
+  check_degrees(options_, world_->size());
+  if (options_.tp > 1) {
+    // The blocks' projections are split (Note [Tensor-parallel blocks]); the norms, the
+    // embedding and the head are whole on every tensor rank.
+    for (const auto& item : model->named_parameters()) {
+      const std::string& name = item.key();
+      if (name.find(".attention.w") != std::string::npos ||
+          name.find(".mlp.w") != std::string::npos) {
+        split_.insert(item.value().unsafeGetTensorImpl());
+      }
+    }
+  }
+  if (options_.pp > 1) {
+    dtrain::PipelineOptions pipeline;
+    pipeline.micro_batches = options_.micro_batches;
+    pipeline.schedule = options_.schedule;
+    pipeline.virtual_stages = options_.schedule == dtrain::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+    torch::nn::Sequential whole = model->sequential();
+    std::vector<int64_t> cuts =
+        dtrain::balance_by_parameters(whole, options_.pp * pipeline.virtual_stages);
+    if (options_.tp > 1) {
+      // Tensor ranks count their own shards, which may differ by a feature where a width does not
+      // divide: every rank of a stage cuts where its tensor rank 0 does.
+      at::Tensor shared = at::tensor(cuts, at::kLong);
+      mesh_.tensor_group->broadcast(shared, 0);
+      cuts.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
+    }
+    pipe = std::make_unique<dtrain::DistributedPipeline>(dtrain::split_sequential(whole, cuts),
+                                                         mesh_, pipeline, device);
+    parameters_ = pipe->parameters();  // this stage's
+  } else if (options_.zero > 0) {
+    dtrain::ShardedDataParallelOptions sharded;
+    sharded.stage = options_.zero;
+    data_group_ = world_;  // tp = pp = 1: the mesh's data group is the world
+    sdp = dtrain::ShardedDataParallel(model, data_group_, sharded);
+    parameters_ = sdp->parameters();  // this rank's shards
+  } else {
+    ddp = dtrain::DistributedDataParallel(model, data_group_);  // the world without --tp
+    parameters_ = ddp->parameters();
+  }
+}
+
+at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor& targets) {
+  at::Tensor loss;
+  {
+    // The forward under autocast; the pipeline's backward runs inside forward_backward, where
+    // autocast leaves it alone (backward ops take the dtypes their forward ops had).
+    std::optional<dtrain::amp::Autocast> autocast;
+    if (options_.bf16) autocast.emplace(device_.type(), torch::kBFloat16);
+    if (pipe) return pipe->forward_backward(inputs, targets, next_token_loss);
+    loss = next_token_loss(ddp ? ddp(inputs) : sdp(inputs), targets);
+  }
+  loss.backward();
+  return loss.detach();
+}
+
+// Note [Global gradient norm]
+// The norm of the whole model's gradient, as one process would compute it, from the pieces the
+// ranks hold: every element counted once. The world all-reduces one sum of squares, to which a
+// rank adds only what it holds uniquely: a pipeline stage its own parameters (the stages hold
+// disjoint ones); with tensor parallelism, a split projection's shard on every tensor rank but a
+// whole tensor (a norm, the embedding, the head: the same gradient on every tensor rank) on tensor
+// rank 0 only; under DDP (the replicas' averaged gradients are equal) only replica 0 adds, under
+// ZeRO every rank adds its shards (disjoint; the padding's gradient is zero).
+double Parallel::clip_grad_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  const bool replica_adds = sdp || mesh_.data_index == 0;
+  std::vector<at::Tensor> squares;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters_) {
+    const at::Tensor& grad = p.grad();
+    if (!grad.defined()) continue;
+    grads.push_back(grad);
+    if (replica_adds && (mesh_.tensor_index == 0 || tensor_split(p))) {
+      squares.push_back(grad.to(at::kDouble).square().sum());
+    }
+  }
+  at::Tensor total = squares.empty() ? at::zeros({1}, at::kDouble)
+                                     : at::stack(squares).sum().reshape({1}).to(at::kCPU);
+  world_->all_reduce(total);
+  const double norm = std::sqrt(total.item<double>());
+  const double scale = max_norm / (norm + 1e-6);
+  if (scale < 1) {
+    for (auto& grad : grads) grad.mul_(scale);
+  }
+  return norm;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Parallel::named_parameters() const {
+  std::set<const c10::TensorImpl*> mine;
+  for (const auto& p : parameters_) mine.insert(p.unsafeGetTensorImpl());
+  std::vector<std::pair<std::string, at::Tensor>> result;
+  for (const auto& item : model->named_parameters()) {
+    if (pipe && mine.count(item.value().unsafeGetTensorImpl()) == 0) continue;  // another stage's
+    result.emplace_back(item.key(), item.value());
+  }
+  return result;
+}
+
+bool Parallel::tensor_split(const at::Tensor& parameter) const {
+  return split_.count(parameter.unsafeGetTensorImpl()) > 0;
+}
+
+// ---- checkpoints ----
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(
+    const GptConfig& config) {
+  const int64_t width = config.width, q = config.heads * config.head_dim();
+  const int64_t kv = config.kv_heads * config.head_dim(), hidden = config.hidden();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+      {"embedding.weight", {config.vocab, width}}};
+  for (int64_t i = 0; i < config.layers; ++i) {
+    const std::string block = "block" + std::to_string(i) + ".";
+    shapes.push_back({block + "attention_norm.weight", {width}});
+    shapes.push_back({block + "attention.wq.weight", {q, width}});
+    shapes.push_back({block + "attention.wk.weight", {kv, width}});
+    shapes.push_back({block + "attention.wv.weight", {kv, width}});
+    shapes.push_back({block + "attention.wo.weight", {width, q}});
+    shapes.push_back({block + "mlp_norm.weight", {width}});
+    shapes.push_back({block + "mlp.w1.weight", {hidden, width}});
+    shapes.push_back({block + "mlp.w2.weight", {width, hidden}});
+    shapes.push_back({block + "mlp.w3.weight", {hidden, width}});
+  }
+  shapes.push_back({"norm.weight", {width}});
+  shapes.push_back({"head.weight", {config.vocab, width}});
+  return shapes;
+}
+
+// Note [Layout-neutral checkpoints]
+// A checkpoint is dtrain's sharded checkpoint (Note [Sharded checkpoint] in
+// dtrain/sharded_checkpoint.h) with one unit per parameter of the whole model, keyed by its name:
+// every rank of the world saves one contiguous range of each parameter's flattened elements (an
+// empty one for what it does not hold, or what another rank saves) and AdamW's moments over the
+// same range, plus the sampler's position and the step. A tensor whole on this rank is saved by
+// replica 0's tensor rank 0 of its stage; a column-parallel shard (rows of the whole tensor) is a
+// contiguous range already and saved by replica 0's tensor ranks; a row-parallel shard (columns)
+// is not, so the tensor group gathers the whole tensor and each tensor rank of replica 0 saves a
+// 1/T block of it. Loading reads by name and range, whatever layout saved: a rank reads its whole
+// tensors, its rows, and the whole of a row-parallel tensor whose columns it keeps. ZeRO saves
+// its flat shards as they are (units of several parameters, read by name too), so every layout
+// loads every other's checkpoints, at any world size and degrees. The sampler's position counts
+// the windows of all replicas, so a run resumed with another number of replicas goes on with the
+// next unseen windows (its global batch is then another size).
+struct Parallel::Piece {
+  enum class Split { kWhole, kRows, kColumns };
+  std::string name;
+  std::vector<int64_t> shape;  // the whole parameter's
+  at::Tensor param;            // this rank's; undefined: another stage's
+  Split split = Split::kWhole;
+  int64_t offset = 0, numel = 0;  // the range of the flattened whole tensor saved or loaded
+};
+
+std::vector<Parallel::Piece> Parallel::pieces(bool saving) {
+  std::map<std::string, at::Tensor> mine;
+  for (const auto& [name, p] : named_parameters()) mine[name] = p;
+  const int64_t tp = options_.tp, t = mesh_.tensor_index;
+  std::vector<Piece> result;
+  for (const auto& [name, shape] : parameter_shapes(model->config())) {
+    Piece piece;
+    piece.name = name;
+    piece.shape = shape;
+    const int64_t whole = numel_of(shape);
+    auto it = mine.find(name);
+    if (it != mine.end()) {
+      piece.param = it->second;
+      const at::Tensor& p = piece.param;
+      if (!p.sizes().equals(shape)) {
+        piece.split = p.size(0) != shape[0] ? Piece::Split::kRows : Piece::Split::kColumns;
+        const int64_t d = piece.split == Piece::Split::kRows ? 0 : 1;
+        if (p.size(d) * tp != shape[d]) {
+          throw dtrain::UsageError("gpt checkpoint: '" + name + "' is " + c10::str(p.sizes()) +
+                                   " on tensor rank " + std::to_string(t) + " of " +
+                                   std::to_string(tp) + ", not 1/" + std::to_string(tp) +
+                                   " of the whole " + c10::str(c10::IntArrayRef(shape)) +
+                                   "; checkpoints need widths that divide by --tp");
+        }
+      }
+      const bool owner =
+          !saving || (mesh_.data_index == 0 && (piece.split != Piece::Split::kWhole || t == 0));
+      if (owner) {
+        switch (piece.split) {
+          case Piece::Split::kWhole:
+            piece.numel = whole;
+            break;
+          case Piece::Split::kRows:
+            piece.offset = t * p.numel();
+            piece.numel = p.numel();
+            break;
+          case Piece::Split::kColumns:  // saved as a block of rows, read whole
+            piece.offset = saving ? t * (whole / tp) : 0;
+            piece.numel = saving ? whole / tp : whole;
+            break;
+        }
+      }
+    }
+    result.push_back(std::move(piece));
+  }
+  return result;
+}
+
+namespace {
+
+// The whole tensor of a row-parallel shard: its columns gathered from the tensor group.
+at::Tensor gather_columns(const at::Tensor& shard, const std::shared_ptr<dtrain::ProcessGroup>& g) {
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < g->size(); ++r) parts.push_back(at::empty_like(shard));
+  g->all_gather(parts, shard.contiguous());
+  return at::cat(parts, 1);
+}
+
+torch::optim::AdamWParamState* adamw_state(torch::optim::Optimizer& optimizer,
+                                           const at::Tensor& p) {
+  auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+  if (it == optimizer.state().end()) return nullptr;
+  return static_cast<torch::optim::AdamWParamState*>(it->second.get());
+}
+
+dtrain::FlatShard unit_of(const std::string& name, const std::vector<int64_t>& shape,
+                          const at::Tensor& range, int64_t offset) {
+  dtrain::FlatShard shard;
+  shard.key = name;
+  shard.shard = range;
+  shard.offset = offset;
+  shard.full_numel = numel_of(shape);
+  shard.params = {dtrain::ParamExtent{name, shape, 0}};
+  return shard;
+}
+
+}  // namespace
+
+void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
+                    dtrain::DistributedSampler& sampler, int64_t step) {
+  dtrain::ShardedTrainingState state;
+  state.sampler = &sampler;
+  state.step = step;
+  if (sdp) {
+    state.shards = sdp->flat_shards();
+    state.stage = options_.zero;
+    state.optimizer = &optimizer;
+    checkpointer.save(state);
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  const std::vector<Piece> all = pieces(/*saving=*/true);
+  std::vector<at::Tensor> ranges;  // each unit's shard: this rank's range, on the CPU
+  struct Moments {
+    at::Tensor exp_avg, exp_avg_sq;
+    int64_t step = 0;
+  };
+  std::vector<std::optional<Moments>> moments;
+  for (const Piece& piece : all) {
+    at::Tensor value;
+    std::optional<Moments> saved;
+    if (piece.param.defined()) {
+      value = piece.param.detach();
+      if (auto* s = adamw_state(optimizer, piece.param)) {
+        saved = Moments{s->exp_avg(), s->exp_avg_sq(), s->step()};
+      }
+      if (piece.split == Piece::Split::kColumns) {  // every tensor rank of every replica gathers
+        value = gather_columns(value, mesh_.tensor_group);
+        if (saved) {
+          saved->exp_avg = gather_columns(saved->exp_avg, mesh_.tensor_group);
+          saved->exp_avg_sq = gather_columns(saved->exp_avg_sq, mesh_.tensor_group);
+        }
+      }
+    }
+    // The range within `value`: a row-parallel tensor's block of the gathered whole, else all.
+    const int64_t start = piece.split == Piece::Split::kColumns ? piece.offset : 0;
+    auto cut = [&](const at::Tensor& t) {
+      return piece.numel == 0 ? at::empty({0}, at::kFloat)
+                              : t.reshape(-1).narrow(0, start, piece.numel).to(at::kCPU).clone();
+    };
+    ranges.push_back(cut(value));
+    if (saved && piece.numel > 0) {
+      saved->exp_avg = cut(saved->exp_avg);
+      saved->exp_avg_sq = cut(saved->exp_avg_sq);
+    } else {
+      saved.reset();
+    }
+    moments.push_back(std::move(saved));
+  }
+  // The ranges in an AdamW of their own, holding the moments, for the checkpointer to read.
+  torch::optim::AdamW ranged(ranges, torch::optim::AdamWOptions(1.0));
+  for (size_t i = 0; i < all.size(); ++i) {
+    state.shards.push_back(unit_of(all[i].name, all[i].shape, ranges[i], all[i].offset));
+    if (moments[i]) {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(moments[i]->step);
+      s->exp_avg(moments[i]->exp_avg);
+      s->exp_avg_sq(moments[i]->exp_avg_sq);
+      ranged.state()[ranges[i].unsafeGetTensorImpl()] = std::move(s);
+    }
+  }
+  state.optimizer = &ranged;
+  checkpointer.save(state);
+}
+
+std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
+                                      torch::optim::AdamW& optimizer,
+                                      dtrain::DistributedSampler& sampler) {
+  dtrain::ShardedTrainingState state;
+  state.sampler = &sampler;
+  if (sdp) {
+    state.shards = sdp->flat_shards();
+    state.stage = options_.zero;
+    state.optimizer = &optimizer;
+    if (!checkpointer.load_latest(state)) return std::nullopt;
+    sdp->shards_changed();
+    return state.step;
+  }
+  std::vector<Piece> held;  // what this rank reads: the parameters it holds
+  for (Piece& piece : pieces(/*saving=*/false))
+    if (piece.param.defined()) held.push_back(std::move(piece));
+  std::vector<at::Tensor> ranges;
+  for (const Piece& piece : held) ranges.push_back(at::zeros({piece.numel}, at::kFloat));
+  torch::optim::AdamW ranged(ranges, torch::optim::AdamWOptions(1.0));
+  for (size_t i = 0; i < held.size(); ++i)
+    state.shards.push_back(unit_of(held[i].name, held[i].shape, ranges[i], held[i].offset));
+  state.optimizer = &ranged;
+  if (!checkpointer.load_latest(state)) return std::nullopt;
+
+  torch::NoGradGuard no_grad;
+  const int64_t t = mesh_.tensor_index;
+  for (size_t i = 0; i < held.size(); ++i) {
+    const Piece& piece = held[i];
+    const at::Tensor& p = piece.param;
+    // From the range read to this rank's tensor: a row-parallel one keeps its columns.
+    auto mine = [&](const at::Tensor& range) {
+      if (piece.split == Piece::Split::kColumns) {
+        return range.view(piece.shape).narrow(1, t * p.size(1), p.size(1)).to(p.device());
+      }
+      return range.view(p.sizes()).to(p.device());
+    };
+    p.detach().copy_(mine(ranges[i]));
+    optimizer.state().erase(p.unsafeGetTensorImpl());
+    if (auto* s = adamw_state(ranged, ranges[i])) {
+      auto loaded = std::make_unique<torch::optim::AdamWParamState>();
+      loaded->step(s->step());
+      loaded->exp_avg(mine(s->exp_avg()).clone());
+      loaded->exp_avg_sq(mine(s->exp_avg_sq()).clone());
+      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(loaded);
+    }
+  }
+  return state.step;
+}
+
+}  // namespace gpt

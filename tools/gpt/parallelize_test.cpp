@@ -1,0 +1,199 @@
+// The layouts of parallelize.h against one process: data x tensor x pipeline meshes of 2 and 4
+// thread-ranks, ZeRO, recomputed blocks and the clipped global norm each end k SGD steps with the
+// parameters of one process trained on the whole batch (every whole tensor and every tensor shard
+// within a relative 1e-5, float32), and the degrees that do not fit the world are one error naming
+// them.
+#include "gpt/parallelize.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include "dtrain/errors.h"
+#include "support/thread_ranks.h"
+
+namespace gpt {
+namespace {
+
+GptConfig tiny() {
+  GptConfig config;
+  config.seq_len = 16;
+  config.layers = 2;
+  config.width = 32;
+  config.heads = 4;
+  config.kv_heads = 2;
+  return config;
+}
+
+constexpr int64_t kSteps = 3, kRowsPerReplica = 4;
+constexpr double kLr = 0.1;
+
+// One process on the whole batch of each step, clipped as torch.nn.utils.clip_grad_norm_ clips
+// (max_norm 0: not clipped); returns the parameters by name and each step's norm.
+struct Reference {
+  std::map<std::string, at::Tensor> parameters;
+  std::vector<double> norms;
+};
+Reference train_one_process(const GptConfig& config, const at::Tensor& data, double max_norm) {
+  torch::manual_seed(3);
+  Gpt model(config);
+  torch::optim::SGD optimizer(model->parameters(), kLr);
+  Reference result;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    optimizer.zero_grad();
+    next_token_loss(model(data[s].narrow(1, 0, config.seq_len)),
+                    data[s].narrow(1, 1, config.seq_len))
+        .backward();
+    double squares = 0;
+    for (const auto& p : model->parameters())
+      squares += p.grad().to(at::kDouble).square().sum().item<double>();
+    const double norm = std::sqrt(squares);
+    result.norms.push_back(norm);
+    if (max_norm > 0 && max_norm / (norm + 1e-6) < 1) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.grad().mul_(max_norm / (norm + 1e-6));
+    }
+    optimizer.step();
+  }
+  for (const auto& item : model->named_parameters())
+    result.parameters[item.key()] = item.value().detach().clone();
+  return result;
+}
+
+// `world` thread-ranks in `options`' layout, each replica on its rows of every step's batch, k SGD
+// steps clipped at max_norm (0: not): every parameter a rank holds (a tensor shard: its rows or
+// columns of the whole one) equals the reference's, and so does every step's norm.
+void expect_layout_equals_one_process(const LayoutOptions& options, int world,
+                                      double max_norm = 0) {
+  const GptConfig config = tiny();
+  const int dp = check_degrees(options, world);
+  torch::manual_seed(7);
+  at::Tensor data = torch::randint(256, {kSteps, dp * kRowsPerReplica, config.seq_len + 1});
+  const Reference reference = train_one_process(config, data, max_norm);
+
+  std::mutex seed_mutex;  // the thread-ranks share one generator: one draws the model at a time
+  dtrain::testing::run_group(world, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
+    dtrain::RankMesh mesh = make_mesh(options, pg);
+    Gpt model{nullptr};
+    {
+      std::lock_guard<std::mutex> lock(seed_mutex);
+      torch::manual_seed(3);
+      model = make_model(config, options, mesh);
+    }
+    Parallel layout(model, options, mesh, pg, c10::Device(c10::kCPU));
+    torch::optim::SGD optimizer(layout.parameters(), kLr);
+    const std::string who = "rank " + std::to_string(rank) + "/" + std::to_string(world);
+    for (int64_t s = 0; s < kSteps; ++s) {
+      at::Tensor mine = data[s].narrow(0, mesh.data_index * kRowsPerReplica, kRowsPerReplica);
+      optimizer.zero_grad();
+      layout.forward_backward(mine.narrow(1, 0, config.seq_len), mine.narrow(1, 1, config.seq_len));
+      if (max_norm > 0) {
+        const double norm = layout.clip_grad_norm(max_norm);
+        EXPECT_LT(std::abs(norm - reference.norms[s]) / reference.norms[s], 1e-5)
+            << who << ", step " << s << ": norm " << norm << ", one process's "
+            << reference.norms[s];
+      }
+      optimizer.step();
+    }
+    std::vector<std::pair<std::string, at::Tensor>> trained;
+    if (layout.sdp) {
+      layout.sdp->gather_full_parameters();  // the whole model, to compare
+      for (const auto& item : model->named_parameters())
+        trained.emplace_back(item.key(), item.value());
+    } else {
+      trained = layout.named_parameters();
+    }
+    // A stage holds its blocks only; the stages together hold every parameter.
+    if (options.pp == 1) EXPECT_EQ(trained.size(), reference.parameters.size()) << who;
+    for (const auto& [name, mine] : trained) {
+      at::Tensor want = reference.parameters.at(name);
+      if (!mine.sizes().equals(want.sizes())) {
+        // A shard: rows (column-parallel) or columns (row-parallel); the sizes here divide.
+        const int64_t dim = mine.size(0) != want.size(0) ? 0 : 1;
+        want = want.narrow(dim, mesh.tensor_index * mine.size(dim), mine.size(dim));
+      }
+      const double error =
+          (mine - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-12);
+      EXPECT_LT(error, 1e-5) << who << ", " << name;
+    }
+  });
+}
+
+LayoutOptions layout(int dp, int tp, int pp, int zero = 0, bool recompute = false) {
+  LayoutOptions options;
+  options.dp = dp;
+  options.tp = tp;
+  options.pp = pp;
+  options.zero = zero;
+  options.recompute = recompute;
+  options.micro_batches = 2;
+  return options;
+}
+
+// Clipping at 0.5 binds on every step here (the norms are ~1-3).
+constexpr double kClip = 0.5;
+
+TEST(GptLayout, DataTensorPipelineMeshesEqualOneProcess) {
+  for (auto [dp, tp, pp] : {std::tuple{2, 1, 2}, std::tuple{2, 2, 1}, std::tuple{1, 2, 2}}) {
+    SCOPED_TRACE("dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
+                 std::to_string(pp));
+    expect_layout_equals_one_process(layout(dp, tp, pp), dp * tp * pp);
+  }
+}
+
+// Recomputed blocks give the gradients of stored ones: in DDP, ZeRO-3 (which gathers a block
+// again before its backward redoes the forward), tensor parallelism (whose all-reduces run again)
+// and a pipeline.
+TEST(GptLayout, RecomputedBlocksEqualOneProcessInEveryLayout) {
+  for (auto [dp, tp, pp, zero] : {std::tuple{2, 1, 1, 0}, std::tuple{2, 1, 1, 3},
+                                  std::tuple{1, 2, 1, 0}, std::tuple{1, 1, 2, 0}}) {
+    SCOPED_TRACE("dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
+                 std::to_string(pp) + ", zero " + std::to_string(zero));
+    expect_layout_equals_one_process(layout(dp, tp, pp, zero, /*recompute=*/true), dp * tp * pp);
+  }
+}
+
+// The global norm counts every element once (Note [Global gradient norm]): a whole tensor that
+// every tensor rank holds once, ZeRO's shards and the stages summed, DDP's replicas once. Counting
+// one twice changes the norm, so the scale, so the parameters.
+TEST(GptLayout, ClippingByTheGlobalNormEqualsOneProcessInEveryLayout) {
+  for (auto [dp, tp, pp, zero] :
+       {std::tuple{2, 1, 1, 0}, std::tuple{2, 1, 1, 2}, std::tuple{2, 1, 1, 3},
+        std::tuple{1, 2, 1, 0}, std::tuple{1, 1, 2, 0}, std::tuple{1, 2, 2, 0}}) {
+    SCOPED_TRACE("dp " + std::to_string(dp) + " x tp " + std::to_string(tp) + " x pp " +
+                 std::to_string(pp) + ", zero " + std::to_string(zero));
+    expect_layout_equals_one_process(layout(dp, tp, pp, zero), dp * tp * pp, kClip);
+  }
+  // Everything at once on 4 ranks: a tensor x pipeline mesh with recomputed blocks, clipped.
+  expect_layout_equals_one_process(layout(1, 2, 2, 0, /*recompute=*/true), 4, kClip);
+}
+
+TEST(GptLayout, DegreesThatDoNotFitTheWorldAreNamed) {
+  auto message = [](const LayoutOptions& options, int world) {
+    try {
+      check_degrees(options, world);
+    } catch (const dtrain::UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(check_degrees(layout(0, 2, 2), 8), 2);  // --dp left out: the quotient
+  EXPECT_NE(message(layout(0, 2, 2), 6)
+                .find("--tp 2 x --pp 2 = 4 does not divide the world "
+                      "size 6"),
+            std::string::npos)
+      << message(layout(0, 2, 2), 6);
+  EXPECT_NE(message(layout(3, 2, 1), 4)
+                .find("--dp 3 x --tp 2 x --pp 1 = 6 ranks, but the world "
+                      "size is 4"),
+            std::string::npos)
+      << message(layout(3, 2, 1), 4);
+  EXPECT_NE(message(layout(2, 1, 2, 3), 4).find("--zero 3 with --tp 1 --pp 2"), std::string::npos)
+      << message(layout(2, 1, 2, 3), 4);
+}
+
+}  // namespace
+}  // namespace gpt
