@@ -59,8 +59,8 @@ dtrain::RankMesh make_mesh(const LayoutOptions& options,
                            const std::shared_ptr<dtrain::ProcessGroup>& world);
 
 // The model as this rank builds it: split by the mesh's tensor group when tp > 1 (the sequence
-// too when options.sp), its blocks recomputing when options.recompute. Draws from torch's generator as the unsplit model does, so
-// every rank must build it under the same seed.
+// too when options.sp), its blocks recomputing when options.recompute. Draws from torch's
+// generator as the unsplit model does, so every rank must build it under the same seed.
 Gpt make_model(const GptConfig& config, const LayoutOptions& options, const dtrain::RankMesh& mesh);
 
 // The model of make_model in the layout: this rank's pipeline stage (pp > 1) and the data
