@@ -128,7 +128,9 @@ at::Tensor backward_input(const at::Tensor& output, const at::Tensor& grad_outpu
       const Edge& edge = node->next_edge(i);
       if (!edge.is_valid()) continue;
       if (reaches_input[edge.function.get()]) {
-        node->set_next_edge(i, Edge());
+        // Not set_next_edge(), which refuses to touch a node that has parents: dropping an edge
+        // only leaves the node's topological number larger than needed, which stays valid.
+        node->next_edges()[i] = Edge();
       } else {
         split = true;
       }

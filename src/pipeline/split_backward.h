@@ -52,7 +52,7 @@ namespace dtrain::detail {
 // gradients that flow into them. Holds the part of the graph that W runs. Empty before B and after
 // W.
 struct WeightGradStore {
-  torch::autograd::edge_list roots;
+  std::vector<torch::autograd::Edge> roots;
   std::vector<at::Tensor> grads;
   bool empty() const { return roots.empty(); }
 };

@@ -204,7 +204,7 @@ TEST(ZeroBubble, EveryPassOnceBBeforeItsWAndMessagesMatch) {
       for (int stage = 0; stage + 1 < p; ++stage) {
         EXPECT_EQ((sent[{stage, stage + 1}]), (received[{stage + 1, stage}]));
         EXPECT_EQ((sent[{stage + 1, stage}]), (received[{stage, stage + 1}]));
-        EXPECT_EQ(sent[{stage, stage + 1}].size(), static_cast<size_t>(m));
+        EXPECT_EQ((sent[{stage, stage + 1}].size()), static_cast<size_t>(m));
       }
       EXPECT_NO_THROW(check_schedule(s));
     }
