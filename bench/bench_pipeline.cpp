@@ -72,7 +72,9 @@ struct SleepImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     // The weight makes the chunk trainable (and its gradient real); the sleeps make it slow. The
     // backward sleeps half on x's path and half on the weight's: a split backward's B and W.
-    return SleepFunction::apply(x, forward_ms, backward_ms / 2) *
+    // Chunk 0's input needs no gradient, but its half must still sleep in backward.
+    torch::Tensor in = x.requires_grad() ? x : x.detach().requires_grad_(true);
+    return SleepFunction::apply(in, forward_ms, backward_ms / 2) *
            SleepFunction::apply(weight, 0.0, backward_ms / 2);
   }
   double forward_ms, backward_ms;
