@@ -2,13 +2,15 @@
 //
 // Bubble fraction with stages of controlled duration: every chunk is a "sleep" layer whose forward
 // sleeps F ms and backward B ms (per micro-batch, divided by V for interleaved chunks), so two
-// cores cannot blur the schedule. A stage is busy about M·(F+B) per step; the bubble is 1 -
-// busy/step_time with busy as measured around each sleep (a loaded machine stretches sleeps),
-// printed beside theory. In one process it also prints each stage's peak of micro-batches whose
-// activations it held at once (GPipe: M; 1F1B: at most P - stage).
+// cores cannot blur the schedule; half of B sleeps on the input's gradient path and half on the
+// weight's, so that the zero-bubble schedule's B and W passes take B/2 each. A stage is busy about
+// M·(F+B) per step; the bubble is 1 - busy/step_time with busy as measured around each sleep (a
+// loaded machine stretches sleeps), printed beside theory. In one process it also prints each
+// stage's peak of micro-batches whose activations it held at once (GPipe: M; 1F1B: at most P -
+// stage; zbh1: at most P).
 //   bench_pipeline --mode sleep --stages 4 --micro-batches 8 --schedule 1f1b [--virtual-stages 2]
 //   dtrain run --nproc-per-node 4 -- bench_pipeline --mode sleep --distributed --micro-batches 8
-//   (--schedule gpipe, 1f1b, or interleaved with --virtual-stages V)
+//   (--schedule gpipe, 1f1b, zbh1, or interleaved with --virtual-stages V)
 // Single-process model parallel on a real MLP (784-H-H-H-10, 4 Linear layers cut into --stages
 // chunks by parameters): pipelined with --micro-batches M against naive placement (M = 1: one stage
 // works at a time).
@@ -41,6 +43,7 @@ using Clock = std::chrono::steady_clock;
 std::atomic<int64_t> g_busy_ns{0};
 
 void timed_sleep(double ms) {
+  if (ms <= 0) return;
   auto start = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
   g_busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
@@ -67,8 +70,12 @@ struct SleepImpl : torch::nn::Module {
     weight = register_parameter("weight", torch::ones({1}));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    // The weight makes the chunk trainable (and its gradient real); the sleep makes it slow.
-    return SleepFunction::apply(x * weight, forward_ms, backward_ms);
+    // The weight makes the chunk trainable (and its gradient real); the sleeps make it slow. The
+    // backward sleeps half on x's path and half on the weight's: a split backward's B and W.
+    // Chunk 0's input needs no gradient, but its half must still sleep in backward.
+    torch::Tensor in = x.requires_grad() ? x : x.detach().requires_grad_(true);
+    return SleepFunction::apply(in, forward_ms, backward_ms / 2) *
+           SleepFunction::apply(weight, 0.0, backward_ms / 2);
   }
   double forward_ms, backward_ms;
   torch::Tensor weight;
@@ -95,7 +102,7 @@ Args parse(int argc, char** argv) {
       .integer("--micro-batches", a.micro_batches, "micro-batches per step")
       .integer("--virtual-stages", a.virtual_stages,
                "chunks per stage, for the interleaved schedule")
-      .text("--schedule", a.schedule, "schedule", {"gpipe", "1f1b", "interleaved"})
+      .text("--schedule", a.schedule, "schedule", {"gpipe", "1f1b", "interleaved", "zbh1"})
       .integer("--steps", a.steps, "timed steps")
       .number("--forward-ms", a.forward_ms, "sleep per micro-batch forward", /*zero_allowed=*/true)
       .number("--backward-ms", a.backward_ms, "sleep per micro-batch backward",

@@ -5,7 +5,9 @@ one process per stage, --micro-batches micro-batches, cross-entropy (mean per mi
 per step with the gradients set to None before each step, one intra-op thread per process. Chunk placement is
 PyTorch's: chunk c on rank c % P ("loop", as dtrain's interleaved schedule) for gpipe, 1f1b, interleaved,
 interleaved-zb and looped-bfs; rank r holds chunks r and 2P-1-r ("V" shape) for zbv and dualpipev. Rank 0
-prints one JSON line: the median step of --steps after one warm-up step, as bench_pipeline measures it.
+prints one JSON line: the median step of --steps after one warm-up step, as bench_pipeline measures it. zbh1 is
+ScheduleInterleavedZeroBubble with one chunk per rank (its ZB1P order is then ZB-H1's, the order dtrain's zbh1
+runs), on the cut of 1f1b.
   torchrun --nproc-per-node 2 bench/pipelining_peer.py --schedule 1f1b --boundaries 4 --micro-batches 4
   torchrun --nproc-per-node 2 bench/pipelining_peer.py --schedule zbv --boundaries 2,4,6 --micro-batches 4
 """
@@ -25,13 +27,15 @@ try:  # newer than 2.6
 except ImportError:
     ScheduleDualPipeV = None
 
-# name: (class, chunks per rank: None = 1, "V" = 2 in V shape, "loop" = V from --virtual-stages)
+# name: (class, chunks per rank: None = 1, "one" = 1 passed as a list (a multi-stage schedule), "V" = 2 in V
+# shape, "loop" = V from --virtual-stages)
 SCHEDULES = {
     "gpipe": (ScheduleGPipe, None),
     "1f1b": (Schedule1F1B, None),
     "interleaved": (ScheduleInterleaved1F1B, "loop"),
     "looped-bfs": (ScheduleLoopedBFS, "loop"),
     "interleaved-zb": (ScheduleInterleavedZeroBubble, "loop"),
+    "zbh1": (ScheduleInterleavedZeroBubble, "one"),
     "zbv": (ScheduleZBVZeroBubble, "V"),
     "dualpipev": (ScheduleDualPipeV, "V"),
 }
@@ -59,7 +63,7 @@ def main():
     rank, ranks = dist.get_rank(), dist.get_world_size()
 
     cls, placement = SCHEDULES[args.schedule]
-    chunks_per_rank = 1 if placement is None else (2 if placement == "V" else args.virtual_stages)
+    chunks_per_rank = 1 if placement in (None, "one") else (2 if placement == "V" else args.virtual_stages)
     n_chunks = ranks * chunks_per_rank
     cuts = [int(b) for b in args.boundaries.split(",")]
     if len(cuts) != n_chunks - 1:

@@ -32,6 +32,19 @@
 // deadlock; check_schedule() proves it again for any schedule before the first step. The same
 // schedule drives the single-process pipeline (a thread per stage, in-memory mailboxes) and the
 // multi-process one (isend/irecv through the comm layer).
+//
+// The zero-bubble schedule ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023; PyTorch's
+// ScheduleInterleavedZeroBubble with one chunk per rank) splits each backward in two: B(m, c), the
+// input gradient only, which the stage upstream waits for and which is sent at once, and W(m, c),
+// the weight gradients, which nobody waits for (Note [Split backward] in src/pipeline/
+// split_backward.h says how W is deferred without a second backward). The generator runs with F, B
+// and W one time unit each; a stage prefers B, then F under two bounds (1F1B's P - s micro-batches
+// between F and B, and P between F and W), then W when neither can run. So W passes fill what would
+// be idle time, and those that fit nowhere form the tail of the stage's order: with F = B = W the
+// bubble falls from 1F1B's (P-1)(F+B+W) per stage to (P-1)(F+B-W), and every stage holds at most P
+// micro-batches, the most any stage of 1F1B holds (its stage 0). For P = 4, M = 8 stage 3 runs F0
+// B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 ... F7 B7 W4 W5 W6 W7: the orders are those PyTorch's
+// ScheduleInterleavedZeroBubble gives with one chunk per rank.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,14 +86,19 @@ std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, int par
 
 // ---- Schedules ----
 
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
+// Values are all-gathered between ranks (the pre-flight): new kinds go at the end.
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 
-// "gpipe", "1f1b", "interleaved" (as the trainer's --schedule flag); UsageError for anything else.
+// "gpipe", "1f1b", "interleaved", "zbh1" (as the trainer's --schedule flag); UsageError for
+// anything else.
 ScheduleKind parse_schedule_kind(const std::string& name);
 const char* to_string(ScheduleKind kind);
 
 struct PipelineAction {
-  enum class Kind : uint8_t { kForward, kBackward };
+  // kBackward: the whole backward of a micro-batch through a chunk. A split backward (ZB-H1) runs
+  // it as kBackwardInput (B: the input gradient, sent upstream) and later kBackwardWeight (W: the
+  // parameters' gradients).
+  enum class Kind : uint8_t { kForward, kBackward, kBackwardInput, kBackwardWeight };
   Kind kind = Kind::kForward;
   int micro_batch = 0;
   int chunk = 0;  // 0..stages·virtual_stages - 1; lives on stage chunk % stages
@@ -104,25 +122,28 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int micro_batches,
                                int virtual_stages = 1);
 
 // What a schedule costs, from simulating it with forward and backward taking the given times per
-// chunk.
+// chunk; the two passes of a split backward (B and W) take half of backward_time each.
 struct ScheduleCost {
   double makespan = 0;         // time of the whole step
   double bubble_fraction = 0;  // idle share of stages × makespan
-  // Per stage: the most micro-batches whose activations it held at once.
+  // Per stage: the most micro-batches whose activations it held at once (from F to B, or to W when
+  // the backward is split).
   std::vector<int> peak_in_flight;
 };
 ScheduleCost simulate_schedule(const PipelineSchedule& schedule, double forward_time = 1,
                                double backward_time = 2);
 
 // The bubble fraction theory predicts: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V·M+P-1)
-// interleaved.
+// interleaved; for ZB-H1 with F = B = W (backward twice the forward, split evenly) 1 - 3M/T with a
+// step of T = 3M + P - 1 + max(0, P - M) time units, which is (P-1)/(3M+P-1) once M >= P.
 double theoretical_bubble_fraction(ScheduleKind kind, int stages, int micro_batches,
                                    int virtual_stages = 1);
 
 // Proves that `schedule` can run: each stage lists every forward and backward of its chunks exactly
-// once, in an order where each backward follows its forward, and running the stages' orders with
-// blocking receives cannot deadlock (every send is met by a receive). Throws UsageError naming the
-// stage and the action that could never run, and what it waits for.
+// once (a backward either whole, or as its B and its W), in an order where each backward follows
+// its forward and each W its B, and running the stages' orders with blocking receives cannot
+// deadlock (every send is met by a receive). Throws UsageError naming the stage and the action that
+// could never run, and what it waits for.
 void check_schedule(const PipelineSchedule& schedule);
 
 // ---- Running a pipeline ----
@@ -179,7 +200,8 @@ class Pipeline {
   const PipelineSchedule& schedule() const;
   std::vector<at::Tensor> parameters() const;  // every stage's
   // Per stage: the most micro-batches whose activations it held at once during the last
-  // forward_backward (GPipe: all M; 1F1B: at most P - stage). A measure of activation memory.
+  // forward_backward (GPipe: all M; 1F1B: at most P - stage; ZB-H1: at most P, counting a
+  // micro-batch until its W). A measure of activation memory.
   std::vector<int> peak_micro_batches_held() const;
 
  private:
@@ -189,7 +211,7 @@ class Pipeline {
 // Multi-process pipeline: this rank runs stage mesh.pipeline_index of a pipeline over
 // mesh.pipeline_group; with mesh.data_size > 1 each stage's gradients are also averaged among its
 // data-parallel replicas through DDP's reducer (the buckets' all-reduces start during the step's
-// last backward of each chunk).
+// last backward of each chunk; with ZB-H1 during its last W, where the gradients become ready).
 //
 // Before the first step (and whenever the batch's shape changes) a pre-flight runs on every rank
 // and throws the same UsageError everywhere instead of hanging: stage counts and options that

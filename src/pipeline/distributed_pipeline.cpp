@@ -176,6 +176,8 @@ class DistributedPipelineImpl {
                                                       DistributedDataParallelOptions{},
                                                       Reducer::Finalize::kByOwner));
       }
+      // Only the pass that completes a chunk's gradients averages them: its last backward, or with
+      // ZB-H1 its last W (a B accumulates no parameter gradient; Note [Split backward]).
       runner_->before_backward = [this](size_t local, bool last) {
         if (reducers_[local]) reducers_[local]->set_sync_next_backward(last);
       };

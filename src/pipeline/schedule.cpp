@@ -11,14 +11,34 @@ namespace {
 
 using Kind = PipelineAction::Kind;
 
+const char* name(Kind kind) {
+  switch (kind) {
+    case Kind::kForward:
+      return "forward";
+    case Kind::kBackward:
+      return "backward";
+    case Kind::kBackwardInput:
+      return "input-gradient backward (B)";
+    case Kind::kBackwardWeight:
+      return "weight-gradient backward (W)";
+  }
+  return "?";
+}
+
 std::string describe(const PipelineAction& a) {
   std::ostringstream out;
-  out << (a.kind == Kind::kForward ? "forward" : "backward") << " of micro-batch " << a.micro_batch
-      << " through chunk " << a.chunk;
+  out << name(a.kind) << " of micro-batch " << a.micro_batch << " through chunk " << a.chunk;
   return out.str();
 }
 
+// Micro-batches whose activations a stage holds more (+1) or fewer (-1) after the action: a split
+// backward keeps them until its W.
+int held_change(Kind kind) {
+  return kind == Kind::kForward ? 1 : kind == Kind::kBackwardInput ? 0 : -1;
+}
+
 // Completion times of every action, indexed [micro_batch][chunk]; infinity until it has run.
+// backward_done is when the input gradient exists: the end of a whole backward or of a B.
 struct Timeline {
   static constexpr double kNever = std::numeric_limits<double>::infinity();
   std::vector<std::vector<double>> forward_done, backward_done;
@@ -27,15 +47,17 @@ struct Timeline {
         backward_done(micro_batches, std::vector<double>(chunks, kNever)) {}
 
   // When the inputs of `a` exist: the previous chunk's activation for a forward; the action's own
-  // forward and the next chunk's input gradient for a backward.
+  // forward and the next chunk's input gradient for a backward or a B; the action's own B for a W.
   double inputs_ready(const PipelineAction& a, int chunks) const {
     const int m = a.micro_batch, c = a.chunk;
     if (a.kind == Kind::kForward) return c == 0 ? 0.0 : forward_done[m][c - 1];
+    if (a.kind == Kind::kBackwardWeight) return backward_done[m][c];
     double ready = forward_done[m][c];
     if (c + 1 < chunks) ready = std::max(ready, backward_done[m][c + 1]);
     return ready;
   }
   void finish(const PipelineAction& a, double at) {
+    if (a.kind == Kind::kBackwardWeight) return;  // nothing waits for a W
     (a.kind == Kind::kForward ? forward_done : backward_done)[a.micro_batch][a.chunk] = at;
   }
 };
@@ -63,7 +85,8 @@ ScheduleKind parse_schedule_kind(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::kGPipe;
   if (name == "1f1b") return ScheduleKind::k1F1B;
   if (name == "interleaved") return ScheduleKind::kInterleaved1F1B;
-  throw UsageError("schedule '" + name + "': expected gpipe, 1f1b or interleaved");
+  if (name == "zbh1") return ScheduleKind::kZeroBubbleH1;
+  throw UsageError("schedule '" + name + "': expected gpipe, 1f1b, interleaved or zbh1");
 }
 
 const char* to_string(ScheduleKind kind) {
@@ -74,6 +97,8 @@ const char* to_string(ScheduleKind kind) {
       return "1f1b";
     case ScheduleKind::kInterleaved1F1B:
       return "interleaved";
+    case ScheduleKind::kZeroBubbleH1:
+      return "zbh1";
   }
   return "?";
 }
@@ -99,23 +124,32 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int micro_batches,
   const int chunks = schedule.chunks();
   const int per_stage = micro_batches * virtual_stages;
 
+  // A split backward (ZB-H1) runs each backward as B then W; the stage's W passes follow its B
+  // passes in the same order.
+  const bool split = kind == ScheduleKind::kZeroBubbleH1;
+  const Kind backward_kind = split ? Kind::kBackwardInput : Kind::kBackward;
   struct StageState {
     std::vector<PipelineAction> forwards, backwards;
-    size_t next_forward = 0, next_backward = 0;
+    size_t next_forward = 0, next_backward = 0, next_weight = 0;
     int busy_until = 0;
-    int in_flight =
-        0;  // forwards done minus backwards done: micro-batches whose activations it holds
+    // Forwards done minus backwards (B) done: micro-batches waiting for their input gradient.
+    int in_flight = 0;
     int limit = 0;
+    // Forwards done minus the passes that free their activations (a whole backward, or a W): the
+    // micro-batches it holds. Bounded for ZB-H1 only (else in_flight bounds it).
+    int held = 0;
+    int held_limit = 0;
   };
   std::vector<StageState> state(stages);
   for (int s = 0; s < stages; ++s) {
     state[s].forwards = order(Kind::kForward, s, stages, micro_batches, virtual_stages);
-    state[s].backwards = order(Kind::kBackward, s, stages, micro_batches, virtual_stages);
+    state[s].backwards = order(backward_kind, s, stages, micro_batches, virtual_stages);
     switch (kind) {
       case ScheduleKind::kGPipe:
         state[s].limit = per_stage;
         break;
       case ScheduleKind::k1F1B:
+      case ScheduleKind::kZeroBubbleH1:
         state[s].limit = stages - s;
         break;
       case ScheduleKind::kInterleaved1F1B:
@@ -125,13 +159,14 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int micro_batches,
         break;
     }
     state[s].limit = std::min(state[s].limit, per_stage);
+    state[s].held_limit = split ? std::min(stages, per_stage) : per_stage;
   }
 
-  // List scheduling in integer time: a forward takes 1, a backward 2 (its usual cost). Only the
-  // resulting orders are kept; any real timing of them is deadlock-free (Note [Pipeline
-  // schedules]).
+  // List scheduling in integer time: a forward takes 1, a backward 2 (its usual cost), B and W 1
+  // each. Only the resulting orders are kept; any real timing of them is deadlock-free (Note
+  // [Pipeline schedules]).
   Timeline timeline(micro_batches, chunks);
-  int remaining = 2 * per_stage * stages;
+  int remaining = (split ? 3 : 2) * per_stage * stages;
   for (int now = 0; remaining > 0; ++now) {
     bool started = false, busy = false;
     for (int s = 0; s < stages; ++s) {
@@ -147,24 +182,36 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int micro_batches,
       bool backward_ready =
           backwards_left && timeline.inputs_ready(st.backwards[st.next_backward], chunks) <= now;
       if (kind == ScheduleKind::kGPipe) backward_ready = backward_ready && !forwards_left;
+      const bool forward_allowed = st.in_flight < st.limit && st.held < st.held_limit;
+      PipelineAction weight;
       const PipelineAction* chosen = nullptr;
       if (backward_ready && (st.in_flight >= st.limit || !forwards_left)) {
         chosen = &st.backwards[st.next_backward];
-      } else if (forward_ready && st.in_flight < st.limit) {
+      } else if (forward_ready && forward_allowed) {
         chosen = &st.forwards[st.next_forward];
       } else if (backward_ready) {
         chosen = &st.backwards[st.next_backward];
+      } else if (split && st.next_weight < st.next_backward) {
+        // Nothing else can run: the oldest W fills the gap.
+        weight = st.backwards[st.next_weight];
+        weight.kind = Kind::kBackwardWeight;
+        chosen = &weight;
       }
       if (!chosen) continue;
-      int duration = chosen->kind == Kind::kForward ? 1 : 2;
+      int duration = chosen->kind == Kind::kBackward ? 2 : 1;
       timeline.finish(*chosen, now + duration);
       schedule.actions[s].push_back(*chosen);
       if (chosen->kind == Kind::kForward) {
         ++st.next_forward;
         ++st.in_flight;
+        ++st.held;
+      } else if (chosen->kind == Kind::kBackwardWeight) {
+        ++st.next_weight;
+        --st.held;
       } else {
         ++st.next_backward;
         --st.in_flight;
+        if (!split) --st.held;
       }
       st.busy_until = now + duration;
       started = busy = true;
@@ -211,12 +258,14 @@ ScheduleCost run_orders(const PipelineSchedule& schedule, double forward_time, d
         const PipelineAction& a = schedule.actions[s][next[s]];
         double ready = timeline.inputs_ready(a, chunks);
         if (ready == Timeline::kNever) break;
-        double duration = a.kind == Kind::kForward ? forward_time : backward_time;
+        double duration = a.kind == Kind::kForward    ? forward_time
+                          : a.kind == Kind::kBackward ? backward_time
+                                                      : backward_time / 2;
         double start = std::max(ready, free_at[s]);
         free_at[s] = start + duration;
         busy += duration;
         timeline.finish(a, free_at[s]);
-        in_flight[s] += a.kind == Kind::kForward ? 1 : -1;
+        in_flight[s] += held_change(a.kind);
         cost.peak_in_flight[s] = std::max(cost.peak_in_flight[s], in_flight[s]);
         ++next[s];
         progress = true;
@@ -231,6 +280,8 @@ ScheduleCost run_orders(const PipelineSchedule& schedule, double forward_time, d
           << " (" << describe(a) << ") for ";
     if (a.kind == Kind::kForward) {
       waits << "chunk " << a.chunk - 1 << "'s output from stage " << schedule.stage_of(a.chunk - 1);
+    } else if (a.kind == Kind::kBackwardWeight) {
+      waits << "its own input-gradient backward (B) of that micro-batch, which it never ran before";
     } else if (timeline.forward_done[a.micro_batch][a.chunk] == Timeline::kNever) {
       waits << "its own forward of that micro-batch, which it never ran before";
     } else {
@@ -257,13 +308,14 @@ void check_schedule(const PipelineSchedule& schedule) {
     throw UsageError("pipeline schedule: expected one action list per stage (" +
                      std::to_string(stages) + "), got " + std::to_string(schedule.actions.size()));
   }
+  constexpr int kKinds = 4;  // PipelineAction::Kind's values
   for (int s = 0; s < stages; ++s) {
     // seen[kind][micro_batch][chunk]
     std::vector<std::vector<std::vector<int>>> seen(
-        2, std::vector<std::vector<int>>(micro_batches, std::vector<int>(chunks, 0)));
+        kKinds, std::vector<std::vector<int>>(micro_batches, std::vector<int>(chunks, 0)));
     for (const auto& a : schedule.actions[s]) {
       if (a.micro_batch < 0 || a.micro_batch >= micro_batches || a.chunk < 0 || a.chunk >= chunks ||
-          schedule.stage_of(a.chunk) != s) {
+          schedule.stage_of(a.chunk) != s || static_cast<int>(a.kind) >= kKinds) {
         throw UsageError("pipeline schedule: stage " + std::to_string(s) + " lists " + describe(a) +
                          ", which is not one of its actions (micro-batches 0.." +
                          std::to_string(micro_batches - 1) + ", chunks c with c % " +
@@ -274,14 +326,32 @@ void check_schedule(const PipelineSchedule& schedule) {
                          " twice");
       }
     }
-    for (int k = 0; k < 2; ++k) {
-      for (int m = 0; m < micro_batches; ++m) {
-        for (int c = s; c < chunks; c += stages) {
-          if (seen[k][m][c] == 0) {
-            throw UsageError("pipeline schedule: stage " + std::to_string(s) + " never runs " +
-                             describe({static_cast<Kind>(k), m, c}) +
-                             "; its neighbours would wait for it forever");
-          }
+    auto count = [&](Kind kind, int m, int c) { return seen[static_cast<int>(kind)][m][c]; };
+    for (int m = 0; m < micro_batches; ++m) {
+      for (int c = s; c < chunks; c += stages) {
+        // A forward, and a backward either whole or as its B and its W.
+        std::vector<Kind> missing;
+        if (count(Kind::kForward, m, c) == 0) missing.push_back(Kind::kForward);
+        const bool whole = count(Kind::kBackward, m, c) == 1;
+        const int halves = count(Kind::kBackwardInput, m, c) + count(Kind::kBackwardWeight, m, c);
+        if (whole && halves > 0) {
+          throw UsageError("pipeline schedule: stage " + std::to_string(s) + " lists both the " +
+                           describe({Kind::kBackward, m, c}) + " and a split one (B or W); list " +
+                           "either the backward or its B and its W");
+        }
+        if (!whole) {
+          if (halves == 0) missing.push_back(Kind::kBackward);
+          if (halves > 0 && count(Kind::kBackwardInput, m, c) == 0)
+            missing.push_back(Kind::kBackwardInput);
+          if (halves > 0 && count(Kind::kBackwardWeight, m, c) == 0)
+            missing.push_back(Kind::kBackwardWeight);
+        }
+        if (!missing.empty()) {
+          throw UsageError("pipeline schedule: stage " + std::to_string(s) + " never runs " +
+                           describe({missing.front(), m, c}) +
+                           (missing.front() == Kind::kBackwardWeight
+                                ? "; its parameters would miss that micro-batch's gradient"
+                                : "; its neighbours would wait for it forever"));
         }
       }
     }
@@ -306,6 +376,13 @@ double theoretical_bubble_fraction(ScheduleKind kind, int stages, int micro_batc
                                    int virtual_stages) {
   double p = stages, m = micro_batches,
          v = kind == ScheduleKind::kInterleaved1F1B ? virtual_stages : 1;
+  if (kind == ScheduleKind::kZeroBubbleH1) {
+    // F = B = W = 1, each stage busy 3M. Stage 0 sits idle only until the first B reaches it, 2P
+    // - 1 units into the step (P forwards down, P - 1 Bs up), having run min(M, P) forwards by
+    // then; from then on a B or a W is always ready for it.
+    double step = 3 * m + p - 1 + std::max(0.0, p - m);
+    return 1 - 3 * m / step;
+  }
   return (p - 1) / (v * m + p - 1);
 }
 

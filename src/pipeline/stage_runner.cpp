@@ -28,7 +28,7 @@ StageRunner::StageRunner(int stage, const PipelineSchedule& schedule,
   last_backward_.assign(chunks_.size(), -1);
   const auto& actions = schedule_.actions[stage_];
   for (size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].kind == Kind::kBackward)
+    if (actions[i].kind == Kind::kBackward || actions[i].kind == Kind::kBackwardWeight)
       last_backward_[local(actions[i].chunk)] = static_cast<int>(i);
   }
 }
@@ -81,22 +81,46 @@ double StageRunner::run(StageLink& link, const StepData& data) {
       peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
       continue;
     }
-    if (before_backward) before_backward(local(c), static_cast<int>(i) == last_backward_[local(c)]);
+    const bool last = static_cast<int>(i) == last_backward_[local(c)];
+    if (a.kind == Kind::kBackwardWeight) {
+      // W of Note [Split backward]: the parameters' gradients, and their hooks, now.
+      if (before_backward) before_backward(local(c), last);
+      backward_weight(slot.weight_pass);
+      slot = Slot();  // frees what B kept for it
+      --in_flight;
+      continue;
+    }
+    if (a.kind == Kind::kBackward && before_backward) before_backward(local(c), last);
     if (recompute_) {
       torch::autograd::AutoGradMode grad_mode(true);
       slot.output = forward_chunk(c, m, slot.input, data);
     }
+    at::Tensor grad_output;
     if (c + 1 < chunks) {
-      at::Tensor grad = link.recv(schedule_.stage_of(c + 1),
-                                  message_tag(schedule_, Kind::kBackward, c, m), meta(data, c, m));
-      torch::autograd::backward({slot.output}, {grad});
+      grad_output = link.recv(schedule_.stage_of(c + 1),
+                              message_tag(schedule_, Kind::kBackward, c, m), meta(data, c, m));
+    }
+    at::Tensor grad_input;
+    if (a.kind == Kind::kBackwardInput) {
+      // B: the input gradient only; the parameters' gradients wait in slot.weight_pass for W.
+      grad_input = backward_input(slot.output, grad_output, c > 0 ? slot.input : at::Tensor(),
+                                  slot.weight_pass);
     } else {
-      torch::autograd::backward({slot.output});
+      if (grad_output.defined()) {
+        torch::autograd::backward({slot.output}, {grad_output});
+      } else {
+        torch::autograd::backward({slot.output});
+      }
+      if (c > 0) grad_input = slot.input.grad();
     }
     if (c > 0) {
-      at::Tensor grad = slot.input.grad();
-      if (!grad.defined()) grad = at::zeros_like(slot.input);  // the chunk ignored its input
-      link.send(grad, schedule_.stage_of(c - 1), message_tag(schedule_, Kind::kBackward, c - 1, m));
+      if (!grad_input.defined()) grad_input = at::zeros_like(slot.input);  // input ignored
+      link.send(grad_input, schedule_.stage_of(c - 1),
+                message_tag(schedule_, Kind::kBackward, c - 1, m));
+    }
+    if (a.kind == Kind::kBackwardInput) {
+      slot.input = slot.output = at::Tensor();  // W needs neither: it holds its part of the graph
+      continue;
     }
     slot = Slot();  // frees the micro-batch's activations
     --in_flight;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dtrain/pipeline.h"
+#include "pipeline/split_backward.h"
 
 namespace dtrain::detail {
 
@@ -67,8 +68,9 @@ class StageRunner {
   StageRunner(int stage, const PipelineSchedule& schedule,
               std::vector<torch::nn::Sequential> chunks, c10::Device device, bool recompute);
 
-  // Called before each backward of a local chunk: local index, and whether it is that chunk's last
-  // backward of the step (where data-parallel gradient averaging starts).
+  // Called before each pass that accumulates parameter gradients into a local chunk (a whole
+  // backward, or the W of a split one; a B accumulates none): local index, and whether it is that
+  // chunk's last such pass of the step (where data-parallel gradient averaging starts).
   std::function<void(size_t local_chunk, bool last)> before_backward;
 
   // Runs this stage's actions for one step. Returns the sum of its micro-batches' weighted losses
@@ -90,6 +92,7 @@ class StageRunner {
     at::Tensor input;  // detached, requires grad unless chunk 0
     // With its graph (the weighted loss on the last chunk); undefined with recompute.
     at::Tensor output;
+    WeightGradStore weight_pass;  // between the B and the W of a split backward
   };
   size_t local(int chunk) const { return static_cast<size_t>(chunk / schedule_.stages); }
   at::Tensor forward_chunk(int chunk, int micro_batch, const at::Tensor& input,
@@ -101,8 +104,8 @@ class StageRunner {
   c10::Device device_;
   bool recompute_;
   std::vector<std::vector<Slot>> slots_;  // [local chunk][micro-batch]
-  std::vector<int>
-      last_backward_;  // per local chunk: index in the stage's actions of its last backward
+  // Per local chunk: index in the stage's actions of its last whole backward or W.
+  std::vector<int> last_backward_;
   int peak_in_flight_ = 0;
 };
 

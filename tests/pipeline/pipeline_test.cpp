@@ -1,13 +1,15 @@
 // Pipelines against single-process training of the same model on the same data: after k optimizer
 // steps the parameters must be equal (relative error < 1e-5, float32), for every schedule, 2..4
 // stages and 1..8 micro-batches (13 rows: most counts do not divide it). Single-process pipelines
-// run stages on threads; distributed ones run ranks as threads over an in-memory store. Also the
-// pre-flight's errors, on every rank.
+// run stages on threads; distributed ones run ranks as threads over an in-memory store. The
+// zero-bubble schedule, whose backward is split in two passes, must also equal 1F1B within 1e-6.
+// Also the pre-flight's errors, on every rank.
 #include "dtrain/pipeline.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "pipeline/split_backward.h"
 #include "support/equivalence.h"
 #include "support/thread_ranks.h"
 
@@ -22,6 +24,8 @@ constexpr int64_t kClasses = 4;
 constexpr int64_t kBatch = 13;
 constexpr int kSteps = 3;
 constexpr double kTolerance = 1e-5;
+// ZB-H1 against 1F1B: the same products on the same values, only split into two passes.
+constexpr double kSplitTolerance = 1e-6;
 
 // Thread-ranks build their models and batches from torch's one global generator: one at a time.
 std::mutex rng_mutex;
@@ -118,6 +122,100 @@ TEST(Pipeline, RecomputeGivesTheSameGradients) {
   const auto want = train_single();
   EXPECT_LT(relative_error(train_pipeline(ScheduleKind::k1F1B, 3, 5, 1, true), want), kTolerance);
   EXPECT_LT(relative_error(train_pipeline(ScheduleKind::kGPipe, 2, 4, 1, true), want), kTolerance);
+}
+
+TEST(Pipeline, ZeroBubbleEqualsOneF1BAndSingleDevice) {
+  const auto want = train_single();
+  for (int p = 2; p <= 4; ++p) {
+    for (int m : {1, 2, 3, 5, 8}) {
+      SCOPED_TRACE("zbh1 P=" + std::to_string(p) + " M=" + std::to_string(m));
+      auto zb = train_pipeline(ScheduleKind::kZeroBubbleH1, p, m);
+      EXPECT_LT(relative_error(zb, train_pipeline(ScheduleKind::k1F1B, p, m)), kSplitTolerance);
+      EXPECT_LT(relative_error(zb, want), kTolerance);
+    }
+  }
+  EXPECT_LT(relative_error(train_pipeline(ScheduleKind::kZeroBubbleH1, 3, 5, 1, true), want),
+            kTolerance);
+}
+
+TEST(Pipeline, ZeroBubbleHoldsWhatTheScheduleSays) {
+  // Activations are held from F to W: P on every stage once M >= P, 1F1B's stage-0 peak.
+  auto model = make_model();
+  PipelineOptions options;
+  options.schedule = ScheduleKind::kZeroBubbleH1;
+  options.micro_batches = 6;
+  Pipeline pipe(split_sequential(model, even_cut(4)), {}, options, 4);
+  Batch b = make_batch(0);
+  pipe.forward_backward(b.x, b.y, mean_loss);
+  EXPECT_EQ(pipe.peak_micro_batches_held(), simulate_schedule(pipe.schedule()).peak_in_flight);
+  EXPECT_EQ(pipe.peak_micro_batches_held(), (std::vector<int>{4, 4, 4, 4}));
+}
+
+// y = x * w through a custom function that records which gradients autograd asked it for.
+std::vector<std::pair<bool, bool>> probe_requests;  // (input, weight) per backward call
+
+struct Probe : torch::autograd::Function<Probe> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               torch::Tensor w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    probe_requests.emplace_back(ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+    auto saved = ctx->get_saved_variables();
+    return {grads[0] * saved[1], (grads[0] * saved[0]).sum(0)};
+  }
+};
+
+TEST(SplitBackward, BComputesOnlyInputGradientsWOnlyWeightGradientsTogetherOneBackward) {
+  torch::manual_seed(2);
+  torch::nn::Linear linear(5, 3);
+  torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({3}));
+  auto w = torch::randn({3}, torch::requires_grad());
+  auto x = torch::randn({4, 5});
+  auto forward = [&](const torch::Tensor& input) {
+    return Probe::apply(norm->forward(torch::tanh(linear->forward(input))), w);
+  };
+  auto g = torch::randn({4, 3});
+  std::vector<torch::Tensor> params = {linear->weight, linear->bias, norm->weight, norm->bias, w};
+
+  // Reference: one whole backward.
+  auto input = x.clone().requires_grad_(true);
+  probe_requests.clear();
+  torch::autograd::backward({forward(input)}, {g});
+  std::vector<torch::Tensor> want;
+  for (auto& p : params) want.push_back(p.grad().clone()), p.mutable_grad() = torch::Tensor();
+  want.push_back(input.grad().clone());
+  ASSERT_EQ(probe_requests, (std::vector<std::pair<bool, bool>>{{true, true}}));
+
+  // B, then W: B asks for the input's gradient only and accumulates into no parameter; W the
+  // reverse.
+  input = x.clone().requires_grad_(true);
+  detail::WeightGradStore store;
+  probe_requests.clear();
+  auto grad_input = detail::backward_input(forward(input), g, input, store);
+  EXPECT_EQ(probe_requests, (std::vector<std::pair<bool, bool>>{{true, false}}));
+  for (auto& p : params) EXPECT_FALSE(p.grad().defined());
+  EXPECT_FALSE(store.empty());
+  probe_requests.clear();
+  detail::backward_weight(store);
+  EXPECT_EQ(probe_requests, (std::vector<std::pair<bool, bool>>{{false, true}}));
+  EXPECT_TRUE(store.empty());
+  std::vector<torch::Tensor> got;
+  for (auto& p : params) got.push_back(p.grad());
+  got.push_back(grad_input);
+  EXPECT_LT(relative_error(got, want), kSplitTolerance);
+
+  // An input that needs no gradient (the first chunk): B does nothing, W the whole backward.
+  for (auto& p : params) p.mutable_grad() = torch::Tensor();
+  EXPECT_FALSE(detail::backward_input(forward(x), g, torch::Tensor(), store).defined());
+  for (auto& p : params) EXPECT_FALSE(p.grad().defined());
+  detail::backward_weight(store);
+  got.clear();
+  for (auto& p : params) got.push_back(p.grad());
+  want.pop_back();
+  EXPECT_LT(relative_error(got, want), kSplitTolerance);
 }
 
 TEST(Pipeline, TheTestCanFail) {
@@ -271,6 +369,23 @@ TEST(DistributedPipeline, EqualsSingleProcessForEveryScheduleStagesAndMicroBatch
   }
 }
 
+TEST(DistributedPipeline, ZeroBubbleEqualsOneF1BAndSingleProcess) {
+  const auto want = train_single();
+  for (int p : {2, 3, 4}) {
+    for (int m : {1, 4, 7}) {
+      SCOPED_TRACE("zbh1 P=" + std::to_string(p) + " M=" + std::to_string(m));
+      DistributedRun run;
+      run.stages = p;
+      run.micro_batches = m;
+      auto one_f_one_b = train_distributed(run)[0];
+      run.kind = ScheduleKind::kZeroBubbleH1;
+      auto zb = train_distributed(run)[0];
+      EXPECT_LT(relative_error(zb, one_f_one_b), kSplitTolerance);
+      EXPECT_LT(relative_error(zb, want), kTolerance);
+    }
+  }
+}
+
 TEST(DistributedPipeline, InterleavedEqualsSingleProcess) {
   const auto want = train_single();
   for (int p : {2, 3}) {
@@ -296,7 +411,8 @@ TEST(DistributedPipeline, OverGlooWithoutSharedMemory) {
 
 TEST(DistributedPipeline, TwoDataReplicasTimesTwoStagesEqualSingleProcess) {
   const auto want = train_single_on(kBatchDp);
-  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+  // ZB-H1: the gradients become ready in W, where the reducer must learn of them.
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1}) {
     SCOPED_TRACE(to_string(kind));
     DistributedRun run;
     run.kind = kind;

@@ -151,7 +151,7 @@ Flags parse_flags(int argc, char** argv) {
   integer("--micro-batches", flags.micro_batches, "mp, pipeline: micro-batches per step", 1,
           1 << 20);
   choice("--schedule", flags.schedule, "mp, pipeline: the pipeline schedule",
-         {"gpipe", "1f1b", "interleaved"}, "gpipe, 1f1b or interleaved");
+         {"gpipe", "1f1b", "interleaved", "zbh1"}, "gpipe, 1f1b, interleaved or zbh1");
   integer("--virtual-stages", flags.virtual_stages, "chunks per stage (--schedule interleaved)", 1,
           64);
   integer("--epochs", flags.epochs, "passes over the training split", 1);

@@ -15,7 +15,7 @@ struct Flags {
   int64_t devices = 2;  // dp: replicas (CPU threads) in this process; mp: stages (CPU threads)
   int64_t stages = 2;   // pipeline: stages per pipeline; the job runs world / stages pipelines
   int64_t micro_batches = 4;      // mp, pipeline: micro-batches per step
-  std::string schedule = "1f1b";  // mp, pipeline: gpipe, 1f1b or interleaved
+  std::string schedule = "1f1b";  // mp, pipeline: gpipe, 1f1b, interleaved or zbh1
   int64_t virtual_stages = 1;     // chunks per stage (interleaved schedule)
   int64_t epochs = 1;
   // Rows one data-parallel rank reads per step, as a PyTorch DataLoader's batch_size: the global
