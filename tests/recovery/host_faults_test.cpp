@@ -143,17 +143,19 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
-// The three launchers, started in the background; the test injects its fault meanwhile.
+// The three launchers, started in the background; the test injects its fault meanwhile. Host 2's
+// launcher may restart its worker `host2_restarts` times (as a newcomer); the others never do.
 class Job {
  public:
-  Job(const NamespaceHosts& hosts, const std::string& dir) : dir_(dir) {
+  Job(const NamespaceHosts& hosts, const std::string& dir, int host2_restarts = 0) : dir_(dir) {
     std::string script;
     for (int h = 0; h < kHosts; ++h) {
       const std::string launcher =
           bin("dtrain") + " run --nnodes " + std::to_string(kHosts) + " --node-rank " +
           std::to_string(h) + " --nproc-per-node 1 --master-addr " + NamespaceHosts::address(0) +
-          " --master-port 29531 --recovery in-place --max-restarts 0 -- " + bin("recovery_worker") +
-          " " + dir + " --step-ms 40";
+          " --master-port 29531 --recovery in-place --max-restarts " +
+          std::to_string(h == 2 ? host2_restarts : 0) + " -- " + bin("recovery_worker") + " " +
+          dir + " --step-ms 40";
       script += hosts.on(h, launcher) + " > " + dir + "/node" + std::to_string(h) +
                 ".log 2>&1 & p" + std::to_string(h) + "=$!; ";
     }
@@ -297,6 +299,32 @@ TEST_F(HostFaults, ALinkCutMidStepStopsTheCutOffSideAndTheOthersGoOn) {
   EXPECT_NE(job.log(2).find("cut off"), std::string::npos) << job.log(2);
   EXPECT_NE(job.log(2).find("rather than go on as a second job"), std::string::npos) << job.log(2);
   expect_survivors_finished(*hosts_, job, dir_, result);
+}
+
+TEST_F(HostFaults, AfterALinkCutTheCutOffWorkerRejoinsAsANewcomerWhenTheLinkReturns) {
+  Job job(*hosts_, dir_, /*host2_restarts=*/1);
+  ASSERT_TRUE(job.wait_for_step(kFaultAfterStep, 60s)) << job.finish().output;
+  const auto fault = Clock::now();
+  ASSERT_TRUE(hosts_->set_link(2, false));
+  const auto next = job.seconds_to_world(2, fault, 40s);
+  std::this_thread::sleep_until(fault + 5s);
+  ASSERT_TRUE(hosts_->set_link(2, true));
+  const auto result = job.finish();
+  SCOPED_TRACE(result.output + "\n--- node 0:\n" + job.log(0) + "\n--- node 2:\n" + job.log(2));
+  ASSERT_TRUE(next.has_value());
+  EXPECT_NE(result.output.find("node0=0"), std::string::npos);
+  EXPECT_NE(result.output.find("node1=0"), std::string::npos);
+  EXPECT_NE(result.output.find("node2=0"), std::string::npos);
+  EXPECT_NE(job.log(2).find("restarting it alone as a newcomer"), std::string::npos);
+  EXPECT_EQ(json_int(job.log(0), "admitted"), 1);
+  EXPECT_EQ(json_int(job.log(0), "world_size"), 3);
+  std::map<int64_t, int> worlds;
+  auto steps = committed_steps(read_lines(dir_), &worlds);
+  expect_exactly_once(steps, worlds);
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir_ + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  for (int h = 0; h < kHosts; ++h) EXPECT_TRUE(hosts_->pids(h).empty()) << "host " << h;
 }
 
 TEST_F(HostFaults, AWorkerKilledOnAnotherHostIsNotWaitedForLong) {
