@@ -219,6 +219,10 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
 
 void Membership::mark_finished() { write("finished", "1"); }
 
+void Membership::mark_failed(int64_t generation) {
+  write("g" + std::to_string(generation) + "/failed", "1");
+}
+
 int64_t Membership::newcomers_requested() { return store_->add(key("newcomers"), 0); }
 
 void Membership::admit(int64_t first, int64_t last, int64_t generation) {
@@ -245,7 +249,7 @@ void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& memb
   const auto now = Clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
   generation_ = generation;
-  next_closed_ = false;
+  next_failed_ = false;
   watched_.clear();
   for (const auto& m : members) {
     if (m.same_process(self_)) continue;
@@ -265,9 +269,9 @@ void Heartbeats::round() {
   store_->add(self_key_, 1);
   std::vector<std::vector<uint8_t>> counts;
   if (!keys.empty()) counts = store_->multiGet(keys);
-  const bool next_closed =
+  const bool next_failed =
       generation >= 0 &&
-      store_->check({"dtrain/recovery/g" + std::to_string(generation + 1) + "/closed"});
+      store_->check({"dtrain/recovery/g" + std::to_string(generation + 1) + "/failed"});
   const int64_t newcomers = store_->add("dtrain/recovery/newcomers", 0);
   const auto now = Clock::now();
 
@@ -276,7 +280,7 @@ void Heartbeats::round() {
   newcomers_seen_.store(newcomers);
   // watch() may have moved on while this round read: then its counts are the old members'.
   if (generation != generation_ || counts.size() != watched_.size()) return;
-  next_closed_ = next_closed;
+  next_failed_ = next_failed;
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] != watched_[i].count) {
       watched_[i].count = std::move(counts[i]);
@@ -313,10 +317,10 @@ std::string Heartbeats::verdict(int64_t generation) const {
   for (const auto& w : watched_) {
     if (!retired_count(w.count) && reached_ - w.moved >= lost_after_) return lost_text(w, reached_);
   }
-  if (next_closed_) {
-    return "generation " + std::to_string(generation + 1) +
-           " formed while this process was still in generation " + std::to_string(generation) +
-           " (the others counted it lost)";
+  if (next_failed_) {
+    return "a member abandoned generation " + std::to_string(generation) +
+           " after a failure and re-forms as generation " + std::to_string(generation + 1) +
+           ", so this collective cannot finish";
   }
   return "";
 }

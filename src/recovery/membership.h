@@ -4,6 +4,8 @@
 //   g<G>/arrival/<n>    the n-th one's record (MemberRecord::text)
 //   g<G>/closed         the generation's members, one record per line, in rank order: written once
 //                       (compare-and-set), by whichever member first sees it complete
+//   g<G>/failed         written by a member that abandoned generation G-1 after a failure, before it
+//                       registers: the others stop waiting on G-1's collectives (Note [Heartbeats])
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
@@ -58,6 +60,10 @@ struct MemberRecord {
 // - when this process's own rounds have failed or hung for `lost_after`, it is cut off itself (or
 //   the store's host is lost), and judges nobody else: the side of a partition that keeps the
 //   store goes on, the other stops.
+// - when a member has marked the next generation "failed" (it abandoned this one after a failure,
+//   e.g. its connection to a dead peer was reset), this process stops waiting on this generation's
+//   collectives too: a peer that has left will never finish them. (Else a member waiting on a peer
+//   that abandoned, not on the dead one, would wait for the timeout and come after `settle`.)
 // Being ready costs the training thread nothing: verdict() reads what the last rounds saw (no store
 // call), and it is asked only while a wait on Gloo is slow (GroupState::abandon_check). A member
 // that finished training retires its counter ("done"), so that a slower peer's last collectives do
@@ -74,8 +80,8 @@ class Heartbeats {
 
   // From now on, watches the members of `generation` (their clocks start now).
   void watch(int64_t generation, const std::vector<MemberRecord>& members);
-  // One round (the watcher thread): beats, reads the watched members' counters, whether the next
-  // generation has closed, and how many newcomers asked. Throws what the store throws; a round that
+  // One round (the watcher thread): beats, reads the watched members' counters, whether a member
+  // marked the next generation failed, and how many newcomers asked. Throws what the store throws; a round that
   // throws or hangs counts against this process only.
   void round();
   // After training, with no round running: marks this process's counter "done" (one store call;
@@ -83,8 +89,8 @@ class Heartbeats {
   void retire();
 
   // Thread-safe, no store call: "" while the operations of `generation`'s group should go on, else
-  // why to abandon them: a member is lost, this process is cut off, or the next generation formed
-  // without this process having left this one.
+  // why to abandon them: this process is cut off, a member is lost, or a member abandoned this
+  // generation after a failure.
   std::string verdict(int64_t generation) const;
   // Whether `member` of the watched generation is lost (its counter stale for lost_after).
   bool lost(const MemberRecord& member) const;
@@ -112,7 +118,7 @@ class Heartbeats {
   int64_t generation_ = -1;
   std::vector<Watched> watched_;
   bool retired_ = false;       // retire() was called: no more rounds, no verdicts
-  bool next_closed_ = false;   // generation_ + 1 formed (read by the last round)
+  bool next_failed_ = false;   // generation_ + 1 marked failed (read by the last round)
   Clock::time_point reached_;  // the end of the last round that went through
   std::atomic<int64_t> newcomers_seen_{0};
 };
@@ -147,6 +153,10 @@ class Membership {
   std::optional<int64_t> wait_for_admission(int64_t number);
   // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
   void mark_finished();
+
+  // Member side, before registering for `generation` after a failure: marks it failed, so that the
+  // members still waiting on the last generation's collectives stop (Note [Heartbeats]).
+  void mark_failed(int64_t generation);
 
   // Member side: how many newcomers have asked so far (one store round trip; thread-safe as the
   // store is), and the admission of numbers first..last into `generation`.

@@ -241,6 +241,7 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     if (reason == Reason::kFailure) ++stats_.recoveries;
     // A generation that cannot form (a timeout), one formed without this process or too small for
     // the job: final. A failure after it formed: the next generation is tried.
+    if (reason == Reason::kFailure) membership_->mark_failed(generation_);
     members_ = membership_->form(generation_, members_, newcomers, options_.settle);
     watch(generation_);
     marks.push_back(Clock::now());
