@@ -44,9 +44,11 @@
 //   connection of its own, and reads the others'. One whose counter has not moved for `lost_after`
 //   (3 s) is lost: a wait on a Gloo collective asks between slices of 100 ms and is abandoned (the
 //   operation is left to the old group, released without being waited for), and the survivors
-//   re-form without waiting `settle`. A process whose heartbeats the store has answered none of for
-//   `lost_after` is cut off and stops with a CommError naming the store: the side of a partition
-//   without the store must not go on as a second job.
+//   re-form without waiting `settle`. A member that abandons a generation after a failure marks the
+//   next one failed, and the others stop waiting on the old one's collectives too. A process whose
+//   heartbeats the store has answered none of for `lost_after` is cut off and stops with a
+//   CommError naming the store: the side of a partition without the store must not go on as a
+//   second job.
 // - Admission is checked every `admit_every` steps with one all-reduce of one number, so that every
 //   member sees the same answer at the same step; the store is polled for newcomers on a background
 //   thread, never on the training thread.
@@ -55,9 +57,10 @@
 //   rank 0 hosts it and its death ends the job.
 // - Detected, and in how long (doc/recovery.md, doc/benchmarks.md): a dead process on this host at
 //   once (its pid); a dead process on another host at once by the transport (its host resets the
-//   connections), then waited for min(`settle`, `lost_after`) by the membership; a lost host or a
-//   cut link after `lost_after` (heartbeats); the store's host lost ends the job after `lost_after`
-//   on every member, each naming the store.
+//   connections), then waited for min(`settle`, `lost_after`) by the membership (the survivors'
+//   next step 2.5 s after the kill on three namespace hosts); a lost host or a cut link after
+//   `lost_after` (heartbeats; next step 3.1-3.2 s after the fault, against 32 s before); the
+//   store's host lost ends the job after `lost_after` on every member, each naming the store.
 // - Limits (today): a link cut between two workers' hosts while both still reach the store is not
 //   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
 //   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
