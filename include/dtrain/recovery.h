@@ -36,17 +36,35 @@
 //   segments and gradient buckets; the old ones are released on a background thread.
 // - Membership is agreed in the store (src/recovery/membership.h): survivors register for the next
 //   generation; it closes when every member of the last one has come, or those missing are seen
-//   dead (a process on this host is checked by its pid at once), or `settle` has passed. A survivor
-//   that comes after it closed is told so and exits; the launcher restarts it as a newcomer.
+//   dead (a process on this host is checked by its pid at once; one on another host by its stale
+//   heartbeat), or `settle` has passed. A survivor that comes after it closed is told so and exits;
+//   the launcher restarts it as a newcomer.
+// - Liveness is told by heartbeats through the store (Note [Heartbeats], membership.h): every
+//   member adds to a counter of its own every 100 ms, off the training thread and on a store
+//   connection of its own, and reads the others'. One whose counter has not moved for `lost_after`
+//   (3 s) is lost: a wait on a Gloo collective asks between slices of 100 ms and is abandoned (the
+//   operation is left to the old group, released without being waited for), and the survivors
+//   re-form without waiting `settle`. A member that abandons a generation after a failure marks the
+//   next one failed, and the others stop waiting on the old one's collectives too. A process whose
+//   heartbeats the store has answered none of for `lost_after` is cut off and stops with a
+//   CommError naming the store: the side of a partition without the store must not go on as a
+//   second job.
 // - Admission is checked every `admit_every` steps with one all-reduce of one number, so that every
 //   member sees the same answer at the same step; the store is polled for newcomers on a background
 //   thread, never on the training thread.
 // - The store must outlive every worker: under `dtrain run --recovery in-place` node 0's launcher
 //   hosts it (TORCHELASTIC_USE_AGENT_STORE=True) and rank 0 dies like any rank; started otherwise,
 //   rank 0 hosts it and its death ends the job.
-// - Limits (today): a lost host or a cut link, which resets no connection, is seen only when a
-//   collective times out (the group's timeout); a member on another host that died is waited for
-//   `settle`.
+// - Detected, and in how long (doc/recovery.md, doc/benchmarks.md): a dead process on this host at
+//   once (its pid); a dead process on another host at once by the transport (its host resets the
+//   connections), then waited for min(`settle`, `lost_after`) by the membership (the survivors'
+//   next step 2.5 s after the kill on three namespace hosts); a lost host or a cut link after
+//   `lost_after` (heartbeats; next step 3.1-3.2 s after the fault, against 32 s before); the
+//   store's host lost ends the job after `lost_after` on every member, each naming the store.
+// - Limits (today): a link cut between two workers' hosts while both still reach the store is not
+//   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
+//   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
+//   heartbeat check inside the wait).
 #pragma once
 
 #include <chrono>
@@ -67,8 +85,9 @@ class Optimizer;
 namespace dtrain {
 
 struct RecoveryOptions {
-  // After a failure, how long the survivors wait for a member that neither came nor is seen dead (a
-  // member on another host, or a slow one) before they re-form without it.
+  // After a failure, how long the survivors wait for a member that neither came nor is seen dead
+  // (by its pid on this host, or its stale heartbeat: see lost_after) before they re-form without
+  // it.
   std::chrono::milliseconds settle = std::chrono::seconds(2);
   // Steps between two admission checks; each costs one all-reduce of one number.
   int64_t admit_every = 10;
@@ -82,6 +101,11 @@ struct RecoveryOptions {
   std::chrono::milliseconds timeout{0};
   // How each generation's DistributedDataParallel is built.
   DistributedDataParallelOptions ddp;
+  // Heartbeats through the job's store, every 100 ms, tell a lost host or a cut link, which resets
+  // no connection: a member whose heartbeat has not moved for this long is lost (the survivors
+  // abandon the step and re-form without it, not waiting `settle`), and a process whose heartbeats
+  // the store has answered none of for this long is cut off and stops (a CommError).
+  std::chrono::milliseconds lost_after = std::chrono::seconds(3);
 };
 
 // What happened to the job so far, the same on every member (a newcomer receives it).

@@ -56,6 +56,15 @@ struct GroupState {
   std::atomic<uint64_t> stat_ops{0};
   std::atomic<uint64_t> stat_bytes{0};
   std::atomic<int64_t> stat_busy_ns{0};  // operations not on the shared-memory transport's thread
+  // Asked by a wait on a Gloo collective of this group every kAbandonSlice while the collective is
+  // not done (point to point, and every operation of a group that uses NCCL, is waited in one
+  // call: see wait_for()): a non-empty answer abandons the wait with PeerLostError giving it as the
+  // cause (the operation is left to run, and the group is never used again). In-place recovery
+  // sets it to its heartbeats' verdict (src/recovery/membership.h), so that a lost host or a cut
+  // link, which resets no connection, ends the wait in seconds instead of at the timeout. Unset
+  // (the default), a wait is one call. Set before the group's first operation; called on the
+  // waiting thread: it must be cheap and never block.
+  std::function<std::string()> abandon_check;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;
   std::string failure;
@@ -79,6 +88,7 @@ struct TransportFailure {
     kPeerLost,   // a peer's connection failed or closed before the deadline
     kMismatch,   // the ranks passed tensors that do not match (a usage error)
     kDestroyed,  // the group went away while the operation was queued (a usage error)
+    kAbandoned,  // GroupState::abandon_check said to stop waiting (cause: its answer)
   };
   Kind kind;
   std::string cause;   // the transport's own words
@@ -89,12 +99,18 @@ struct TransportFailure {
 // shared-memory collective, a shared-memory message. See work.cpp.
 class InFlight {
  public:
+  // How often a wait asks GroupState::abandon_check, when set.
+  static constexpr std::chrono::milliseconds kAbandonSlice{100};
+
   virtual ~InFlight() = default;
   // Blocks until the operation finished or `timeout` passed (counted from this call, as c10d's wait
-  // counts). Throws TransportFailure; `started` (when the operation was issued) tells a timeout
-  // from an early failure.
+  // counts), or `abandon` (GroupState::abandon_check; may be empty) answered. Throws
+  // TransportFailure; `started` (when the operation was issued) tells a timeout from an early
+  // failure. The shared-memory transport ignores `abandon`: its peers are on this host, where a
+  // dead one is seen by its pid at once.
   virtual void wait(std::chrono::steady_clock::time_point started,
-                    std::chrono::milliseconds timeout) = 0;
+                    std::chrono::milliseconds timeout,
+                    const std::function<std::string()>& abandon) = 0;
   // Non-blocking: finished, successfully or not.
   virtual bool finished() const = 0;
   // The shared-memory transport times its own operations for CommStats (busy time on its thread).

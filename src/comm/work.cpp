@@ -11,6 +11,7 @@
 // transport's words and the time it happened), one raised at or after the deadline a timeout.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -57,9 +58,35 @@ class C10dInFlight : public InFlight {
  public:
   explicit C10dInFlight(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
 
-  void wait(Clock::time_point started, std::chrono::milliseconds timeout) override {
+  void wait(Clock::time_point started, std::chrono::milliseconds timeout,
+            const std::function<std::string()>& abandon) override {
     try {
-      work_->wait(timeout);
+      if (!abandon) {
+        work_->wait(timeout);
+        return;
+      }
+      // In slices, asking `abandon` between them. c10d's wait(t) throws when t passes with the
+      // operation not done, and leaves it running: the next slice waits on. An operation that is
+      // done answers the next wait at once, with its own result.
+      const auto deadline = Clock::now() + timeout;
+      for (;;) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        try {
+          work_->wait(std::clamp(left, std::chrono::milliseconds(1), kAbandonSlice));
+          return;
+        } catch (const c10::Error&) {
+          if (work_->isCompleted()) {
+            work_->wait(timeout);  // its own failure, or (done as the slice ended) its success
+            return;
+          }
+          if (Clock::now() >= deadline) throw;
+        }
+        std::string reason = abandon();
+        if (!reason.empty()) throw TransportFailure{TransportFailure::Kind::kAbandoned, reason};
+      }
+    } catch (const TransportFailure&) {
+      throw;
     } catch (const c10::Error& e) {
       throw from_c10d(e.what_without_backtrace(), started, timeout);
     } catch (const std::exception& e) {
@@ -76,7 +103,8 @@ class ShmCollectiveInFlight : public InFlight {
  public:
   explicit ShmCollectiveInFlight(std::shared_future<void> done) : done_(std::move(done)) {}
 
-  void wait(Clock::time_point started, std::chrono::milliseconds timeout) override {
+  void wait(Clock::time_point started, std::chrono::milliseconds timeout,
+            const std::function<std::string()>&) override {
     // The transport's thread enforces the timeout itself; this bound only guards against a stuck
     // thread.
     if (done_.wait_for(2 * timeout + std::chrono::seconds(10)) != std::future_status::ready) {
@@ -103,7 +131,8 @@ class ShmMessageInFlight : public InFlight {
   ShmMessageInFlight(ShmPointToPoint& transport, std::shared_ptr<ShmMessage> message)
       : transport_(transport), message_(std::move(message)) {}
 
-  void wait(Clock::time_point started, std::chrono::milliseconds timeout) override {
+  void wait(Clock::time_point started, std::chrono::milliseconds timeout,
+            const std::function<std::string()>&) override {
     try {
       transport_.wait(*message_, timeout);
     } catch (const ShmFailure& e) {
@@ -146,6 +175,14 @@ class ShmMessageInFlight : public InFlight {
     throw UsageError(message.str());
   }
 
+  if (failure.kind == Kind::kAbandoned) {
+    // No look into the store for the missing ranks: the cause is known, and the store may be out of
+    // reach (a cut link).
+    message << " abandoned after " << seconds_text(Clock::now() - work.started) << ": "
+            << failure.cause << ".";
+    group.record_failure(message.str());
+    throw PeerLostError(message.str());
+  }
   const bool timed_out = failure.kind == Kind::kTimeout;
   if (timed_out) {
     message << " timed out after " << seconds_text(work.timeout);
@@ -256,7 +293,16 @@ std::shared_ptr<WorkState> start_work(const std::shared_ptr<GroupState>& group_p
 void wait_for(WorkState& work) {
   if (work.done) return;
   try {
-    work.in_flight->wait(work.started, work.timeout);
+    // Gloo's collectives only: its send and recv (SendWork, RecvWork) treat a wait that times out
+    // as the end of the whole context, and NCCL's wait(t) may abort the communicator; their waits
+    // are never cut into slices.
+    static const std::function<std::string()> kNoAbandon;
+    bool sliceable = work.seq != 0;
+#ifdef DTRAIN_WITH_CUDA
+    if (work.group->nccl) sliceable = false;
+#endif
+    work.in_flight->wait(work.started, work.timeout,
+                         sliceable ? work.group->abandon_check : kNoAbandon);
   } catch (const TransportFailure& failure) {
     fail(work, failure);
   }

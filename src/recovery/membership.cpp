@@ -1,4 +1,5 @@
-// The store protocol of membership.h: registration, the close by compare-and-set, admission.
+// The store protocol of membership.h: registration, the close by compare-and-set, admission, and
+// the members' heartbeats.
 #include "recovery/membership.h"
 
 #include <sys/stat.h>
@@ -26,6 +27,9 @@ std::vector<uint8_t> bytes_of(const std::string& text) {
 std::string text_of(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
 }
+
+// A heartbeat counter its process retired at the end of training (Heartbeats::retire).
+bool retired_count(const std::vector<uint8_t>& count) { return text_of(count) == "done"; }
 
 std::string members_text(const std::vector<MemberRecord>& members) {
   std::string text;
@@ -103,6 +107,9 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   const std::string prefix = "g" + std::to_string(generation) + "/";
   const auto arrived_at = Clock::now();
   const auto deadline = arrived_at + timeout_;
+  // The heartbeat counter exists before the record that makes this process a member: a watcher
+  // reads the counters of every member at once (multiGet), which would wait for a missing one.
+  store_->add(Heartbeats::key(self_), 1);
   const int64_t number = store_->add(key(prefix + "arrivals"), 1);
   write(prefix + "arrival/" + std::to_string(number), self_.text());
   const size_t expected = previous.size() + static_cast<size_t>(newcomers);
@@ -135,8 +142,10 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
     const auto now = Clock::now();
     bool complete = arrivals.size() >= expected && missing.empty();
     if (settle && !complete) {
-      const bool all_missing_dead = std::all_of(
-          missing.begin(), missing.end(), [](const MemberRecord* m) { return m->seen_dead(); });
+      const bool all_missing_dead =
+          std::all_of(missing.begin(), missing.end(), [&](const MemberRecord* m) {
+            return m->seen_dead() || (heartbeats_ && heartbeats_->lost(*m));
+          });
       complete = (all_missing_dead && newcomers_came >= newcomers) || now - arrived_at >= *settle;
     }
     if (complete && !self_.newcomer) {
@@ -210,12 +219,130 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
 
 void Membership::mark_finished() { write("finished", "1"); }
 
+void Membership::mark_failed(int64_t generation) {
+  write("g" + std::to_string(generation) + "/failed", "1");
+}
+
 int64_t Membership::newcomers_requested() { return store_->add(key("newcomers"), 0); }
 
 void Membership::admit(int64_t first, int64_t last, int64_t generation) {
   for (int64_t k = first; k <= last; ++k) {
     write("admit/" + std::to_string(k), std::to_string(generation));
   }
+}
+
+Heartbeats::Heartbeats(c10::intrusive_ptr<c10d::Store> store, MemberRecord self,
+                       std::chrono::milliseconds lost_after, std::string where)
+    : store_(std::move(store)),
+      self_(std::move(self)),
+      self_key_(key(self_)),
+      lost_after_(lost_after),
+      where_(std::move(where)),
+      reached_(Clock::now()) {}
+
+std::string Heartbeats::key(const MemberRecord& member) {
+  return "dtrain/recovery/beat/" + member.host + "/" + std::to_string(member.pid) + "/" +
+         std::to_string(member.pid_namespace);
+}
+
+void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& members) {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  generation_ = generation;
+  next_failed_ = false;
+  watched_.clear();
+  for (const auto& m : members) {
+    if (m.same_process(self_)) continue;
+    watched_.push_back(Watched{m, key(m), {}, now});
+  }
+}
+
+void Heartbeats::round() {
+  int64_t generation;
+  std::vector<std::string> keys;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (retired_) return;
+    generation = generation_;
+    for (const auto& w : watched_) keys.push_back(w.key);
+  }
+  store_->add(self_key_, 1);
+  std::vector<std::vector<uint8_t>> counts;
+  if (!keys.empty()) counts = store_->multiGet(keys);
+  const bool next_failed =
+      generation >= 0 &&
+      store_->check({"dtrain/recovery/g" + std::to_string(generation + 1) + "/failed"});
+  const int64_t newcomers = store_->add("dtrain/recovery/newcomers", 0);
+  const auto now = Clock::now();
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  reached_ = now;
+  newcomers_seen_.store(newcomers);
+  // watch() may have moved on while this round read: then its counts are the old members'.
+  if (generation != generation_ || counts.size() != watched_.size()) return;
+  next_failed_ = next_failed;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] != watched_[i].count) {
+      watched_[i].count = std::move(counts[i]);
+      watched_[i].moved = now;
+    }
+  }
+}
+
+void Heartbeats::retire() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    retired_ = true;
+  }
+  try {
+    store_->set(self_key_, bytes_of("done"));
+  } catch (const std::exception& e) {
+    DTRAIN_LOG(kDebug, "in-place recovery: could not retire the heartbeat: " << e.what());
+  }
+}
+
+std::string Heartbeats::lost_text(const Watched& w, Clock::time_point now) const {
+  return w.record.label() + " sent no heartbeat through the store for " +
+         seconds_text(now - w.moved) + " (its host is lost, or cut off from the store)";
+}
+
+std::string Heartbeats::verdict(int64_t generation) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (retired_ || generation != generation_) return "";
+  const auto now = Clock::now();
+  if (now - reached_ >= lost_after_) {
+    return "the job's store at " + where_ + " has answered none of this process's heartbeats for " +
+           seconds_text(now - reached_) + " (this host is cut off from it, or its host is lost)";
+  }
+  for (const auto& w : watched_) {
+    if (!retired_count(w.count) && reached_ - w.moved >= lost_after_) return lost_text(w, reached_);
+  }
+  if (next_failed_) {
+    return "a member abandoned generation " + std::to_string(generation) +
+           " after a failure and re-forms as generation " + std::to_string(generation + 1) +
+           ", so this collective cannot finish";
+  }
+  return "";
+}
+
+bool Heartbeats::lost(const MemberRecord& member) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Clock::now() - reached_ >= lost_after_) return false;  // cut off: judges nobody
+  for (const auto& w : watched_) {
+    if (w.record.same_process(member)) {
+      return !retired_count(w.count) && reached_ - w.moved >= lost_after_;
+    }
+  }
+  return false;
+}
+
+std::string Heartbeats::cut_off() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto now = Clock::now();
+  if (retired_ || now - reached_ < lost_after_) return "";
+  return "the job's store at " + where_ + " has answered none of this process's heartbeats for " +
+         seconds_text(now - reached_) +
+         ": this host is cut off from the job, or the store's host (node 0's launcher) is lost";
 }
 
 }  // namespace dtrain::detail

@@ -4,15 +4,22 @@
 //   g<G>/arrival/<n>    the n-th one's record (MemberRecord::text)
 //   g<G>/closed         the generation's members, one record per line, in rank order: written once
 //                       (compare-and-set), by whichever member first sees it complete
+//   g<G>/failed         written by a member that abandoned generation G-1 after a failure, before it
+//                       registers: the others stop waiting on G-1's collectives (Note [Heartbeats])
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
+//   beat/<host>/<pid>/<pid namespace>
+//                       a process's heartbeat counter (Heartbeats below), created when it registers
 // Only check(), add() and compare-and-set are used while waiting, never a blocking get() of a key
 // that a dead process may never write: every wait is a bounded poll.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -39,14 +46,98 @@ struct MemberRecord {
   std::string label() const;  // "rank 2 (pid 4242 on hostA)"
 };
 
+// Note [Heartbeats]
+// A dead process resets its connections and is seen at once (by its peers' transport, or by its pid
+// on this host); a lost host or a cut link resets nothing, and Gloo would wait for it until the
+// timeout. So every member proves it is alive through the store that outlives the workers: a
+// thread of its own (RecoveryCore's watcher, every ~100 ms) adds 1 to its counter
+// "beat/<host>/<pid>/<pid namespace>" and reads the counters of the members of the generation it
+// watches, on a store connection of its own, so that a store call stuck on a cut link holds up
+// neither the training thread nor its store. Judged by this process's own clock, never by
+// comparing clocks between hosts:
+// - a member whose counter has not moved for `lost_after`, while this process's own rounds went
+//   through, is lost (its host is gone, or cut off from the store);
+// - when this process's own rounds have failed or hung for `lost_after`, it is cut off itself (or
+//   the store's host is lost), and judges nobody else: the side of a partition that keeps the
+//   store goes on, the other stops.
+// - when a member has marked the next generation "failed" (it abandoned this one after a failure,
+//   e.g. its connection to a dead peer was reset), this process stops waiting on this generation's
+//   collectives too: a peer that has left will never finish them. (Else a member waiting on a peer
+//   that abandoned, not on the dead one, would wait for the timeout and come after `settle`.)
+// Being ready costs the training thread nothing: verdict() reads what the last rounds saw (no store
+// call), and it is asked only while a wait on Gloo is slow (GroupState::abandon_check). A member
+// that finished training retires its counter ("done"), so that a slower peer's last collectives do
+// not count it lost.
+class Heartbeats {
+ public:
+  // `store`: a connection of its own where the store allows (c10d::Store::clone()). `where`: the
+  // store's address, for messages ("10.77.0.1:29500").
+  Heartbeats(c10::intrusive_ptr<c10d::Store> store, MemberRecord self,
+             std::chrono::milliseconds lost_after, std::string where);
+
+  // The counter of `member`, under "dtrain/recovery/".
+  static std::string key(const MemberRecord& member);
+
+  // From now on, watches the members of `generation` (their clocks start now).
+  void watch(int64_t generation, const std::vector<MemberRecord>& members);
+  // One round (the watcher thread): beats, reads the watched members' counters, whether a member
+  // marked the next generation failed, and how many newcomers asked. Throws what the store throws; a round that
+  // throws or hangs counts against this process only.
+  void round();
+  // After training, with no round running: marks this process's counter "done" (one store call;
+  // errors are ignored); verdict() and cut_off() answer "" from then on.
+  void retire();
+
+  // Thread-safe, no store call: "" while the operations of `generation`'s group should go on, else
+  // why to abandon them: this process is cut off, a member is lost, or a member abandoned this
+  // generation after a failure.
+  std::string verdict(int64_t generation) const;
+  // Whether `member` of the watched generation is lost (its counter stale for lost_after).
+  bool lost(const MemberRecord& member) const;
+  // "" unless this process has reached the store in no round for lost_after; then why it stops.
+  std::string cut_off() const;
+  // The newcomer count the last round read.
+  int64_t newcomers_seen() const { return newcomers_seen_.load(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Watched {
+    MemberRecord record;
+    std::string key;
+    std::vector<uint8_t> count;  // as last read
+    Clock::time_point moved;     // when it last changed, by this process's clock
+  };
+  std::string lost_text(const Watched& w, Clock::time_point now) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  const MemberRecord self_;
+  const std::string self_key_;
+  const std::chrono::milliseconds lost_after_;
+  const std::string where_;
+  mutable std::mutex mutex_;  // guards the members below; never held across a store call
+  int64_t generation_ = -1;
+  std::vector<Watched> watched_;
+  bool retired_ = false;       // retire() was called: no more rounds, no verdicts
+  bool next_failed_ = false;   // generation_ + 1 marked failed (read by the last round)
+  Clock::time_point reached_;  // the end of the last round that went through
+  std::atomic<int64_t> newcomers_seen_{0};
+};
+
 class Membership {
  public:
   Membership(c10::intrusive_ptr<c10d::Store> root_store, MemberRecord self,
              std::chrono::milliseconds timeout);
 
+  // Where the members' heartbeats are read (Note [Heartbeats]): form() no longer waits for a
+  // member they show lost, and registering creates this process's counter.
+  void use_heartbeats(std::shared_ptr<const Heartbeats> heartbeats) {
+    heartbeats_ = std::move(heartbeats);
+  }
+
   // Registers this process for generation `generation` and blocks until its membership is closed;
   // returns the members in rank order. It closes when `previous` members and `newcomers` more have
-  // come, or, given `settle`, once every missing member of `previous` is seen dead and the
+  // come, or, given `settle`, once every missing member of `previous` is seen dead (its pid on this
+  // host, or its heartbeat stale: Note [Heartbeats]) and the
   // newcomers have come, or `settle` after this process registered. Without `settle` (the first
   // generation) it waits for everyone up to the timeout and then throws TimeoutError naming the
   // job ranks that never came. Throws CommError if it closed without this process (it came late).
@@ -63,6 +154,10 @@ class Membership {
   // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
   void mark_finished();
 
+  // Member side, before registering for `generation` after a failure: marks it failed, so that the
+  // members still waiting on the last generation's collectives stop (Note [Heartbeats]).
+  void mark_failed(int64_t generation);
+
   // Member side: how many newcomers have asked so far (one store round trip; thread-safe as the
   // store is), and the admission of numbers first..last into `generation`.
   int64_t newcomers_requested();
@@ -77,6 +172,7 @@ class Membership {
   c10::intrusive_ptr<c10d::Store> store_;
   MemberRecord self_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<const Heartbeats> heartbeats_;
 };
 
 }  // namespace dtrain::detail

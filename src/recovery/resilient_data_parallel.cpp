@@ -1,6 +1,7 @@
 // ResilientDataParallel's machinery (Note [In-place recovery], dtrain/recovery.h): joining the job,
 // re-forming the group after a failure or for a newcomer, moving the state from the most advanced
-// member to the others, and watching the store for newcomers off the training thread.
+// member to the others, and watching the store off the training thread: the members' heartbeats
+// (Note [Heartbeats], membership.h) and newcomers.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -45,6 +47,8 @@ class RecoveryCore {
     check(options_.settle.count() >= 0, "settle", options_.settle.count(), ">= 0 (milliseconds)");
     check(options_.max_recoveries >= 0, "max_recoveries", options_.max_recoveries, ">= 0");
     check(options_.min_size >= 1, "min_size", options_.min_size, ">= 1 (ranks)");
+    check(options_.lost_after.count() >= 300, "lost_after", options_.lost_after.count(),
+          ">= 300 (milliseconds; heartbeats go every 100 ms)");
   }
 
   ~RecoveryCore() {
@@ -67,7 +71,8 @@ class RecoveryCore {
   void connect(int64_t generation);
   void transfer_state();
   void release_group();
-  void watch_for_newcomers();
+  void start_watching();
+  void watch(int64_t generation);
   std::string who() const { return rank_text(launch_.rank, launch_.world_size); }
 
   ResilientDataParallelBase& owner_;
@@ -88,11 +93,18 @@ class RecoveryCore {
   SamplerState committed_;          // the sampler at the last committed step
   std::vector<std::thread> releases_;
 
-  // The watcher: polls the store for newcomers; the training thread reads what it saw.
-  std::atomic<int64_t> newcomers_seen_{0};
-  std::mutex watch_mutex_;
-  std::condition_variable watch_wake_;
-  bool watch_stop_ = false;
+  // The watcher thread: a heartbeat round every kWatchEvery (the members' liveness and the
+  // newcomers, Note [Heartbeats]); the training thread reads what it saw. What it uses is shared
+  // with it, so that one stuck in a store call on a cut link can be left behind, not waited for.
+  static constexpr std::chrono::milliseconds kWatchEvery{100};
+  struct WatchControl {
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool stop = false;
+  };
+  std::shared_ptr<Heartbeats> heartbeats_;
+  std::shared_ptr<WatchControl> watch_control_;
+  std::future<void> watcher_exited_;
   std::thread watcher_;
 };
 
@@ -119,6 +131,21 @@ void RecoveryCore::start() {
   root_store_->setTimeout(timeout_);
   self_ = MemberRecord::of_this_process(launch_.rank, newcomer_);
   membership_ = std::make_unique<Membership>(root_store_, self_, timeout_);
+  // The heartbeats go through a connection of their own (Note [Heartbeats]).
+  c10::intrusive_ptr<c10d::Store> beat_store = root_store_;
+  try {
+    beat_store = root_store_->clone();
+  } catch (const std::exception& e) {
+    DTRAIN_LOG(kDebug, "in-place recovery: heartbeats share the store's connection: " << e.what());
+  }
+  if (beat_store.get() != root_store_.get()) {
+    beat_store->setTimeout(std::max(options_.lost_after, std::chrono::milliseconds(1000)));
+  }
+  heartbeats_ =
+      std::make_shared<Heartbeats>(beat_store, self_, options_.lost_after,
+                                   launch_.master_addr + ":" + std::to_string(launch_.master_port));
+  membership_->use_heartbeats(heartbeats_);
+  start_watching();
 
   if (newcomer_) {
     const int64_t number = membership_->request_admission();
@@ -133,6 +160,7 @@ void RecoveryCore::start() {
     }
     generation_ = *admitted;
     members_ = membership_->form(generation_, {}, 0, options_.settle);
+    watch(generation_);
     membership_->joined();
     connect(generation_);
     transfer_state();
@@ -140,13 +168,15 @@ void RecoveryCore::start() {
     checked_at_step_ = stats_.steps;  // the members checked this step already
   } else {
     members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
+    watch(0);
     connect(0);
     sampler_.reshard(group_->size(), group_->rank());
   }
   owner_.wrap(group_);
   committed_ = sampler_.state();
-  watcher_ = std::thread([this] { watch_for_newcomers(); });
 }
+
+void RecoveryCore::watch(int64_t generation) { heartbeats_->watch(generation, members_); }
 
 void RecoveryCore::connect(int64_t generation) {
   auto state = std::make_unique<GroupState>();
@@ -166,6 +196,10 @@ void RecoveryCore::connect(int64_t generation) {
   // Note [In-place recovery]: every generation meets under its own prefix, so nothing of a broken
   // one is read again.
   state->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + state->name, root_store_);
+  // A wait on a member whose host is lost, or on a cut link, ends when the heartbeats say so.
+  state->abandon_check = [heartbeats = heartbeats_, generation] {
+    return heartbeats->verdict(generation);
+  };
   group_ = GroupInternals::group(connect_group(std::move(state)));
 }
 
@@ -188,6 +222,15 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
                       std::to_string(stats_.generation) +
                       " re-formations (RecoveryOptions::max_recoveries); the last failure: " + why);
     }
+    // Note [Heartbeats]: the side of a partition without the store stops; it must not go on as a
+    // second job.
+    if (const std::string cut = heartbeats_->cut_off(); !cut.empty()) {
+      throw CommError(who() + ": in-place recovery: " + cut +
+                      ". This process stops rather than go on as a second job; under `dtrain run "
+                      "--recovery in-place` its launcher restarts it as a newcomer, admitted once "
+                      "the store answers again. The failure: " +
+                      why);
+    }
     const int old_size = static_cast<int>(members_.size());
     // Where the time goes, for the log line: release, membership, connection, state, DDP.
     std::vector<Clock::time_point> marks{Clock::now()};
@@ -198,7 +241,9 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     if (reason == Reason::kFailure) ++stats_.recoveries;
     // A generation that cannot form (a timeout), one formed without this process or too small for
     // the job: final. A failure after it formed: the next generation is tried.
+    if (reason == Reason::kFailure) membership_->mark_failed(generation_);
     members_ = membership_->form(generation_, members_, newcomers, options_.settle);
+    watch(generation_);
     marks.push_back(Clock::now());
     if (static_cast<int>(members_.size()) < options_.min_size) {
       throw CommError(who() + ": in-place recovery: " + std::to_string(members_.size()) +
@@ -313,7 +358,7 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
   if (stats_.steps > 0 && stats_.steps % options_.admit_every == 0 &&
       checked_at_step_ != stats_.steps) {
     checked_at_step_ = stats_.steps;
-    auto seen = torch::tensor({newcomers_seen_.load()}, torch::kInt64);
+    auto seen = torch::tensor({heartbeats_->newcomers_seen()}, torch::kInt64);
     try {
       group_->all_reduce(seen, ReduceOp::kMax);
       const int64_t requested = seen.item<int64_t>();
@@ -344,35 +389,53 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
   }
 }
 
-void RecoveryCore::watch_for_newcomers() {
-  std::unique_lock<std::mutex> lock(watch_mutex_);
-  while (!watch_stop_) {
-    lock.unlock();
-    try {
-      newcomers_seen_.store(membership_->newcomers_requested());
-    } catch (const std::exception& e) {
-      // The store is gone (rank 0 exited or died): the training thread will hear of it from its
-      // own operations; there is nothing left to watch.
-      DTRAIN_LOG(kDebug, "in-place recovery: stopped watching for newcomers: " << e.what());
-      return;
+void RecoveryCore::start_watching() {
+  watch_control_ = std::make_shared<WatchControl>();
+  auto exited = std::make_shared<std::promise<void>>();
+  watcher_exited_ = exited->get_future();
+  watcher_ = std::thread([control = watch_control_, heartbeats = heartbeats_, exited] {
+    std::unique_lock<std::mutex> lock(control->mutex);
+    bool failing = false;
+    while (!control->stop) {
+      lock.unlock();
+      try {
+        heartbeats->round();
+        failing = false;
+      } catch (const std::exception& e) {
+        // The store did not answer (it is gone, or out of reach): the verdict counts for how long
+        // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
+        if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
+        failing = true;
+      }
+      lock.lock();
+      control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
     }
-    lock.lock();
-    watch_wake_.wait_for(lock, std::chrono::milliseconds(100), [&] { return watch_stop_; });
-  }
+    exited->set_value();
+  });
 }
 
 void RecoveryCore::finish() {
   stop_watching();
+  if (heartbeats_) heartbeats_->retire();
   if (group_ && group_->rank() == 0 && !job_finished_) membership_->mark_finished();
 }
 
 void RecoveryCore::stop_watching() {
+  if (!watch_control_) return;
   {
-    std::lock_guard<std::mutex> lock(watch_mutex_);
-    watch_stop_ = true;
+    std::lock_guard<std::mutex> lock(watch_control_->mutex);
+    watch_control_->stop = true;
   }
-  watch_wake_.notify_all();
-  if (watcher_.joinable()) watcher_.join();
+  watch_control_->wake.notify_all();
+  if (!watcher_.joinable()) return;
+  // A round stuck in a store call on a cut link would hold this process up to the store's timeout:
+  // it is left behind instead, holding only what it shares.
+  if (watcher_exited_.wait_for(std::chrono::seconds(1)) == std::future_status::ready) {
+    watcher_.join();
+  } else {
+    DTRAIN_LOG(kDebug, "in-place recovery: the heartbeat thread is stuck in a store call; left");
+    watcher_.detach();
+  }
 }
 
 }  // namespace detail

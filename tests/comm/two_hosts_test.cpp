@@ -1,13 +1,14 @@
-// Tier-2 tests on two hosts: two Linux network namespaces that the test makes and removes itself,
-// each with its own address (a veth pair, 10.77.0.1 and 10.77.0.2) and its own hostname, which
-// resolves nowhere - as on a cluster whose nodes know each other only by address. One launcher runs
-// in each. Nothing is set by hand: no GLOO_SOCKET_IFNAME, no /etc/hosts entry. Needs root
-// (CAP_NET_ADMIN, CAP_SYS_ADMIN) and `ip` and `unshare`; skips with the reason elsewhere.
+// Tier-2 tests on two hosts: two Linux network namespaces that the test makes and removes itself
+// (tests/support/namespace_hosts.h), each with its own address (10.77.0.1 and 10.77.0.2) and its
+// own hostname, which resolves nowhere - as on a cluster whose nodes know each other only by
+// address. One launcher runs in each. Nothing is set by hand: no GLOO_SOCKET_IFNAME, no /etc/hosts
+// entry. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and `ip` and `unshare`; skips with the reason
+// elsewhere.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <string>
 
+#include "support/namespace_hosts.h"
 #include "support/subprocess.h"
 #include "support/system.h"
 
@@ -16,53 +17,13 @@ namespace {
 
 using testing::bin;
 using testing::json_number;
+using testing::NamespaceHosts;
 using testing::run_command;
-
-// Two namespaces joined by a veth pair; removed (with the pair) on destruction.
-class TwoHosts {
- public:
-  TwoHosts() {
-    const std::string id = std::to_string(::getpid());
-    names_[0] = "dtrain" + id + "a";
-    names_[1] = "dtrain" + id + "b";
-    const std::string link = "dt" + id;  // interface names have 15 characters at most
-    std::string script = "set -e; ip netns add " + names_[0] + "; ip netns add " + names_[1] +
-                         "; ip link add " + link + "a type veth peer name " + link + "b";
-    for (int h = 0; h < 2; ++h) {
-      const std::string in = "ip netns exec " + names_[h] + " ";
-      const std::string dev = link + (h == 0 ? "a" : "b");
-      script += "; ip link set " + dev + " netns " + names_[h] + "; " + in + "ip addr add " +
-                address(h) + "/24 dev " + dev + "; " + in + "ip link set " + dev + " up; " + in +
-                "ip link set lo up";
-    }
-    auto made = run_command("sh -c '" + script + "'", 30);
-    if (made.exit_code != 0) problem_ = made.output;
-  }
-  ~TwoHosts() {
-    // Deleting a namespace deletes the veth end inside it, and with it the pair.
-    run_command("ip netns del " + names_[0] + "; ip netns del " + names_[1], 30);
-  }
-
-  // Empty when the hosts are up; else why not (the kernel or the container refused).
-  const std::string& problem() const { return problem_; }
-  static std::string address(int host) { return "10.77.0." + std::to_string(host + 1); }
-  // `command` run on host `host`, under a hostname of its own that does not resolve.
-  std::string on(int host, const std::string& command) const {
-    return "ip netns exec " + names_[host] + " unshare --uts sh -c \"hostname dtrain-node-" +
-           std::to_string(host) + " && exec " + command + "\"";
-  }
-
- private:
-  std::string names_[2];
-  std::string problem_;
-};
 
 TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
-  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-  TwoHosts hosts;
-  if (!hosts.problem().empty())
-    GTEST_SKIP() << "cannot make two namespace hosts: " << hosts.problem();
+  NamespaceHosts hosts(2);
+  if (!hosts.problem().empty()) GTEST_SKIP() << hosts.problem();
 
   // One process on the global batch (2 x 16), against DDP of one rank per host (16 each): the same
   // samples in every step, so the same training up to the order of float sums.
@@ -73,7 +34,7 @@ TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
 
   auto node = [&](int host) {
     return hosts.on(host, bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(host) +
-                              " --nproc-per-node 1 --master-addr " + TwoHosts::address(0) +
+                              " --nproc-per-node 1 --master-addr " + NamespaceHosts::address(0) +
                               " --master-port 29511 -- " + train + " --batch-size 16");
   };
   auto both = run_command(
@@ -90,15 +51,13 @@ TEST(TwoHosts, DdpAcrossTwoHostsEqualsOneProcessWithNothingSetByHand) {
 }
 
 TEST(TwoHosts, WorkerWaitsForAMasterThatIsNotUpYet) {
-  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-  TwoHosts hosts;
-  if (!hosts.problem().empty())
-    GTEST_SKIP() << "cannot make two namespace hosts: " << hosts.problem();
+  NamespaceHosts hosts(2);
+  if (!hosts.problem().empty()) GTEST_SKIP() << hosts.problem();
   // Node 1 starts 4 s before node 0, whose launcher hosts the store: node 1 keeps trying instead of
   // failing at the first refused connection.
   auto node = [&](int host) {
     return hosts.on(host, bin("dtrain") + " run --nnodes 2 --node-rank " + std::to_string(host) +
-                              " --nproc-per-node 1 --master-addr " + TwoHosts::address(0) +
+                              " --nproc-per-node 1 --master-addr " + NamespaceHosts::address(0) +
                               " --master-port 29512 -- " + bin("comm_worker") + " sum");
   };
   auto both = run_command("env DTRAIN_TIMEOUT_S=30 sh -c '" + node(1) + " & sleep 4; " + node(0) +

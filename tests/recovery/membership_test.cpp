@@ -7,8 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
+#include <stdexcept>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -113,6 +116,88 @@ TEST(Membership, ANewcomerJoinsTheGenerationItIsAdmittedToAndALateOneFindsTheJob
   member0.mark_finished();
   Membership late(store, record(3, /*newcomer=*/true), 10s);
   EXPECT_EQ(late.wait_for_admission(late.request_admission()), std::nullopt);
+}
+
+// Note [Heartbeats]: a member whose counter stops while this process reaches the store is lost, and
+// a generation closes without waiting `settle` for it.
+TEST(Heartbeats, AMemberWhoseHeartbeatStoppedIsLostAndNotWaitedFor) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::vector<MemberRecord> previous = {record(0), record(1), record(2)};
+  store->add(Heartbeats::key(record(2)), 1);  // registered once, then its host went away
+  std::vector<std::shared_ptr<Heartbeats>> beats;
+  for (int rank : {0, 1}) {
+    store->add(Heartbeats::key(record(rank)), 1);
+    beats.push_back(std::make_shared<Heartbeats>(store, record(rank), 300ms, "test:0"));
+    beats.back()->watch(0, previous);
+  }
+  std::atomic<bool> stop{false};
+  std::thread watcher([&] {
+    for (int round = 0; round < 400 && !stop; ++round) {  // 20 s at most
+      for (auto& b : beats) b->round();
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  const auto begun = Clock::now();
+  std::vector<std::future<std::vector<MemberRecord>>> survivors;
+  for (int i : {0, 1}) {
+    survivors.push_back(std::async(std::launch::async, [&, i] {
+      Membership membership(store, record(i), 10s);
+      membership.use_heartbeats(beats[i]);
+      return membership.form(1, previous, 0, 60s);
+    }));
+  }
+  for (auto& s : survivors) EXPECT_EQ(ranks_of(s.get()), (std::vector<int>{0, 1}));
+  const auto took = Clock::now() - begun;
+  EXPECT_GE(took, 300ms) << "lost before lost_after";
+  EXPECT_LT(took, 5s) << "waited for a member whose heartbeat had stopped";
+  EXPECT_TRUE(beats[0]->lost(record(2)));
+  EXPECT_FALSE(beats[0]->lost(record(1)));
+  const std::string verdict = beats[0]->verdict(0);
+  EXPECT_NE(verdict.find("rank 2"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("sent no heartbeat"), std::string::npos) << verdict;
+  EXPECT_EQ(beats[0]->verdict(1), "") << "a verdict on a generation it does not watch";
+  EXPECT_EQ(beats[0]->cut_off(), "");
+  stop = true;
+  watcher.join();
+}
+
+// A store that stops answering, as over a cut link.
+class UnreachableStore : public c10d::HashStore {
+ public:
+  std::atomic<bool> cut{false};
+  int64_t add(const std::string& key, int64_t value) override {
+    if (cut) throw std::runtime_error("connection timed out");
+    return HashStore::add(key, value);
+  }
+};
+
+TEST(Heartbeats, AProcessThatReachesNoStoreIsCutOffAndJudgesNobody) {
+  auto store = c10::make_intrusive<UnreachableStore>();
+  const std::vector<MemberRecord> members = {record(0), record(1)};
+  for (int rank : {0, 1}) store->add(Heartbeats::key(record(rank)), 1);
+  Heartbeats beats(store, record(0), 300ms, "10.0.0.1:29500");
+  beats.watch(0, members);
+  beats.round();
+  store->cut = true;
+  const auto begun = Clock::now();
+  while (beats.cut_off().empty() && Clock::now() - begun < 5s) {
+    EXPECT_THROW(beats.round(), std::runtime_error);
+    std::this_thread::sleep_for(50ms);
+  }
+  const std::string cut = beats.cut_off();
+  EXPECT_NE(cut.find("store at 10.0.0.1:29500"), std::string::npos) << cut;
+  EXPECT_NE(cut.find("cut off"), std::string::npos) << cut;
+  EXPECT_NE(beats.verdict(0).find("cut off"), std::string::npos);
+  EXPECT_FALSE(beats.lost(record(1))) << "a process cut off judged another lost";
+  // Back: the next round that goes through ends it.
+  store->cut = false;
+  beats.round();
+  EXPECT_EQ(beats.cut_off(), "");
+  // Retired (training over): no more verdicts.
+  beats.retire();
+  std::this_thread::sleep_for(350ms);
+  EXPECT_EQ(beats.verdict(0), "");
+  EXPECT_EQ(beats.cut_off(), "");
 }
 
 }  // namespace

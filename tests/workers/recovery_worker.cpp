@@ -2,10 +2,12 @@
 // and synthetic data through dtrain::ResilientDataParallel. Every process appends each committed
 // step to <out>/steps-<pid>.txt ("<step> <world> <index> <index> ..."), so the test can replay
 // the same global batches in one process and check that every sample was used exactly once.
-//   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted]
+//   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted] [--step-ms MS]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
 // per step until a newcomer has been admitted (so one has time to start), bounded by the epochs.
+// --step-ms: MS ms more per step, so that a fault from outside (tests/recovery/host_faults_test.cpp)
+// lands mid-training.
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -32,6 +34,7 @@ int run(int argc, char** argv) {
   const std::string out = argv[1];
   std::vector<std::pair<int, int64_t>> kills;  // (job rank, after step)
   bool slow = false;
+  int step_ms = 0;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--kill-rank" && i + 1 < argc) kills.emplace_back(std::atoi(argv[++i]), -1);
@@ -39,6 +42,7 @@ int run(int argc, char** argv) {
       kills.back().second = std::atoll(argv[++i]);
     }
     if (arg == "--slow-until-admitted") slow = true;
+    if (arg == "--step-ms" && i + 1 < argc) step_ms = std::atoi(argv[++i]);
   }
   const int job_rank = std::atoi(std::getenv("RANK"));
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
@@ -77,6 +81,7 @@ int run(int argc, char** argv) {
         if (job_rank == rank && stats.steps == after && !newcomer) std::raise(SIGKILL);
       }
       if (slow && stats.admitted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
     }
   }
   rdp.finish();
