@@ -4,8 +4,9 @@
 // after the failure are written by the new generation's rank 0 (job rank 1) and load. A whole-job
 // restart then resumes from the newest (--resume, the path a launcher's restart takes too): every
 // sample of the epoch is used exactly once (epoch_samples), and the result equals what the restart
-// path gives when it resumes from the same checkpoint. --batch-size 500 keeps an epoch at 40 steps
-// of three workers: seconds, not minutes.
+// path gives when it resumes from the same checkpoint. And a SIGTERM stops every worker at one
+// step, and the whole group resumes. --batch-size 500 keeps an epoch at 40 steps of three workers:
+// seconds, not minutes.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -135,6 +136,33 @@ TEST(TrainerInPlace, CheckpointsFollowTheGroupAndAWholeJobRestartResumesFromThem
               1e-4);
   EXPECT_NEAR(json_number(in_place.output, "test_accuracy"),
               json_number(restart.output, "test_accuracy"), 1e-3);
+  fs::remove_all(dir);
+}
+
+TEST(TrainerInPlace, ASigtermStopsEveryWorkerAndTheWholeGroupResumes) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  // Only job rank 1 receives SIGTERM, after step 10: the three agree inside the next step's body,
+  // rank 0 saves step 10 and all exit 143; the launcher restarts the whole group (a newcomer would
+  // find nobody to join), which resumes from that checkpoint and finishes the epoch.
+  const std::string dir = testing::temp_dir("inplace-stop");
+  auto run = run_command("env DTRAIN_TEST_KILL_AT_STEP=1:10:15 " + bin("dtrain") +
+                             " run --nproc-per-node 3 --recovery in-place --max-restarts 1" +
+                             kTrainer + "--checkpoint-dir " + dir,
+                         120);
+  SCOPED_TRACE(run.output);
+  ASSERT_EQ(run.exit_code, 0);
+  EXPECT_NE(
+      run.output.find("stopped by SIGTERM after step 10: saved " + dir + "/checkpoint-10.ckpt"),
+      std::string::npos);
+  EXPECT_NE(run.output.find("restarting the whole group from the last checkpoint"),
+            std::string::npos);
+  EXPECT_NE(run.output.find("restart 1: resumed from " + dir +
+                            "/checkpoint-10.ckpt at epoch 1, 15000 samples into it, step 10"),
+            std::string::npos);
+  EXPECT_EQ(run.output.find("restarting it alone"), std::string::npos);
+  EXPECT_EQ(json_list(run.output, "epoch_samples"), "[60000]");
+  EXPECT_EQ(json_int(run.output, "steps"), 40);
+  EXPECT_EQ(json_int(run.output, "recoveries"), 0);
   fs::remove_all(dir);
 }
 
