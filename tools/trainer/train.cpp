@@ -307,7 +307,10 @@ int train(const Flags& flags) {
         progress.set_total(epoch_steps + steps_left());
         progress.update(epoch_steps, epoch_run_samples, read_loss);
         if (flags.log_every > 0 && at.steps % flags.log_every == 0) {
-          std::cout << "step " << at.steps << " loss " << read_loss() << std::endl;
+          std::cout << "step " << at.steps << " loss " << read_loss();
+          // In place the group's size too (bench/compare_recovery.sh reads it).
+          if (strategy.rdp) std::cout << " world " << strategy.group()->size();
+          std::cout << std::endl;
         }
       }
       if (job_rank == kill_at.rank && at.steps == kill_at.step && restarts == 0 && !newcomer) {
