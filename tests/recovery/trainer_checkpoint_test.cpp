@@ -130,12 +130,12 @@ TEST(TrainerInPlace, CheckpointsFollowTheGroupAndAWholeJobRestartResumesFromThem
   EXPECT_EQ(json_int(in_place.output, "steps"), 25 + 21);
   EXPECT_EQ(json_list(restart.output, "epoch_samples"), "[60000]");
   EXPECT_EQ(json_int(restart.output, "steps"), 25 + 21);
-  // The same 21 steps of three ranks from the same state: the same model, up to the order of
-  // floating-point sums.
+  // The same 21 steps of three ranks from the same state: the same model (equal here; the margins
+  // are below one test sample and the loss's sixth digit).
   EXPECT_NEAR(json_number(in_place.output, "final_loss"), json_number(restart.output, "final_loss"),
-              1e-4);
+              1e-6);
   EXPECT_NEAR(json_number(in_place.output, "test_accuracy"),
-              json_number(restart.output, "test_accuracy"), 1e-3);
+              json_number(restart.output, "test_accuracy"), 1e-5);
   fs::remove_all(dir);
 }
 
