@@ -108,9 +108,10 @@ class Progress {
 //   (RecoveryOptions::state): they count committed steps only, as the sampler's position does, so
 //   a checkpoint holds the same position, step and counts whichever rank writes it, and a restart
 //   of the whole job resumes from it as from any other.
-// - The agreement to stop on SIGTERM is a collective like the gradient's, so it happens inside the
-//   body, before anything of the step changes; nothing else collective runs outside rdp.step (the
-//   test accuracy is computed by rank 0 alone, Strategy::test_accuracy) until the end.
+// - The agreement to stop on SIGTERM is a collective like the gradient's, so in place it happens
+//   inside the body, before anything of the step changes (otherwise after the step, as before);
+//   nothing else collective runs outside rdp.step (the test accuracy is computed by rank 0 alone,
+//   Strategy::test_accuracy) until the end.
 // - The loop follows the sampler's epoch, not a count of its own: a survivor that receives the
 //   state of one that already began the next epoch goes on in that epoch.
 // - --amp is refused in place (in_place_unsupported_reason): the loss scaler agrees on skipped
@@ -171,6 +172,9 @@ int train(const Flags& flags) {
   const std::shared_ptr<dtrain::ProcessGroup> pg =
       in_place ? nullptr : dtrain::init_process_group();
   const int job_rank = pg ? pg->rank() : launch.rank;  // the fault-injection hook's rank
+  // Note [Batch size per data-parallel rank] (strategies.cpp); in place the recovery deals the data
+  // over each generation.
+  const int replicas = in_place ? 1 : data_parallel_replicas(flags, pg->size());
   // One core per rank; `dtrain run` sets OMP_NUM_THREADS=1 for the same reason.
   torch::set_num_threads(1);
 
@@ -191,7 +195,6 @@ int train(const Flags& flags) {
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
   // same); in place the recovery deals it over each generation.
   // Note [Batch size per data-parallel rank] (strategies.cpp)
-  const int replicas = in_place ? 1 : data_parallel_replicas(flags, pg->size());
   const int64_t local_batch = flags.batch_size;
   dtrain::DistributedSamplerOptions sampler_options;
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
@@ -258,8 +261,11 @@ int train(const Flags& flags) {
   bool stop_agreed = false;
   at::Tensor loss;
   const bool on_host = !strategy.dp.is_empty();  // DataParallel scatters the batch itself
+  auto agree_to_stop = [&] { return checkpointing && dtrain::should_stop(strategy.group()); };
   auto body = [&]() -> bool {
-    if (checkpointing && dtrain::should_stop(strategy.group())) {
+    // In place the agreement is a collective that may fail like the gradient's: inside the body,
+    // before anything of the step changes. Otherwise after the step, below.
+    if (strategy.rdp && agree_to_stop()) {
       stop_agreed = true;
       return false;
     }
@@ -315,6 +321,10 @@ int train(const Flags& flags) {
       }
       if (job_rank == kill_at.rank && at.steps == kill_at.step && restarts == 0 && !newcomer) {
         std::raise(kill_at.signal);
+      }
+      if (!strategy.rdp && agree_to_stop()) {
+        stop_agreed = true;
+        break;
       }
       if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && checkpointing) {
         save();
