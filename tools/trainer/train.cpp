@@ -194,7 +194,6 @@ int train(const Flags& flags) {
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
   // same); in place the recovery deals it over each generation.
-  // Note [Batch size per data-parallel rank] (strategies.cpp)
   const int64_t local_batch = flags.batch_size;
   dtrain::DistributedSamplerOptions sampler_options;
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
