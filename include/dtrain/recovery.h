@@ -73,6 +73,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
@@ -106,6 +107,11 @@ struct RecoveryOptions {
   // abandon the step and re-form without it, not waiting `settle`), and a process whose heartbeats
   // the store has answered none of for this long is cut off and stops (a CommError).
   std::chrono::milliseconds lost_after = std::chrono::seconds(3);
+  // The program's own tensors that travel with the model (fixed shapes, the same on every member;
+  // on the CPU or the module's device): a laggard or a newcomer receives the most advanced member's
+  // values in place, e.g. a trainer's step count and per-epoch sample counts. Keep them as they
+  // stand after the last committed step when step() is called.
+  std::vector<at::Tensor> state;
 };
 
 // What happened to the job so far, the same on every member (a newcomer receives it).
@@ -144,6 +150,11 @@ class ResilientDataParallelBase {
   // training is over, before the final barrier: after it rank 0 may exit and take the store with
   // it. (The destructor stops watching too.)
   void finish();
+  // False once some process has begun forming the next generation: this one is being abandoned,
+  // with or without this process. One store round trip. Check it before acting for the whole job
+  // from the group's rank 0 (writing a checkpoint), so that a rank of an abandoned generation (one
+  // that was left out while it stalled, say) never does.
+  bool generation_current() const;
   // True for a newcomer that came after the job finished: it joined nothing (group() is null,
   // step() returns false) and should end, successfully:
   //   if (rdp.job_finished()) return 0;

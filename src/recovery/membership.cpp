@@ -96,6 +96,9 @@ Membership::Membership(c10::intrusive_ptr<c10d::Store> root_store, MemberRecord 
     : store_(std::move(root_store)), self_(std::move(self)), timeout_(timeout) {}
 
 bool Membership::exists(const std::string& name) { return store_->check({key(name)}); }
+bool Membership::started(int64_t generation) {
+  return exists("g" + std::to_string(generation) + "/arrivals");
+}
 std::string Membership::read(const std::string& name) { return text_of(store_->get(key(name))); }
 void Membership::write(const std::string& name, const std::string& value) {
   store_->set(key(name), bytes_of(value));

@@ -162,6 +162,8 @@ class Membership {
   // store is), and the admission of numbers first..last into `generation`.
   int64_t newcomers_requested();
   void admit(int64_t first, int64_t last, int64_t generation);
+  // Whether any process has registered for `generation` (one store check).
+  bool started(int64_t generation);
 
  private:
   std::string key(const std::string& name) const { return "dtrain/recovery/" + name; }

@@ -49,6 +49,12 @@ class RecoveryCore {
     check(options_.min_size >= 1, "min_size", options_.min_size, ">= 1 (ranks)");
     check(options_.lost_after.count() >= 300, "lost_after", options_.lost_after.count(),
           ">= 300 (milliseconds; heartbeats go every 100 ms)");
+    for (size_t i = 0; i < options_.state.size(); ++i) {
+      if (!options_.state[i].defined()) {
+        throw UsageError("ResilientDataParallel: RecoveryOptions::state[" + std::to_string(i) +
+                         "] is an undefined tensor; accepted: defined tensors of fixed shape.");
+      }
+    }
   }
 
   ~RecoveryCore() {
@@ -60,6 +66,7 @@ class RecoveryCore {
   bool step(const std::function<bool()>& body);
   void stop_watching();
   void finish();
+  bool generation_current() { return !membership_->started(generation_ + 1); }
 
   bool job_finished_ = false;
   std::shared_ptr<ProcessGroup> group_;
@@ -280,7 +287,8 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
   }
 }
 
-// After a formation: the survivors at the most steps send everything a step depends on to the
+// After a formation: the survivors at the most steps send everything a step depends on (the
+// module, the optimizer, the sampler's position, the counters and RecoveryOptions::state) to the
 // others (the laggard that did not step, and newcomers), unless all are already equal.
 void RecoveryCore::transfer_state() {
   const int64_t mine = newcomer_ ? -1 : stats_.steps;
@@ -307,6 +315,7 @@ void RecoveryCore::transfer_state() {
   for (auto& p : module_->parameters())
     tensors.push_back(sending ? p.detach() : p.detach().clone());
   for (auto& b : module_->buffers()) tensors.push_back(sending ? b.detach() : b.detach().clone());
+  for (auto& t : options_.state) tensors.push_back(sending ? t.detach() : t.detach().clone());
   for (auto& t : tensors) group_->broadcast(t, source);
 
   std::string optimizer_bytes;
@@ -331,6 +340,7 @@ void RecoveryCore::transfer_state() {
     size_t i = 0;
     for (auto& p : module_->parameters()) p.detach().copy_(tensors[i++]);
     for (auto& b : module_->buffers()) b.detach().copy_(tensors[i++]);
+    for (auto& t : options_.state) t.detach().copy_(tensors[i++]);
     std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
                                       static_cast<size_t>(bytes.numel())));
     torch::serialize::InputArchive archive;
@@ -462,6 +472,8 @@ const std::shared_ptr<ProcessGroup>& ResilientDataParallelBase::group() const {
 RecoveryStats ResilientDataParallelBase::stats() const { return core_->stats_; }
 
 void ResilientDataParallelBase::finish() { core_->finish(); }
+
+bool ResilientDataParallelBase::generation_current() const { return core_->generation_current(); }
 
 bool ResilientDataParallelBase::job_finished() const { return core_->job_finished_; }
 

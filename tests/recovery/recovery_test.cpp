@@ -5,7 +5,8 @@
 // peer. Each test replays the committed global batches the workers
 // recorded in one process, from the same initial model, and requires the same parameters (relative
 // error < 1e-4), and requires every sample of every epoch to be used exactly once (plus the
-// sampler's padding at an epoch's end).
+// sampler's padding at an epoch's end), and every process's own count of committed steps, which
+// travels with the model (RecoveryOptions::state), to equal the job's.
 #include "dtrain/recovery.h"
 
 #include <gtest/gtest.h>
@@ -97,6 +98,21 @@ void expect_exactly_once(const std::map<int64_t, Step>& steps) {
                             << " of the last epoch's recorded";
 }
 
+// Every process that finished counted, in its RecoveryOptions::state tensor, as many committed
+// steps as the job did: a newcomer's count arrived with the model.
+void expect_counts_travelled(const std::string& dir, int processes) {
+  int seen = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("counted-", 0) != 0) continue;
+    std::ifstream in(entry.path());
+    int64_t counted = -1, job_steps = -2;
+    in >> counted >> job_steps;
+    EXPECT_EQ(counted, job_steps) << entry.path();
+    ++seen;
+  }
+  EXPECT_EQ(seen, processes);
+}
+
 enum class Launch {
   kSurvivorsOnly,   // three workers started by the test; rank 2 dies and is not replaced
   kNewcomer,        // ...and the test starts a replacement with DTRAIN_RECOVERY_JOIN=1
@@ -164,6 +180,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   std::vector<torch::Tensor> final_params;
   torch::load(final_params, dir + "/final.pt");
   EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  expect_counts_travelled(dir, newcomer ? 3 : 2);
   fs::remove_all(dir);
 }
 
@@ -241,6 +258,9 @@ TEST(RecoveryInput, BadOptionsAndVariablesAreOneUsageErrorLine) {
   options = {};
   options.settle = std::chrono::milliseconds(-1);
   expect_usage_error(options, "RecoveryOptions::settle is -1");
+  options = {};
+  options.state = {torch::zeros({2}), at::Tensor()};
+  expect_usage_error(options, "RecoveryOptions::state[1] is an undefined tensor");
 
   // Read before any store is opened: no launcher environment is needed to see it refused.
   setenv("DTRAIN_RECOVERY_JOIN", "yes", 1);

@@ -1,7 +1,10 @@
 // A worker of the in-place recovery tests (tests/recovery/recovery_test.cpp): DDP on a small MLP
 // and synthetic data through dtrain::ResilientDataParallel. Every process appends each committed
 // step to <out>/steps-<pid>.txt ("<step> <world> <index> <index> ..."), so the test can replay
-// the same global batches in one process and check that every sample was used exactly once.
+// the same global batches in one process and check that every sample was used exactly once. It
+// also counts the steps it committed in a tensor of its own that travels with the model
+// (RecoveryOptions::state) and writes it beside the job's count to <out>/counted-<pid>.txt at the
+// end: a newcomer's must come out as the job's.
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted] [--step-ms MS]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
@@ -55,6 +58,8 @@ int run(int argc, char** argv) {
   dtrain::DistributedSampler sampler(kSamples, 1, 0);
   dtrain::RecoveryOptions options;
   options.admit_every = 2;
+  auto counted = torch::zeros({1}, torch::kInt64);
+  options.state = {counted};
   dtrain::ResilientDataParallel rdp(net, optimizer, sampler, options);
   if (rdp.job_finished()) return 0;
 
@@ -73,6 +78,7 @@ int run(int argc, char** argv) {
       optimizer.step();
       return true;
     })) {
+      counted.add_(1);
       const auto stats = rdp.stats();
       steps << stats.steps << " " << rdp.group()->size();
       for (size_t i : used) steps << " " << i;
@@ -88,6 +94,8 @@ int run(int argc, char** argv) {
   auto group = rdp.group();
   group->barrier();
   const auto stats = rdp.stats();
+  std::ofstream(out + "/counted-" + std::to_string(::getpid()) + ".txt")
+      << counted.item<int64_t>() << " " << stats.steps << std::endl;
   if (group->rank() == 0) {
     std::vector<torch::Tensor> params;
     for (auto& p : net->parameters()) params.push_back(p.detach().clone());

@@ -165,14 +165,21 @@ std::string Checkpoints::resume(int64_t restarts, Position& at, std::vector<int6
   return loaded->path;
 }
 
-std::string Checkpoints::save(const Position& at, const std::vector<int64_t>& epoch_samples) {
-  if (!checkpointing || (pg->rank() != 0 && !sdp)) return std::string();
+std::string Checkpoints::save(const Position& at, const std::vector<int64_t>& epoch_samples,
+                              const dtrain::ProcessGroup& group) {
+  if (!checkpointing || (group.rank() != 0 && !sdp)) return std::string();
   checkpoint_state.step = at.steps;
   checkpoint_state.tensors["epoch_samples"] = torch::tensor(epoch_samples, torch::kInt64);
   checkpoint_state.values["model"] = flags.model;
   checkpoint_state.values["seed"] = std::to_string(flags.seed);
   if (sdp) return save_sharded(*sharded_checkpointer, *sdp, checkpoint_state);
   return checkpointer->save(checkpoint_state);
+}
+
+void Checkpoints::forget_group() {
+  if (checkpointer)
+    checkpointer = std::make_unique<dtrain::Checkpointer>(checkpoint_options(flags));
+  pg.reset();
 }
 
 void Checkpoints::wait() {

@@ -61,10 +61,15 @@ struct Checkpoints {
   // another --model or --seed, is a UsageError.
   std::string resume(int64_t restarts, Position& at, std::vector<int64_t>& epoch_samples,
                      const c10::Device& device);
-  // Saves the state after at.steps steps, with the sampler where it stands (rank 0 only: the state
-  // is replicated; every rank its shards with --strategy zero). Asynchronous with
+  // Saves the state after at.steps steps, with the sampler where it stands: on `group`'s rank 0
+  // only (the state is replicated; every rank its shards with --strategy zero). `group`: the ranks
+  // that train together now, pg, or in place the current generation's. Asynchronous with
   // --async-checkpoints. Returns the checkpoint's path; empty on a rank that saves nothing.
-  std::string save(const Position& at, const std::vector<int64_t>& epoch_samples);
+  std::string save(const Position& at, const std::vector<int64_t>& epoch_samples,
+                   const dtrain::ProcessGroup& group);
+  // In-place recovery: after resume(), keeps no group (saving never communicates), so that the
+  // first generation's group can be released when it fails (Note [In-place recovery]).
+  void forget_group();
   // Blocks until an asynchronous save is on disk.
   void wait();
 

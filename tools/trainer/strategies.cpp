@@ -2,6 +2,7 @@
 #include "strategies.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "dtrain/errors.h"
@@ -193,9 +194,18 @@ void Strategy::wrap(const Placement& placement) {
     options.num_replicas = static_cast<int>(flags.devices);
     options.devices = placement.dp_devices;
     dp = dtrain::DataParallel<NetImpl>(net, options);
-  } else if (flags.strategy == "ddp") {
+  } else if (flags.strategy == "ddp" && !rdp) {
     ddp = dtrain::DistributedDataParallel<NetImpl>(net, pg);
   }
+}
+
+void Strategy::recover_in_place(torch::optim::Optimizer& optimizer,
+                                dtrain::DistributedSampler& sampler,
+                                std::vector<torch::Tensor> state) {
+  dtrain::RecoveryOptions options;
+  options.state = std::move(state);
+  rdp = std::make_unique<dtrain::ResilientDataParallel<NetImpl>>(net, optimizer, sampler,
+                                                                 std::move(options));
 }
 
 torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Tensor& y,
@@ -218,7 +228,7 @@ torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Te
   } else if (pipeline) {
     loss = pipeline->forward_backward(x, y, mean_loss);
   } else {
-    loss = mean_loss(sdp ? sdp->forward(x) : ddp->forward(x), y);
+    loss = mean_loss(sdp ? sdp->forward(x) : rdp ? rdp->ddp()->forward(x) : ddp->forward(x), y);
     autocast.reset();
     scaler.scale(loss).backward();
   }
@@ -226,6 +236,11 @@ torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Te
 }
 
 double Strategy::test_accuracy(const datasets::MnistSplit& test) {
+  if (rdp) {
+    if (rdp->group()->rank() != 0) return std::nan("");
+    const int64_t n = test.labels.size(0);
+    return static_cast<double>(correct_predictions(*model, model_forward, test, 0, n)) / n;
+  }
   if (pipeline) gather_stages(layers, mesh, pipeline_options.virtual_stages);
   if (sdp) sdp->gather_full_parameters();  // the full model, to evaluate
   const double accuracy = trainer::test_accuracy(*model, model_forward, test, *pg);

@@ -5,6 +5,9 @@
 //   pipeline  dtrain::DistributedPipeline: world / --stages data-parallel pipelines of --stages
 //             processes
 //   zero      dtrain::ShardedDataParallel: DDP with sharded state (--zero-stage)
+// Under in-place recovery (DTRAIN_RECOVERY=in-place), ddp trains through
+// dtrain::ResilientDataParallel instead (recover_in_place()): its group changes with every
+// generation, so it is asked for (group()) where it is needed, never kept.
 #pragma once
 
 #include <torch/torch.h>
@@ -19,6 +22,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dp.h"
 #include "dtrain/pipeline.h"
+#include "dtrain/recovery.h"
 #include "dtrain/sharded.h"
 #include "flags.h"
 #include "models.h"
@@ -58,14 +62,24 @@ struct Strategy {
   Strategy(const Flags& flags, const c10::Device& device,
            const std::shared_ptr<dtrain::ProcessGroup>& pg);
 
-  // ddp, dp: wraps the model (DDP broadcasts rank 0's parameters); the others: nothing to do.
+  // ddp, dp: wraps the model (DDP broadcasts rank 0's parameters); the others, and ddp in place:
+  // nothing to do.
   void wrap(const Placement& placement);
+  // ddp under in-place recovery (built with a null pg): joins the job's first generation, or waits
+  // to be admitted into a running one and receives its state from a live peer (see
+  // dtrain/recovery.h). `state`: the trainer's tensors that travel with the model.
+  void recover_in_place(torch::optim::Optimizer& optimizer, dtrain::DistributedSampler& sampler,
+                        std::vector<torch::Tensor> state);
+  // The group the model trains on now: pg, or in place the current generation's (null for a
+  // newcomer that came after the job finished).
+  std::shared_ptr<dtrain::ProcessGroup> group() const { return rdp ? rdp->group() : pg; }
   // One step's forward and backward on a batch, the forward under --amp's autocast and the loss
   // scaled by `scaler`: the gradients of `trained` are then ready for scaler.step(). Returns the
   // batch's mean loss, unscaled.
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y,
                                  dtrain::amp::GradScaler& scaler);
-  // The whole model's accuracy on the test split, the same on every rank.
+  // The whole model's accuracy on the test split, the same on every rank. In place: on the group's
+  // rank 0 alone, without a collective, so that an evaluation never meets a failure; NaN elsewhere.
   double test_accuracy(const datasets::MnistSplit& test);
   // This process's index among the data-parallel replicas: the share of the data it reads.
   int data_rank() const { return pipeline ? mesh.data_index : pg->rank(); }
@@ -86,6 +100,7 @@ struct Strategy {
   dtrain::ShardedDataParallel<NetImpl> sdp{nullptr};  // empty holders unless that strategy
   dtrain::DistributedDataParallel<NetImpl> ddp{nullptr};
   dtrain::DataParallel<NetImpl> dp{nullptr};
+  std::unique_ptr<dtrain::ResilientDataParallel<NetImpl>> rdp;  // ddp in place
 };
 
 }  // namespace trainer

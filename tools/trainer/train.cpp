@@ -1,5 +1,6 @@
 // The trainer's run (see train.h): the set-up, the checkpoints it resumes from and saves, the
-// training loop and the final report.
+// training loop and the final report: one loop for both kinds of recovery (Note [The trainer in
+// place]).
 #include "train.h"
 
 #include <torch/torch.h>
@@ -20,11 +21,14 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
 #include "dtrain/errors.h"
+#include "dtrain/recovery.h"
 #include "dtrain/sharded_checkpoint.h"
 #include "dtrain/stop.h"
 #include "strategies.h"
 
 namespace trainer {
+
+namespace {
 
 // A measurement as the final line reports it: six significant digits (more would be noise).
 double six_digits(double x) {
@@ -33,8 +37,6 @@ double six_digits(double x) {
   std::snprintf(text, sizeof text, "%.6g", x);
   return std::strtod(text, nullptr);
 }
-
-namespace {
 
 using Clock = std::chrono::steady_clock;
 
@@ -78,6 +80,8 @@ class Progress {
       next_percent_ = percent / 10 * 10 + 10;
     }
   }
+  // In place the group's size, and so the steps left in the epoch, change with a re-formation.
+  void set_total(int64_t total_steps) { total_ = total_steps; }
   void done() {
     if (tty_) std::cout << std::endl;
   }
@@ -90,6 +94,56 @@ class Progress {
   int next_percent_ = 10;
 };
 
+// Note [The trainer in place]
+// Under DTRAIN_RECOVERY=in-place (`dtrain run --recovery in-place`) --strategy ddp trains through
+// dtrain::ResilientDataParallel (Strategy::recover_in_place); the loop is the same, and the
+// difference is one seam: each step's body runs inside rdp.step, which abandons it when a rank dies
+// and runs it again at the new size, instead of directly. What follows from it:
+// - The group changes with every generation: the loop asks Strategy::group() for it every time.
+//   Checkpoints are saved by the current generation's rank 0 (whichever job rank that is), and only
+//   while no later generation is forming (ResilientDataParallel::generation_current), so a rank of
+//   an abandoned generation never writes one. The first generation's group loads the checkpoint
+//   (rank 0 reads it, as in the restart path); a newcomer loads nothing, it receives the state.
+// - The step count and epoch_samples travel with the model to a laggard or a newcomer
+//   (RecoveryOptions::state): they count committed steps only, as the sampler's position does, so
+//   a checkpoint holds the same position, step and counts whichever rank writes it, and a restart
+//   of the whole job resumes from it as from any other.
+// - The agreement to stop on SIGTERM is a collective like the gradient's, so in place it happens
+//   inside the body, before anything of the step changes (otherwise after the step, as before);
+//   nothing else collective runs outside rdp.step (the test accuracy is computed by rank 0 alone,
+//   Strategy::test_accuracy) until the end.
+// - The loop follows the sampler's epoch, not a count of its own: a survivor that receives the
+//   state of one that already began the next epoch goes on in that epoch.
+// - --amp is refused in place (in_place_unsupported_reason): the loss scaler agrees on skipped
+//   steps over one fixed group.
+
+// The counters that travel with the model in place: [steps, epoch_samples[0..epochs)].
+void write_counters(at::Tensor& counters, int64_t steps,
+                    const std::vector<int64_t>& epoch_samples) {
+  auto c = counters.accessor<int64_t, 1>();
+  c[0] = steps;
+  for (int64_t e = 0; e + 1 < c.size(0) && e < static_cast<int64_t>(epoch_samples.size()); ++e)
+    c[e + 1] = epoch_samples[e];
+}
+void read_counters(const at::Tensor& counters, int64_t& steps,
+                   std::vector<int64_t>& epoch_samples) {
+  auto c = counters.accessor<int64_t, 1>();
+  steps = c[0];
+  for (int64_t e = 0; e + 1 < c.size(0) && e < static_cast<int64_t>(epoch_samples.size()); ++e)
+    epoch_samples[e] = c[e + 1];
+}
+
+// Under DTRAIN_RECOVERY=in-place: why this job cannot recover in place ("" when it can).
+std::string in_place_unsupported_reason(const Flags& flags) {
+  if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (in place: ddp only)";
+  if (!flags.amp.empty()) {
+    return "--amp (its loss scaler agrees on skipped steps over one fixed group, which in-place "
+           "recovery replaces with every generation)";
+  }
+  if (flags.spawn > 0) return "--spawn (its workers are not restarted alone)";
+  return "";
+}
+
 }  // namespace
 
 int train(const Flags& flags) {
@@ -99,26 +153,28 @@ int train(const Flags& flags) {
                              "'; accepted: restart or in-place (as `dtrain run --recovery` sets "
                              "it), or unset");
   }
+  const dtrain::LaunchInfo launch = dtrain::launch_info_from_env();
+  bool in_place = false;
   if (recovery == "in-place") {
     const std::string reason = in_place_unsupported_reason(flags);
-    if (reason.empty()) return train_in_place(flags);
-    if (dtrain::launch_info_from_env().rank == 0) {
+    in_place = reason.empty();
+    if (!in_place && launch.rank == 0) {
       std::cout << "in-place recovery: not for " << reason
                 << "; a failure restarts the job from its last checkpoint" << std::endl;
     }
   }
   const int64_t restarts = restart_count();
   const auto kill_at = kill_at_step_from_env();
-  const Placement placement = place(flags, dtrain::launch_info_from_env());
+  const Placement placement = place(flags, launch);
   const c10::Device device = placement.device;
-  check_checkpoint_dir(flags, dtrain::launch_info_from_env().rank, restarts > 0);
-  auto pg = dtrain::init_process_group();
-  const int world = pg->size(), rank = pg->rank();
-  const bool leader = rank == 0;
-  // Note [Batch size per data-parallel rank] (strategies.cpp)
-  const int replicas = data_parallel_replicas(flags, world);
-  const int64_t local_batch = flags.batch_size;
-  const int64_t global_batch = local_batch * replicas;
+  check_checkpoint_dir(flags, launch.rank, restarts > 0);
+  // In place the group is the recovery's, a new one with every generation (Strategy::group()).
+  const std::shared_ptr<dtrain::ProcessGroup> pg =
+      in_place ? nullptr : dtrain::init_process_group();
+  const int job_rank = pg ? pg->rank() : launch.rank;  // the fault-injection hook's rank
+  // Note [Batch size per data-parallel rank] (strategies.cpp); in place the recovery deals the data
+  // over each generation.
+  const int replicas = in_place ? 1 : data_parallel_replicas(flags, pg->size());
   // One core per rank; `dtrain run` sets OMP_NUM_THREADS=1 for the same reason.
   torch::set_num_threads(1);
 
@@ -137,76 +193,140 @@ int train(const Flags& flags) {
   int64_t skipped_steps = 0;
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
-  // same).
+  // same); in place the recovery deals it over each generation.
+  const int64_t local_batch = flags.batch_size;
   dtrain::DistributedSamplerOptions sampler_options;
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
-  dtrain::DistributedSampler sampler(train_set.labels.size(0), replicas, strategy.data_rank(),
-                                     sampler_options);
+  dtrain::DistributedSampler sampler(train_set.labels.size(0), replicas,
+                                     in_place ? 0 : strategy.data_rank(), sampler_options);
 
   // epoch_samples[e]: training samples of epoch e whose gradients are in the model (padding repeats
   // included), kept in the checkpoint so that work rolled back by a restart is not counted.
   std::vector<int64_t> epoch_samples(flags.epochs, 0);
   Position at;
-  Checkpoints checkpoints(flags, pg, strategy.model.get(),
+  // In place: the step count and epoch_samples as they travel with the model (Note [The trainer in
+  // place]).
+  at::Tensor counters = torch::zeros({1 + flags.epochs}, torch::kInt64);
+  bool newcomer = false;  // in place: admitted into a running job, with the state of a live peer
+  if (in_place) {
+    strategy.recover_in_place(optimizer, sampler, {counters});
+    if (strategy.rdp->job_finished()) return 0;  // a replacement that came after the end
+    newcomer = strategy.rdp->stats().generation > 0;
+  }
+  auto leader = [&] { return strategy.group()->rank() == 0; };
+  Checkpoints checkpoints(flags, strategy.group(), strategy.model.get(),
                           strategy.sdp ? strategy.sdp.get() : nullptr, optimizer, sampler, scaler);
-  const std::string resumed_from = checkpoints.resume(restarts, at, epoch_samples, device);
+  std::string resumed_from;
+  if (newcomer) {
+    read_counters(counters, at.steps, epoch_samples);
+    at.epoch = sampler.epoch();
+    at.samples_consumed = sampler.state().samples_consumed;
+  } else {
+    resumed_from = checkpoints.resume(restarts, at, epoch_samples, device);
+    sampler.load_state({at.epoch, at.samples_consumed});
+  }
+  if (in_place) checkpoints.forget_group();
   const bool checkpointing = checkpoints.checkpointing;
   // Resumed on any world size: DDP broadcasts rank 0's (loaded) parameters; every rank loaded the
   // same optimizer state.
   strategy.wrap(placement);
 
-  sampler.load_state({at.epoch, at.samples_consumed});
-  if (leader && !resumed_from.empty()) {
+  if (leader() && !resumed_from.empty()) {
     std::cout << (restarts > 0 ? "restart " + std::to_string(restarts) + ": " : std::string())
               << "resumed from " << resumed_from << " at epoch " << at.epoch + 1 << ", "
               << at.samples_consumed << " samples into it, step " << at.steps << std::endl;
   }
   if (checkpointing) dtrain::install_stop_handler();  // preemption: dtrain/stop.h
 
+  // Saves a checkpoint of the state after at.steps: rank 0 of the group that trains now.
+  auto save = [&]() -> std::string {
+    const auto group = strategy.group();
+    if (strategy.rdp) {
+      const int64_t generation = strategy.rdp->stats().generation;
+      checkpoints.checkpoint_state.values["generation"] = std::to_string(generation);
+      if (group->rank() == 0 && !strategy.rdp->generation_current()) {
+        std::cout << "in-place recovery: checkpoint of step " << at.steps
+                  << " not saved: generation " << generation
+                  << " is being re-formed, and only the current one saves" << std::endl;
+        return std::string();
+      }
+    }
+    return checkpoints.save(at, epoch_samples, *group);
+  };
+
+  // One step, the same in both kinds of recovery: what the body took, and whether the ranks agreed
+  // to stop instead (SIGTERM, Note [Agreeing to stop] in dtrain/stop.h).
+  int64_t step_samples = 0, step_epoch = 0;
+  bool stop_agreed = false;
+  at::Tensor loss;
+  const bool on_host = !strategy.dp.is_empty();  // DataParallel scatters the batch itself
+  auto agree_to_stop = [&] { return checkpointing && dtrain::should_stop(strategy.group()); };
+  auto body = [&]() -> bool {
+    // In place the agreement is a collective that may fail like the gradient's: inside the body,
+    // before anything of the step changes. Otherwise after the step, below.
+    if (strategy.rdp && agree_to_stop()) {
+      stop_agreed = true;
+      return false;
+    }
+    auto batch = sampler.next(static_cast<size_t>(local_batch));
+    if (!batch) return false;  // the epoch is over (on every rank at once)
+    at::Tensor rows = torch::tensor(std::vector<int64_t>(batch->begin(), batch->end()));
+    at::Tensor x = batch_rows(train_set.images, rows, device, /*stay_on_host=*/on_host);
+    at::Tensor y = batch_rows(train_set.labels, rows, device, /*stay_on_host=*/on_host);
+    optimizer.zero_grad();
+    loss = strategy.forward_backward(x, y, scaler);
+    if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
+    scaler.update();
+    step_samples = static_cast<int64_t>(batch->size()) * sampler.world_size();
+    step_epoch = sampler.epoch();
+    return true;
+  };
+  // The seam (Note [The trainer in place]): in place the body runs inside rdp.step, which redoes it
+  // at the new size after a failure, and the counters travel with the state; otherwise directly.
+  auto run_step = [&]() -> bool {
+    if (!strategy.rdp) return body();
+    write_counters(counters, at.steps, epoch_samples);
+    const bool stepped = strategy.rdp->step([&](auto&) { return body(); });
+    read_counters(counters, at.steps, epoch_samples);
+    return stepped;
+  };
+  auto steps_left = [&] { return (sampler.num_samples() + local_batch - 1) / local_batch; };
+
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
   at::Tensor last_loss_tensor;  // read only when shown (Progress::update) and at the end
   bool stopped_early = false, preempted = false;
-  for (int64_t epoch = at.epoch; epoch < flags.epochs && !stopped_early; ++epoch) {
-    if (epoch != at.epoch) sampler.set_epoch(epoch);
-    std::vector<int64_t> indices = sampler.indices();
-    at::Tensor order =
-        torch::from_blob(indices.data(), {static_cast<int64_t>(indices.size())}, torch::kInt64);
-    int64_t steps = (static_cast<int64_t>(indices.size()) + local_batch - 1) / local_batch;
-    Progress progress(epoch, flags.epochs, steps);
+  while (!stopped_early && sampler.epoch() < flags.epochs) {
+    Progress progress(sampler.epoch(), flags.epochs, steps_left());
+    int64_t epoch_steps = 0, epoch_run_samples = 0;  // of this epoch in this run
     auto start = Clock::now();
-    for (int64_t step = 0; step < steps; ++step) {
-      int64_t count =
-          std::min<int64_t>(local_batch, static_cast<int64_t>(indices.size()) - step * local_batch);
-      at::Tensor rows = order.narrow(0, step * local_batch, count);
-      const bool on_host = !strategy.dp.is_empty();  // DataParallel scatters the batch itself
-      at::Tensor x = batch_rows(train_set.images, rows, device, /*stay_on_host=*/on_host);
-      at::Tensor y = batch_rows(train_set.labels, rows, device, /*stay_on_host=*/on_host);
-      optimizer.zero_grad();
-      torch::Tensor loss = strategy.forward_backward(x, y, scaler);
-      if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
-      scaler.update();
-      sampler.advance(count * replicas);
-      samples_processed += count * replicas;
-      epoch_samples[epoch] += count * replicas;
+    while (run_step()) {
+      epoch_samples.at(static_cast<size_t>(step_epoch)) += step_samples;
+      samples_processed += step_samples;
+      epoch_run_samples += step_samples;
       ++at.steps;
-      if (leader) {
+      ++epoch_steps;
+      if (leader()) {
         last_loss_tensor = loss.detach();
         auto read_loss = [&] { return last_loss = last_loss_tensor.item<double>(); };
-        progress.update(step + 1, (step + 1) * global_batch, read_loss);
+        progress.set_total(epoch_steps + steps_left());
+        progress.update(epoch_steps, epoch_run_samples, read_loss);
         if (flags.log_every > 0 && at.steps % flags.log_every == 0) {
-          std::cout << "step " << at.steps << " loss " << read_loss() << std::endl;
+          std::cout << "step " << at.steps << " loss " << read_loss();
+          // In place the group's size too (bench/compare_recovery.sh reads it).
+          if (strategy.rdp) std::cout << " world " << strategy.group()->size();
+          std::cout << std::endl;
         }
       }
-      if (rank == kill_at.rank && at.steps == kill_at.step && restarts == 0) {
+      if (job_rank == kill_at.rank && at.steps == kill_at.step && restarts == 0 && !newcomer) {
         std::raise(kill_at.signal);
       }
-      if (checkpointing && dtrain::should_stop(pg)) {
-        preempted = stopped_early = true;
+      if (!strategy.rdp && agree_to_stop()) {
+        stop_agreed = true;
         break;
       }
       if (flags.checkpoint_every > 0 && at.steps % flags.checkpoint_every == 0 && checkpointing) {
-        checkpoints.save(at, epoch_samples);
+        save();
       }
       if (flags.max_steps > 0 && at.steps >= flags.max_steps) {
         stopped_early = true;
@@ -215,61 +335,75 @@ int train(const Flags& flags) {
     }
     if (last_loss_tensor.defined()) last_loss = last_loss_tensor.item<double>();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
-    if (leader) progress.done();
-    if (preempted) break;
+    if (leader()) progress.done();
+    if (stop_agreed) {
+      preempted = true;
+      break;
+    }
     accuracy = strategy.test_accuracy(test_set);
-    if (leader) {
+    if (leader()) {
       char line[120];
       std::snprintf(line, sizeof line, "epoch %lld: test accuracy %.4f",
-                    static_cast<long long>(epoch + 1), accuracy);
+                    static_cast<long long>(sampler.epoch() + 1), accuracy);
       std::cout << line << std::endl;
     }
-    if (checkpointing) {
-      // A finished epoch is saved as the start of the next one.
-      if (!stopped_early) sampler.set_epoch(epoch + 1);
-      checkpoints.save(at, epoch_samples);
-    }
+    // A finished epoch is saved as the start of the next one.
+    if (!stopped_early) sampler.set_epoch(sampler.epoch() + 1);
+    if (checkpointing) save();
   }
+  if (strategy.rdp) strategy.rdp->finish();  // before the barrier: newcomers still waiting go
   if (preempted) {
-    std::string path = checkpoints.save(at, epoch_samples);
+    std::string path = save();
     checkpoints.wait();
-    pg->barrier();  // every rank exits once the checkpoint is on disk
-    if (leader) {
+    strategy.group()->barrier();  // every rank exits once the checkpoint is on disk
+    if (leader()) {
       std::cout << "stopped by SIGTERM after step " << at.steps << ": saved " << path
                 << "; a restart by the launcher, or --resume, continues from it" << std::endl;
     }
     return dtrain::kStopExitCode;
   }
   checkpoints.wait();
-  pg->barrier();  // rank 0's checkpoint is on disk before anyone reports success
+  const auto group = strategy.group();
+  group->barrier();  // rank 0's checkpoint is on disk before anyone reports success
   if (at.epoch >= flags.epochs && samples_processed == 0) {
     // Resumed from a checkpoint that already finished --epochs: nothing to train, but report the
     // model.
-    if (leader) {
+    if (leader()) {
       std::cout << "nothing to train: the checkpoint has finished " << at.epoch
                 << " epoch(s) and --epochs is " << flags.epochs << std::endl;
     }
     accuracy = strategy.test_accuracy(test_set);
   }
-  if (leader) {
+  if (group->rank() == 0) {
+    // In place the job's data-parallel size is the last generation's.
+    const int replicas_now = in_place ? group->size() : replicas;
     // The final JSON line, its keys in this order. nlohmann::json writes a diverged (non-finite)
     // loss as null: JSON has no NaN or infinity.
     nlohmann::ordered_json result = {
         {"test_accuracy", six_digits(accuracy)},
         {"epochs", flags.epochs},
-        {"world_size", world},
+        {"world_size", group->size()},
         {"strategy", flags.strategy},
-        {"replicas", strategy.dp ? flags.devices : replicas},
+        {"replicas", strategy.dp ? flags.devices : replicas_now},
         {"model", flags.model},
-        {"global_batch", global_batch},
+        {"global_batch", local_batch * replicas_now},
         {"per_rank_batch", local_batch},
         {"train_samples", samples_processed},
         {"train_time_s", six_digits(train_seconds)},
         {"samples_per_s", six_digits(train_seconds > 0 ? samples_processed / train_seconds : 0.0)},
         {"final_loss", six_digits(last_loss)},
         {"steps", at.steps},
-        {"restarts", restarts},
-        {"epoch_samples", epoch_samples}};
+        {"restarts", restarts}};
+    if (strategy.rdp) {
+      // A newcomer's own counts start where it joined (train_samples, train_time_s); the job's
+      // travel with the model (steps, epoch_samples) or with the recovery (these).
+      const auto stats = strategy.rdp->stats();
+      result["recovery"] = "in-place";
+      result["recoveries"] = stats.recoveries;
+      result["steps_redone"] = stats.steps_redone;
+      result["admitted"] = stats.admitted;
+    }
+    result["epoch_samples"] = epoch_samples;
     if (strategy.sdp) result["zero_stage"] = strategy.sdp->stage();
     result["device"] = device.str();
     result["amp"] = flags.amp.empty() ? "none" : flags.amp;
@@ -286,6 +420,9 @@ int train(const Flags& flags) {
     }
     std::cout << result.dump() << std::endl;
   }
+  // In place, where rank 0 hosts the store (started without `dtrain run`), nobody may still need
+  // it when it exits.
+  if (strategy.rdp) group->barrier();
   return 0;
 }
 

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <iomanip>
@@ -175,8 +176,9 @@ constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 // job, not a stopped one). Returns false, restarting nothing, where the whole group must stop as
 // in restart mode: a signal came for the launcher, a usage error (exit code 2) cannot be fixed by
 // a restart, the workers never formed an in-place group (a program that does not recover in place:
-// its survivors fail too), or no restart is left and this node cannot tell that they did (the store
-// is on node 0), or rank 0 died while it hosted the store.
+// its survivors fail too), a worker stopped on SIGTERM or none is left (one node), or no restart is
+// left and this node cannot tell that they did (the store is on node 0), or rank 0 died while it
+// hosted the store.
 bool restart_alone(const RunOptions& options, WorkerGroup& group,
                    const elastic::WorkerGroupRound& round, const elastic::WorkerStore* store,
                    const WaitResult& failed, int signal_fd, int* restarts) {
@@ -193,6 +195,21 @@ bool restart_alone(const RunOptions& options, WorkerGroup& group,
       say("the workers formed no in-place group (the program does not use "
           "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group "
           "from the last checkpoint");
+    }
+    return false;
+  }
+  // Nobody to go on or to admit a newcomer: every worker of a one-node job failed, or one stopped
+  // on SIGTERM (exit code 143, dtrain/stop.h), which its peers agreed to and saved the job's
+  // checkpoint for. The whole group restarts and resumes from that checkpoint, as in restart mode.
+  const bool stopped = std::any_of(failures.begin(), failures.end(), [](const WorkerExit& failure) {
+    return failure.signal == 0 && failure.exit_code == 128 + SIGTERM;
+  });
+  if (in_place_group && (stopped || (options.nnodes == 1 && group.running() == 0))) {
+    if (left > 0) {
+      say(stopped ? "a worker stopped on SIGTERM (exit code 143) with its peers: restarting the "
+                    "whole group from the last checkpoint"
+                  : "no worker is left to admit a newcomer: restarting the whole group from the "
+                    "last checkpoint");
     }
     return false;
   }

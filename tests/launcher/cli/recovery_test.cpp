@@ -187,6 +187,48 @@ TEST_F(RecoveryTest, WhenRestartsRunOutTheSurvivorsGoOnWithoutTheWorker) {
   EXPECT_EQ(count(run.err, "worker failed:"), 0) << run.err;
 }
 
+TEST_F(RecoveryTest, AStopOnSigtermRestartsTheWholeGroup) {
+  // A worker that exits 143 stopped on SIGTERM together with its peers (dtrain/stop.h): a newcomer
+  // would find nobody to join, so the whole group restarts (and resumes from the checkpoint they
+  // saved).
+  RunResult stopped = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place",
+                                     "--max-restarts", "1", "--grace-period", "2", "--"},
+                                    sh(recorded("if [ $TORCHELASTIC_RESTART_COUNT != 0 ]; then "
+                                                "exit 0; fi;"
+                                                "if [ $RANK = 1 ]; then " +
+                                                wait_for("pid.0.0") +
+                                                " exit 143; fi;"
+                                                "exec sleep 300"))));
+  clean_up("pid.0.0");
+  EXPECT_EQ(stopped.exit_code, 0) << stopped.err;
+  EXPECT_NE(stopped.err.find("a worker stopped on SIGTERM (exit code 143) with its peers: "
+                             "restarting the whole group from the last checkpoint"),
+            std::string::npos)
+      << stopped.err;
+  EXPECT_NE(stopped.err.find("restarting the worker group of this node: attempt 1"),
+            std::string::npos)
+      << stopped.err;
+  EXPECT_EQ(stopped.err.find("restarting it alone"), std::string::npos) << stopped.err;
+  for (int rank : {0, 1}) {
+    ASSERT_FALSE(env_of(rank, 1).empty()) << rank;
+    EXPECT_EQ(env_of(rank, 1).count("DTRAIN_RECOVERY_JOIN"), 0u) << rank;
+  }
+}
+
+TEST_F(RecoveryTest, WhenNoWorkerIsLeftTheWholeGroupRestarts) {
+  // The only worker fails: nobody is left to admit a newcomer, so the group restarts as a whole.
+  RunResult alone = dtrain(concat(
+      {"run", "--nproc-per-node", "1", "--recovery", "in-place", "--max-restarts", "1", "--"},
+      sh(recorded("if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exit "
+                  "3; fi; exit 0"))));
+  EXPECT_EQ(alone.exit_code, 0) << alone.err;
+  EXPECT_NE(alone.err.find("no worker is left to admit a newcomer"), std::string::npos)
+      << alone.err;
+  EXPECT_EQ(alone.err.find("restarting it alone"), std::string::npos) << alone.err;
+  ASSERT_FALSE(env_of(0, 1).empty());
+  EXPECT_EQ(env_of(0, 1).count("DTRAIN_RECOVERY_JOIN"), 0u);
+}
+
 TEST_F(RecoveryTest, AUsageErrorIsNotRestarted) {
   RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "in-place",
                                  "--max-restarts", "3", "--grace-period", "2", "--"},
