@@ -25,8 +25,8 @@
 // - W runs the engine from the split nodes, seeded with the kept gradients, accumulating into the
 //   leaves. Their cut edges are invalid, so a Linear's node computes only g^T·x and the bias sum;
 //   the parameters' AccumulateGrad nodes run then, which is when their gradient hooks fire: a
-//   data-parallel reducer (DDP's buckets) or any other AccumulateGrad hook learns that a gradient is
-//   ready in W, not in B.
+//   data-parallel reducer (DDP's buckets) or any other AccumulateGrad hook learns that a gradient
+//   is ready in W, not in B.
 //
 // B then W compute what one backward computes, each product once: input nodes ran in B with all
 // their incoming gradient (every node upstream of an input node is itself one), and every other

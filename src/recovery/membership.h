@@ -4,8 +4,9 @@
 //   g<G>/arrival/<n>    the n-th one's record (MemberRecord::text)
 //   g<G>/closed         the generation's members, one record per line, in rank order: written once
 //                       (compare-and-set), by whichever member first sees it complete
-//   g<G>/failed         written by a member that abandoned generation G-1 after a failure, before it
-//                       registers: the others stop waiting on G-1's collectives (Note [Heartbeats])
+//   g<G>/failed         written by a member that abandoned generation G-1 after a failure, before
+//                       it registers: the others stop waiting on G-1's collectives (Note
+//                       [Heartbeats])
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
@@ -81,8 +82,8 @@ class Heartbeats {
   // From now on, watches the members of `generation` (their clocks start now).
   void watch(int64_t generation, const std::vector<MemberRecord>& members);
   // One round (the watcher thread): beats, reads the watched members' counters, whether a member
-  // marked the next generation failed, and how many newcomers asked. Throws what the store throws; a round that
-  // throws or hangs counts against this process only.
+  // marked the next generation failed, and how many newcomers asked. Throws what the store throws;
+  // a round that throws or hangs counts against this process only.
   void round();
   // After training, with no round running: marks this process's counter "done" (one store call;
   // errors are ignored); verdict() and cut_off() answer "" from then on.

@@ -9,8 +9,8 @@
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
 // per step until a newcomer has been admitted (so one has time to start), bounded by the epochs.
-// --step-ms: MS ms more per step, so that a fault from outside (tests/recovery/host_faults_test.cpp)
-// lands mid-training.
+// --step-ms: MS ms more per step, so that a fault from outside
+// (tests/recovery/host_faults_test.cpp) lands mid-training.
 #include <torch/torch.h>
 #include <unistd.h>
 
