@@ -9,7 +9,8 @@
 #   bench/compare_recovery.sh [runs]      (default 3 rounds; the sides alternate their order)
 #
 # Three workers of build/bin/train_fashion_mnist (--model mlp, checkpoints every CKPT_EVERY steps
-# under restart and torchrun; none in place, where it takes no checkpoint). Rank 2 kills itself
+# under restart and torchrun; none in place, which needs none to recover, so that its steps carry
+# no checkpoint's cost; it can take them: doc/recovery.md). Rank 2 kills itself
 # right after step KILL_AT (DTRAIN_TEST_KILL_AT_STEP, first run only). Rank 0 prints every step and
 # the launcher's output is stamped line by line; reported per side: seconds from rank 0's line for
 # step KILL_AT (the kill, to within a step) to its first line for step KILL_AT+1 (the job is past

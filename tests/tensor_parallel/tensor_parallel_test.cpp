@@ -176,7 +176,13 @@ TEST(TensorParallel, ShardingAnExistingLinearKeepsItsWeights) {
     EXPECT_FALSE(unbiased->bias.defined());
     EXPECT_EQ(unbiased->parameters().size(), 1u);
 
-    auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(split->clone());
+    // clone() calls reset(), which draws from the global generator: under the seed lock, or it
+    // would move the draws of another rank's seeded construction running at the same time.
+    std::shared_ptr<torch::nn::SequentialImpl> copy;
+    {
+      std::lock_guard<std::mutex> lock(testing::seed_mutex());
+      copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(split->clone());
+    }
     ASSERT_TRUE(copy);
     auto copied = copy->parameters();
     for (size_t i = 0; i < want.size(); ++i) {
