@@ -6,11 +6,12 @@
 #   2. DataParallel with 2 replicas on one GPU against nn.DataParallel over the same GPU twice, and one
 #      replica (the plain model on the same global batch);
 #   3. the main job: the trainer with --device cuda against PyTorch DDP + DataLoader (bench/main_job.sh);
+#      (graph) the same with the trainer's step captured in a CUDA graph (--cuda-graph);
 #   4. the trainer in fp32, bf16 and fp16 (bench/trainer_amp.sh);
 #   5. the transformer: tokens/s and MFU against the same model in PyTorch (bench/gpt_vs_torch.sh).
 # Each part is bounded by PART_TIMEOUT seconds (default 150) and says so when cut; a part that fails does
 # not stop the others.
-#   bench/gpu.sh [build dir] [part ...]     (parts: ddp dp main amp gpt; default all)
+#   bench/gpu.sh [build dir] [part ...]     (parts: ddp dp main graph amp gpt; default all)
 # Environment: PYTHON (the peers' python, default <repo>/.venv/bin/python), PEERS, REPEATS (3), DEVICE (cuda;
 # cpu runs parts 1 and 2 on the CPU, to try the script on a machine without a GPU).
 set -uo pipefail
@@ -19,7 +20,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$here/build}
 shift $(($# > 0 ? 1 : 0))
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(ddp dp main amp gpt)
+[ ${#parts[@]} -gt 0 ] || parts=(ddp dp main graph amp gpt)
 python=${PYTHON:-$here/.venv/bin/python}
 repeats=${REPEATS:-3}
 part_timeout=${PART_TIMEOUT:-150}
@@ -64,8 +65,10 @@ part_ddp() {
   echo "## 1. DDP at world size 1 against plain LibTorch, and PyTorch's plain model and DDP"
   # the compute-bound size first: it is the one that can show a 1% difference (at the launch-bound
   # size the rounds scatter by +-30%, seen on an H200)
-  local size
-  for size in "--hidden 4096 --batch 1024 --steps 200" "--hidden 1024 --batch 32 --steps 300"; do
+  # DDP_SIZES: the sizes to measure, ';'-separated (default both)
+  local size sizes
+  IFS=';' read -r -a sizes <<<"${DDP_SIZES:---hidden 4096 --batch 1024 --steps 200;--hidden 1024 --batch 32 --steps 300}"
+  for size in "${sizes[@]}"; do
     compare "MLP 784-H-H-10, $size, $device" \
       "plain-libtorch=${dtrain[*]} $build/bin/bench_ddp --device $device --no-ddp $size" \
       "dtrain-ddp=${dtrain[*]} $build/bin/bench_ddp --device $device $size" \
@@ -93,6 +96,12 @@ part_main() {
   NPROC=1 PEER_ARGS="--device cuda" "$here/bench/main_job.sh" "$build" "${PEERS:-$(find_peers)}" --device cuda
 }
 
+part_graph() {
+  echo
+  echo "## 3b. The main job with its step captured in a CUDA graph (--cuda-graph), against PyTorch"
+  NPROC=1 PEER_ARGS="--device cuda" "$here/bench/main_job.sh" "$build" "${PEERS:-$(find_peers)}" --device cuda --cuda-graph
+}
+
 part_amp() {
   echo
   echo "## 4. The trainer on the GPU in fp32, bf16 and fp16"
@@ -106,7 +115,7 @@ part_gpt() {
 }
 
 for part in "${parts[@]}"; do
-  declare -F "part_$part" >/dev/null || { echo "bench/gpu.sh: unknown part '$part' (ddp dp main amp gpt)" >&2; exit 2; }
+  declare -F "part_$part" >/dev/null || { echo "bench/gpu.sh: unknown part '$part' (ddp dp main graph amp gpt)" >&2; exit 2; }
   start=$SECONDS
   # a subshell under timeout, so that one part cut short leaves the others their time
   export -f "part_$part" compare ms median ratios ratio_summary list_median find_peers

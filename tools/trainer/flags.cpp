@@ -183,6 +183,9 @@ Flags parse_flags(int argc, char** argv) {
          {"cpu", "cuda", "auto"}, "cpu, cuda or auto");
   choice("--amp", flags.amp, "ddp, dp: mixed precision (fp16 needs CUDA)", {"bf16", "fp16"},
          "bf16 or fp16");
+  app.add_flag("--cuda-graph", flags.cuda_graph,
+               "ddp on one GPU, one rank, no --amp: capture the whole step in a CUDA graph and "
+               "replay it (one launch a step instead of dozens)");
 
   try {
     app.parse(argc, argv);

@@ -42,6 +42,9 @@ struct Flags {
   // cpu, cuda (ddp: cuda:LOCAL_RANK; dp: --devices GPUs), auto: cuda when this process sees a GPU.
   std::string device = "auto";
   std::string amp;  // "", bf16 (autocast), fp16 (autocast + GradScaler; CUDA only)
+  // ddp on one GPU, one rank, no --amp: the whole step captured in a CUDA graph and replayed
+  // (dtrain/cuda_graph.h): one launch a step instead of dozens.
+  bool cuda_graph = false;
 };
 
 // Reads the flags from argv. --help prints them and exits 0; an unknown flag, a missing or bad

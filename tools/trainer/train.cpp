@@ -20,6 +20,7 @@
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm.h"
+#include "dtrain/cuda_graph.h"
 #include "dtrain/errors.h"
 #include "dtrain/recovery.h"
 #include "dtrain/sharded_checkpoint.h"
@@ -144,6 +145,19 @@ std::string in_place_unsupported_reason(const Flags& flags) {
   return "";
 }
 
+// --cuda-graph: why this run cannot capture its step ("" when it can). A captured step may not
+// wait on the host: DDP's all-reduce over several ranks does, and so does the fp16 loss scaler's
+// inf/NaN check; bf16 autocast's cast cache would be captured stale.
+std::string cuda_graph_unsupported_reason(const Flags& flags, const c10::Device& device,
+                                          bool in_place, int world) {
+  if (!device.is_cuda()) return "the CPU as its device (pass --device cuda on a GPU)";
+  if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (ddp only)";
+  if (in_place) return "in-place recovery (its steps are redone at a new size)";
+  if (world != 1) return std::to_string(world) + " ranks (one only: DDP's all-reduce waits)";
+  if (!flags.amp.empty()) return "--amp " + flags.amp;
+  return "";
+}
+
 }  // namespace
 
 int train(const Flags& flags) {
@@ -191,6 +205,13 @@ int train(const Flags& flags) {
   scaler_options.enabled = flags.amp == "fp16";
   dtrain::amp::GradScaler scaler(scaler_options, flags.strategy == "ddp" ? pg : nullptr);
   int64_t skipped_steps = 0;
+
+  // On a GPU (ddp, zero) the training split lives there (188 MB for Fashion-MNIST): a step gathers
+  // its rows with one kernel each instead of a gather on the host and a copy of the batch.
+  const bool on_host = flags.strategy == "dp";  // DataParallel scatters the batch itself
+  const bool data_on_device = device.is_cuda() && !on_host;
+  const at::Tensor train_images = data_on_device ? train_set.images.to(device) : train_set.images;
+  const at::Tensor train_labels = data_on_device ? train_set.labels.to(device) : train_set.labels;
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
   // same); in place the recovery deals it over each generation.
@@ -259,7 +280,27 @@ int train(const Flags& flags) {
   int64_t step_samples = 0, step_epoch = 0;
   bool stop_agreed = false;
   at::Tensor loss;
-  const bool on_host = !strategy.dp.is_empty();  // DataParallel scatters the batch itself
+  // --cuda-graph: the whole step (the rows' gather, forward, backward, SGD) captured once and
+  // replayed (dtrain/cuda_graph.h); its only input is the batch's row numbers.
+  std::unique_ptr<dtrain::CudaGraphStep> graphed;
+  if (flags.cuda_graph) {
+    const std::string why =
+        cuda_graph_unsupported_reason(flags, device, in_place, in_place ? 0 : pg->size());
+    if (!why.empty()) {
+      throw dtrain::UsageError(
+          "train_fashion_mnist: --cuda-graph captures the step of --strategy ddp on one rank on "
+          "a GPU without --amp; this run has " +
+          why + "; drop --cuda-graph");
+    }
+    graphed = std::make_unique<dtrain::CudaGraphStep>(
+        [&](const std::vector<at::Tensor>& in) {
+          at::Tensor step_loss = strategy.forward_backward(
+              train_images.index_select(0, in[0]), train_labels.index_select(0, in[0]), scaler);
+          optimizer.step();
+          return step_loss;
+        },
+        optimizer);
+  }
   auto agree_to_stop = [&] { return checkpointing && dtrain::should_stop(strategy.group()); };
   auto body = [&]() -> bool {
     // In place the agreement is a collective that may fail like the gradient's: inside the body,
@@ -271,12 +312,24 @@ int train(const Flags& flags) {
     auto batch = sampler.next(static_cast<size_t>(local_batch));
     if (!batch) return false;  // the epoch is over (on every rank at once)
     at::Tensor rows = torch::tensor(std::vector<int64_t>(batch->begin(), batch->end()));
-    at::Tensor x = batch_rows(train_set.images, rows, device, /*stay_on_host=*/on_host);
-    at::Tensor y = batch_rows(train_set.labels, rows, device, /*stay_on_host=*/on_host);
-    optimizer.zero_grad();
-    loss = strategy.forward_backward(x, y, scaler);
-    if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
-    scaler.update();
+    if (data_on_device) rows = rows.pin_memory();  // its copy to the GPU does not wait
+    if (graphed) {
+      loss = (*graphed)({rows});
+    } else {
+      at::Tensor x, y;
+      if (data_on_device) {
+        const at::Tensor on_device = rows.to(device, /*non_blocking=*/true);
+        x = train_images.index_select(0, on_device);
+        y = train_labels.index_select(0, on_device);
+      } else {
+        x = batch_rows(train_images, rows, device, /*stay_on_host=*/on_host);
+        y = batch_rows(train_labels, rows, device, /*stay_on_host=*/on_host);
+      }
+      optimizer.zero_grad();
+      loss = strategy.forward_backward(x, y, scaler);
+      if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
+      scaler.update();
+    }
     step_samples = static_cast<int64_t>(batch->size()) * sampler.world_size();
     step_epoch = sampler.epoch();
     return true;
@@ -406,6 +459,7 @@ int train(const Flags& flags) {
     result["epoch_samples"] = epoch_samples;
     if (strategy.sdp) result["zero_stage"] = strategy.sdp->stage();
     result["device"] = device.str();
+    if (graphed) result["cuda_graph_replays"] = graphed->replayed_steps();
     result["amp"] = flags.amp.empty() ? "none" : flags.amp;
     if (scaler.is_enabled()) {
       result["amp_skipped_steps"] = skipped_steps;
