@@ -14,6 +14,10 @@
 //   dtrain::CudaGraphStep graphed(step, optimizer);
 //   for (auto& [x, y] : batches) loss = graphed({x, y});    // x, y: pinned host or device tensors
 //
+// The capture's stream is the current one, or a stream of CudaGraphStep's own while the current one
+// is the default stream (CUDA captures on no other). With DDP, build the model and DDP inside a
+// CudaStreamScope (below) and run the loop there: see its comment.
+//
 // The step runs eagerly for the first options.warmup_steps calls (on the capture's stream: they
 // create what a capture may not, such as cuBLAS's workspace and the optimizer's state), is captured
 // on the next and replayed from then on. Every call is one real step on its own inputs: nothing is
@@ -29,6 +33,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <functional>
 #include <memory>
@@ -69,6 +74,26 @@ class CudaGraphStep {
   // Calls so far that ran eagerly (the warm-up and inputs of other shapes) and that replayed.
   int64_t eager_steps() const;
   int64_t replayed_steps() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A stream of its own, the current one on `device` while this lives (c10::cuda::CUDAStreamGuard for
+// code that includes no CUDA header). Why a graphed DDP step needs one: autograd runs each
+// parameter's gradient accumulation on the stream that was current when its accumulator was made,
+// and DDP keeps the accumulators from its construction. Made on the legacy default stream, they
+// make the captured backward wait on it, which CUDA refuses ("operation would make the legacy
+// stream depend on a capturing blocking stream"). Built inside this scope, they live on the stream
+// the step is then captured on. Everything in the scope runs on that one stream, in order, as on
+// the default stream.
+class CudaStreamScope {
+ public:
+  explicit CudaStreamScope(c10::Device device);
+  ~CudaStreamScope();
+  CudaStreamScope(const CudaStreamScope&) = delete;
+  CudaStreamScope& operator=(const CudaStreamScope&) = delete;
 
  private:
   struct Impl;

@@ -95,11 +95,31 @@ int64_t CudaGraphStep::replayed_steps() const { return impl_->replayed; }
 at::Tensor CudaGraphStep::operator()(const std::vector<at::Tensor>&) {
   throw UsageError("CudaGraphStep: dtrain was built against a LibTorch without CUDA");
 }
+
+struct CudaStreamScope::Impl {};
+CudaStreamScope::CudaStreamScope(c10::Device) {
+  throw UsageError("CudaStreamScope: dtrain was built against a LibTorch without CUDA");
+}
+CudaStreamScope::~CudaStreamScope() = default;
 #else
+
+struct CudaStreamScope::Impl {
+  explicit Impl(c10::Device device)
+      : guard(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())) {}
+  c10::cuda::CUDAStreamGuard guard;
+};
+CudaStreamScope::CudaStreamScope(c10::Device device) {
+  if (!device.is_cuda()) {
+    throw UsageError("CudaStreamScope: device " + device.str() + " is not a CUDA device");
+  }
+  impl_ = std::make_unique<Impl>(device);
+}
+CudaStreamScope::~CudaStreamScope() = default;
 
 // Note [Capturing a whole step]
 // PyTorch's recipe for whole-network capture (torch.cuda.graph's documentation), in C++:
-// - Warm-up: the first steps run eagerly on a side stream, which is also the capture's. They
+// - Warm-up: the first steps run eagerly on the capture's stream: the current one, or a stream of
+//   our own while the current one is the default stream, on which CUDA refuses to capture. They
 //   create what a capture may not: cuBLAS's handle and workspace, autograd's device thread, the
 //   optimizer's momentum buffers (in the ordinary pool, so they outlive nothing of the graph's).
 // - The capture: gradients set to None first, so that the captured backward allocates them in the
@@ -116,9 +136,12 @@ at::Tensor CudaGraphStep::operator()(const std::vector<at::Tensor>&) {
 at::Tensor CudaGraphStep::operator()(const std::vector<at::Tensor>& inputs) {
   Impl& s = *impl_;
   if (inputs.empty()) throw UsageError("CudaGraphStep: a step takes at least one input tensor");
+  auto current = c10::cuda::getCurrentCUDAStream();
   if (s.shapes.empty()) {
     s.shapes = inputs;
-    s.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+    // CUDA captures on no default stream: then a stream of our own (Note [Capturing a whole step]).
+    const bool on_default = current == c10::cuda::getDefaultCUDAStream(current.device_index());
+    s.stream = on_default ? c10::cuda::getStreamFromPool(false, current.device_index()) : current;
   }
   const c10::Device device(c10::kCUDA, s.stream->device_index());
   const bool same = same_shapes(inputs, s.shapes);
@@ -130,12 +153,14 @@ at::Tensor CudaGraphStep::operator()(const std::vector<at::Tensor>& inputs) {
     return s.static_output.clone();
   }
 
-  // run_on(stream): the step, eagerly or captured, on `stream` after the current stream's work,
-  // and the current stream after it.
-  auto current = c10::cuda::getCurrentCUDAStream(device.index());
-  c10::cuda::CUDAEvent before;
-  before.record(current);
-  before.block(*s.stream);
+  // The step, eagerly or captured, on the capture's stream after the current stream's work, and
+  // the current stream's next work after it.
+  const bool forked = *s.stream != current;
+  if (forked) {
+    c10::cuda::CUDAEvent before;
+    before.record(current);
+    before.block(*s.stream);
+  }
   at::Tensor result;
   {
     c10::cuda::CUDAStreamGuard on_side(*s.stream);
@@ -164,17 +189,24 @@ at::Tensor CudaGraphStep::operator()(const std::vector<at::Tensor>& inputs) {
           graph->capture_end();
         } catch (const std::exception&) {
         }
+        const std::string why = first_line(e);
+        const bool legacy = why.find("legacy stream") != std::string::npos;
         throw UsageError(
-            "CudaGraphStep: the step could not be captured in a CUDA graph: " + first_line(e) +
-            ". A captured step may not wait on the host (.item(), a copy to the CPU, a "
-            "collective that blocks) nor change shapes; run it eagerly");
+            "CudaGraphStep: the step could not be captured in a CUDA graph: " + why +
+            (legacy ? ". The model's gradient accumulators were made on the default stream (by "
+                      "DDP's construction, say): build the model and DDP inside a "
+                      "dtrain::CudaStreamScope"
+                    : ". A captured step may not wait on the host (.item(), a copy to the CPU, "
+                      "a collective that blocks) nor change shapes; run it eagerly"));
       }
       s.graph = std::move(graph);
     }
   }
-  c10::cuda::CUDAEvent after;
-  after.record(*s.stream);
-  after.block(current);
+  if (forked) {
+    c10::cuda::CUDAEvent after;
+    after.record(*s.stream);
+    after.block(current);
+  }
   if (result.defined()) return result;
   s.graph->replay();  // the capture ran nothing: this call's step
   ++s.replayed;

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "checkpoints.h"
 #include "datasets/fashion_mnist.h"
@@ -195,6 +196,11 @@ int train(const Flags& flags) {
   const std::string data = flags.data.empty() ? datasets::default_fashion_mnist_dir() : flags.data;
   auto train_set = datasets::load_fashion_mnist(data, /*train=*/true);
   auto test_set = datasets::load_fashion_mnist(data, /*train=*/false);
+
+  // --cuda-graph: the model, DDP and the loop on a stream of their own (dtrain::CudaStreamScope
+  // says why); the checks of the flag come once the group's size is known, below.
+  std::optional<dtrain::CudaStreamScope> capture_stream;
+  if (flags.cuda_graph && device.is_cuda()) capture_stream.emplace(device);
 
   torch::manual_seed(flags.seed);
   Strategy strategy(flags, device, pg);
