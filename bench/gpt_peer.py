@@ -9,6 +9,14 @@ ranks train with DistributedDataParallel (NCCL on cuda, Gloo on cpu); without on
     .venv/bin/python bench/gpt_peer.py --device cpu --steps 20 --max-bytes 200000
     build/bin/dtrain run --nproc-per-node 1 -- .venv/bin/python bench/gpt_peer.py --device cuda --amp bf16
 Rank 0 prints one JSON line, with train_gpt's field names.
+
+The layouts, each alone, with train_gpt's flags and PyTorch's own implementation of each (bench/gpt_layouts.sh):
+  (none)        DistributedDataParallel over every rank
+  --zero 3      FSDP2: fully_shard on each block, then on the whole model (embedding, norm and head)
+  --tp T        DTensor's parallelize_module: wq, wk, wv, w1, w3 ColwiseParallel, wo and w2 RowwiseParallel (Megatron's
+                split, as train_gpt's --tp); the embedding, the norms and the head replicated
+  --pp P        torch.distributed.pipelining: the blocks cut into P stages as train_gpt cuts them (the embedding on
+                the first, the norm and the head on the last), --schedule gpipe or 1f1b, --micro-batches M
 """
 import argparse
 import contextlib
@@ -194,6 +202,11 @@ def parse():
                    help="text file, gzip'd or plain (default: $DTRAIN_TEXT_CORPUS, else GCIDE)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints the loss every N steps (0: never)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (give it --warmup-steps)")
+    p.add_argument("--zero", type=int, choices=(0, 3), default=0, help="3: FSDP2 over the ranks (0: DDP)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (DTensor), every rank")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining), every rank")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="with --pp")
+    p.add_argument("--micro-batches", type=int, default=4, help="with --pp")
     args = p.parse_args()
     for name in ("layers", "width", "heads", "kv_heads", "seq_len", "batch_size", "steps"):
         if getattr(args, name) < 1:
@@ -207,6 +220,36 @@ def parse():
     if args.heads % args.kv_heads != 0:
         p.error(f"--heads {args.heads} does not divide by --kv-heads {args.kv_heads}")
     return args
+
+
+def tensor_parallel(model, mesh, degree):
+    """Megatron's split through DTensor, as torchtitan's Llama: query/key/value and the MLP's w1/w3 by columns
+    (heads), the attention output and w2 by rows; each block's attention then holds heads / degree heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel()}
+    for name, child in model.named_children():
+        if name.startswith("block"):
+            parallelize_module(child, mesh, plan)
+            child.attention.heads //= degree
+            child.attention.kv_heads //= degree
+
+
+def pipeline_stage(model, stages, rank, device):
+    """This rank's stage: the blocks dealt as train_gpt deals them (as evenly as they go, the first stages taking
+    one more), the embedding on the first stage, the norm and the head on the last."""
+    from torch.distributed.pipelining import PipelineStage
+    children = list(model.named_children())
+    blocks = [c for c in children if c[0].startswith("block")]
+    per, extra = divmod(len(blocks), stages)
+    begin = rank * per + min(rank, extra)
+    mine = blocks[begin:begin + per + (1 if rank < extra else 0)]
+    if rank == 0:
+        mine = [children[0]] + mine
+    if rank == stages - 1:
+        mine = mine + children[-2:]
+    return PipelineStage(nn.Sequential(OrderedDict(mine)), rank, stages, device)
 
 
 def main():
@@ -223,12 +266,44 @@ def main():
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    layouts = (args.zero == 3) + (args.tp > 1) + (args.pp > 1)
+    if layouts > 1:
+        fail("--zero 3, --tp and --pp: one at a time here (train_gpt combines them; this peer does not)")
+    if (args.tp > 1 or args.pp > 1) and max(args.tp, args.pp) != world:
+        fail(f"--tp {args.tp} --pp {args.pp} on {world} ranks: the degree must be the world size here")
+    if args.tp > 1 and (args.heads % args.tp or args.kv_heads % args.tp):
+        fail(f"--tp {args.tp} does not divide --heads {args.heads} and --kv-heads {args.kv_heads}")
+    if args.pp > 1 and args.batch_size % args.micro_batches:
+        fail(f"--micro-batches {args.micro_batches} does not divide --batch-size {args.batch_size}")
+    data_ranks = world // max(args.tp, args.pp)  # the replicas that read their own windows
 
     torch.manual_seed(0)  # the same start on every rank (DDP broadcasts rank 0's anyway)
     with device:  # on the device from the start: the rotary tables are not buffers, which .to() would move
         model = gpt(args)
     params = sum(p.numel() for p in model.parameters())
-    if distributed:
+    schedule, stage = None, None
+    if args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        tensor_parallel(model, init_device_mesh(device.type, (world,)), args.tp)
+    elif args.pp > 1:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        stage = pipeline_stage(model, args.pp, rank, device)
+        model = stage.submod
+
+        def flat_loss(logits, targets):
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+        cls = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+        schedule = cls(stage, n_microbatches=args.micro_batches, loss_fn=flat_loss)
+    elif args.zero == 3:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (world,))
+        for name, child in model.named_children():
+            if name.startswith("block"):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                     else None)
     if args.compile:  # after DDP, as PyTorch's docs do it: DDPOptimizer then cuts the graph at bucket edges
@@ -238,7 +313,8 @@ def main():
 
     windows = ByteWindows(load_corpus(args.corpus, args.max_bytes), args.seq_len)
     # A shuffled sampler with one replica when not distributed: the same order as rank 0 of one.
-    sampler = DistributedSampler(windows, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    # Tensor and pipeline ranks read the same windows: one replica of the data per data-parallel rank.
+    sampler = DistributedSampler(windows, num_replicas=data_ranks, rank=rank % data_ranks, shuffle=True, seed=0)
     loader = DataLoader(windows, batch_size=args.batch_size, sampler=sampler)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.amp == "bf16" \
         else contextlib.nullcontext
@@ -247,7 +323,8 @@ def main():
         loss = loss.detach().float().clone()
         if distributed:
             dist.all_reduce(loss)
-            loss /= world
+            # tensor ranks all hold the same loss; of the pipeline's stages only the last holds one
+            loss /= world if args.pp == 1 else 1
         return loss.item()
 
     def sync():
@@ -268,10 +345,18 @@ def main():
                 start = time.perf_counter()
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad()
-            with autocast():
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-            loss.backward()
+            if schedule is not None:
+                losses = []
+                last = rank == args.pp - 1
+                with autocast():
+                    schedule.step(*([inputs] if rank == 0 else []), target=targets if last else None,
+                                  losses=losses if last else None)
+                loss = torch.stack(losses).mean() if last else torch.zeros(())
+            else:
+                with autocast():
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+                loss.backward()
             optimizer.step()
             step += 1
             # As train_gpt: the ranks' mean only for the steps reported (the very first, warm-up or not, the
@@ -286,7 +371,7 @@ def main():
     sync()
     seconds = time.perf_counter() - start
 
-    tokens_per_s = args.steps * args.batch_size * args.seq_len * world / seconds
+    tokens_per_s = args.steps * args.batch_size * args.seq_len * data_ranks / seconds
     flops = model_flops_per_token(params, args.layers, args.width, args.seq_len)
     if rank == 0:
         print(json.dumps({
