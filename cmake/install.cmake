@@ -12,9 +12,18 @@ include(CMakePackageConfigHelpers)
 
 set(DTRAIN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/dtrain)
 
+# Named explicitly: INSTALL_RPATH_USE_LINK_PATH alone kept only MKL's leftovers (/lib/intel64), and a
+# program's own RUNPATH does not reach its libraries' dependencies, so a consumer that needs none of
+# libc10_cuda itself could not load libdtrain, which does (CudaGraphStep).
+set(_dtrain_install_rpath "${TORCH_INSTALL_PREFIX}/lib")
+if(CUDA_cudart_LIBRARY)  # the CUDA runtime the wheel links (dtrainFindTorch.cmake names it)
+  get_filename_component(_dtrain_cudart_dir "${CUDA_cudart_LIBRARY}" DIRECTORY)
+  list(APPEND _dtrain_install_rpath "${_dtrain_cudart_dir}")
+endif()
 set_target_properties(dtrain PROPERTIES
   VERSION ${PROJECT_VERSION}
   SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
+  INSTALL_RPATH "${_dtrain_install_rpath}"
   INSTALL_RPATH_USE_LINK_PATH TRUE)
 set_target_properties(dtrain_cli PROPERTIES EXPORT_NAME launcher)
 
