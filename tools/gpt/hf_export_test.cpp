@@ -255,7 +255,8 @@ TEST(TrainGptHf, TransformersLoadsTheExportAndGivesTheSameLogits) {
   const std::string python = python_with_transformers(&why);
   if (python.empty()) GTEST_SKIP() << why;
   const std::string dir = temp_dir("hf-train-export");
-  const std::vector<std::string> layouts = {"", " --tp 2", " --zero 3 --export-hf-max-shard 60000"};
+  const std::vector<std::string> layouts = {"", " --tp 2", " --zero 3 --export-hf-max-shard 60000",
+                                            " --pp 2 --schedule zbh1"};
   std::string pairs;  // "DIR LOGITS" of each layout, for one Python start
   for (size_t i = 0; i < layouts.size(); ++i) {
     SCOPED_TRACE("layout:" + layouts[i]);
@@ -311,7 +312,9 @@ TEST(TrainGptHf, ImportsASavePretrainedFolderAndTrainsOn) {
       " --max-bytes 2000000 --log-every 0 --device cpu --batch-size 8"
       " --seq-len 32 --steps 20 --init-hf " +
       dir + "/model --logits-tokens " + dir + "/reference.safetensors";
-  for (const std::string& layout : {std::string(""), std::string(" --tp 2")}) {
+  // With --pp every rank loads the whole model and its stage trains its own blocks.
+  for (const std::string& layout :
+       {std::string(""), std::string(" --tp 2"), std::string(" --pp 2 --schedule zbh1")}) {
     SCOPED_TRACE("layout:" + layout);
     auto run = run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + init +
                            layout + " --logits-out " + dir + "/logits.safetensors");
@@ -326,11 +329,10 @@ TEST(TrainGptHf, ImportsASavePretrainedFolderAndTrainsOn) {
     EXPECT_LT(last, first - 0.5) << run.output;
   }
 
-  // Size flags that contradict config.json, and a layout that does not export yet: one line, 2.
+  // Size flags that contradict config.json, and a folder that is not there: one line, 2.
   for (const std::string& flags : {std::string(" --init-hf " + dir + "/model --width 32"),
                                    std::string(" --init-hf " + dir + "/model --seq-len 4096"),
-                                   std::string(" --init-hf " + dir + "/nowhere"),
-                                   std::string(" --pp 2 --export-hf " + dir + "/out")}) {
+                                   std::string(" --init-hf " + dir + "/nowhere")}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);

@@ -107,8 +107,8 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
       mesh_.tensor_group->broadcast(shared, 0);
       cuts.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
     }
-    pipe = std::make_unique<dtrain::DistributedPipeline>(dtrain::split_sequential(whole, cuts),
-                                                         mesh_, pipeline, device);
+    chunks_ = dtrain::split_sequential(whole, cuts);
+    pipe = std::make_unique<dtrain::DistributedPipeline>(chunks_, mesh_, pipeline, device);
     parameters_ = pipe->parameters();  // this stage's
   } else if (options_.zero > 0) {
     dtrain::ShardedDataParallelOptions sharded;
@@ -181,6 +181,87 @@ std::vector<std::pair<std::string, at::Tensor>> Parallel::named_parameters() con
 
 bool Parallel::tensor_split(const at::Tensor& parameter) const {
   return split_.count(parameter.unsafeGetTensorImpl()) > 0;
+}
+
+// Note [Pipelined evaluation]
+// The pipeline's schedules train; held-out windows need only a forward, which here walks the
+// chunks in the model's order (chunk c lives on stage c % P, as in dtrain's schedules, so the
+// interleaved schedule's two chunks per stage are visited in turn): the owner of chunk c receives
+// its input from the owner of chunk c - 1 (stage 0 starts from the tokens), runs it and sends the
+// output on. An activation goes as two messages, a header (its rank, sizes and dtype) and the
+// values: under --sp its sequence is a slice, and the last chunk's logits never travel. The last
+// chunk's owner computes the loss and broadcasts it over the pipeline group. Each stage's tensor
+// ranks run their chunk together (its collectives are the tensor group's) and talk to their own
+// peers of the neighbouring stages (the pipeline group is one tensor rank's stages).
+namespace {
+
+// Above the tags of dtrain's pipeline (its schedule's, and its pre-flight's from 1 << 24).
+constexpr int kEvalTag = 1 << 25;
+constexpr int64_t kHeaderLength = 8;  // rank, up to 6 sizes, dtype
+
+void send_activation(const at::Tensor& x, const std::shared_ptr<dtrain::ProcessGroup>& group,
+                     int dst) {
+  TORCH_INTERNAL_ASSERT(x.dim() <= kHeaderLength - 2, "an activation of rank ", x.dim());
+  at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
+  header[0] = x.dim();
+  for (int64_t d = 0; d < x.dim(); ++d) header[1 + d] = x.size(d);
+  header[kHeaderLength - 1] = static_cast<int64_t>(x.scalar_type());
+  group->send(header.to(x.device()), dst, kEvalTag);
+  group->send(x.contiguous(), dst, kEvalTag);
+}
+
+at::Tensor recv_activation(const std::shared_ptr<dtrain::ProcessGroup>& group, int src,
+                           c10::Device device) {
+  at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions(at::kLong).device(device));
+  group->recv(header, src, kEvalTag);
+  header = header.to(at::kCPU);
+  std::vector<int64_t> sizes;
+  for (int64_t d = 0; d < header[0].item<int64_t>(); ++d)
+    sizes.push_back(header[1 + d].item<int64_t>());
+  const auto dtype = static_cast<at::ScalarType>(header[kHeaderLength - 1].item<int64_t>());
+  at::Tensor x = at::empty(sizes, at::TensorOptions(dtype).device(device));
+  group->recv(x, src, kEvalTag);
+  return x;
+}
+
+}  // namespace
+
+double Parallel::evaluate(const at::Tensor& inputs, const at::Tensor& targets) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double value = 0;
+  if (!pipe) {
+    value = next_token_loss(model(inputs.to(device_)), targets.to(device_)).item<double>();
+  } else {
+    const std::shared_ptr<dtrain::ProcessGroup>& group = mesh_.pipeline_group;
+    const int stages = mesh_.pipeline_size, stage = mesh_.pipeline_index;
+    const int chunks = static_cast<int>(chunks_.size());
+    at::Tensor x = inputs.to(device_);
+    for (int c = stage; c < chunks; c += stages) {
+      if (c > 0) x = recv_activation(group, (c - 1) % stages, device_);
+      x = chunks_[c]->forward(x);
+      if (c + 1 < chunks) send_activation(x, group, (c + 1) % stages);
+    }
+    const int last = (chunks - 1) % stages;
+    at::Tensor loss = at::zeros({1}, at::TensorOptions(at::kDouble).device(device_));
+    if (stage == last) loss.fill_(next_token_loss(x, targets.to(device_)).item<double>());
+    group->broadcast(loss, last);
+    value = loss.item<double>();
+  }
+  model->train();
+  return value;
+}
+
+void Parallel::gather_stages() {
+  if (!pipe) return;
+  torch::NoGradGuard no_grad;
+  const int stages = mesh_.pipeline_size;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    for (at::Tensor p : chunks_[c]->parameters()) {
+      at::Tensor value = p.detach();
+      mesh_.pipeline_group->broadcast(value, static_cast<int>(c) % stages);
+    }
+  }
 }
 
 // ---- checkpoints ----

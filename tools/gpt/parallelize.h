@@ -96,6 +96,21 @@ class Parallel {
   // True for a parameter split over the tensor group (the blocks' projections with tp > 1).
   bool tensor_split(const at::Tensor& parameter) const;
 
+  // The model's mean next-token loss on inputs and targets [batch, seq] (held-out windows), in eval
+  // mode and without gradients; every rank of a replica passes the same windows and gets the same
+  // loss. With a pipeline the stages run their chunks in the model's order, each sending its
+  // output to the next over the pipeline group (Note [Pipelined evaluation]), the last stage
+  // computes the loss and broadcasts it over the pipeline group. Collective over the replica (its
+  // tensor and pipeline groups). With ZeRO, call sdp->gather_full_parameters() first.
+  double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // After training: makes `model` the whole trained model on every rank, for export_hf and the
+  // logits. Every rank builds the whole model, but a pipeline's stage trains only its own blocks;
+  // here each stage broadcasts its parameters over the pipeline group, so the other stages' copies
+  // (left as they were drawn or loaded) take the trained values. With tp > 1 each rank keeps its
+  // tensor shards (export_hf gathers them). No-op without a pipeline. Collective over the world.
+  void gather_stages();
+
   // Checkpoints (Note [Layout-neutral checkpoints] in parallelize.cpp): every layout saves into
   // and resumes from the same sharded checkpoints, keyed by the whole model's parameter names, so a
   // run resumes in any other layout and at any world size. `checkpointer` is over the world;
@@ -122,6 +137,7 @@ class Parallel {
 
   LayoutOptions options_;
   dtrain::RankMesh mesh_;
+  std::vector<torch::nn::Sequential> chunks_;  // with a pipeline: the whole model's, in order
   std::shared_ptr<dtrain::ProcessGroup> world_, data_group_;
   std::vector<at::Tensor> parameters_;
   c10::Device device_;

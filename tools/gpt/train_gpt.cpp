@@ -94,13 +94,15 @@ Flags parse(int argc, char** argv) {
   CLI::App app("train_gpt: a GPT-style transformer on GCIDE's text, bytes as tokens");
   app.add_option("--dp", flags.dp, "data-parallel replicas (default: world size / (tp x pp))")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--pp", flags.pp, "pipeline stages (dp x tp x pp is the world size)")
+  app.add_option("--pp", flags.pp, "pipeline stages (default 1; dp x tp x pp is the world size)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block")
+  app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block (default 1)")
       ->check(CLI::Range(1, 64));
   app.add_flag("--sp", flags.sp,
                "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
-  app.add_option("--zero", flags.zero, "ZeRO stage over the data-parallel ranks (0: DDP)")
+  app.add_option("--zero", flags.zero,
+                 "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; 1-3 only with --tp 1 --pp "
+                 "1)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--recompute", flags.recompute,
                "recompute every block's activations in backward (less memory, one more forward)");
@@ -108,21 +110,31 @@ Flags parse(int argc, char** argv) {
                  "clip the gradient to this global 2-norm (over every shard, tensor rank and "
                  "stage; 0: no clipping)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--schedule", flags.schedule, "gpipe, 1f1b or interleaved (with --pp)");
-  app.add_option("--micro-batches", flags.micro_batches, "micro-batches per step (with --pp)")
+  app.add_option("--schedule", flags.schedule,
+                 "pipeline schedule with --pp: gpipe, 1f1b (default), interleaved (two chunks per "
+                 "stage) or zbh1 (zero-bubble H1)");
+  app.add_option("--micro-batches", flags.micro_batches,
+                 "micro-batches per step with --pp (at most --batch-size)")
       ->check(CLI::Range(1, 1024));
   // The sizes, as pointers: with --init-hf the ones given must agree with its config.json.
   std::vector<std::pair<CLI::Option*, int64_t*>> sizes = {
-      {app.add_option("--layers", flags.model.layers)->check(CLI::Range(1, 1024)),
+      {app.add_option("--layers", flags.model.layers, "transformer blocks (default 2)")
+           ->check(CLI::Range(1, 1024)),
        &flags.model.layers},
-      {app.add_option("--width", flags.model.width)->check(CLI::Range(2, 65536)),
+      {app.add_option("--width", flags.model.width,
+                      "model width (default 64; a multiple of --heads, width / heads even)")
+           ->check(CLI::Range(2, 65536)),
        &flags.model.width},
-      {app.add_option("--heads", flags.model.heads)->check(CLI::Range(1, 1024)),
+      {app.add_option("--heads", flags.model.heads, "query heads (default 4)")
+           ->check(CLI::Range(1, 1024)),
        &flags.model.heads},
-      {app.add_option("--kv-heads", flags.model.kv_heads)->check(CLI::Range(1, 1024)),
+      {app.add_option("--kv-heads", flags.model.kv_heads,
+                      "key/value heads (default 2; must divide --heads)")
+           ->check(CLI::Range(1, 1024)),
        &flags.model.kv_heads}};
   CLI::Option* seq_len =
-      app.add_option("--seq-len", flags.model.seq_len, "tokens per window (and the model's limit)")
+      app.add_option("--seq-len", flags.model.seq_len,
+                     "tokens per window (default 64; and the model's limit without --init-hf)")
           ->check(CLI::Range(1, 1 << 20));
   app.add_option("--init-hf", flags.init_hf,
                  "start from this Hugging Face Llama folder (config.json + safetensors); the "
@@ -137,21 +149,30 @@ Flags parse(int argc, char** argv) {
   app.add_option("--logits-tokens", flags.logits_tokens,
                  "a safetensors file whose int64 \"tokens\" [batch, seq] --logits-out uses "
                  "(default: the first two held-out windows)");
-  app.add_option("--batch-size", flags.batch_size, "windows per data-parallel rank")
+  app.add_option("--batch-size", flags.batch_size,
+                 "windows per data-parallel replica and step (default 8)")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--steps", flags.steps, "timed steps")->check(CLI::Range(1, 1 << 30));
-  app.add_option("--warmup-steps", flags.warmup_steps, "untimed steps before the timed ones")
+  app.add_option("--steps", flags.steps, "timed steps (default 100)")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--warmup-steps", flags.warmup_steps,
+                 "untimed steps before the timed ones (default 0)")
       ->check(CLI::Range(0, 1 << 30));
   app.add_option("--device", flags.device,
-                 "auto: cuda:LOCAL_RANK when each rank of the node has a GPU, else cpu")
+                 "auto (default): cuda:LOCAL_RANK when each rank of the node has a GPU, else cpu; "
+                 "cpu; or cuda (ranks may share a GPU, with DTRAIN_CUDA_BACKEND=gloo)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--amp", flags.amp, "bf16: the forward under bfloat16 autocast")
+  app.add_option("--amp", flags.amp, "none (default), or bf16: the forward under bfloat16 autocast")
       ->check(CLI::IsMember({"none", "bf16"}));
-  app.add_option("--lr", flags.lr, "AdamW's learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", flags.lr, "AdamW's learning rate (default 3e-3)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--max-bytes", flags.max_bytes, "read only this much of the corpus (0: all)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--eval-windows", flags.eval_windows)->check(CLI::Range(1, 1 << 20));
-  app.add_option("--log-every", flags.log_every)->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-windows", flags.eval_windows,
+                 "held-out windows for val_loss and bits_per_byte (default 64)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--log-every", flags.log_every,
+                 "print the loss every N steps on rank 0 (default 20; 0: never)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "save checkpoints there (after the last step, and every --checkpoint-every)");
   app.add_option("--checkpoint-every", flags.checkpoint_every, "also save every N steps")
@@ -179,16 +200,6 @@ Flags parse(int argc, char** argv) {
                              std::to_string(flags.tp) +
                              ": ZeRO over the data dimension of a tensor-parallel layout is not "
                              "implemented; use --zero 0 (DDP over the replicas) with --tp");
-  }
-  for (auto [flag, value] :
-       {std::pair<const char*, const std::string*>{"--export-hf", &flags.export_hf},
-        {"--logits-out", &flags.logits_out}}) {
-    if (flags.pp > 1 && !value->empty()) {
-      throw dtrain::UsageError(
-          std::string("train_gpt: ") + flag + " with --pp " + std::to_string(flags.pp) +
-          ": a pipeline's stages each hold their own blocks and gathering them is not "
-          "implemented yet; the layouts that export so far are DDP, --zero 1-3 and --tp");
-    }
   }
   if (flags.pp > 1 && flags.zero > 0) {
     throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +
@@ -397,15 +408,13 @@ int train(const Flags& flags) {
       datasets::ByteWindows(corpus.train, flags.window).map(torch::data::transforms::Stack<>());
   dtrain::DistributedSampler sampler(train_set.size().value(), data_group);
   // The held-out windows, made before training so that a tail too short for one window is one line
-  // before the first step, not after the last (the pipeline does not validate: see below).
+  // before the first step, not after the last.
   std::optional<datasets::ByteWindows> heldout;
-  if (!pipe) {
-    try {
-      heldout.emplace(corpus.heldout, flags.window);
-    } catch (const dtrain::UsageError& e) {
-      throw dtrain::UsageError(std::string("train_gpt: the held-out text (the last 5% of the ") +
-                               "corpus, or of --max-bytes): " + e.what());
-    }
+  try {
+    heldout.emplace(corpus.heldout, flags.window);
+  } catch (const dtrain::UsageError& e) {
+    throw dtrain::UsageError(std::string("train_gpt: the held-out text (the last 5% of the ") +
+                             "corpus, or of --max-bytes): " + e.what());
   }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
@@ -476,39 +485,36 @@ int train(const Flags& flags) {
                                    {"amp", flags.amp},
                                    {"first_loss", first_loss},
                                    {"train_loss", last_loss}};
-  // Validation on the held-out tail, by the whole model on every rank (the pipeline has no
-  // inference path yet: its stages hold only their own blocks).
-  if (!pipe) {
-    if (sdp) sdp->gather_full_parameters();
-    torch::NoGradGuard no_grad;
-    model->eval();
-    const int64_t windows =
-        std::min<int64_t>(flags.eval_windows, static_cast<int64_t>(heldout->size().value()));
-    double total = 0;
-    for (int64_t i = 0; i < windows; ++i) {
-      auto example = heldout->get(static_cast<size_t>(i));
-      total += gpt::next_token_loss(model(example.data.unsqueeze(0).to(device)),
-                                    example.target.unsqueeze(0).to(device))
-                   .item<double>();
-    }
-    const double val_loss = total / static_cast<double>(windows);
-    result["val_loss"] = val_loss;
-    result["bits_per_byte"] = val_loss / std::log(2.0);
-    // The whole model is on every rank here (ZeRO gathered it above; a tensor group gathers in
-    // export_hf and runs its forward together).
-    if (!flags.logits_out.empty()) {
-      dtrain::TensorTable logits;
-      logits.insert("tokens", logit_tokens);
-      logits.insert("logits_before", logits_before);
-      logits.insert("logits_after", logits_of());
-      if (leader) dtrain::save_safetensors_file(flags.logits_out, logits);
-    }
-    if (!flags.export_hf.empty()) {
-      gpt::HfExportOptions options;
-      options.max_shard_bytes = flags.export_hf_max_shard;
-      gpt::export_hf(*model, flags.export_hf, options, /*write=*/leader);
-      result["export_hf"] = flags.export_hf;
-    }
+  // Validation on the held-out tail, one window at a time: by the whole model on every rank, or
+  // through the pipeline's stages, the last one computing the loss (Note [Pipelined evaluation] in
+  // parallelize.cpp); every rank gets it.
+  if (sdp) sdp->gather_full_parameters();
+  const int64_t windows =
+      std::min<int64_t>(flags.eval_windows, static_cast<int64_t>(heldout->size().value()));
+  double total = 0;
+  for (int64_t i = 0; i < windows; ++i) {
+    auto example = heldout->get(static_cast<size_t>(i));
+    total += layout.evaluate(example.data.unsqueeze(0), example.target.unsqueeze(0));
+  }
+  const double val_loss = total / static_cast<double>(windows);
+  result["val_loss"] = val_loss;
+  result["bits_per_byte"] = val_loss / std::log(2.0);
+  // The whole trained model on every rank: ZeRO gathered it above, a pipeline's stages broadcast
+  // their blocks here (each rank built the whole model, but trained only its stage's), and a
+  // tensor group gathers its shards in export_hf and runs its forward together.
+  layout.gather_stages();
+  if (!flags.logits_out.empty()) {
+    dtrain::TensorTable logits;
+    logits.insert("tokens", logit_tokens);
+    logits.insert("logits_before", logits_before);
+    logits.insert("logits_after", logits_of());
+    if (leader) dtrain::save_safetensors_file(flags.logits_out, logits);
+  }
+  if (!flags.export_hf.empty()) {
+    gpt::HfExportOptions options;
+    options.max_shard_bytes = flags.export_hf_max_shard;
+    gpt::export_hf(*model, flags.export_hf, options, /*write=*/leader);
+    result["export_hf"] = flags.export_hf;
   }
   if (resumed_step > 0) result["resumed_step"] = resumed_step;
   const double tokens =
