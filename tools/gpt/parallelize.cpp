@@ -474,8 +474,8 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // (empty for another stage's), so that the folder's every tensor is one of the model's.
 void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
   if (sdp) {
-    dtrain::save_dcp_safetensors(dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, {}},
-                                 world_);
+    dtrain::save_dcp_safetensors(
+        dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
     return;
   }
   Ranges saved = saved_ranges(optimizer);
@@ -495,8 +495,8 @@ void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer
       saved.optimizer->state()[range.unsafeGetTensorImpl()] = std::move(s);
     }
   }
-  dtrain::save_dcp_safetensors(dir, dtrain::DcpShards{saved.units(), saved.optimizer.get(), {}},
-                               world_);
+  dtrain::save_dcp_safetensors(
+      dir, dtrain::DcpShards{saved.units(), saved.optimizer.get(), dtrain::TensorTable()}, world_);
 }
 
 void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
@@ -507,14 +507,16 @@ void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) 
   } catch (const dtrain::UsageError&) {
   }
   if (sdp) {
-    dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr, {}};
+    dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr,
+                            dtrain::TensorTable()};
     dtrain::load_dcp_safetensors(dir, state, world_);
     if (!moments) optimizer.state().clear();
     sdp->shards_changed();
     return;
   }
   Ranges loaded = ranges_to_load(/*every=*/true);
-  dtrain::DcpShards state{loaded.units(), moments ? loaded.optimizer.get() : nullptr, {}};
+  dtrain::DcpShards state{loaded.units(), moments ? loaded.optimizer.get() : nullptr,
+                          dtrain::TensorTable()};
   dtrain::load_dcp_safetensors(dir, state, world_);
   apply_loaded(loaded, optimizer);
 }
