@@ -2,11 +2,11 @@
 // layout] in parallelize.cpp). Tier 1 (thread-ranks): DDP, ZeRO-3, tensor, pipeline and tensor x
 // pipeline layouts export, after two AdamW steps, exactly the whole state their layout-neutral
 // checkpoint holds; tensor and tensor x pipeline layouts load such a folder exactly (exported
-// again, it is the same) and train on as one process does from it; a damaged folder is named on
-// every rank and loads nothing. With PyTorch 2.15 (tests/python/gpt_dcp_interop.py): what train_gpt
-// --tp 2 --pp 2 exports loads in Python into an unsharded model and AdamW, exactly; what FSDP2 at 2
-// ranks saves loads into a tensor x pipeline layout exactly, and into train_gpt, which trains on
-// from it as one process does.
+// again, it is the same) and train on as one process does from it; a folder of the model alone
+// starts AdamW afresh; a damaged folder is named on every rank and loads nothing. With PyTorch
+// 2.15 (tests/python/gpt_dcp_interop.py): what train_gpt --tp 2 --pp 2 exports loads in Python into
+// an unsharded model and AdamW, exactly; what FSDP2 at 2 ranks saves loads into a tensor x pipeline
+// layout exactly, and into train_gpt, which trains on from it as one process does.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>

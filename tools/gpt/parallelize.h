@@ -114,7 +114,7 @@ class Parallel {
   // load_dcp fills this rank's parameters from such a folder, whatever wrote it (dtrain in any
   // layout, FSDP2 at any world size, a plain dcp.save), and AdamW's moments and step when the folder
   // holds them (else this rank's AdamW state is cleared: a fresh optimizer). Collective over the
-  // world; throw dtrain::UsageError on every rank, naming the file or tensor, when a file is
+  // world; throws dtrain::UsageError on every rank, naming the file or tensor, when a file is
   // damaged or missing or the folder is of another model (and load_dcp then changes nothing).
   void export_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
   void load_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
