@@ -92,6 +92,11 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
 void load_dcp_safetensors(const std::string& dir, DcpShards& state,
                           const std::shared_ptr<ProcessGroup>& group = nullptr);
 
+// Whether a DCP safetensors folder holds optimizer state (optim.state.<name>.<field> tensors), from
+// its files' headers: a program that loads what may be a model alone passes its optimizer only
+// then. Throws UsageError as load_dcp_safetensors does when the folder is damaged.
+bool dcp_has_optimizer_state(const std::string& dir);
+
 // Every tensor of a DCP safetensors folder, whole (the chunks assembled), on the CPU, ordered by
 // name. Throws UsageError as above.
 TensorTable load_dcp_safetensors(const std::string& dir);

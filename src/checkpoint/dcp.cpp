@@ -771,6 +771,13 @@ void load_dcp_safetensors(const std::string& dir, DcpShards& state,
   for (auto& item : state.buffers) item.value().copy_(buffers[i++]);
 }
 
+bool dcp_has_optimizer_state(const std::string& dir) {
+  const DcpFolder folder(dir);
+  for (const auto& [name, tensor] : folder.tensors())
+    if (detail::is_state_key(name)) return true;
+  return false;
+}
+
 TensorTable load_dcp_safetensors(const std::string& dir) {
   DcpFolder folder(dir);
   TensorTable tensors;

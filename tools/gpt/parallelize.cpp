@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "dtrain/amp.h"
+#include "dtrain/dcp.h"
 #include "dtrain/errors.h"
 
 namespace gpt {
@@ -391,27 +392,32 @@ dtrain::FlatShard unit_of(const std::string& name, const std::vector<int64_t>& s
 
 }  // namespace
 
-void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
-                    dtrain::DistributedSampler& sampler, int64_t step) {
-  dtrain::ShardedTrainingState state;
-  state.sampler = &sampler;
-  state.step = step;
-  if (sdp) {
-    state.shards = sdp->flat_shards();
-    state.stage = options_.zero;
-    state.optimizer = &optimizer;
-    checkpointer.save(state);
-    return;
+// This rank's pieces (every parameter's when saving, else those it reads), each piece's range of
+// the flattened whole tensor on the CPU, and an AdamW over the ranges that holds their moments: the
+// units a checkpoint or a DCP export writes, or that a load fills.
+struct Parallel::Ranges {
+  std::vector<Piece> pieces;
+  std::vector<at::Tensor> ranges;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  std::vector<dtrain::FlatShard> units() const {
+    std::vector<dtrain::FlatShard> result;
+    for (size_t i = 0; i < pieces.size(); ++i)
+      result.push_back(unit_of(pieces[i].name, pieces[i].shape, ranges[i], pieces[i].offset));
+    return result;
   }
+};
+
+Parallel::Ranges Parallel::saved_ranges(torch::optim::AdamW& optimizer) {
   torch::NoGradGuard no_grad;
-  const std::vector<Piece> all = pieces(/*saving=*/true);
-  std::vector<at::Tensor> ranges;  // each unit's shard: this rank's range, on the CPU
+  Ranges result;
+  result.pieces = pieces(/*saving=*/true);
   struct Moments {
     at::Tensor exp_avg, exp_avg_sq;
     int64_t step = 0;
   };
   std::vector<std::optional<Moments>> moments;
-  for (const Piece& piece : all) {
+  for (const Piece& piece : result.pieces) {
     at::Tensor value;
     std::optional<Moments> saved;
     if (piece.param.defined()) {
@@ -433,7 +439,7 @@ void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::Ada
       return piece.numel == 0 ? at::empty({0}, at::kFloat)
                               : t.reshape(-1).narrow(0, start, piece.numel).to(at::kCPU).clone();
     };
-    ranges.push_back(cut(value));
+    result.ranges.push_back(cut(value));
     if (saved && piece.numel > 0) {
       saved->exp_avg = cut(saved->exp_avg);
       saved->exp_avg_sq = cut(saved->exp_avg_sq);
@@ -443,18 +449,72 @@ void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::Ada
     moments.push_back(std::move(saved));
   }
   // The ranges in an AdamW of their own, holding the moments, for the checkpointer to read.
-  torch::optim::AdamW ranged(ranges, torch::optim::AdamWOptions(1.0));
-  for (size_t i = 0; i < all.size(); ++i) {
-    state.shards.push_back(unit_of(all[i].name, all[i].shape, ranges[i], all[i].offset));
-    if (moments[i]) {
-      auto s = std::make_unique<torch::optim::AdamWParamState>();
-      s->step(moments[i]->step);
-      s->exp_avg(moments[i]->exp_avg);
-      s->exp_avg_sq(moments[i]->exp_avg_sq);
-      ranged.state()[ranges[i].unsafeGetTensorImpl()] = std::move(s);
+  result.optimizer =
+      std::make_unique<torch::optim::AdamW>(result.ranges, torch::optim::AdamWOptions(1.0));
+  for (size_t i = 0; i < result.pieces.size(); ++i) {
+    if (!moments[i]) continue;
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(moments[i]->step);
+    s->exp_avg(moments[i]->exp_avg);
+    s->exp_avg_sq(moments[i]->exp_avg_sq);
+    result.optimizer->state()[result.ranges[i].unsafeGetTensorImpl()] = std::move(s);
+  }
+  return result;
+}
+
+Parallel::Ranges Parallel::ranges_to_load(bool every) {
+  Ranges result;
+  for (Piece& piece : pieces(/*saving=*/false))
+    if (every || piece.param.defined()) result.pieces.push_back(std::move(piece));
+  for (const Piece& piece : result.pieces)
+    result.ranges.push_back(at::zeros({piece.numel}, at::kFloat));
+  result.optimizer =
+      std::make_unique<torch::optim::AdamW>(result.ranges, torch::optim::AdamWOptions(1.0));
+  return result;
+}
+
+// From the ranges read to this rank's tensors (a row-parallel one keeps its columns) and AdamW's
+// state (cleared where the ranges have none).
+void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  const int64_t t = mesh_.tensor_index;
+  for (size_t i = 0; i < loaded.pieces.size(); ++i) {
+    const Piece& piece = loaded.pieces[i];
+    const at::Tensor& p = piece.param;
+    if (!p.defined()) continue;  // another stage's
+    auto mine = [&](const at::Tensor& range) {
+      if (piece.split == Piece::Split::kColumns) {
+        return range.view(piece.shape).narrow(1, t * p.size(1), p.size(1)).to(p.device());
+      }
+      return range.view(p.sizes()).to(p.device());
+    };
+    p.detach().copy_(mine(loaded.ranges[i]));
+    optimizer.state().erase(p.unsafeGetTensorImpl());
+    if (auto* s = adamw_state(*loaded.optimizer, loaded.ranges[i])) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(s->step());
+      state->exp_avg(mine(s->exp_avg()).clone());
+      state->exp_avg_sq(mine(s->exp_avg_sq()).clone());
+      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(state);
     }
   }
-  state.optimizer = &ranged;
+}
+
+void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
+                    dtrain::DistributedSampler& sampler, int64_t step) {
+  dtrain::ShardedTrainingState state;
+  state.sampler = &sampler;
+  state.step = step;
+  if (sdp) {
+    state.shards = sdp->flat_shards();
+    state.stage = options_.zero;
+    state.optimizer = &optimizer;
+    checkpointer.save(state);
+    return;
+  }
+  Ranges saved = saved_ranges(optimizer);
+  state.shards = saved.units();
+  state.optimizer = saved.optimizer.get();
   checkpointer.save(state);
 }
 
@@ -471,40 +531,75 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
     sdp->shards_changed();
     return state.step;
   }
-  std::vector<Piece> held;  // what this rank reads: the parameters it holds
-  for (Piece& piece : pieces(/*saving=*/false))
-    if (piece.param.defined()) held.push_back(std::move(piece));
-  std::vector<at::Tensor> ranges;
-  for (const Piece& piece : held) ranges.push_back(at::zeros({piece.numel}, at::kFloat));
-  torch::optim::AdamW ranged(ranges, torch::optim::AdamWOptions(1.0));
-  for (size_t i = 0; i < held.size(); ++i)
-    state.shards.push_back(unit_of(held[i].name, held[i].shape, ranges[i], held[i].offset));
-  state.optimizer = &ranged;
+  Ranges loaded = ranges_to_load(/*every=*/false);  // what this rank reads: what it holds
+  state.shards = loaded.units();
+  state.optimizer = loaded.optimizer.get();
   if (!checkpointer.load_latest(state)) return std::nullopt;
+  apply_loaded(loaded, optimizer);
+  return state.step;
+}
 
-  torch::NoGradGuard no_grad;
-  const int64_t t = mesh_.tensor_index;
-  for (size_t i = 0; i < held.size(); ++i) {
-    const Piece& piece = held[i];
-    const at::Tensor& p = piece.param;
-    // From the range read to this rank's tensor: a row-parallel one keeps its columns.
-    auto mine = [&](const at::Tensor& range) {
-      if (piece.split == Piece::Split::kColumns) {
-        return range.view(piece.shape).narrow(1, t * p.size(1), p.size(1)).to(p.device());
-      }
-      return range.view(p.sizes()).to(p.device());
-    };
-    p.detach().copy_(mine(ranges[i]));
-    optimizer.state().erase(p.unsafeGetTensorImpl());
-    if (auto* s = adamw_state(ranged, ranges[i])) {
-      auto loaded = std::make_unique<torch::optim::AdamWParamState>();
-      loaded->step(s->step());
-      loaded->exp_avg(mine(s->exp_avg()).clone());
-      loaded->exp_avg_sq(mine(s->exp_avg_sq()).clone());
-      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(loaded);
+// Note [DCP export of a layout]
+// A DCP export writes what a checkpoint would (Note [Layout-neutral checkpoints]): every rank its
+// range of each parameter and of AdamW's moments over it, cut into DCP chunks by
+// save_dcp_safetensors (a column-parallel shard is one chunk of rows; a row-parallel tensor's 1/T
+// block of rows of the gathered whole is one, or three where its rows do not divide by T). ZeRO
+// exports its flat shards, as ShardedDataParallel's export does. Two things differ from a
+// checkpoint: rank 0 writes each parameter's AdamW step (a 0-dim tensor, as PyTorch keeps it) and
+// lists every tensor in the folder's index, so it needs a state for every parameter, where a
+// pipeline's rank 0 holds only its stage's moments: it gets an empty range's state for the others,
+// with the step the world agrees on (AdamW steps every parameter together; the maximum over the
+// ranks). And the sampler's position and the training step are not exported: DCP's storage holds
+// tensors only, so a run that starts from a folder (--init-dcp) starts at step 0 of its data.
+// Loading reads by name and range as a checkpoint's load does, into units for every parameter
+// (empty for another stage's), so that the folder's every tensor is one of the model's.
+void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
+  if (sdp) {
+    dtrain::save_dcp_safetensors(
+        dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
+    return;
+  }
+  Ranges saved = saved_ranges(optimizer);
+  int64_t step = 0;
+  for (const auto& [impl, s] : saved.optimizer->state())
+    step = std::max(step, static_cast<torch::optim::AdamWParamState&>(*s).step());
+  at::Tensor steps = at::tensor({step}, at::kLong);
+  world_->all_reduce(steps, dtrain::ReduceOp::kMax);
+  step = steps.item<int64_t>();
+  if (world_->rank() == 0 && step > 0) {
+    for (const at::Tensor& range : saved.ranges) {
+      if (adamw_state(*saved.optimizer, range)) continue;
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(step);
+      s->exp_avg(at::empty({0}, at::kFloat));
+      s->exp_avg_sq(at::empty({0}, at::kFloat));
+      saved.optimizer->state()[range.unsafeGetTensorImpl()] = std::move(s);
     }
   }
-  return state.step;
+  dtrain::save_dcp_safetensors(
+      dir, dtrain::DcpShards{saved.units(), saved.optimizer.get(), dtrain::TensorTable()}, world_);
+}
+
+void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
+  // A damaged folder here is named by the load below, on every rank together.
+  bool moments = true;
+  try {
+    moments = dtrain::dcp_has_optimizer_state(dir);
+  } catch (const dtrain::UsageError&) {
+  }
+  if (sdp) {
+    dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr,
+                            dtrain::TensorTable()};
+    dtrain::load_dcp_safetensors(dir, state, world_);
+    if (!moments) optimizer.state().clear();
+    sdp->shards_changed();
+    return;
+  }
+  Ranges loaded = ranges_to_load(/*every=*/true);
+  dtrain::DcpShards state{loaded.units(), moments ? loaded.optimizer.get() : nullptr,
+                          dtrain::TensorTable()};
+  dtrain::load_dcp_safetensors(dir, state, world_);
+  apply_loaded(loaded, optimizer);
 }
 
 }  // namespace gpt

@@ -122,6 +122,18 @@ class Parallel {
   std::optional<int64_t> load(dtrain::ShardedCheckpointer& checkpointer,
                               torch::optim::AdamW& optimizer, dtrain::DistributedSampler& sampler);
 
+  // DCP (Note [DCP export of a layout] in parallelize.cpp): the whole model's parameters and
+  // AdamW's moments in the layout of torch.distributed.checkpoint's safetensors storage (Note [DCP
+  // safetensors] in dtrain/dcp.h), under the names ZeRO's export uses, every rank writing the
+  // ranges it saves in a checkpoint; PyTorch loads the folder into an unsharded model or FSDP2.
+  // load_dcp fills this rank's parameters from such a folder, whatever wrote it (dtrain in any
+  // layout, FSDP2 at any world size, a plain dcp.save), and AdamW's moments and step when the folder
+  // holds them (else this rank's AdamW state is cleared: a fresh optimizer). Collective over the
+  // world; throws dtrain::UsageError on every rank, naming the file or tensor, when a file is
+  // damaged or missing or the folder is of another model (and load_dcp then changes nothing).
+  void export_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
+  void load_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
+
   const dtrain::RankMesh& mesh() const { return mesh_; }
   // The ranks that read other windows: the mesh's data group (the world with ZeRO).
   const std::shared_ptr<dtrain::ProcessGroup>& data_group() const { return data_group_; }
@@ -132,8 +144,12 @@ class Parallel {
   std::unique_ptr<dtrain::DistributedPipeline> pipe;
 
  private:
-  struct Piece;  // one parameter's part of a checkpoint (parallelize.cpp)
+  struct Piece;   // one parameter's part of a checkpoint (parallelize.cpp)
+  struct Ranges;  // the pieces' values and AdamW moments, as flat ranges on the CPU
   std::vector<Piece> pieces(bool saving);
+  Ranges saved_ranges(torch::optim::AdamW& optimizer);
+  Ranges ranges_to_load(bool every);
+  void apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer);
 
   LayoutOptions options_;
   dtrain::RankMesh mesh_;

@@ -16,6 +16,11 @@
 // training (safetensors: "tokens", "logits_before", "logits_after") for comparing with another
 // implementation.
 //
+// --export-dcp DIR writes the trained model and AdamW's moments, every rank its own part, as
+// torch.distributed.checkpoint's safetensors storage (dtrain/dcp.h) that PyTorch loads unsharded or
+// into FSDP2; --init-dcp DIR starts from such a folder (dtrain's in any layout, FSDP2's, a plain
+// dcp.save's) in any layout: its parameters, and AdamW's moments and step where it holds them.
+//
 // --checkpoint-dir DIR saves the run's state after the last step (and every --checkpoint-every N
 // steps); --resume (or a restart by the launcher) continues from the newest checkpoint exactly, in
 // every layout, and in another layout or world size too (GptCheckpoints below).
@@ -87,6 +92,9 @@ struct Flags {
   std::string checkpoint_dir;    // where checkpoints go (none without it)
   int64_t checkpoint_every = 0;  // also every N steps (0: only after the last)
   bool resume = false;           // continue from checkpoint_dir's newest checkpoint
+
+  std::string init_dcp;    // a DCP safetensors folder to start from
+  std::string export_dcp;  // where to write the trained state as one
 };
 
 Flags parse(int argc, char** argv) {
@@ -144,6 +152,12 @@ Flags parse(int argc, char** argv) {
   app.add_option("--export-hf-max-shard", flags.export_hf_max_shard,
                  "bytes per safetensors file of --export-hf (0: one file)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--init-dcp", flags.init_dcp,
+                 "start from this DCP safetensors folder (the model, and AdamW's moments if there)")
+      ->excludes(app.get_option("--init-hf"));
+  app.add_option("--export-dcp", flags.export_dcp,
+                 "after training, write the model and AdamW's moments here as a DCP safetensors "
+                 "folder (every rank its part)");
   app.add_option("--logits-out", flags.logits_out,
                  "write the logits on fixed tokens before and after training (safetensors)");
   app.add_option("--logits-tokens", flags.logits_tokens,
@@ -418,6 +432,7 @@ int train(const Flags& flags) {
   }
   auto loader = torch::data::make_data_loader(train_set, sampler,
                                               torch::data::DataLoaderOptions(flags.batch_size));
+  if (!flags.init_dcp.empty()) layout.load_dcp(flags.init_dcp, optimizer);  // a checkpoint wins
   GptCheckpoints checkpoints(flags, pg, layout, optimizer, sampler);
   const int64_t resumed_step = checkpoints.resume();
   if (leader && resumed_step > 0) {
@@ -485,6 +500,10 @@ int train(const Flags& flags) {
                                    {"amp", flags.amp},
                                    {"first_loss", first_loss},
                                    {"train_loss", last_loss}};
+  if (!flags.export_dcp.empty()) {  // every rank writes its part (parallelize.h)
+    layout.export_dcp(flags.export_dcp, optimizer);
+    result["export_dcp"] = flags.export_dcp;
+  }
   // Validation on the held-out tail, one window at a time: by the whole model on every rank, or
   // through the pipeline's stages, the last one computing the loss (Note [Pipelined evaluation] in
   // parallelize.cpp); every rank gets it.
