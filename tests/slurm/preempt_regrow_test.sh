@@ -132,8 +132,8 @@ grep -q "round 1: node rank 0 of 1, WORLD_SIZE 1" "$out" || fail "no round 1 at 
 grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$node's agent did not pass SIGTERM on"
 grep -qx "preempted: waiting for Slurm to requeue the job" "$leave_out" ||
   fail "$node's job script did not see the preemption: $(grep -v 'step [0-9]* loss' "$leave_out" | tail -n 5)"
-grep -q "preempted JobId=$leave\b" "$cluster/slurmctld.log" ||
-  fail "slurmctld did not preempt job $leave: $(grep -i preempt "$cluster/slurmctld.log" | tail -n 3)"
+grep -q "preempted JobId=$leave has been requeued" "$cluster/slurmctld.log" ||
+  fail "slurmctld did not requeue the preempted job $leave: $(grep -i "preempt\|JobId=$leave" "$cluster/slurmctld.log" | tail -n 3)"
 signalled=$(signal_time "$cluster/slurmd-$node.log" "$leave")
 [ -n "$signalled" ] || fail "no 'Sent signal 15 to StepId=$leave.0' in $cluster/slurmd-$node.log"
 

@@ -39,12 +39,20 @@ for spec in "1 1 1" "2 1 2" "3 2 2"; do
   grep -q "running $n worker(s): srun --ntasks=$n --nodes=$nodes --ntasks-per-node=$per_node --kill-on-bad-exit=1 $trainer" \
     "$err" || fail "count $n was not an srun step of $n task(s) on $nodes node(s): $(grep 'running' "$err")"
 done
-python3 - "$work/scale.out" <<'PY' || fail "dtrain scale did not measure exactly 1, 2 and 3 workers: $(cat "$work/scale.out")"
+# The report: exactly 1, 2 and 3 workers, each with every rank's records; each rank of a count saw the
+# count as its world size (srun's SLURM_NTASKS, not a RANK/WORLD_SIZE of dtrain scale's own).
+python3 - "$work/scale.out" "$work/scale" <<'PY' || fail "dtrain scale did not measure exactly 1, 2 and 3 workers: $(cat "$work/scale.out")"
 import json, sys
 rows = json.load(open(sys.argv[1]))["runs"]
 counts = [(r["workers"], r["ok"], r["source"], r.get("ranks_recorded")) for r in rows]
-print(counts)
-sys.exit(0 if counts == [(n, True, "profile", n) for n in (1, 2, 3)] else 1)
+print("measured (workers, ok, source, ranks recorded):", counts)
+if counts != [(n, True, "profile", n) for n in (1, 2, 3)]:
+    sys.exit(1)
+for n in (1, 2, 3):
+    seen = {(r["rank"], r["world_size"]) for r in map(json.loads, open("%s/workers%d/profile.jsonl" % (sys.argv[2], n)))}
+    if seen != {(rank, n) for rank in range(n)}:
+        print("count %d: records of (rank, world size) %s" % (n, sorted(seen)))
+        sys.exit(1)
 PY
 # Step 2 (3 workers) ran on both nodes; steps 0 and 1 on one.
 steps_on() { grep -o "launch task StepId=$job\.[0-9]*" "$cluster/slurmd-$1.log" | sort -u | grep -o "[0-9]*$" | tr '\n' ' '; }

@@ -463,6 +463,14 @@ int scale_main(const std::vector<std::string>& args) {
     scale::AnalysisSettings settings;
     settings.warmup_steps = options.warmup_steps;
     settings.link_gbps = options.link_gbps;
+    if (slurm) {
+      // The allocation's tasks hold a CPU each at least, on however many nodes: no count given
+      // here oversubscribes them.
+      settings.host_cpus = slurm->tasks;
+      settings.notes.push_back("each count ran as an srun step of Slurm allocation " +
+                               slurm->job_id + " (" + std::to_string(slurm->tasks) + " tasks on " +
+                               std::to_string(slurm->nodes) + " node(s))");
+    }
     if (std::getenv("OMP_NUM_THREADS") == nullptr && options.nproc.front() == 1 &&
         options.nproc.back() > 1) {
       settings.notes.push_back(
