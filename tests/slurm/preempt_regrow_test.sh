@@ -4,13 +4,13 @@
 # partition low of preempt_test.sh's cluster (lib.sh's preempt_conf: partition high preempts low by
 # requeueing, GraceTime 5 s). An exclusive job of partition high pinned to the node without rank 0 (-w) takes
 # that node alone: its node job's agent, started by srun, gets Slurm's SIGTERM at once and passes it on; every
-# rank stops at a step they agree on, rank 0 saves it and the other node's agent restarts its worker at size 1,
-# which trains while the high job runs (the high job ends when the test has seen 10 steps of it; while the
-# test waits for Slurm alone, the worker is paused, so that two epochs outlast the stretch on any machine). The preempted node job's script waits after the stop until Slurm
-# requeues it (doc/slurm.md); after the high job the requeued job starts again on the freed node, its agent
-# joins, and the training grows back to size 2. Every sample of every epoch counts exactly once. Prints the
-# time from the SIGTERM to the next step at size 1 and from the requeued job's start to the first step at
-# size 2.
+# rank stops at a step they agree on, rank 0 saves it and the other node's agent restarts its worker at size
+# 1, which trains while the high job runs (the high job ends when the test has seen 10 steps of it; while the
+# test waits for Slurm alone, the worker is paused, so that two epochs outlast the stretch on any machine).
+# The preempted node job's script waits after the stop until Slurm requeues it (doc/slurm.md); after the high
+# job the requeued job starts again on the freed node, its agent joins, and the training grows back to size 2.
+# Every sample of every epoch counts exactly once. Prints the time from the SIGTERM to the checkpoint and to
+# the next step at size 1, and from the requeued job's start to the first step at size 2.
 # Usage: preempt_regrow_test.sh BUILD_BIN_DIR
 source "$(dirname "$0")/lib.sh"
 command -v etcd >/dev/null || skip "etcd is not installed (Debian: etcd-server)"
@@ -124,6 +124,7 @@ JOB
 high=$(on_head sbatch --parsable -p high -w "$node" -N1 --exclusive --output="$work/high.out" "$work/high.sh") ||
   fail "sbatch refused the high-priority job: $high"
 read -r shrunk s1 < <(wait_step "$out" 1) || exit 1
+saved=$(stat -c %.9Y "$work/ckpt/checkpoint-$s1.ckpt") || fail "no checkpoint of step $s1 in $work/ckpt"
 wait_steps 10
 pause
 wait_line "$work/high.out" "^high starts at " 120
@@ -138,6 +139,8 @@ step_at_high_end=$(last_step)
 high_end=$(grep -o "^high ends at [0-9.]*" "$work/high.out" | grep -o "[0-9.]*$")
 # While the high job ran: the training at size 1, on, not yet grown.
 grep -q "round 2:" "$out" && fail "the training grew back while the high job ran: $(grep 'round' "$out")"
+# (Now: slurmctld forgets a job MinJobAge, 60 s, after its end.)
+[[ "$(wait_job_end "$high" 30)" == "JobState=COMPLETED "* ]] || fail "the high-priority job $high did not complete"
 ((step_at_high_end >= step_at_high_start + 10)) ||
   fail "the training did not go on while the high job ran (step $step_at_high_start at its start," \
     "$step_at_high_end at its end, 120 s later)"
@@ -151,7 +154,8 @@ grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$n
 grep -qx "preempted: waiting for Slurm to requeue the job" "$leave_out" ||
   fail "$node's job script did not see the preemption: $(grep -v 'step [0-9]* loss' "$leave_out" | tail -n 5)"
 grep -q "preempted JobId=$leave has been requeued" "$cluster/slurmctld.log" ||
-  fail "slurmctld did not requeue the preempted job $leave: $(grep -i "preempt\|JobId=$leave" "$cluster/slurmctld.log" | tail -n 3)"
+  fail "slurmctld did not requeue the preempted job $leave:" \
+    "$(grep -i "preempt\|JobId=$leave" "$cluster/slurmctld.log" | tail -n 3)"
 signalled=$(signal_time "$cluster/slurmd-$node.log" "$leave")
 [ -n "$signalled" ] || fail "no 'Sent signal 15 to StepId=$leave.0' in $cluster/slurmd-$node.log"
 
@@ -174,7 +178,6 @@ state=$(wait_job_end "$stay" 300)
 state=$(wait_job_end "$leave" 30)
 [[ $state == "JobState=COMPLETED Restarts=1 "* ]] ||
   fail "node job $leave ended as '$state' (expected COMPLETED, Restarts=1): $(tail -n 5 "$leave_out")"
-[[ "$(wait_job_end "$high" 10)" == "JobState=COMPLETED "* ]] || fail "the high-priority job $high did not complete"
 # Exactly once: every epoch's 60000 samples in the model, over three world sizes (2, 1, 2) (in one epoch
 # or several).
 expected=$(python3 -c "print('[' + ','.join(['60000'] * $epochs) + ']')")
@@ -183,7 +186,7 @@ expected=$(python3 -c "print('[' + ','.join(['60000'] * $epochs) + ']')")
 [ "$(json "$out" world_size)" = 2 ] || fail "the training did not end at world size 2"
 python3 -c "import sys; sys.exit(0 if $(json "$out" test_accuracy) > 0.8 else 1)" ||
   fail "test_accuracy $(json "$out" test_accuracy) (an undisturbed run reaches 0.85 and more)"
-echo "$name: preempted and shrunk at step $s1," \
+echo "$name: preempted and shrunk at step $s1, saved $(python3 -c "print('%.3f' % ($saved - $signalled))") s and" \
   "$(python3 -c "print('%.2f' % ($shrunk - $signalled))") s from the SIGTERM to the next step at size 1;" \
   "steps $step_at_high_start to $step_at_high_end at size 1 while the high job ran; grew at step $s2," \
   "$(python3 -c "print('%.2f' % ($grown - $requeued))") s from the requeued job's start to the first step at" \
