@@ -44,8 +44,7 @@ for spec in "1 1 1" "2 1 2" "3 2 2"; do
 done
 # The report: exactly 1, 2 and 3 workers, each with every rank's records; each rank of a count saw the
 # count as its world size (srun's SLURM_NTASKS, not a RANK/WORLD_SIZE of dtrain scale's own).
-python3 - "$work/scale.out" "$work/scale" <<'PY' ||
-  fail "dtrain scale did not measure exactly 1, 2 and 3 workers: $(cat "$work/scale.out")"
+if ! python3 - "$work/scale.out" "$work/scale" <<'PY'; then
 import json, sys
 rows = json.load(open(sys.argv[1]))["runs"]
 counts = [(r["workers"], r["ok"], r["source"], r.get("ranks_recorded")) for r in rows]
@@ -59,6 +58,8 @@ for n in (1, 2, 3):
         print("count %d: records of (rank, world size) %s" % (n, sorted(seen)))
         sys.exit(1)
 PY
+  fail "dtrain scale did not measure exactly 1, 2 and 3 workers: $(cat "$work/scale.out")"
+fi
 # Step 2 (3 workers) ran on both nodes; steps 0 and 1 on one.
 steps_on() {
   grep -o "launch task StepId=$job\.[0-9]*" "$cluster/slurmd-$1.log" | sort -u | grep -o "[0-9]*$" | tr '\n' ' '
