@@ -22,12 +22,15 @@ on_head etcd --name=dtrain-test --data-dir="$work/etcd" --listen-client-urls=$et
   --log-level=warn >"$work/etcd.log" 2>&1 &
 stop_first=$!
 
-# One node job: the agent, its one worker the trainer (2 epochs: time enough to shrink and regrow).
+# One node job: the agent, its one worker the trainer (2 epochs: time enough to shrink and regrow). The
+# default last-call window (30 s): with 2 s, on a busy machine the new node job's agent formed a round of
+# its own while the staying agent was still stopping its worker (3.6 s), and the staying agent then joined
+# a third round (preempt_regrow_test.sh, doc/slurm.md).
 cat >"$work/node.sh" <<JOB
 #!/usr/bin/env bash
 echo "node job \$SLURM_JOB_ID on \$(hostname) at \$(date +%s.%N)"
 exec "$bin/dtrain" run --nnodes 1:2 --nproc-per-node 1 --rdzv-backend etcd --rdzv-endpoint 10.78.0.1:2379 \
-  --rdzv-id slurm-elastic --max-restarts 5 --rdzv-conf last_call_timeout=2 -- \
+  --rdzv-id slurm-elastic --max-restarts 5 -- \
   "$trainer" --epochs 2 --log-every 1 --checkpoint-dir "$work/ckpt"
 JOB
 submit() { on_head sbatch --parsable -w "$1" -N1 -n1 --output="$2" "$work/node.sh"; }
@@ -74,6 +77,8 @@ grep -q "stopped by SIGTERM after step $s1: saved $work/ckpt/checkpoint-$s1.ckpt
 grep -qE "host $node \(node [^)]*\) (leaves|left the job)" "$out" || fail "the staying agent did not see $node leave"
 grep -q "round 1: node rank 0 of 1, WORLD_SIZE 1" "$out" || fail "no round 1 at WORLD_SIZE 1"
 grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$node's agent did not pass SIGTERM on"
+# (Now: slurmctld forgets a job MinJobAge, 60 s, after its end.)
+[[ "$(wait_job_end "$leave" 30)" == "JobState=CANCELLED "* ]] || fail "node job $leave is not CANCELLED"
 
 # Regrow: a new node job on node 1 joins.
 c=$(submit "$node" "$work/c.out") || fail "sbatch: $c"
@@ -86,7 +91,6 @@ c_started=$(grep -o "^node job $c on $node at [0-9.]*" "$work/c.out" | grep -o "
 state=$(wait_job_end "$stay" 120)
 [[ $state == "JobState=COMPLETED "* ]] || fail "node job $stay ended as '$state': $(tail -n 5 "$out")"
 [[ "$(wait_job_end "$c" 10)" == "JobState=COMPLETED "* ]] || fail "node job $c did not complete"
-[[ "$(job_state "$leave")" == "JobState=CANCELLED "* ]] || fail "node job $leave is not CANCELLED"
 # Exactly once: both epochs' 60000 samples in the model, over three world sizes (2, 1, 2).
 [ "$(json "$out" epoch_samples)" = "[60000,60000]" ] || fail "epoch_samples is $(json "$out" epoch_samples)"
 [ "$(json "$out" restarts)" = 2 ] || fail "\"restarts\" is $(json "$out" restarts), not 2"

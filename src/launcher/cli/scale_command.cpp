@@ -13,6 +13,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -168,8 +169,24 @@ struct Session {
   const LaunchPlan& plan;
   elastic::SignalPipe& signals;
   int dev_null;
+  // Inside a Slurm allocation: each count is one srun step (the group's one worker is srun).
+  std::optional<SlurmAllocation> slurm;
   int interrupted_by = 0;  // set when the user stopped `dtrain scale`
 };
+
+// The one worker that runs `workers` ranks of `command` as a step of the allocation: srun with the
+// task counts spelled out (an inherited SLURM_NTASKS_PER_NODE would otherwise count), ending the
+// step when one task fails. srun passes a SIGTERM from stop() on to the tasks.
+std::vector<std::string> srun_command(const SlurmAllocation& allocation, int workers,
+                                      const std::vector<std::string>& command) {
+  std::vector<std::string> srun = {
+      "srun", "--ntasks=" + std::to_string(workers),
+      "--nodes=" + std::to_string(allocation.nodes_for(workers)),
+      "--ntasks-per-node=" + std::to_string(std::min(workers, allocation.tasks_per_node)),
+      "--kill-on-bad-exit=1"};
+  srun.insert(srun.end(), command.begin(), command.end());
+  return srun;
+}
 
 // How long all ranks that write records may have reached the target while others wrote none
 // before the run is stopped anyway (a program where only rank 0 records).
@@ -189,12 +206,22 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
   }
 
   RunOptions run_options;
-  run_options.nproc_per_node = workers;
+  run_options.nproc_per_node = session.slurm ? 1 : workers;
   run_options.log_dir = dir;
   run_options.grace_period_s = options.grace_period_s;
   run_options.no_python = options.no_python;
   run_options.command = options.command;
-  elastic::WorkerGroupOptions group_options = worker_group_options(run_options, session.plan);
+  LaunchPlan plan = session.plan;
+  if (session.slurm) plan.command = srun_command(*session.slurm, workers, plan.command);
+  elastic::WorkerGroupOptions group_options = worker_group_options(run_options, plan);
+  if (session.slurm) {
+    // The tasks place themselves from srun's SLURM_PROCID, SLURM_NTASKS, ...; one OpenMP thread
+    // each at more than one, as dtrain run gives its workers.
+    group_options.rank_variables = false;
+    if (workers > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+      group_options.extra_env.emplace_back("OMP_NUM_THREADS", "1");
+    }
+  }
   group_options.out_fd = session.dev_null;
   group_options.err_fd = session.dev_null;
   group_options.extra_env.emplace_back("DTRAIN_PROFILE", profile_path);
@@ -347,6 +374,7 @@ void check_plot_path(const std::string& path) {
 int scale_main(const std::vector<std::string>& args) {
   ScaleOptions options;
   LaunchPlan plan;
+  std::optional<SlurmAllocation> slurm;
   try {
     options = parse_scale_options(args);
     if (options.help) {
@@ -358,6 +386,16 @@ int scale_main(const std::vector<std::string>& args) {
     run_options.no_python = options.no_python;
     plan = prepare_launch(run_options);
     if (!options.plot_path.empty()) check_plot_path(options.plot_path);
+    slurm = slurm_allocation([](const char* name) { return std::getenv(name); });
+    if (slurm) {
+      fit_to_allocation(options, *slurm);
+      std::string why;
+      if (elastic::find_executable("srun", &why).empty()) {
+        throw UsageError("dtrain scale: inside Slurm allocation " + slurm->job_id +
+                         " (SLURM_JOB_ID) but srun: " + why +
+                         "; expected srun on PATH to start each count as a step");
+      }
+    }
   } catch (const UsageError& error) {
     tell(without_prefix(error.what()));
     return 2;
@@ -392,9 +430,15 @@ int scale_main(const std::vector<std::string>& args) {
   int exit_code = 0;
   {
     elastic::SignalPipe signals(elastic::kLauncherSignals);
-    Session session{options, plan, signals, dev_null};
+    Session session{options, plan, signals, dev_null, slurm};
+    if (slurm) {
+      tell("inside Slurm allocation " + slurm->job_id + ": " + std::to_string(slurm->tasks) +
+           " task(s) on " + std::to_string(slurm->nodes) + " node(s), " +
+           std::to_string(slurm->tasks_per_node) + " per node; each count runs as an srun step");
+    }
     for (int workers : options.nproc) {
-      tell("running " + std::to_string(workers) + " worker(s): " + join(plan.command));
+      tell("running " + std::to_string(workers) + " worker(s): " +
+           join(slurm ? srun_command(*slurm, workers, plan.command) : plan.command));
       RunResult result;
       try {
         result = run_count(session, workers, root + "/workers" + std::to_string(workers));
@@ -419,6 +463,14 @@ int scale_main(const std::vector<std::string>& args) {
     scale::AnalysisSettings settings;
     settings.warmup_steps = options.warmup_steps;
     settings.link_gbps = options.link_gbps;
+    if (slurm) {
+      // The allocation's tasks hold a CPU each at least, on however many nodes: no count given
+      // here oversubscribes them.
+      settings.host_cpus = slurm->tasks;
+      settings.notes.push_back("each count ran as an srun step of Slurm allocation " +
+                               slurm->job_id + " (" + std::to_string(slurm->tasks) + " tasks on " +
+                               std::to_string(slurm->nodes) + " node(s))");
+    }
     if (std::getenv("OMP_NUM_THREADS") == nullptr && options.nproc.front() == 1 &&
         options.nproc.back() > 1) {
       settings.notes.push_back(

@@ -77,7 +77,10 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
     return options;
   }
   options.command = std::move(*command);
-  if (nproc_flag->count() > 0) options.nproc = parse_nproc(nproc);
+  if (nproc_flag->count() > 0) {
+    options.nproc = parse_nproc(nproc);
+    options.nproc_given = true;
+  }
   if (seconds_flag->count() > 0) options.seconds = seconds;
   if (link_gbps_flag->count() > 0) options.link_gbps = link_gbps;
   if (plot->count() > 0 && !ends_with(options.plot_path, ".svg")) {
@@ -100,6 +103,58 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
   return options;
 }
 
+std::optional<SlurmAllocation> slurm_allocation(
+    const std::function<const char*(const char*)>& getenv) {
+  auto text = [&](const char* name) -> std::string {
+    const char* value = getenv(name);
+    return value == nullptr ? std::string() : std::string(value);
+  };
+  const char* nodes_name = getenv("SLURM_JOB_NUM_NODES") ? "SLURM_JOB_NUM_NODES" : "SLURM_NNODES";
+  if (text("SLURM_JOB_ID").empty() || text(nodes_name).empty()) return std::nullopt;
+  auto positive = [&](const char* name) {
+    std::optional<long long> value = integer_in(text(name), 1, 1 << 20);
+    if (!value) {
+      fail("inside Slurm allocation " + text("SLURM_JOB_ID") + ": " + name + "=" + text(name) +
+           " is not a positive integer; run dtrain scale from sbatch or salloc");
+    }
+    return static_cast<int>(*value);
+  };
+  SlurmAllocation allocation;
+  allocation.job_id = text("SLURM_JOB_ID");
+  allocation.nodes = positive(nodes_name);
+  // "2" with --ntasks-per-node=2; salloc/sbatch leave it unset otherwise.
+  std::optional<int> per_node;
+  if (!text("SLURM_NTASKS_PER_NODE").empty()) per_node = positive("SLURM_NTASKS_PER_NODE");
+  if (!text("SLURM_NTASKS").empty()) {
+    allocation.tasks = positive("SLURM_NTASKS");
+  } else {
+    allocation.tasks = allocation.nodes * per_node.value_or(1);
+  }
+  allocation.tasks_per_node =
+      per_node.value_or((allocation.tasks + allocation.nodes - 1) / allocation.nodes);
+  return allocation;
+}
+
+std::vector<int> allocation_counts(int tasks) {
+  std::vector<int> counts;
+  for (int count = 1; count < tasks; count *= 2) counts.push_back(count);
+  counts.push_back(tasks);
+  return counts;
+}
+
+void fit_to_allocation(ScaleOptions& options, const SlurmAllocation& allocation) {
+  if (!options.nproc_given) {
+    options.nproc = allocation_counts(allocation.tasks);
+    return;
+  }
+  if (options.nproc.back() > allocation.tasks) {
+    fail("--nproc: " + std::to_string(options.nproc.back()) + " workers, but Slurm allocation " +
+         allocation.job_id + " gives " + std::to_string(allocation.tasks) +
+         " tasks (SLURM_NTASKS); ask for more (sbatch --ntasks) or leave --nproc out to measure " +
+         "the allocation's own counts");
+  }
+}
+
 std::string scale_usage() {
   return R"(usage: dtrain scale [flags] [--] program [args...]
 
@@ -109,7 +164,8 @@ samples/s, speed-up, parallel efficiency, where a step's time goes, a verdict pe
 reason, and a prediction for 8, 16 and 64 workers from an alpha-beta model of the all-reduce.
 
 flags:
-  --nproc LIST          worker counts to run, e.g. 1,2,4 (default 1,2)
+  --nproc LIST          worker counts to run, e.g. 1,2,4 (default 1,2; in a Slurm allocation
+                        of T tasks, the powers of two below T and T)
   --steps K             stop each run once every rank recorded K steps after the warm-up
                         (default 20)
   --seconds S           stop each run after S seconds instead (excludes --steps)
@@ -124,6 +180,11 @@ flags:
   --grace-period S      seconds between SIGTERM and SIGKILL when stopping workers (default 5)
   --no-python           run a .py program directly, not through python3
   -h, --help            this text
+
+Inside a Slurm allocation (sbatch, salloc: SLURM_JOB_ID and SLURM_JOB_NUM_NODES set), each
+count runs as one step, `srun --ntasks=N --nodes=M --kill-on-bad-exit=1 program`, on the fewest
+of the allocation's nodes that hold N tasks; the ranks take their places from Slurm's variables.
+Give --log-dir on a file system every node shares when the allocation spans several.
 
 Programs built on dtrain's DDP or DataParallel write the per-step records themselves. Any other
 program (a PyTorch script) is measured by what it prints: the last "<number> samples/s" text or

@@ -3,6 +3,7 @@
 // own prepare_launch (run_command.h) when the runs start.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,8 +11,10 @@
 namespace dtrain::cli {
 
 struct ScaleOptions {
-  // Worker counts to run, ascending, no duplicates: --nproc 1,2,4.
+  // Worker counts to run, ascending, no duplicates: --nproc 1,2,4. Inside a Slurm allocation the
+  // default is allocation_counts() of its tasks instead.
   std::vector<int> nproc = {1, 2};
+  bool nproc_given = false;
   // Steps every rank records after the warm-up before the workers are stopped: --steps K. The
   // default (20) applies when neither --steps nor --seconds is given.
   int steps = 20;
@@ -45,6 +48,31 @@ struct ScaleOptions {
 // one line to print, e.g. "dtrain scale: --nproc: expected worker counts like 1,2,4 (integers in
 // 1..1024), got '0'".
 ScaleOptions parse_scale_options(const std::vector<std::string>& args);
+
+// The Slurm allocation `dtrain scale` runs in (sbatch, salloc): the tasks it gives, on how many
+// nodes, and the most on one node. Each worker count then runs as one srun step of that many tasks
+// on as few of its nodes as hold them.
+struct SlurmAllocation {
+  std::string job_id;      // SLURM_JOB_ID
+  int tasks = 1;           // SLURM_NTASKS, else nodes x SLURM_NTASKS_PER_NODE, else nodes
+  int nodes = 1;           // SLURM_JOB_NUM_NODES (SLURM_NNODES)
+  int tasks_per_node = 1;  // SLURM_NTASKS_PER_NODE, else tasks / nodes rounded up
+  // srun's --nodes for `workers` tasks: the fewest nodes that hold them.
+  int nodes_for(int workers) const { return (workers + tasks_per_node - 1) / tasks_per_node; }
+};
+
+// The allocation described by `getenv` (SLURM_JOB_ID and SLURM_JOB_NUM_NODES set), or nullopt
+// outside one. Throws dtrain::UsageError naming a variable whose value is not a positive integer.
+std::optional<SlurmAllocation> slurm_allocation(
+    const std::function<const char*(const char*)>& getenv);
+
+// The worker counts measured by default in an allocation of `tasks` tasks: the powers of two below
+// it, then `tasks` itself (6: 1,2,4,6).
+std::vector<int> allocation_counts(int tasks);
+
+// Fits options.nproc to `allocation`: the default counts become allocation_counts(); counts given
+// with --nproc must not exceed its tasks (UsageError naming SLURM_NTASKS otherwise).
+void fit_to_allocation(ScaleOptions& options, const SlurmAllocation& allocation);
 
 // The text `dtrain scale --help` prints.
 std::string scale_usage();

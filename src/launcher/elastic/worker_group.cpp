@@ -337,13 +337,15 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
     shared_env.push_back(std::string(name) + "=" + value);
   };
   set("ROLE_NAME", options_.role);
-  set("LOCAL_WORLD_SIZE", std::to_string(options_.local_world_size));
-  set("WORLD_SIZE", std::to_string(round.world_size));
-  set("ROLE_WORLD_SIZE", std::to_string(round.world_size));  // one role: the role is the world
-  set("GROUP_RANK", std::to_string(round.group_rank));
-  set("GROUP_WORLD_SIZE", std::to_string(round.group_world_size));
-  set("MASTER_ADDR", round.master_addr);
-  set("MASTER_PORT", std::to_string(round.master_port));
+  if (options_.rank_variables) {
+    set("LOCAL_WORLD_SIZE", std::to_string(options_.local_world_size));
+    set("WORLD_SIZE", std::to_string(round.world_size));
+    set("ROLE_WORLD_SIZE", std::to_string(round.world_size));  // one role: the role is the world
+    set("GROUP_RANK", std::to_string(round.group_rank));
+    set("GROUP_WORLD_SIZE", std::to_string(round.group_world_size));
+    set("MASTER_ADDR", round.master_addr);
+    set("MASTER_PORT", std::to_string(round.master_port));
+  }
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(round.restart_count));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
   set("TORCHELASTIC_RUN_ID", options_.run_id);
@@ -415,6 +417,7 @@ std::vector<std::string> WorkerGroup::worker_env(
     env.push_back(name + "=" + value);
   }
   env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
+  if (!options_.rank_variables) return env;
   env.push_back("LOCAL_RANK=" + std::to_string(worker.local_rank));
   env.push_back("RANK=" + std::to_string(worker.global_rank));
   env.push_back("ROLE_RANK=" + std::to_string(worker.global_rank));

@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 
 #include "dtrain/errors.h"
@@ -85,6 +87,63 @@ INSTANTIATE_TEST_SUITE_P(
                     BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
                     BadFlags{{"--steps"}, "--steps: missing value"},
                     BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"}));
+
+// Inside a Slurm allocation: the counts it gives, and where srun puts them.
+std::optional<SlurmAllocation> allocation(std::map<std::string, std::string> env) {
+  return slurm_allocation([&env](const char* name) -> const char* {
+    auto found = env.find(name);
+    return found == env.end() ? nullptr : found->second.c_str();
+  });
+}
+
+TEST(ScaleOptions, InsideASlurmAllocationTheCountsAreItsOwn) {
+  EXPECT_FALSE(allocation({}));
+  EXPECT_FALSE(allocation({{"SLURM_NTASKS", "4"}}));  // no job: not an allocation
+
+  // sbatch -n 3: one node, 3 tasks; 1, 2 and 3 measured by default.
+  std::optional<SlurmAllocation> one =
+      allocation({{"SLURM_JOB_ID", "7"}, {"SLURM_JOB_NUM_NODES", "1"}, {"SLURM_NTASKS", "3"}});
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->job_id, "7");
+  EXPECT_EQ(one->tasks, 3);
+  EXPECT_EQ(one->tasks_per_node, 3);
+  ScaleOptions options = parse_scale_options({"prog"});
+  fit_to_allocation(options, *one);
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2, 3}));
+
+  // sbatch -N2 --ntasks-per-node=2: 1 and 2 on one node, 4 on both.
+  std::optional<SlurmAllocation> two = allocation(
+      {{"SLURM_JOB_ID", "8"}, {"SLURM_JOB_NUM_NODES", "2"}, {"SLURM_NTASKS_PER_NODE", "2"}});
+  ASSERT_TRUE(two);
+  EXPECT_EQ(two->tasks, 4);
+  EXPECT_EQ(two->nodes_for(2), 1);
+  EXPECT_EQ(two->nodes_for(3), 2);
+  options = parse_scale_options({"prog"});
+  fit_to_allocation(options, *two);
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2, 4}));
+  // salloc -N2 alone: one task per node.
+  EXPECT_EQ(allocation({{"SLURM_JOB_ID", "9"}, {"SLURM_NNODES", "2"}})->tasks, 2);
+  EXPECT_EQ(allocation_counts(1), (std::vector<int>{1}));
+  EXPECT_EQ(allocation_counts(6), (std::vector<int>{1, 2, 4, 6}));
+
+  // --nproc within the allocation is kept; beyond it, one line naming SLURM_NTASKS.
+  options = parse_scale_options({"--nproc", "2,3", "prog"});
+  fit_to_allocation(options, *one);
+  EXPECT_EQ(options.nproc, (std::vector<int>{2, 3}));
+  options = parse_scale_options({"--nproc", "1,4", "prog"});
+  try {
+    fit_to_allocation(options, *one);
+    FAIL() << "4 workers accepted in an allocation of 3 tasks";
+  } catch (const UsageError& error) {
+    EXPECT_EQ(std::string(error.what()),
+              "dtrain scale: --nproc: 4 workers, but Slurm allocation 7 gives 3 tasks "
+              "(SLURM_NTASKS); ask for more (sbatch --ntasks) or leave --nproc out to measure the "
+              "allocation's own counts");
+  }
+  EXPECT_THROW(
+      allocation({{"SLURM_JOB_ID", "7"}, {"SLURM_JOB_NUM_NODES", "1"}, {"SLURM_NTASKS", "x"}}),
+      UsageError);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Records and printed throughput.
