@@ -77,7 +77,7 @@ grep -q "stopped by SIGTERM after step $s1: saved $work/ckpt/checkpoint-$s1.ckpt
 grep -qE "host $node \(node [^)]*\) (leaves|left the job)" "$out" || fail "the staying agent did not see $node leave"
 grep -q "round 1: node rank 0 of 1, WORLD_SIZE 1" "$out" || fail "no round 1 at WORLD_SIZE 1"
 grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$node's agent did not pass SIGTERM on"
-# (Now: slurmctld forgets a job MinJobAge, 60 s, after its end.)
+# (Now: slurmctld forgets a job MinJobAge after its end: 600 s on the tests' cluster.)
 [[ "$(wait_job_end "$leave" 30)" == "JobState=CANCELLED "* ]] || fail "node job $leave is not CANCELLED"
 
 # Regrow: a new node job on node 1 joins.

@@ -139,7 +139,7 @@ step_at_high_end=$(last_step)
 high_end=$(grep -o "^high ends at [0-9.]*" "$work/high.out" | grep -o "[0-9.]*$")
 # While the high job ran: the training at size 1, on, not yet grown.
 grep -q "round 2:" "$out" && fail "the training grew back while the high job ran: $(grep 'round' "$out")"
-# (Now: slurmctld forgets a job MinJobAge, 60 s, after its end.)
+# (Now: slurmctld forgets a job MinJobAge after its end: 600 s on the tests' cluster.)
 [[ "$(wait_job_end "$high" 30)" == "JobState=COMPLETED "* ]] || fail "the high-priority job $high did not complete"
 ((step_at_high_end >= step_at_high_start + 10)) ||
   fail "the training did not go on while the high job ran (step $step_at_high_start at its start," \

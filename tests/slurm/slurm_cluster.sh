@@ -16,7 +16,9 @@
 #
 # The cluster: root runs everything (SlurmUser=root); no cgroups (proctrack/linuxproc, task/none), so it runs
 # in containers; JobRequeue=1 and KillWait=10 s (a SIGTERMed step has 10 s before its SIGKILL); a requeued job
-# may start again after cred_expire=5 s (Slurm's default is 120 s).
+# may start again after cred_expire=5 s (Slurm's default is 120 s); a finished job stays in `scontrol show
+# job` for MinJobAge=600 s (the tests read a job's end state minutes later on a busy machine; with 60 s,
+# slurm.preempt found its high-priority job already forgotten).
 #
 # --two-hosts: namespaces dtslurmPORTa and dtslurmPORTb joined by a veth pair, nodes dtrain-node0 (10.78.0.1)
 # and dtrain-node1 (10.78.0.2), each slurmd under its own hostname (unshare --uts). Node 0 is also the head:
@@ -236,7 +238,7 @@ ReturnToService=2
 JobRequeue=1
 KillWait=10
 InactiveLimit=0
-MinJobAge=60
+MinJobAge=600
 FirstJobId=$first_job_id
 $nodes_line
 CONF
