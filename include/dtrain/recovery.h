@@ -36,9 +36,12 @@
 //   segments and gradient buckets; the old ones are released on a background thread.
 // - Membership is agreed in the store (src/recovery/membership.h): survivors register for the next
 //   generation; it closes when every member of the last one has come, or those missing are seen
-//   dead (a process on this host is checked by its pid at once; one on another host by its stale
-//   heartbeat), or `settle` has passed. A survivor that comes after it closed is told so and exits;
-//   the launcher restarts it as a newcomer.
+//   dead (a process on this host is checked by its pid at once; one on another host by its
+//   launcher's exit notice or its stale heartbeat), or `settle` has passed. A survivor that comes
+//   after it closed is told so and exits; the launcher restarts it as a newcomer. A newcomer whose
+//   transfer fails (the member sending the state died) re-forms with the others and receives it
+//   again; a generation of newcomers only (every member holding the state died) stops with a
+//   CommError rather than train a fresh model as the job.
 // - Liveness is told by heartbeats through the store (Note [Heartbeats], membership.h): every
 //   member adds to a counter of its own every 100 ms, off the training thread and on a store
 //   connection of its own, and reads the others'. One whose counter has not moved for `lost_after`
@@ -57,8 +60,9 @@
 //   rank 0 hosts it and its death ends the job.
 // - Detected, and in how long (doc/recovery.md, doc/benchmarks.md): a dead process on this host at
 //   once (its pid); a dead process on another host at once by the transport (its host resets the
-//   connections), then waited for min(`settle`, `lost_after`) by the membership (the survivors'
-//   next step 2.5 s after the kill on three namespace hosts); a lost host or a cut link after
+//   connections) and by the exit notice its launcher writes into the store (Note [Heartbeats]; the
+//   survivors' next step 0.6 s after the kill on three namespace hosts, against 2.5 s when they
+//   waited min(`settle`, `lost_after`) for it); a lost host or a cut link after
 //   `lost_after` (heartbeats; next step 3.1-3.2 s after the fault, against 32 s before); the
 //   store's host lost ends the job after `lost_after` on every member, each naming the store.
 // - Limits (today): a link cut between two workers' hosts while both still reach the store is not

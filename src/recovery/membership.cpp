@@ -113,6 +113,8 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   // The heartbeat counter exists before the record that makes this process a member: a watcher
   // reads the counters of every member at once (multiGet), which would wait for a missing one.
   store_->add(Heartbeats::key(self_), 1);
+  // An exit notice under this process's name was an earlier process's, with the same pid.
+  store_->deleteKey(Heartbeats::exit_key(self_));
   const int64_t number = store_->add(key(prefix + "arrivals"), 1);
   write(prefix + "arrival/" + std::to_string(number), self_.text());
   const size_t expected = previous.size() + static_cast<size_t>(newcomers);
@@ -147,7 +149,8 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
     if (settle && !complete) {
       const bool all_missing_dead =
           std::all_of(missing.begin(), missing.end(), [&](const MemberRecord* m) {
-            return m->seen_dead() || (heartbeats_ && heartbeats_->lost(*m));
+            return m->seen_dead() || (heartbeats_ && heartbeats_->lost(*m)) ||
+                   store_->check({Heartbeats::exit_key(*m)});
           });
       complete = (all_missing_dead && newcomers_came >= newcomers) || now - arrived_at >= *settle;
     }
@@ -245,6 +248,13 @@ Heartbeats::Heartbeats(c10::intrusive_ptr<c10d::Store> store, MemberRecord self,
 
 std::string Heartbeats::key(const MemberRecord& member) {
   return "dtrain/recovery/beat/" + member.host + "/" + std::to_string(member.pid) + "/" +
+         std::to_string(member.pid_namespace);
+}
+
+// The launcher writes this key (run_command.cpp spells it there too, as its store holds it: with
+// the "/" that c10d's client puts before every key).
+std::string Heartbeats::exit_key(const MemberRecord& member) {
+  return "dtrain/recovery/exited/" + member.host + "/" + std::to_string(member.pid) + "/" +
          std::to_string(member.pid_namespace);
 }
 

@@ -12,6 +12,10 @@
 //   finished            written when training is over: a newcomer still waiting has nothing to join
 //   beat/<host>/<pid>/<pid namespace>
 //                       a process's heartbeat counter (Heartbeats below), created when it registers
+//   exited/<host>/<pid>/<pid namespace>
+//                       written by the launcher that reaped that process after it failed (`dtrain
+//                       run --recovery in-place`, src/launcher/cli/run_command.cpp): it is dead,
+//                       on whichever host it ran (Note [Heartbeats]); the value says how it ended
 // Only check(), add() and compare-and-set are used while waiting, never a blocking get() of a key
 // that a dead process may never write: every wait is a bounded poll.
 #pragma once
@@ -65,6 +69,14 @@ struct MemberRecord {
 //   e.g. its connection to a dead peer was reset), this process stops waiting on this generation's
 //   collectives too: a peer that has left will never finish them. (Else a member waiting on a peer
 //   that abandoned, not on the dead one, would wait for the timeout and come after `settle`.)
+// A process that dies resets its connections, so its peers' collectives fail at once; but the next
+// generation's membership must also know that it will not register. On this host its pid says so
+// (MemberRecord::seen_dead); on another host its launcher, which reaps it at once, writes
+// "exited/<host>/<pid>/<pid namespace>" into the store, and form() reads that key for a missing
+// member: the survivors do not wait min(`settle`, `lost_after`) for a process that is known dead.
+// (A process with no launcher of dtrain's, or one that a wrapper script runs under another pid,
+// has no such notice: it is waited for as before.) A process deletes a notice under its own name
+// when it registers: pids are reused, and an earlier process's death is not this one's.
 // Being ready costs the training thread nothing: verdict() reads what the last rounds saw (no store
 // call), and it is asked only while a wait on Gloo is slow (GroupState::abandon_check). A member
 // that finished training retires its counter ("done"), so that a slower peer's last collectives do
@@ -78,6 +90,8 @@ class Heartbeats {
 
   // The counter of `member`, under "dtrain/recovery/".
   static std::string key(const MemberRecord& member);
+  // Where `member`'s launcher says that it exited (the store's key, as key() is).
+  static std::string exit_key(const MemberRecord& member);
 
   // From now on, watches the members of `generation` (their clocks start now).
   void watch(int64_t generation, const std::vector<MemberRecord>& members);
@@ -138,7 +152,7 @@ class Membership {
   // Registers this process for generation `generation` and blocks until its membership is closed;
   // returns the members in rank order. It closes when `previous` members and `newcomers` more have
   // come, or, given `settle`, once every missing member of `previous` is seen dead (its pid on this
-  // host, or its heartbeat stale: Note [Heartbeats]) and the
+  // host, its launcher's exit notice, or its heartbeat stale: Note [Heartbeats]) and the
   // newcomers have come, or `settle` after this process registered. Without `settle` (the first
   // generation) it waits for everyone up to the timeout and then throws TimeoutError naming the
   // job ranks that never came. Throws CommError if it closed without this process (it came late).

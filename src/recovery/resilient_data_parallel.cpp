@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -26,6 +27,13 @@ namespace dtrain {
 namespace detail {
 
 using Clock = std::chrono::steady_clock;
+
+// Final: no member of a new generation holds the job's state (transfer_state); re-forming again
+// cannot help.
+class StateLost : public CommError {
+ public:
+  using CommError::CommError;
+};
 
 class RecoveryCore {
  public:
@@ -99,6 +107,8 @@ class RecoveryCore {
   int64_t checked_at_step_ = -1;    // the last step count whose admission check ran
   SamplerState committed_;          // the sampler at the last committed step
   std::vector<std::thread> releases_;
+  // DTRAIN_TEST_FAULT (tests only, see transfer_state): "" or where this process kills itself.
+  std::string test_fault_;
 
   // The watcher thread: a heartbeat round every kWatchEvery (the members' liveness and the
   // newcomers, Note [Heartbeats]); the training thread reads what it saw. What it uses is shared
@@ -127,6 +137,7 @@ void RecoveryCore::start() {
                      "job), 0 or unset. `dtrain run --recovery in-place` sets it; unset it.");
   }
   newcomer_ = join == "1";
+  if (const char* fault = std::getenv("DTRAIN_TEST_FAULT")) test_fault_ = fault;
   if (newcomer_ && launch_.rank == 0 && !launcher_hosts_store()) {
     throw CommError(who() +
                     ": in-place recovery: rank 0 hosts the job's store, so it cannot "
@@ -169,8 +180,18 @@ void RecoveryCore::start() {
     members_ = membership_->form(generation_, {}, 0, options_.settle);
     watch(generation_);
     membership_->joined();
-    connect(generation_);
-    transfer_state();
+    try {
+      connect(generation_);
+      transfer_state();
+      owner_.wrap(group_);
+    } catch (const StateLost&) {
+      throw;
+    } catch (const CommError& e) {
+      // Note [In-place recovery]: a member failed during the transfer (the one sending the state,
+      // say). This process applied nothing yet, so it is still a newcomer: it re-forms with the
+      // others, as they do, and receives the state again from a member that holds it.
+      reform(Reason::kFailure, 0, e.what());
+    }
     newcomer_ = false;
     checked_at_step_ = stats_.steps;  // the members checked this step already
   } else {
@@ -178,8 +199,8 @@ void RecoveryCore::start() {
     watch(0);
     connect(0);
     sampler_.reshard(group_->size(), group_->rank());
+    owner_.wrap(group_);
   }
-  owner_.wrap(group_);
   committed_ = sampler_.state();
 }
 
@@ -264,6 +285,8 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
       marks.push_back(Clock::now());
       owner_.wrap(group_);
       marks.push_back(Clock::now());
+    } catch (const StateLost&) {
+      throw;
     } catch (const CommError& e) {
       why = e.what();
       reason = Reason::kFailure;
@@ -296,6 +319,14 @@ void RecoveryCore::transfer_state() {
   group_->all_reduce(counts, ReduceOp::kMax);
   const int64_t most = counts[0].item<int64_t>(), least = -counts[1].item<int64_t>();
   const bool newcomers = counts[2].item<int64_t>() > 0;
+  if (most < 0) {
+    // Only newcomers are left (every member that held the state died during their transfer):
+    // going on would train a fresh model under the job's name.
+    throw StateLost(who() + ": in-place recovery: generation " + std::to_string(generation_) +
+                    " has only newcomers (" + std::to_string(group_->size()) +
+                    "): every member that held the job's state died before it was sent, so the "
+                    "job cannot go on in place; restart it from its last checkpoint.");
+  }
   if (most == least && !newcomers) {
     // The common case: every survivor committed the same steps and holds the same state.
     sampler_.load_state(committed_);
@@ -317,6 +348,13 @@ void RecoveryCore::transfer_state() {
   for (auto& b : module_->buffers()) tensors.push_back(sending ? b.detach() : b.detach().clone());
   for (auto& t : options_.state) tensors.push_back(sending ? t.detach() : t.detach().clone());
   for (auto& t : tensors) group_->broadcast(t, source);
+  // Fault injection for tests/recovery/recovery_test.cpp, the only user: the member sending the
+  // state to a newcomer, or the newcomer, dies (SIGKILL) halfway through the transfer, once per job
+  // (the first process to claim it in the store). Not for programs: it kills the process.
+  if ((test_fault_ == "kill-source-mid-transfer" && sending && newcomers) ||
+      (test_fault_ == "kill-newcomer-mid-transfer" && newcomer_)) {
+    if (root_store_->add("dtrain/recovery/test-fault", 1) == 1) std::raise(SIGKILL);
+  }
 
   std::string optimizer_bytes;
   if (sending) {

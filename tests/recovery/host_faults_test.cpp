@@ -147,7 +147,9 @@ std::string read_file(const std::string& path) {
 // launcher may restart its worker `host2_restarts` times (as a newcomer); the others never do.
 class Job {
  public:
-  Job(const NamespaceHosts& hosts, const std::string& dir, int host2_restarts = 0) : dir_(dir) {
+  Job(const NamespaceHosts& hosts, const std::string& dir, int host2_restarts = 0,
+      const std::string& worker_flags = "")
+      : dir_(dir) {
     std::string script;
     for (int h = 0; h < kHosts; ++h) {
       const std::string launcher =
@@ -155,7 +157,7 @@ class Job {
           std::to_string(h) + " --nproc-per-node 1 --master-addr " + NamespaceHosts::address(0) +
           " --master-port 29531 --recovery in-place --max-restarts " +
           std::to_string(h == 2 ? host2_restarts : 0) + " -- " + bin("recovery_worker") + " " +
-          dir + " --step-ms 40";
+          dir + " --step-ms 40" + worker_flags;
       script += hosts.on(h, launcher) + " > " + dir + "/node" + std::to_string(h) +
                 ".log 2>&1 & p" + std::to_string(h) + "=$!; ";
     }
@@ -328,7 +330,10 @@ TEST_F(HostFaults, AfterALinkCutTheCutOffWorkerRejoinsAsANewcomerWhenTheLinkRetu
 }
 
 TEST_F(HostFaults, AWorkerKilledOnAnotherHostIsNotWaitedForLong) {
-  Job job(*hosts_, dir_);
+  // Its launcher writes its death into the store (Note [Heartbeats]), so the survivors need neither
+  // `settle` nor `lost_after` to go on without it: both 20 s here, twice kNextStepBound, which the
+  // survivors' next step would miss if they waited for either.
+  Job job(*hosts_, dir_, /*host2_restarts=*/0, " --settle-ms 20000 --lost-after-ms 20000");
   ASSERT_TRUE(job.wait_for_step(kFaultAfterStep, 60s)) << job.finish().output;
   // Host 2's worker: the one of the recording processes that runs there.
   const std::vector<int> on_host = hosts_->pids(2);

@@ -94,6 +94,35 @@ TEST(Membership, AMemberSeenDeadOnThisHostIsNotWaitedFor) {
   EXPECT_LT(Clock::now() - begun, 5s) << "waited for a member whose process is gone";
 }
 
+// Note [Heartbeats]: on another host, a member's death is told by its launcher's exit notice
+// (`dtrain run --recovery in-place` writes it when it reaps the worker), not waited for until
+// settle; a notice under a registering process's own name is an earlier process's and goes.
+TEST(Membership, AMemberWhoseLauncherSaidItExitedIsNotWaitedFor) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::vector<MemberRecord> previous = {record(0), record(1), record(2)};
+  auto set = [&](const std::string& key, const std::string& value) {
+    store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  };
+  set(Heartbeats::exit_key(record(2)), "killed by signal 9 (SIGKILL)");
+  const auto begun = Clock::now();
+  std::vector<std::future<std::vector<MemberRecord>>> survivors;
+  for (int rank : {0, 1}) {
+    survivors.push_back(std::async(std::launch::async, [&, rank] {
+      return Membership(store, record(rank), 10s).form(1, previous, 0, 60s);
+    }));
+  }
+  for (auto& s : survivors) EXPECT_EQ(ranks_of(s.get()), (std::vector<int>{0, 1}));
+  EXPECT_LT(Clock::now() - begun, 5s) << "waited for a member whose launcher said it exited";
+  EXPECT_TRUE(store->check({Heartbeats::exit_key(record(2))}));
+
+  // A notice left by the pid's previous owner: gone once this process has registered.
+  set(Heartbeats::exit_key(record(3)), "exited with code 1");
+  EXPECT_EQ(ranks_of(Membership(store, record(3), 10s).form(2, {record(3)}, 0, 60s)),
+            (std::vector<int>{3}));
+  EXPECT_FALSE(store->check({Heartbeats::exit_key(record(3))}))
+      << "a registering process kept an exit notice under its own name";
+}
+
 TEST(Membership, ANewcomerJoinsTheGenerationItIsAdmittedToAndALateOneFindsTheJobOver) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   const std::vector<MemberRecord> previous = {record(0), record(1)};

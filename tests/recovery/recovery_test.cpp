@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -232,6 +233,96 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   std::vector<torch::Tensor> final_params;
   torch::load(final_params, dir + "/final.pt");
   EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  fs::remove_all(dir);
+}
+
+// A failure during a newcomer's state transfer. Three workers under `dtrain run --recovery
+// in-place --max-restarts 1`; rank 2 dies after step 5 and is restarted as a newcomer; while the
+// survivors' rank 0 sends it the state, the sender dies (or the newcomer does: DTRAIN_TEST_FAULT,
+// a fault the library injects for this test alone, halfway through the transfer). No restart is
+// left for the second death. The job must go on at the size it can, two ranks (the survivor that
+// is left and the newcomer, or the two survivors), with every sample used once and the same
+// parameters as one process; nothing may hang.
+enum class TransferFault { kSourceDies, kNewcomerDies };
+
+class InPlaceRecoveryTransfer : public ::testing::TestWithParam<TransferFault> {};
+
+TEST_P(InPlaceRecoveryTransfer, AFailureMidTransferLeavesTheJobGoingOnAtTwoRanks) {
+  const bool source_dies = GetParam() == TransferFault::kSourceDies;
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command(
+      std::string("env DTRAIN_TEST_FAULT=") +
+          (source_dies ? "kill-source-mid-transfer" : "kill-newcomer-mid-transfer") + " " +
+          bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
+          bin("recovery_worker") + " " + dir +
+          " --kill-rank 2 --kill-after 5 --slow-until-admitted",
+      120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  SCOPED_TRACE(result.output);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_LT(took.count(), 60) << "something waited for a timeout";
+  const std::string restarted = "restarting it alone as a newcomer";
+  const size_t first_restart = result.output.find(restarted);
+  EXPECT_NE(first_restart, std::string::npos);
+  EXPECT_EQ(result.output.find(restarted, first_restart + 1), std::string::npos)
+      << "restarted twice";
+  // The second death, named by the launcher: the sender (rank 0) or the newcomer (rank 2).
+  EXPECT_NE(
+      result.output.find(std::string("rank ") + (source_dies ? "0" : "2") + "/3 (local rank "),
+      std::string::npos);
+  EXPECT_NE(result.output.find("no restart left to replace it"), std::string::npos);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  EXPECT_EQ(json_int(result.output, "admitted"), 1);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 2);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
+
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.begin()->second.world, 3);
+  EXPECT_EQ(steps.rbegin()->second.world, 2);
+  expect_exactly_once(steps);
+  int64_t last = 0;
+  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  // The two that finished: the survivor and the newcomer, whose count came with the state, or the
+  // two survivors.
+  expect_counts_travelled(dir, 2);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, InPlaceRecoveryTransfer,
+                         ::testing::Values(TransferFault::kSourceDies,
+                                           TransferFault::kNewcomerDies),
+                         [](const auto& info) {
+                           return std::string(info.param == TransferFault::kSourceDies
+                                                  ? "TheSenderDies"
+                                                  : "TheNewcomerDies");
+                         });
+
+TEST(InPlaceRecoveryTransferAlone, WhenTheOnlySenderDiesTheNewcomerStopsSayingSo) {
+  // Two workers: rank 1 dies after step 5 and is restarted as a newcomer; rank 0, the only member
+  // that holds the state, dies halfway through sending it, with no restart left. The newcomer,
+  // left alone with no state, must not go on training a fresh model under the job's name: it stops
+  // with one line saying why, and the job ends in bounded time.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command("env DTRAIN_TEST_FAULT=kill-source-mid-transfer " + bin("dtrain") +
+                                " run --nproc-per-node 2 --recovery in-place --max-restarts 1 -- " +
+                                bin("recovery_worker") + " " + dir +
+                                " --kill-rank 1 --kill-after 5 --slow-until-admitted",
+                            120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  SCOPED_TRACE(result.output);
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_LT(took.count(), 60) << "something waited for a timeout";
+  EXPECT_NE(result.output.find("every member that held the job's state died before it was sent"),
+            std::string::npos);
+  EXPECT_EQ(result.output.find("\"world_size\""), std::string::npos) << "a worker finished";
   fs::remove_all(dir);
 }
 

@@ -6,11 +6,13 @@
 // (RecoveryOptions::state) and writes it beside the job's count to <out>/counted-<pid>.txt at the
 // end: a newcomer's must come out as the job's.
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted] [--step-ms MS]
+//                   [--settle-ms MS] [--lost-after-ms MS]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
 // per step until a newcomer has been admitted (so one has time to start), bounded by the epochs.
 // --step-ms: MS ms more per step, so that a fault from outside
-// (tests/recovery/host_faults_test.cpp) lands mid-training.
+// (tests/recovery/host_faults_test.cpp) lands mid-training. --settle-ms, --lost-after-ms:
+// RecoveryOptions::settle and lost_after, so that a test can tell a wait for them from none.
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -38,6 +40,7 @@ int run(int argc, char** argv) {
   std::vector<std::pair<int, int64_t>> kills;  // (job rank, after step)
   bool slow = false;
   int step_ms = 0;
+  dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--kill-rank" && i + 1 < argc) kills.emplace_back(std::atoi(argv[++i]), -1);
@@ -46,6 +49,12 @@ int run(int argc, char** argv) {
     }
     if (arg == "--slow-until-admitted") slow = true;
     if (arg == "--step-ms" && i + 1 < argc) step_ms = std::atoi(argv[++i]);
+    if (arg == "--settle-ms" && i + 1 < argc) {
+      options.settle = std::chrono::milliseconds(std::atoll(argv[++i]));
+    }
+    if (arg == "--lost-after-ms" && i + 1 < argc) {
+      options.lost_after = std::chrono::milliseconds(std::atoll(argv[++i]));
+    }
   }
   const int job_rank = std::atoi(std::getenv("RANK"));
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
@@ -56,7 +65,6 @@ int run(int argc, char** argv) {
   auto net = make_net();
   auto optimizer = make_optimizer(net);
   dtrain::DistributedSampler sampler(kSamples, 1, 0);
-  dtrain::RecoveryOptions options;
   options.admit_every = 2;
   auto counted = torch::zeros({1}, torch::kInt64);
   options.state = {counted};

@@ -14,7 +14,8 @@
 // worker, and the launcher restarts that worker alone as a newcomer (restart_alone() below). Node
 // 0's launcher then hosts the workers' store (WorkerStore, TORCHELASTIC_USE_AGENT_STORE=True), so
 // that it outlives every worker, rank 0 included; a program whose workers never formed an in-place
-// group gets the whole-group restart instead.
+// group gets the whole-group restart instead. Every node's launcher writes its failed workers'
+// deaths into that store (announce_exits()), so that survivors on other hosts do not wait for them.
 #include "launcher/cli/run_command.h"
 
 #include <poll.h>
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -33,6 +35,7 @@
 #include <system_error>
 
 #include "common/format.h"
+#include "common/process_identity.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/elastic_agent.h"
 #include "launcher/elastic/ports.h"
@@ -170,6 +173,31 @@ bool readable(int fd) {
 // holds it: c10d's client puts "/" before every key.
 constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 
+// --recovery in-place: tells the workers on every host, through their store, that each worker of
+// `ended` has failed and is dead (Note [Heartbeats], src/recovery/membership.h): a survivor on
+// another host cannot check its pid, and would otherwise wait for it min(settle, lost_after),
+// about 2 s, before going on without it. The key names the process as its membership record does:
+// this host's name, its pid (the launcher execs the program itself, so the pid is the worker's)
+// and the pid namespace; the value says how it ended. A store out of reach (the link to node 0 is
+// cut) costs at most kExitNoticeTimeout: the survivors then tell the death by its heartbeat.
+constexpr auto kExitNoticeTimeout = std::chrono::seconds(1);
+void announce_exits(const elastic::WorkerGroupRound& round, const WaitResult& ended) {
+  if (!round.agent_store) return;
+  for (const WorkerExit& failure : ended.failures) {
+    const std::string key = "/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
+                            std::to_string(failure.pid) + "/" +
+                            std::to_string(detail::own_pid_namespace());
+    const std::string why = elastic::set_in_worker_store(round.master_addr, round.master_port, key,
+                                                         failure.describe(), kExitNoticeTimeout);
+    if (!why.empty()) {
+      say("could not tell the other workers through their store at " + round.master_addr + ":" +
+          std::to_string(round.master_port) + " that rank " + std::to_string(failure.global_rank) +
+          " " + failure.describe() + " (" + why +
+          "); they go on without it once its heartbeat stops");
+    }
+  }
+}
+
 // --recovery in-place: restarts each worker of `failed` alone, as a newcomer the survivors admit
 // into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
 // With no restart left for a worker, the survivors of an in-place group go on without it (a smaller
@@ -278,9 +306,11 @@ int run_workers(const RunOptions& options, const LaunchPlan& plan) {
     group.start(round);
 
     WaitResult result = group.wait(signals.fd());
+    announce_exits(round, result);
     while (result.state == WaitResult::State::kFailed &&
            restart_alone(options, group, round, store.get(), result, signals.fd(), &restarts)) {
       result = group.wait(signals.fd());
+      announce_exits(round, result);
     }
     if (result.state == WaitResult::State::kSucceeded) {
       group.stop();  // ends whatever the workers left running in their process groups

@@ -81,6 +81,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -90,8 +91,10 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <string_view>
 #include <vector>
 
+#include "common/format.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::elastic {
@@ -750,6 +753,109 @@ WorkerStore::~WorkerStore() {
     } catch (...) {  // join() of a joinable thread other than this one does not throw
     }
   }
+}
+
+namespace {
+
+// One deadline for the whole exchange: poll()'s timeout in milliseconds, at least 0.
+int ms_left(std::chrono::steady_clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  return static_cast<int>(std::max<int64_t>(0, left.count()));
+}
+
+// Connects a non-blocking socket to one address before the deadline; -1 with *why set otherwise.
+int connect_before(const addrinfo& address, std::chrono::steady_clock::time_point deadline,
+                   std::string* why) {
+  int fd = socket(address.ai_family, address.ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                  address.ai_protocol);
+  if (fd < 0) {
+    *why = std::string("no socket: ") + std::strerror(errno);
+    return -1;
+  }
+  if (connect(fd, address.ai_addr, address.ai_addrlen) != 0 && errno != EINPROGRESS) {
+    *why = std::strerror(errno);
+    close(fd);
+    return -1;
+  }
+  pollfd p{fd, POLLOUT, 0};
+  int error = 0;
+  socklen_t length = sizeof(error);
+  if (poll(&p, 1, ms_left(deadline)) <= 0) {
+    *why = "no connection";
+  } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) != 0 || error != 0) {
+    *why = std::strerror(error != 0 ? error : errno);
+  } else {
+    return fd;
+  }
+  close(fd);
+  return -1;
+}
+
+}  // namespace
+
+std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
+                                const std::string& value, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string seconds = detail::seconds_text(timeout);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) {
+    return "cannot resolve '" + host + "'";
+  }
+  std::string why;
+  int fd = -1;
+  for (const addrinfo* entry = found; entry && fd < 0; entry = entry->ai_next) {
+    fd = connect_before(*entry, deadline, &why);
+  }
+  freeaddrinfo(found);
+  if (fd < 0) return why == "no connection" ? "no connection within " + seconds : why;
+
+  const uint32_t nonce = static_cast<uint32_t>(getpid());
+  std::string request;
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kValidate));
+  put<uint32_t>(request, kValidationMagic);
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kSet));
+  put_bytes(request, key);
+  put_bytes(request, value);
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kPing));
+  put<uint32_t>(request, nonce);
+  std::string_view rest = request;
+  while (!rest.empty() && why.empty()) {
+    ssize_t n = send(fd, rest.data(), rest.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      rest.remove_prefix(static_cast<std::size_t>(n));
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      pollfd p{fd, POLLOUT, 0};
+      if (poll(&p, 1, ms_left(deadline)) <= 0) why = "no answer within " + seconds;
+    } else {
+      why = std::strerror(errno);
+    }
+  }
+  std::string answer;
+  while (answer.size() < sizeof(nonce) && why.empty()) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, ms_left(deadline)) <= 0) {
+      why = "no answer within " + seconds;
+      break;
+    }
+    char buffer[sizeof(nonce)];
+    ssize_t n = recv(fd, buffer, sizeof(nonce) - answer.size(), MSG_DONTWAIT);
+    if (n > 0) {
+      answer.append(buffer, static_cast<std::size_t>(n));
+    } else if (n == 0) {
+      why = "the store closed the connection";
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      why = std::strerror(errno);
+    }
+  }
+  close(fd);
+  if (!why.empty()) return why;
+  uint32_t echoed = 0;
+  std::memcpy(&echoed, answer.data(), sizeof(echoed));
+  return echoed == nonce ? "" : "a wrong answer to PING (not a TCPStore?)";
 }
 
 }  // namespace dtrain::elastic

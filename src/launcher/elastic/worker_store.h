@@ -10,6 +10,7 @@
 // no encryption; bind it to an address only the job's machines reach.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -49,5 +50,13 @@ class WorkerStore {
   int port_ = 0;
   std::thread thread_;
 };
+
+// A client's SET into the workers' store at host:port, as c10d's TCPStore client sends it
+// (VALIDATE, SET; then PING, whose answer says both were served), within `timeout` all told. Each
+// launcher of a `--recovery in-place` job writes through it what the workers read from it (a
+// worker's exit, run_command.cpp), node 0's into its own store like the others. Returns "" once
+// the store has the key, else why not ("connection refused", "no answer within 1 s"). Never throws.
+std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
+                                const std::string& value, std::chrono::milliseconds timeout);
 
 }  // namespace dtrain::elastic

@@ -187,6 +187,48 @@ TEST_F(RecoveryTest, WhenRestartsRunOutTheSurvivorsGoOnWithoutTheWorker) {
   EXPECT_EQ(count(run.err, "worker failed:"), 0) << run.err;
 }
 
+// Reads (polling up to 10 s) the exit notice of the worker whose pid is in $1/pid.1.0 from the
+// workers' store, as dtrain::ResilientDataParallel's membership does (src/recovery/membership.h:
+// "exited/<host>/<pid>/<pid namespace>"): CHECK until it exists, then GET; writes it to $1/exited.
+constexpr const char* kReadExitNotice = R"(import os, socket, struct, sys, time
+d = sys.argv[1]
+pid = open(os.path.join(d, "pid.1.0")).read().strip()
+key = ("/dtrain/recovery/exited/%s/%s/%d" % (socket.gethostname(), pid,
+       os.stat("/proc/self/ns/pid").st_ino)).encode()
+s = socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+def receive(n):
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            sys.exit(8)
+        data += chunk
+    return data
+s.sendall(b"\0" + struct.pack("<I", 0x3C85F7CE))
+for _ in range(200):
+    s.sendall(b"\5" + struct.pack("<Q", 1) + struct.pack("<Q", len(key)) + key)
+    if receive(1) == b"\0":
+        s.sendall(b"\3" + struct.pack("<Q", len(key)) + key)
+        value = receive(struct.unpack("<Q", receive(8))[0])
+        open(os.path.join(d, "exited"), "wb").write(value)
+        break
+    time.sleep(0.05)
+)";
+
+TEST_F(RecoveryTest, AFailedWorkersDeathIsWrittenIntoTheWorkersStore) {
+  // Note [Heartbeats] (src/recovery/membership.h): survivors on other hosts cannot check a dead
+  // worker's pid, so its launcher writes its death into the store they all reach. Rank 1 fails;
+  // rank 0 reads the notice under rank 1's host, pid and pid namespace.
+  write_file(dir_ / "read_exit.py", kReadExitNotice);
+  RunResult run = dtrain(concat(
+      {"run", "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "0", "--"},
+      sh(recorded("if [ $RANK = 1 ]; then " + wait_for("pid.0.0") + " exit 5; fi;" +
+                  wait_for("pid.1.0") + " python3 \"$1/read_exit.py\" \"$1\" || exit 9; exit 0"))));
+  clean_up("pid.0.0");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(read_file(dir_ / "exited"), "exited with code 5") << run.err;
+}
+
 TEST_F(RecoveryTest, AStopOnSigtermRestartsTheWholeGroup) {
   // A worker that exits 143 stopped on SIGTERM together with its peers (dtrain/stop.h): a newcomer
   // would find nobody to join, so the whole group restarts (and resumes from the checkpoint they
