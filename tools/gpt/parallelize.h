@@ -127,9 +127,9 @@ class Parallel {
   // safetensors] in dtrain/dcp.h), under the names ZeRO's export uses, every rank writing the
   // ranges it saves in a checkpoint; PyTorch loads the folder into an unsharded model or FSDP2.
   // load_dcp fills this rank's parameters from such a folder, whatever wrote it (dtrain in any
-  // layout, FSDP2 at any world size, a plain dcp.save), and AdamW's moments and step when the folder
-  // holds them (else this rank's AdamW state is cleared: a fresh optimizer). Collective over the
-  // world; throws dtrain::UsageError on every rank, naming the file or tensor, when a file is
+  // layout, FSDP2 at any world size, a plain dcp.save), and AdamW's moments and step when the
+  // folder holds them (else this rank's AdamW state is cleared: a fresh optimizer). Collective over
+  // the world; throws dtrain::UsageError on every rank, naming the file or tensor, when a file is
   // damaged or missing or the folder is of another model (and load_dcp then changes nothing).
   void export_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
   void load_dcp(const std::string& dir, torch::optim::AdamW& optimizer);

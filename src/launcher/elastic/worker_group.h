@@ -61,9 +61,9 @@ struct WorkerGroupOptions {
   // "in-place": the failed worker alone, through restart_worker()), so the workers know whether
   // to expect a newcomer.
   std::string recovery = "restart";
-  // false: the workers get none of the variables that place a rank (RANK, LOCAL_RANK, WORLD_SIZE,
-  // MASTER_ADDR, ... ; inherited ones are dropped too), for a worker that is itself a launcher whose
-  // tasks take theirs from it (`dtrain scale` in a Slurm allocation: srun).
+  // false: the workers get none of the variables that place a rank (RANK, LOCAL_RANK,
+  // WORLD_SIZE, MASTER_ADDR, ... ; inherited ones are dropped too), for a worker that is itself a
+  // launcher whose tasks take theirs from it (`dtrain scale` in a Slurm allocation: srun).
   bool rank_variables = true;
 };
 
