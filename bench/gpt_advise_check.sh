@@ -25,7 +25,7 @@ for size in "${sizes[@]}"; do
   steps=30
   [[ $size == *"--width 256"* ]] && steps=10
   advice=$("$build/bin/gpt_advise" --devices "$nproc" --memory-gb 1000 --bandwidth-gbps "$bandwidth" \
-    --latency-us "$latency" --threads 1 --json $size 2>/dev/null)
+    --latency-us "$latency" --threads 1 --repeats 7 --json $size 2>/dev/null)
   echo
   echo "## $size (--steps $steps)"
   echo "| layout | predicted tokens/s | measured tokens/s (median of $repeats) | measured / predicted | predicted: why |"

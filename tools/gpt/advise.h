@@ -118,7 +118,7 @@ Advice advise(const GptConfig& config, const Machine& machine, int64_t batch_siz
               const Costs& costs, int64_t global_batch = 0);
 
 // Times one block, the ends and AdamW on this machine (CPU, torch's current thread count) at each
-// row count: `repeats` timed iterations after one warm-up, the median.
+// row count: `repeats` timed iterations after one warm-up, the fastest.
 Costs measure_costs(const GptConfig& config, const std::vector<int64_t>& rows, int repeats = 3);
 
 }  // namespace gpt

@@ -25,7 +25,7 @@ GptConfig tiny() {
   config.width = 32;
   config.heads = 4;
   config.kv_heads = 2;
-  config.mlp_width = 36;  // does not divide by 8 x tp: tensor rank 0 holds the larger shard
+  config.mlp_width = 37;  // odd: tensor rank 0 of 2 holds the larger shard of the MLP
   return config;
 }
 
