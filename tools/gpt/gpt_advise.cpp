@@ -14,6 +14,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "dtrain/errors.h"
 #include "gpt/advise.h"
@@ -68,8 +69,9 @@ Flags parse(int argc, char** argv) {
   }
   auto positive = [](const char* flag, double value, const char* what) {
     if (!(value > 0)) {
-      throw dtrain::UsageError(std::string("gpt_advise: ") + flag + " " + std::to_string(value) +
-                               ": expected " + what);
+      std::ostringstream line;
+      line << "gpt_advise: " << flag << " " << value << ": expected " << what;
+      throw dtrain::UsageError(line.str());
     }
   };
   positive("--devices", flags.devices, "a positive number of devices");
@@ -79,8 +81,9 @@ Flags parse(int argc, char** argv) {
   positive("--threads", flags.threads, "at least 1");
   positive("--repeats", flags.repeats, "at least 1");
   if (flags.latency_us < 0) {
-    throw dtrain::UsageError("gpt_advise: --latency-us " + std::to_string(flags.latency_us) +
-                             ": expected 0 or more microseconds");
+    std::ostringstream line;
+    line << "gpt_advise: --latency-us " << flags.latency_us << ": expected 0 or more microseconds";
+    throw dtrain::UsageError(line.str());
   }
   if (flags.global_batch < 0) {
     throw dtrain::UsageError("gpt_advise: --global-batch " + std::to_string(flags.global_batch) +
