@@ -212,7 +212,7 @@ int train(const Flags& flags) {
   dtrain::amp::GradScaler scaler(scaler_options, flags.strategy == "ddp" ? pg : nullptr);
   int64_t skipped_steps = 0;
 
-  // On a GPU (ddp, zero) the training split lives there (188 MB for Fashion-MNIST): a step gathers
+  // On a GPU under ddp the training split lives there (188 MB for Fashion-MNIST): a step gathers
   // its rows with one kernel each instead of a gather on the host and a copy of the batch.
   const bool on_host = flags.strategy == "dp";  // DataParallel scatters the batch itself
   const bool data_on_device = device.is_cuda() && !on_host;
