@@ -82,6 +82,21 @@ wait_line() {
   fail "no line matching '$2' in $1 within ${3:-60} s: $(tail -n 5 "$1" 2>&1)"
 }
 
+# The end of a preemptable batch script, after its srun: after a SIGTERM stop (143) while the job is being
+# preempted it waits, since Slurm requeues a preempted job only when its GraceTime is over, and one that has
+# ended by then is over (FAILED), not requeued. Printed for a batch script's heredoc.
+requeue_wait_lines() {
+  cat <<'LINES'
+status=$?
+echo "srun exited with $status"
+if ((status == 143)) && scontrol show job "$SLURM_JOB_ID" | grep -q "PreemptTime=[0-9]"; then
+  echo "preempted: waiting for Slurm to requeue the job"
+  sleep infinity
+fi
+exit $status
+LINES
+}
+
 # A preemptable training job: the batch script that preempt_test.sh and measure_preempt.sh submit, as
 # doc/slurm.md shows it. It prints when it starts, then runs the trainer under srun with the arguments given
 # here and --checkpoint-dir "$CKPT" (no --resume: a requeued run resumes by itself). After a SIGTERM stop
@@ -95,13 +110,7 @@ write_preemptable_job() {
 #!/usr/bin/env bash
 echo "attempt SLURM_RESTART_COUNT=\${SLURM_RESTART_COUNT:-unset} at \$(date +%s.%N)"
 srun --kill-on-bad-exit=1 "$trainer" $* --checkpoint-dir "\$CKPT"
-status=\$?
-echo "srun exited with \$status"
-if ((status == 143)) && scontrol show job "\$SLURM_JOB_ID" | grep -q "PreemptTime=[0-9]"; then
-  echo "preempted: waiting for Slurm to requeue the job"
-  sleep infinity
-fi
-exit \$status
+$(requeue_wait_lines)
 JOB
 }
 

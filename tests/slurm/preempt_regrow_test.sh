@@ -44,13 +44,7 @@ echo "node job \$SLURM_JOB_ID on \$(hostname) at \$(date +%s.%N), SLURM_RESTART_
 srun --kill-on-bad-exit=1 "$bin/dtrain" run --nnodes 1:2 --nproc-per-node 1 --rdzv-backend etcd \
   --rdzv-endpoint 10.78.0.1:2379 --rdzv-id slurm-preempt-regrow --max-restarts 5 -- \
   "$trainer" --epochs $epochs --log-every 1 --checkpoint-dir "$work/ckpt"
-status=\$?
-echo "srun exited with \$status"
-if ((status == 143)) && scontrol show job "\$SLURM_JOB_ID" | grep -q "PreemptTime=[0-9]"; then
-  echo "preempted: waiting for Slurm to requeue the job"
-  sleep infinity
-fi
-exit \$status
+$(requeue_wait_lines)
 JOB
 submit() {
   on_head sbatch --parsable -p low --requeue --open-mode=append -w "$1" -N1 -n1 --output="$2" "$work/node.sh"
