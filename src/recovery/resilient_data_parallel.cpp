@@ -138,6 +138,13 @@ void RecoveryCore::start() {
   }
   newcomer_ = join == "1";
   if (const char* fault = std::getenv("DTRAIN_TEST_FAULT")) test_fault_ = fault;
+  if (!test_fault_.empty() && test_fault_ != "kill-source-mid-transfer" &&
+      test_fault_ != "kill-newcomer-mid-transfer") {
+    // A mistyped fault would inject nothing, and its test would pass for the wrong reason.
+    throw UsageError(who() + ": DTRAIN_TEST_FAULT is '" + test_fault_ +
+                     "'; accepted (tests only): kill-source-mid-transfer, "
+                     "kill-newcomer-mid-transfer, or unset");
+  }
   if (newcomer_ && launch_.rank == 0 && !launcher_hosts_store()) {
     throw CommError(who() +
                     ": in-place recovery: rank 0 hosts the job's store, so it cannot "
