@@ -12,6 +12,9 @@
 # with nvcc), it is chosen and its versioned libraries named explicitly; a toolkit given by the caller
 # (CUDAToolkit_ROOT, CMAKE_CUDA_COMPILER) is left alone. The driver stub (libcuda) is never linked: every
 # binary must start on a machine without a GPU.
+#
+# The refusals below begin with a space: CMake prints such a message as it is, where it would otherwise wrap
+# it over several lines, and the user (or a script's grep) gets the whole sentence on one line.
 set(DTRAIN_TORCH_MIN_VERSION 2.11)
 set(DTRAIN_TORCH_MAX_VERSION 2.15)
 
@@ -63,7 +66,7 @@ macro(dtrain_find_torch torch_dir_hint)
     if(_dtrain_wheel_cuda MATCHES "'([0-9]+\\.[0-9]+)'")
       set(_dtrain_wheel_cuda "${CMAKE_MATCH_1}")
       if(NOT "${CUDAToolkit_VERSION_MAJOR}.${CUDAToolkit_VERSION_MINOR}" STREQUAL _dtrain_wheel_cuda)
-        message(FATAL_ERROR "LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX} is built for CUDA "
+        message(FATAL_ERROR " LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX} is built for CUDA "
                             "${_dtrain_wheel_cuda}, but the CUDA toolkit found is ${CUDAToolkit_VERSION} "
                             "(${CUDAToolkit_BIN_DIR}): pip install 'cuda-toolkit[nvcc]==${_dtrain_wheel_cuda}.*' "
                             "into the wheel's environment (scripts/bootstrap does), or set CUDAToolkit_ROOT to a "
@@ -73,7 +76,7 @@ macro(dtrain_find_torch torch_dir_hint)
   endif()
   if(Torch_VERSION VERSION_LESS DTRAIN_TORCH_MIN_VERSION OR
      Torch_VERSION VERSION_GREATER_EQUAL "${DTRAIN_TORCH_MAX_VERSION}.99")
-    message(FATAL_ERROR "dtrain supports LibTorch ${DTRAIN_TORCH_MIN_VERSION} to ${DTRAIN_TORCH_MAX_VERSION}, but "
+    message(FATAL_ERROR " dtrain supports LibTorch ${DTRAIN_TORCH_MIN_VERSION} to ${DTRAIN_TORCH_MAX_VERSION}, but "
                         "Torch_DIR=${Torch_DIR} is LibTorch ${Torch_VERSION}: point CMAKE_PREFIX_PATH or Torch_DIR "
                         "at a LibTorch in that range (scripts/bootstrap installs 2.15 into .venv/).")
   endif()
