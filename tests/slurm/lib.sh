@@ -153,3 +153,65 @@ PY
 
 # Seconds since the epoch, with milliseconds.
 now() { date +%s.%N | cut -c1-14; }
+
+# What the two-host elastic tests (elastic_nodes_test.sh, preempt_regrow_test.sh) share: one Slurm job per
+# node, each a `dtrain run --nnodes 1:2` agent with one worker, meeting in one etcd rendezvous.
+
+# start_head_etcd: a one-member etcd on the head node of a --two-hosts cluster, at $etcd_endpoint; stopped (by
+# pid, $stop_first) before the cluster.
+etcd_endpoint=10.78.0.1:2379
+start_head_etcd() {
+  on_head etcd --name=dtrain-test --data-dir="$work/etcd" --listen-client-urls="http://$etcd_endpoint" \
+    --advertise-client-urls="http://$etcd_endpoint" --listen-peer-urls=http://10.78.0.1:2380 \
+    --initial-advertise-peer-urls=http://10.78.0.1:2380 --initial-cluster=dtrain-test=http://10.78.0.1:2380 \
+    --log-level=warn >"$work/etcd.log" 2>&1 &
+  stop_first=$!
+}
+
+# find_staying_node JOB_A OUT_A JOB_B OUT_B SECONDS: the agents take node ranks in the order they join; the
+# one of node rank 0 (rank 0's, which prints the training) stays, the other node's job is the one the test
+# takes away. Waits (at most SECONDS) for round 0 of 2 nodes, then sets out and stay (the staying job's output
+# and id), leave and leave_out (the other's), and node (the node the other runs on).
+find_staying_node() {
+  local round0="round 0: node rank 0 of 2, WORLD_SIZE 2"
+  for ((i = 0; i < $5 * 20; ++i)); do
+    grep -q "$round0" "$2" 2>/dev/null && break
+    grep -q "$round0" "$4" 2>/dev/null && break
+    sleep 0.05
+  done
+  if grep -q "$round0" "$2"; then
+    out=$2 stay=$1 leave=$3 leave_out=$4 node=dtrain-node1
+  elif grep -q "$round0" "$4"; then
+    out=$4 stay=$3 leave=$1 leave_out=$2 node=dtrain-node0
+  else
+    fail "no round 0 of 2 nodes within $5 s: $(tail -n 3 "$2" "$4")"
+  fi
+}
+
+# wait_restart_step FILE RESTART SECONDS: waits (at most SECONDS, watching every 20 ms) for the first step
+# after "restart RESTART: resumed from ... step S" in FILE; prints the time it appeared and S.
+wait_restart_step() {
+  local resumed s
+  for ((i = 0; i < $3 * 50; ++i)); do
+    resumed=$(grep -o "restart $2: resumed from .*, step [0-9]*" "$1")
+    if [ -n "$resumed" ]; then
+      s=${resumed##* }
+      grep -q "^\[rank0\]: step $((s + 1)) " "$1" && echo "$(now) $s" && return 0
+    fi
+    sleep 0.02
+  done
+  fail "no step after restart $2 in $1 within $3 s: $(grep -v 'step [0-9]* loss' "$1" | tail -n 5)"
+}
+
+# check_shrunk_and_regrown FILE EPOCHS: the training in FILE used every sample of its EPOCHS epochs exactly
+# once over three world sizes (2, 1, 2), ended at world size 2 after 2 restarts, and learned.
+check_shrunk_and_regrown() {
+  local expected
+  expected=$(python3 -c "print('[' + ','.join(['60000'] * $2) + ']')")
+  [ "$(json "$1" epoch_samples)" = "$expected" ] ||
+    fail "epoch_samples is $(json "$1" epoch_samples), not $expected"
+  [ "$(json "$1" restarts)" = 2 ] || fail "\"restarts\" is $(json "$1" restarts), not 2"
+  [ "$(json "$1" world_size)" = 2 ] || fail "the training did not end at world size 2"
+  python3 -c "import sys; sys.exit(0 if $(json "$1" test_accuracy) > 0.8 else 1)" ||
+    fail "test_accuracy $(json "$1" test_accuracy) (an undisturbed run reaches 0.85 and more)"
+}
