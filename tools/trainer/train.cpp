@@ -182,6 +182,17 @@ int train(const Flags& flags) {
   const auto kill_at = kill_at_step_from_env();
   const Placement placement = place(flags, launch);
   const c10::Device device = placement.device;
+  // Before the group forms and the data loads: a run that cannot capture says so at once.
+  if (flags.cuda_graph) {
+    const std::string why =
+        cuda_graph_unsupported_reason(flags, device, in_place, in_place ? 0 : launch.world_size);
+    if (!why.empty()) {
+      throw dtrain::UsageError(
+          "train_fashion_mnist: --cuda-graph captures the step of --strategy ddp on one rank on "
+          "a GPU without --amp; this run has " +
+          why + "; drop --cuda-graph");
+    }
+  }
   check_checkpoint_dir(flags, launch.rank, restarts > 0);
   // In place the group is the recovery's, a new one with every generation (Strategy::group()).
   const std::shared_ptr<dtrain::ProcessGroup> pg =
@@ -290,14 +301,6 @@ int train(const Flags& flags) {
   // replayed (dtrain/cuda_graph.h); its only input is the batch's row numbers.
   std::unique_ptr<dtrain::CudaGraphStep> graphed;
   if (flags.cuda_graph) {
-    const std::string why =
-        cuda_graph_unsupported_reason(flags, device, in_place, in_place ? 0 : pg->size());
-    if (!why.empty()) {
-      throw dtrain::UsageError(
-          "train_fashion_mnist: --cuda-graph captures the step of --strategy ddp on one rank on "
-          "a GPU without --amp; this run has " +
-          why + "; drop --cuda-graph");
-    }
     graphed = std::make_unique<dtrain::CudaGraphStep>(
         [&](const std::vector<at::Tensor>& in) {
           at::Tensor step_loss = strategy.forward_backward(
