@@ -30,6 +30,7 @@ trainer=${TRAINER:-$build/bin/train_fashion_mnist}
 torchrun=${TORCHRUN:-$here/.venv/bin/torchrun}
 scenario=${1:-}
 runs=${2:-3}
+check_count bench/compare_elastic.sh "the number of runs (the second argument)" "$runs"
 settings=${SETTINGS:-matched}
 ckpt_every=${CKPT_EVERY:-500}
 kill_at=${KILL_AT:-750}

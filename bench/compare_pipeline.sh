@@ -26,6 +26,7 @@ dtrain=$build/bin/dtrain
 bench=${BENCH_PIPELINE:-$build/bin/bench_pipeline}
 torchrun=${TORCHRUN:-$here/.venv/bin/torchrun}
 rounds=${1:-5}
+check_count bench/compare_pipeline.sh "the number of rounds" "$rounds"
 P=${P:-2} MICRO=${MICRO:-4} HIDDEN=${HIDDEN:-2048} BATCH=${BATCH:-256} STEPS=${STEPS:-10}
 zb=${ZB-interleaved-zb zbv dualpipev}
 for f in "$dtrain" "$bench" "$torchrun"; do

@@ -26,6 +26,7 @@ dtrain=$build/bin/dtrain
 trainer=${TRAINER:-$build/bin/train_fashion_mnist}
 torchrun=${TORCHRUN:-$here/.venv/bin/torchrun}
 runs=${1:-3}
+check_count bench/compare_recovery.sh "the number of runs" "$runs"
 kill_at=${KILL_AT:-350}
 ckpt_every=${CKPT_EVERY:-100}
 for f in "$dtrain" "$trainer" "$torchrun"; do

@@ -22,8 +22,10 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/paired.sh"  # check_count
 dtrain=${DTRAIN:-$here/build/bin/dtrain}
 runs=${1:-5}
+check_count bench/elastic_restarts.sh "the number of runs" "$runs"
 [ -x "$dtrain" ] || { echo "bench/elastic_restarts.sh: build $dtrain first" >&2; exit 2; }
 work=$(mktemp -d)
 [ -z "${KEEP:-}" ] || echo "bench/elastic_restarts.sh: keeping $work" >&2

@@ -22,6 +22,14 @@ ratio_summary() {
   printf '%.3g (%.3g-%.3g)' "$(median <<<"$r")" "$(sort -g <<<"$r" | head -1)" "$(sort -g <<<"$r" | tail -1)"
 }
 
+# check_count SCRIPT WHAT VALUE: returns when VALUE is a positive integer; otherwise says so in one line naming
+# the script and WHAT, and exits 2 (a first argument such as --help must not start a long run).
+check_count() {
+  [[ $3 =~ ^[1-9][0-9]*$ ]] && return 0
+  echo "$1: '$3': expected $2, a positive integer" >&2
+  exit 2
+}
+
 # list_median LIST: the median of a space-separated list.
 list_median() { tr ' ' '\n' <<<"$1" | grep . | median; }
 

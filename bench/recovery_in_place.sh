@@ -14,8 +14,10 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
+. "$here/bench/paired.sh"  # check_count
 trainer=${TRAINER:-$here/build/bin/train_fashion_mnist}
 runs=${1:-5}
+check_count bench/recovery_in_place.sh "the number of runs" "$runs"
 step=${KILL_STEP:-300}
 [ -x "$trainer" ] || { echo "bench/recovery_in_place.sh: build $trainer first" >&2; exit 2; }
 work=$(mktemp -d)

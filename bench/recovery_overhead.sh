@@ -16,6 +16,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 . "$here/bench/paired.sh"
 build=${BUILD:-$here/build}
 rounds=${1:-5}
+check_count bench/recovery_overhead.sh "the number of rounds" "$rounds"
 [ -x "$build/bin/train_fashion_mnist" ] || { echo "bench/recovery_overhead.sh: build the trainer first" >&2; exit 2; }
 
 rate() {  # recovery mode: samples/s from the trainer's JSON line
