@@ -14,7 +14,8 @@
 # median ms/step of each side and the median of the paired ratios dtrain / PyTorch (below 1: dtrain faster).
 #   bench/two_hosts.sh [build dir] [peer dir]
 # Environment: BUILD, PEERS, PYTHON (the peer's python, default <repo>/.venv/bin/python), REPEATS=5,
-# HIDDENS="256 1024 4096", CAP_GBPS=1 (the capped link's rate), PREDICT=1 (0: skip the prediction part).
+# HIDDENS="256 1024 4096", CAP_GBPS=1 (the capped link's rate), COMPARE=1 and PREDICT=1 (0: skip the
+# comparison with PyTorch, or the prediction part).
 # Needs root (namespaces, tc) and iproute2; says why and exits 2 where it cannot make the hosts.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -96,28 +97,30 @@ torch_side() {  # HIDDEN STEPS
 }
 
 bench_header "$python" "$0 $* (REPEATS=$repeats CAP_GBPS=$cap)"
-echo
-echo "| link | hidden | steps | dtrain ms/step | PyTorch ms/step | dtrain / PyTorch, median of paired ratios (range) |"
-echo "|---|---:|---:|---:|---:|---:|"
-log=""
-for link in free "$cap"; do
-  cap_links "$([ "$link" = free ] && echo off || echo "$link")"
-  label=$([ "$link" = free ] && echo "veth, no cap" || echo "tbf $link Gbit/s")
-  for hidden in ${HIDDENS:-256 1024 4096}; do
-    case $hidden in 256) steps=200 ;; 1024) steps=40 ;; *) steps=10 ;; esac
-    ours="" theirs=""
-    for ((i = 0; i < repeats; i++)); do
-      for who in $( ((i % 2)) && echo "theirs ours" || echo "ours theirs"); do
-        if [ "$who" = ours ]; then ours+="$(dtrain_side "$hidden" "$steps") "; else theirs+="$(torch_side "$hidden" "$steps") "; fi
+if [ "${COMPARE:-1}" = 1 ]; then
+  echo
+  echo "| link | hidden | steps | dtrain ms/step | PyTorch ms/step | dtrain / PyTorch, median of paired ratios (range) |"
+  echo "|---|---:|---:|---:|---:|---:|"
+  log=""
+  for link in free "$cap"; do
+    cap_links "$([ "$link" = free ] && echo off || echo "$link")"
+    label=$([ "$link" = free ] && echo "veth, no cap" || echo "tbf $link Gbit/s")
+    for hidden in ${HIDDENS:-256 1024 4096}; do
+      case $hidden in 256) steps=200 ;; 1024) steps=40 ;; *) steps=10 ;; esac
+      ours="" theirs=""
+      for ((i = 0; i < repeats; i++)); do
+        for who in $( ((i % 2)) && echo "theirs ours" || echo "ours theirs"); do
+          if [ "$who" = ours ]; then ours+="$(dtrain_side "$hidden" "$steps") "; else theirs+="$(torch_side "$hidden" "$steps") "; fi
+        done
       done
+      echo "| $label | $hidden | $steps | $(list_median "$ours") | $(list_median "$theirs") | $(ratio_summary "$ours" "$theirs") |"
+      log+="$label H=$hidden: dtrain ${ours% }; PyTorch ${theirs% }"$'\n'
     done
-    echo "| $label | $hidden | $steps | $(list_median "$ours") | $(list_median "$theirs") | $(ratio_summary "$ours" "$theirs") |"
-    log+="$label H=$hidden: dtrain ${ours% }; PyTorch ${theirs% }"$'\n'
   done
-done
-echo
-echo "rounds (ms/step):"
-printf '%s' "$log"
+  echo
+  echo "rounds (ms/step):"
+  printf '%s' "$log"
+fi
 
 [ "${PREDICT:-1}" = 1 ] || exit 0
 # The prediction against the measurement: the trainer's DDP (per-rank batch 64), `dtrain scale --nproc 1,2

@@ -137,7 +137,11 @@ struct Prediction {
   // The model's inputs, all taken from the row it was fitted on unless said otherwise.
   double compute_per_sample_s = 0;
   double fixed_s = 0;        // per-step time that is neither compute nor exposed communication
-  double exposed_share = 1;  // exposed communication / the model's all-reduce time (may be > 1)
+  // Exposed communication / the model's all-reduce time, at most 1 (1: nothing hides).
+  double exposed_share = 1;
+  // What the fitted step waited beyond the model's whole all-reduce: the slower rank's arrival,
+  // not a transfer, so it does not grow with a slower link (Note [Prediction]).
+  double slower_rank_wait_s = 0;
   // Compute per sample that communication can hide behind (the backward pass): the hidden part of
   // an all-reduce never exceeds it times the samples per rank.
   double hide_per_sample_s = 0;
