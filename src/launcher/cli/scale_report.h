@@ -136,7 +136,7 @@ struct Prediction {
   std::vector<std::string> assumptions;
   // The model's inputs, all taken from the row it was fitted on unless said otherwise.
   double compute_per_sample_s = 0;
-  double fixed_s = 0;        // per-step time that is neither compute nor exposed communication
+  double fixed_s = 0;  // per-step time that is neither compute nor exposed communication
   // Exposed communication / the model's all-reduce time, at most 1 (1: nothing hides).
   double exposed_share = 1;
   // What the fitted step waited beyond the model's whole all-reduce: the slower rank's arrival,
