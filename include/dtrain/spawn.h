@@ -10,24 +10,27 @@
 //
 // Processes (the default): each rank is a fresh process of this program, re-executed through
 // /proc/self/exe with the same arguments (not forked from a process whose LibTorch thread pools
-// already run), with the environment `dtrain run` sets: RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT (a free port). spawn() blocks until
-// every worker has exited. On the first failure (a non-zero exit status, a signal, an exception out
-// of fn) it stops the others (SIGTERM, then SIGKILL after `stop_grace`) and throws SpawnError
-// naming the rank and its exit status, signal or exception message. Workers die with the parent
-// (PR_SET_PDEATHSIG, plus a check that the parent is still the one that started them), so killing
-// the parent leaves no orphans. SIGINT, SIGTERM or SIGHUP reaching the parent while spawn() waits
-// (a scheduler preempting the job) stop the workers as `dtrain run` does: SIGTERM, so they can save
-// a checkpoint, SIGKILL after `stop_grace`; then the signal takes its usual course in the parent
-// (by default it ends there; if the program has its own handler, spawn() throws SpawnError with
-// rank -1 once it returns). A signal the program ignores stays ignored, in the workers too.
+// already run), with the environment `dtrain run` sets on one node (RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, GROUP_RANK=0, MASTER_ADDR, MASTER_PORT (a free port), TORCHELASTIC_*, ...),
+// each in its own process group with stdin from /dev/null, writing to this program's stdout and
+// stderr: the workers of `dtrain run` are started, watched and stopped by the same code. spawn()
+// blocks until every worker has exited. On the first failure (a non-zero exit status, a signal, an
+// exception out of fn) it stops the others (SIGTERM, then SIGKILL after `stop_grace`) and throws
+// SpawnError naming the rank and its exit status, signal or exception message. Workers die with the
+// parent (PR_SET_PDEATHSIG, plus a check that the parent is still the one that started them), so
+// killing the parent leaves no orphans. SIGINT, SIGTERM or SIGHUP reaching the parent while spawn()
+// waits (a scheduler preempting the job) stop the workers as `dtrain run` does: SIGTERM, so they
+// can save a checkpoint, SIGKILL after `stop_grace`; then the signal takes its usual course in the
+// parent (by default it ends there; if the program has its own handler, spawn() throws SpawnError
+// with rank -1 once it returns). A signal the program ignores stays ignored, in the workers too.
 //
 // How a worker finds fn: the worker runs main() again from the top and reaches the same spawn()
-// call; an environment marker (DTRAIN_SPAWN_RANK) tells that call it is in worker R, so instead of
-// spawning it calls fn(R) and exits the process (status 0, or 1 after an exception, 2 after a
-// UsageError) instead of returning. So: call spawn() once per program run, early in main(), before
-// anything with side effects (files written, output printed) that the workers must not repeat, and
-// decide `nprocs` the same way in the parent and the workers (from argv, not from the clock).
+// call; an environment marker (DTRAIN_SPAWN_NPROCS) tells that call it is a worker, LOCAL_RANK
+// which one (R), so instead of spawning it calls fn(R) and exits the process (status 0, or 1 after
+// an exception, 2 after a UsageError) instead of returning. So: call spawn() once per program run,
+// early in main(), before anything with side effects (files written, output printed) that the
+// workers must not repeat, and decide `nprocs` the same way in the parent and the workers (from
+// argv, not from the clock).
 //
 // Threads (SpawnMode::kThreads): the ranks are threads of this process; init_process_group() called
 // on a rank's thread (with the default init_method "env://") joins an in-process store

@@ -68,6 +68,11 @@ TEST(Spawn, AFailingRankIsNamedWithItsMessageAndTheOthersAreStopped) {
   EXPECT_NE(result.output.find("exited with status 1: rank 1 gives up on purpose"),
             std::string::npos)
       << result.output;
+  // The ranks write to the program's own stdout and stderr, not through `dtrain run`'s relay.
+  EXPECT_NE(result.output.find("[dtrain] error: dtrain::spawn: rank 1/3: rank 1 gives up"),
+            std::string::npos)
+      << result.output;
+  EXPECT_EQ(result.output.find("[rank1]: "), std::string::npos) << result.output;
   // The other ranks sleep 300 s; spawn must stop them instead of waiting (the bound leaves room for
   // starting three LibTorch processes on a loaded 2-core machine).
   EXPECT_LT(seconds, 120) << result.output;

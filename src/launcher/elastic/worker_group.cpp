@@ -174,7 +174,8 @@ struct WorkerGroup::Worker {
   Stream out;
   Stream err;
   int log_fd = -1;
-  std::string prefix;  // "[rank3]: "
+  std::string prefix;      // "[rank3]: "
+  std::string error_file;  // its TORCHELASTIC_ERROR_FILE
   std::deque<std::string> stderr_tail;
 };
 
@@ -257,9 +258,9 @@ std::string find_executable(const std::string& name, std::string* why) {
 // -------------------------------------------------------------------------------------------------
 
 WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {
-  if (options_.command.empty()) throw UsageError("dtrain run: no program to run");
+  if (options_.command.empty()) throw UsageError(options_.name + ": no program to run");
   if (options_.local_world_size < 1) {
-    throw UsageError("dtrain run: local world size must be positive, got " +
+    throw UsageError(options_.name + ": local world size must be positive, got " +
                      std::to_string(options_.local_world_size));
   }
 }
@@ -294,7 +295,8 @@ int WorkerGroup::running() const {
 
 void WorkerGroup::start(const WorkerGroupRound& round) {
   if (running() != 0) {
-    throw InternalError("dtrain run: WorkerGroup::start called while " + std::to_string(running()) +
+    throw InternalError(options_.name + ": WorkerGroup::start called while " +
+                        std::to_string(running()) +
                         " workers of the previous round still run; call stop() first");
   }
   for (Worker& worker : workers_) close_worker(worker);
@@ -302,15 +304,15 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   round_ = round;
 
   std::string why;
-  executable_ = find_executable(options_.command[0], &why);
+  executable_ = options_.executable.empty() ? find_executable(options_.command[0], &why)
+                                            : options_.executable;
   if (executable_.empty()) {
-    throw UsageError("dtrain run: program '" + options_.command[0] + "': " + why);
+    throw UsageError(options_.name + ": program '" + options_.command[0] + "': " + why);
   }
   if (dev_null_ < 0) {
     dev_null_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (dev_null_ < 0) {
-      throw InternalError(std::string("dtrain run: cannot open /dev/null: ") +
-                          std::strerror(errno));
+      throw InternalError(options_.name + ": cannot open /dev/null: " + std::strerror(errno));
     }
   }
 
@@ -363,10 +365,6 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
     set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
   }
 
-  std::vector<std::string> error_files;
-  for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
-    error_files.push_back(make_error_file(round.restart_count, local_rank));
-  }
   workers_.resize(static_cast<std::size_t>(options_.local_world_size));
   // Open every log before forking anything, so a bad --log-dir fails with no worker started.
   for (int local_rank = 0; local_rank < options_.local_world_size; ++local_rank) {
@@ -376,6 +374,7 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
     worker.restart_count = round.restart_count;
     worker.prefix = "[rank" + std::to_string(worker.global_rank) + "]: ";
     try {
+      worker.error_file = make_error_file(round.restart_count, local_rank);
       open_log(worker);
     } catch (...) {
       for (Worker& opened : workers_) close_worker(opened);
@@ -385,10 +384,8 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   }
 
   for (Worker& worker : workers_) {
-    std::vector<std::string> env =
-        worker_env(worker, error_files[static_cast<std::size_t>(worker.local_rank)], {});
     try {
-      spawn(worker, env);
+      spawn(worker, worker_env(worker, {}));
     } catch (...) {
       // Leave nothing of this round behind: the caller gets the error, not half a group.
       signal_groups(SIGKILL);
@@ -408,15 +405,14 @@ void WorkerGroup::open_log(Worker& worker) {
 }
 
 std::vector<std::string> WorkerGroup::worker_env(
-    const Worker& worker, const std::string& error_file,
-    const std::vector<std::pair<std::string, std::string>>& overrides) const {
+    const Worker& worker, const std::vector<std::pair<std::string, std::string>>& overrides) const {
   std::vector<std::string> env = shared_env_;
   // Replaced, not appended: with a name twice, getenv() would find the round's value first.
   for (const auto& [name, value] : overrides) {
     std::erase_if(env, [&](const std::string& entry) { return entry.rfind(name + "=", 0) == 0; });
     env.push_back(name + "=" + value);
   }
-  env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file);
+  env.push_back("TORCHELASTIC_ERROR_FILE=" + worker.error_file);
   if (!options_.rank_variables) return env;
   env.push_back("LOCAL_RANK=" + std::to_string(worker.local_rank));
   env.push_back("RANK=" + std::to_string(worker.global_rank));
@@ -432,9 +428,9 @@ std::string WorkerGroup::make_error_file(int restart_count, int local_rank) {
     std::string pattern =
         std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/dtrain_run_XXXXXX";
     if (mkdtemp(pattern.data()) == nullptr) {
-      throw UsageError("dtrain run: cannot create a folder for TORCHELASTIC_ERROR_FILE like " +
-                       pattern + ": " + std::strerror(errno) +
-                       "; set TMPDIR to a writable directory");
+      throw UsageError(options_.name +
+                       ": cannot create a folder for TORCHELASTIC_ERROR_FILE like " + pattern +
+                       ": " + std::strerror(errno) + "; set TMPDIR to a writable directory");
     }
     error_file_root_ = pattern;
   }
@@ -445,7 +441,7 @@ std::string WorkerGroup::make_error_file(int restart_count, int local_rank) {
   std::error_code error;
   fs::create_directories(folder, error);
   if (error) {
-    throw UsageError("dtrain run: cannot create " + folder.string() +
+    throw UsageError(options_.name + ": cannot create " + folder.string() +
                      " for TORCHELASTIC_ERROR_FILE: " + error.message() +
                      "; set TMPDIR to a writable directory");
   }
@@ -461,16 +457,17 @@ void WorkerGroup::spawn(Worker& worker, const std::vector<std::string>& env) {
   std::vector<char*> envp;
   for (const std::string& entry : env) envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
-  std::string exec_error = "dtrain run: rank " + std::to_string(worker.global_rank) +
+  std::string exec_error = options_.name + ": rank " + std::to_string(worker.global_rank) +
                            ": cannot execute '" + executable_ + "': ";
 
-  int out_pipe[2];
-  int err_pipe[2];
-  if (pipe2(out_pipe, O_CLOEXEC) != 0) {
+  // The worker's stdout and stderr: pipes that wait() and stop() relay, or this process's own.
+  int out_pipe[2] = {-1, STDOUT_FILENO};
+  int err_pipe[2] = {-1, STDERR_FILENO};
+  if (options_.relay_output && pipe2(out_pipe, O_CLOEXEC) != 0) {
     throw InternalError(std::string("dtrain run: pipe: ") + std::strerror(errno) +
                         " (too many open files? raise `ulimit -n`)");
   }
-  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+  if (options_.relay_output && pipe2(err_pipe, O_CLOEXEC) != 0) {
     int error = errno;
     close(out_pipe[0]);
     close(out_pipe[1]);
@@ -529,12 +526,14 @@ void WorkerGroup::spawn(Worker& worker, const std::vector<std::string>& env) {
   }
   int fork_error = errno;
   pthread_sigmask(SIG_SETMASK, &previous_mask, nullptr);
-  close(out_pipe[1]);
-  close(err_pipe[1]);
+  if (options_.relay_output) {
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+  }
   if (pid < 0) {
-    close(out_pipe[0]);
+    close(out_pipe[0]);  // -1 without relaying: nothing to close
     close(err_pipe[0]);
-    throw InternalError(std::string("dtrain run: fork: ") + std::strerror(fork_error));
+    throw InternalError(options_.name + ": fork: " + std::strerror(fork_error));
   }
   // Also set the group from this side: whichever of parent and child runs first, the group exists
   // before stop() could signal it.
@@ -545,8 +544,10 @@ void WorkerGroup::spawn(Worker& worker, const std::vector<std::string>& env) {
   worker.pidfd = open_pidfd(pid);
   worker.out = Stream{out_pipe[0], options_.out_fd, false, {}};
   worker.err = Stream{err_pipe[0], options_.err_fd, true, {}};
-  fcntl(worker.out.fd, F_SETFL, O_NONBLOCK);
-  fcntl(worker.err.fd, F_SETFL, O_NONBLOCK);
+  if (options_.relay_output) {
+    fcntl(worker.out.fd, F_SETFL, O_NONBLOCK);
+    fcntl(worker.err.fd, F_SETFL, O_NONBLOCK);
+  }
   worker.stderr_tail.clear();
   write_log(worker, "==== dtrain run: attempt " + std::to_string(worker.restart_count) + " (" +
                         "TORCHELASTIC_RESTART_COUNT=" + std::to_string(worker.restart_count) +
@@ -618,7 +619,7 @@ std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd) {
         if (!worker.reaped) stuck += " " + std::to_string(worker.pid);
       }
       write_all(options_.err_fd,
-                "dtrain run: workers with pids" + stuck +
+                options_.name + ": workers with pids" + stuck +
                     " did not exit after SIGKILL (stuck in the kernel?); giving up\n");
       break;
     }
@@ -660,11 +661,10 @@ void WorkerGroup::restart_worker(int local_rank, int restart_count) {
   close_worker(worker);  // relays the old process's last output, closes its pipes and log
 
   worker.restart_count = restart_count;
-  std::string error_file = make_error_file(restart_count, local_rank);
+  worker.error_file = make_error_file(restart_count, local_rank);
   open_log(worker);
-  spawn(worker, worker_env(worker, error_file,
-                           {{"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
-                            {"DTRAIN_RECOVERY_JOIN", "1"}}));
+  spawn(worker, worker_env(worker, {{"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+                                    {"DTRAIN_RECOVERY_JOIN", "1"}}));
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -816,6 +816,7 @@ void WorkerGroup::record_exit(Worker& worker, int status, std::vector<WorkerExit
   exit.local_rank = worker.local_rank;
   exit.pid = worker.pid;
   exit.restart_count = worker.restart_count;
+  exit.error_file = worker.error_file;
   if (WIFSIGNALED(status)) {
     exit.signal = WTERMSIG(status);
   } else {

@@ -3,7 +3,9 @@
 // the first failure, and stopping them all (SIGTERM to each worker's process group, SIGKILL after a
 // grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop
 // (with --recovery in-place it replaces a single failed worker through restart_worker()); the
-// elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds.
+// elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds, and
+// dtrain::spawn (src/spawn/spawn.cpp) runs a program's own ranks through it: one supervisor for all
+// three, LibTorch-free (a static library that libdtrain links too).
 //
 // Limits: a worker's children are signalled through its process group, so one that moves to a group
 // of its own (setsid, a daemon) escapes stop(). If the launcher is SIGKILLed, the kernel kills the
@@ -65,6 +67,15 @@ struct WorkerGroupOptions {
   // WORLD_SIZE, MASTER_ADDR, ... ; inherited ones are dropped too), for a worker that is itself a
   // launcher whose tasks take theirs from it (`dtrain scale` in a Slurm allocation: srun).
   bool rank_variables = true;
+  // Who supervises, as messages name it: "dtrain run", or "dtrain::spawn" for the ranks a program
+  // starts itself (dtrain/spawn.h).
+  std::string name = "dtrain run";
+  // The file exec runs; empty: command[0], looked up on PATH. dtrain::spawn runs /proc/self/exe
+  // with the program's own argv, so that a rank's argv[0] is the program's.
+  std::string executable;
+  // false: the workers write to this process's stdout and stderr themselves (no rank prefix, no
+  // log files, no stderr tail), as dtrain::spawn's ranks print as the program they are.
+  bool relay_output = true;
 };
 
 // What one attempt of the group runs as: fixed by the static launcher, decided by a rendezvous
@@ -101,6 +112,9 @@ struct WorkerExit {
   int restart_count = 0;
   // Its last stderr lines (without the rank prefix), oldest first.
   std::vector<std::string> stderr_tail;
+  // Its TORCHELASTIC_ERROR_FILE, where PyTorch's @record and dtrain::spawn's ranks write the
+  // exception that ended it (if any); the file goes with the group.
+  std::string error_file;
 
   bool succeeded() const { return signal == 0 && exit_code == 0; }
   // Exit code 2: how dtrain programs, Python's argparse and most command-line tools say "bad flag,
@@ -138,10 +152,10 @@ class WorkerGroup {
 
   // Spawns local_world_size workers for `round`. Each worker: its own process group, SIGKILL when
   // this process dies (PR_SET_PDEATHSIG), stdin from /dev/null, stdout and stderr to pipes read by
-  // wait()/stop(), TORCHELASTIC_ERROR_FILE in a temporary folder that goes with the group. Throws
-  // dtrain::UsageError when a log file or the error file's folder cannot be made,
-  // dtrain::InternalError when pipes or fork fail; in both cases no worker of this round is left
-  // running. Requires the previous round stopped.
+  // wait()/stop() (unless relay_output is false), TORCHELASTIC_ERROR_FILE in a temporary folder
+  // that goes with the group. Throws dtrain::UsageError when a log file or the error file's folder
+  // cannot be made, dtrain::InternalError when pipes or fork fail; in both cases no worker of this
+  // round is left running. Requires the previous round stopped.
   void start(const WorkerGroupRound& round);
 
   // Blocks until every worker exited with code 0, a worker failed, or `interrupt_fd` (if >= 0)
@@ -183,7 +197,7 @@ class WorkerGroup {
   // A worker's environment: shared_env_ with `overrides` replacing the round's values, plus the
   // worker's own variables.
   std::vector<std::string> worker_env(
-      const Worker& worker, const std::string& error_file,
+      const Worker& worker,
       const std::vector<std::pair<std::string, std::string>>& overrides) const;
   void spawn(Worker& worker, const std::vector<std::string>& env);
   // Polls the pipes (and the extra fd) for up to timeout_ms; relays what arrived. Returns true when
