@@ -15,6 +15,10 @@ The layouts, each alone, with train_gpt's flags and PyTorch's own implementation
   --zero 3      FSDP2: fully_shard on each block, then on the whole model (embedding, norm and head)
   --tp T        DTensor's parallelize_module: wq, wk, wv, w1, w3 ColwiseParallel, wo and w2 RowwiseParallel (Megatron's
                 split, as train_gpt's --tp); the embedding, the norms and the head replicated
+  --tp T --sp   and DTensor's sequence parallelism, as torchtitan's Llama plan: the norms (SequenceParallel) and
+                the residual stream hold a slice of the sequence, attention and the MLP all-gather it
+                (PrepareModuleInput) and their output projections reduce-scatter it (RowwiseParallel to
+                Shard(1)); the embedding by rows to a sequence slice, the head by columns back to whole logits
   --pp P        torch.distributed.pipelining: the blocks cut into P stages as train_gpt cuts them (the embedding on
                 the first, the norm and the head on the last), --schedule gpipe or 1f1b, --micro-batches M
 """
@@ -204,6 +208,7 @@ def parse():
     p.add_argument("--compile", action="store_true", help="torch.compile the model (give it --warmup-steps)")
     p.add_argument("--zero", type=int, choices=(0, 3), default=0, help="3: FSDP2 over the ranks (0: DDP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (DTensor), every rank")
+    p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (DTensor's SequenceParallel)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining), every rank")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="with --pp")
     p.add_argument("--micro-batches", type=int, default=4, help="with --pp")
@@ -222,13 +227,25 @@ def parse():
     return args
 
 
-def tensor_parallel(model, mesh, degree):
+def tensor_parallel(model, mesh, degree, sequence_parallel):
     """Megatron's split through DTensor, as torchtitan's Llama: query/key/value and the MLP's w1/w3 by columns
-    (heads), the attention output and w2 by rows; each block's attention then holds heads / degree heads."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    (heads), the attention output and w2 by rows; each block's attention then holds heads / degree heads. With
+    sequence_parallel, torchtitan's plan for the norms and the residual stream (see the module's docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
             "mlp.w2": RowwiseParallel()}
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"attention_norm": SequenceParallel(), "attention": gather,
+                     "attention.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp_norm": SequenceParallel(),
+                     "mlp": gather, "mlp.w2": RowwiseParallel(output_layouts=Shard(1))})
+        parallelize_module(model, mesh, {
+            "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     for name, child in model.named_children():
         if name.startswith("block"):
             parallelize_module(child, mesh, plan)
@@ -271,6 +288,8 @@ def main():
         fail("--zero 3, --tp and --pp: one at a time here (train_gpt combines them; this peer does not)")
     if (args.tp > 1 or args.pp > 1) and max(args.tp, args.pp) != world:
         fail(f"--tp {args.tp} --pp {args.pp} on {world} ranks: the degree must be the world size here")
+    if args.sp and (args.tp < 2 or args.seq_len % args.tp):
+        fail(f"--sp needs --tp 2 or more dividing --seq-len {args.seq_len} (got --tp {args.tp})")
     if args.tp > 1 and (args.heads % args.tp or args.kv_heads % args.tp):
         fail(f"--tp {args.tp} does not divide --heads {args.heads} and --kv-heads {args.kv_heads}")
     if args.pp > 1 and args.batch_size % args.micro_batches:
@@ -284,7 +303,7 @@ def main():
     schedule, stage = None, None
     if args.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        tensor_parallel(model, init_device_mesh(device.type, (world,)), args.tp)
+        tensor_parallel(model, init_device_mesh(device.type, (world,)), args.tp, args.sp)
     elif args.pp > 1:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
         stage = pipeline_stage(model, args.pp, rank, device)
@@ -381,6 +400,11 @@ def main():
             "model_tflops": float(f"{tokens_per_s * flops / 1e12:.6g}"), "params": params}), flush=True)
     if distributed:
         dist.destroy_process_group()
+    # PyTorch 2.15 on the CPU sometimes aborts while the interpreter exits after DTensor's tensor
+    # parallelism ("terminate called without an active exception", exit 134), with the work done and
+    # its line printed; leave at once instead, so that a measured round is not lost to it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
