@@ -23,10 +23,6 @@ using Clock = std::chrono::steady_clock;
 using elastic::Verdict;
 using elastic::WaitResult;
 
-double since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 // One descriptor that is readable when a signal is pending or the monitor timer fired. A zero
 // period leaves the timer disarmed: only signals wake it.
 class Waker {
@@ -138,7 +134,7 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
           return 1;
         }
         say(verdict.message + "; stopped " + std::to_string(running) +
-            " worker(s) of this node in " + detail::seconds_text(since(stop_start)));
+            " worker(s) of this node in " + detail::seconds_text(Clock::now() - stop_start));
         round_running = false;
         continue;
       }

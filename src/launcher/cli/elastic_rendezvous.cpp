@@ -151,9 +151,11 @@ std::string describe_failure(const elastic::NodeInfo& self, const elastic::Worke
 
 // A verdict of elastic::Rendezvous as the line the agent says.
 Verdict as_line(Verdict verdict) {
-  if (verdict.kind == Verdict::Kind::kNewRound) verdict.message = "new round: " + verdict.message;
-  if (verdict.kind == Verdict::Kind::kShutdown)
+  if (verdict.kind == Verdict::Kind::kNewRound) {
+    verdict.message = "new round: " + verdict.message;
+  } else if (verdict.kind == Verdict::Kind::kShutdown) {
     verdict.message = "the job ends: " + verdict.message;
+  }
   return verdict;
 }
 
