@@ -16,10 +16,9 @@ bool RestartBudget::spend() {
 StaticRendezvous::StaticRendezvous(const RunOptions& options, bool auto_port)
     : options_(options), auto_port_(auto_port), restarts_(options.max_restarts) {}
 
-std::optional<elastic::WorkerGroupRound> StaticRendezvous::next_round(elastic::SignalPipe& signals,
-                                                                      int* exit_code) {
-  (void)signals;  // nothing to wait for
-  (void)exit_code;
+// Nothing to wait for: no signal to watch, and the job never ends here.
+std::optional<elastic::WorkerGroupRound> StaticRendezvous::next_round(
+    elastic::SignalPipe& /*signals*/, int* /*exit_code*/) {
   elastic::WorkerGroupRound round;
   round.group_rank = options_.node_rank;
   round.group_world_size = options_.nnodes;
