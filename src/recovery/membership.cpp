@@ -251,8 +251,8 @@ std::string Heartbeats::key(const MemberRecord& member) {
          std::to_string(member.pid_namespace);
 }
 
-// The launcher writes this key (run_command.cpp spells it there too, as its store holds it: with
-// the "/" that c10d's client puts before every key).
+// The launcher writes this key (in_place_recovery.cpp spells it there too, as its store holds it:
+// with the "/" that c10d's client puts before every key).
 std::string Heartbeats::exit_key(const MemberRecord& member) {
   return "dtrain/recovery/exited/" + member.host + "/" + std::to_string(member.pid) + "/" +
          std::to_string(member.pid_namespace);

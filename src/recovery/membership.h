@@ -14,8 +14,9 @@
 //                       a process's heartbeat counter (Heartbeats below), created when it registers
 //   exited/<host>/<pid>/<pid namespace>
 //                       written by the launcher that reaped that process after it failed (`dtrain
-//                       run --recovery in-place`, src/launcher/cli/run_command.cpp): it is dead,
-//                       on whichever host it ran (Note [Heartbeats]); the value says how it ended
+//                       run --recovery in-place`, src/launcher/cli/in_place_recovery.cpp): it is
+//                       dead, on whichever host it ran (Note [Heartbeats]); the value says how it
+//                       ended
 // Only check(), add() and compare-and-set are used while waiting, never a blocking get() of a key
 // that a dead process may never write: every wait is a bounded poll.
 #pragma once

@@ -1,53 +1,28 @@
-// `dtrain run`: machine checks, the restart loop around one WorkerGroup, the failure summary and
-// the exit code (see run_command.h).
-//
-// Static multi-node runs (--rdzv-backend static, the default): every node runs its own `dtrain run`
-// with its --node-rank and the same --master-addr/--master-port, and nothing coordinates the nodes
-// beyond the workers' own store. A restart is therefore node-local: when a worker fails, only this
-// node's group restarts, and workers on the other nodes notice the lost peer in their next
-// collective and fail too (then their launchers restart them). The attempt counters of different
-// nodes may drift apart. With --rdzv-backend c10d or etcd, run_main hands over to the elastic agent
-// (elastic_agent.h), whose rendezvous restarts every node's group together.
-//
-// With --recovery in-place (static only) the survivors carry on: the library
-// (DTRAIN_RECOVERY=in-place, dtrain::ResilientDataParallel) re-forms their group without the dead
-// worker, and the launcher restarts that worker alone as a newcomer (restart_alone() below). Node
-// 0's launcher then hosts the workers' store (WorkerStore, TORCHELASTIC_USE_AGENT_STORE=True), so
-// that it outlives every worker, rank 0 included; a program whose workers never formed an in-place
-// group gets the whole-group restart instead. Every node's launcher writes its failed workers'
-// deaths into that store (announce_exits()), so that survivors on other hosts do not wait for them.
+// `dtrain run`: the machine checks, the failure summary and the other pieces the agent (agent.h)
+// shares, and run_main, which turns the flags into an agent run and its outcome into an exit code
+// (see run_command.h). The agent's one loop runs the workers under a static or an elastic
+// rendezvous, restarting them after failures.
 #include "launcher/cli/run_command.h"
 
-#include <poll.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdlib>
 #include <filesystem>
-#include <iomanip>
-#include <memory>
 #include <random>
-#include <sstream>
 #include <system_error>
 
 #include "common/format.h"
-#include "common/process_identity.h"
 #include "dtrain/errors.h"
-#include "launcher/cli/elastic_agent.h"
+#include "launcher/cli/agent.h"
 #include "launcher/elastic/ports.h"
-#include "launcher/elastic/signal_pipe.h"
-#include "launcher/elastic/worker_group.h"
-#include "launcher/elastic/worker_store.h"
 
 namespace dtrain::cli {
 
 using elastic::WaitResult;
 using elastic::WorkerExit;
-using elastic::WorkerGroup;
 
 namespace {
 [[noreturn]] void fail(const std::string& message) { throw UsageError("dtrain run: " + message); }
@@ -159,203 +134,6 @@ elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
   return group_options;
 }
 
-namespace {
-
-bool readable(int fd) {
-  struct pollfd p {
-    fd, POLLIN, 0
-  };
-  return poll(&p, 1, 0) > 0;
-}
-
-// The key the workers' first in-place generation writes when it forms (src/recovery/membership.h):
-// its presence says the program recovers in place (dtrain::ResilientDataParallel). As the store
-// holds it: c10d's client puts "/" before every key.
-constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
-
-// --recovery in-place: tells the workers on every host, through their store, that each worker of
-// `ended` has failed and is dead (Note [Heartbeats], src/recovery/membership.h): a survivor on
-// another host cannot check its pid, and would otherwise wait for it min(settle, lost_after),
-// about 2 s, before going on without it. The key names the process as its membership record does:
-// this host's name, its pid (the launcher execs the program itself, so the pid is the worker's)
-// and the pid namespace; the value says how it ended. A store out of reach (the link to node 0 is
-// cut) costs at most kExitNoticeTimeout: the survivors then tell the death by its heartbeat.
-constexpr auto kExitNoticeTimeout = std::chrono::seconds(1);
-void announce_exits(const elastic::WorkerGroupRound& round, const WaitResult& ended) {
-  if (!round.agent_store) return;
-  for (const WorkerExit& failure : ended.failures) {
-    const std::string key = "/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
-                            std::to_string(failure.pid) + "/" +
-                            std::to_string(detail::own_pid_namespace());
-    const std::string why = elastic::set_in_worker_store(round.master_addr, round.master_port, key,
-                                                         failure.describe(), kExitNoticeTimeout);
-    if (!why.empty()) {
-      say("could not tell the other workers through their store at " + round.master_addr + ":" +
-          std::to_string(round.master_port) + " that rank " + std::to_string(failure.global_rank) +
-          " " + failure.describe() + " (" + why +
-          "); they go on without it once its heartbeat stops");
-    }
-  }
-}
-
-// --recovery in-place: restarts each worker of `failed` alone, as a newcomer the survivors admit
-// into their group (DTRAIN_RECOVERY_JOIN=1), and returns true; the other workers keep running.
-// With no restart left for a worker, the survivors of an in-place group go on without it (a smaller
-// job, not a stopped one). Returns false, restarting nothing, where the whole group must stop as
-// in restart mode: a signal came for the launcher, a usage error (exit code 2) cannot be fixed by
-// a restart, the workers never formed an in-place group (a program that does not recover in place:
-// its survivors fail too), a worker stopped on SIGTERM or none is left (one node), or no restart is
-// left and this node cannot tell that they did (the store is on node 0), or rank 0 died while it
-// hosted the store.
-bool restart_alone(const RunOptions& options, WorkerGroup& group,
-                   const elastic::WorkerGroupRound& round, const elastic::WorkerStore* store,
-                   const WaitResult& failed, int signal_fd, int* restarts) {
-  if (!recovers_in_place(options) || readable(signal_fd)) return false;
-  const std::vector<WorkerExit>& failures = failed.failures;
-  if (std::any_of(failures.begin(), failures.end(),
-                  [](const WorkerExit& failure) { return failure.usage_error(); })) {
-    return false;  // the caller says why it does not restart
-  }
-  const int left = options.max_restarts - *restarts;
-  const bool in_place_group = store != nullptr && store->contains(kInPlaceGroupFormed);
-  if (store != nullptr && !in_place_group) {
-    if (left > 0) {
-      say("the workers formed no in-place group (the program does not use "
-          "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group "
-          "from the last checkpoint");
-    }
-    return false;
-  }
-  // Nobody to go on or to admit a newcomer: every worker of a one-node job failed, or one stopped
-  // on SIGTERM (exit code 143, dtrain/stop.h), which its peers agreed to and saved the job's
-  // checkpoint for. The whole group restarts and resumes from that checkpoint, as in restart mode.
-  const bool stopped = std::any_of(failures.begin(), failures.end(), [](const WorkerExit& failure) {
-    return failure.signal == 0 && failure.exit_code == 128 + SIGTERM;
-  });
-  if (in_place_group && (stopped || (options.nnodes == 1 && group.running() == 0))) {
-    if (left > 0) {
-      say(stopped ? "a worker stopped on SIGTERM (exit code 143) with its peers: restarting the "
-                    "whole group from the last checkpoint"
-                  : "no worker is left to admit a newcomer: restarting the whole group from the "
-                    "last checkpoint");
-    }
-    return false;
-  }
-  if (!round.agent_store &&
-      std::any_of(failures.begin(), failures.end(),
-                  [](const WorkerExit& failure) { return failure.global_rank == 0; })) {
-    say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
-    return false;
-  }
-  if (!in_place_group && static_cast<std::size_t>(std::max(left, 0)) < failures.size()) {
-    return false;
-  }
-  if (group.running() == 0 && left <= 0) return false;  // nobody left to go on
-  for (const WorkerExit& failure : failures) {
-    const std::string who = "rank " + std::to_string(failure.global_rank) + "/" +
-                            std::to_string(round.world_size) + " (local rank " +
-                            std::to_string(failure.local_rank) + ", pid " +
-                            std::to_string(failure.pid) + ") " + failure.describe() +
-                            " on attempt " + std::to_string(failure.restart_count);
-    if (*restarts >= options.max_restarts) {
-      say(who + "; no restart left to replace it (--max-restarts " +
-          std::to_string(options.max_restarts) + "): the other " + std::to_string(group.running()) +
-          " worker(s) go on without it");
-      continue;
-    }
-    ++*restarts;
-    say(who + "; restarting it alone as a newcomer, the other workers keep running (restart " +
-        std::to_string(*restarts) + " of " + std::to_string(options.max_restarts) + ")");
-    group.restart_worker(failure.local_rank, *restarts);
-  }
-  return true;
-}
-
-int run_workers(const RunOptions& options, const LaunchPlan& plan) {
-  // Installed before the first worker exists, so no Ctrl-C can slip between fork and the handler.
-  elastic::SignalPipe signals(elastic::kLauncherSignals);
-  WorkerGroup group(worker_group_options(options, plan));
-
-  // Restarts so far, of the whole group or (--recovery in-place) of one worker: each counts
-  // against --max-restarts, and the count is the restarted workers' TORCHELASTIC_RESTART_COUNT.
-  int restarts = 0;
-  // --recovery in-place: node 0's launcher hosts the workers' store, so that it outlives any
-  // worker; a fresh one for each start of the whole group (the last one's keys belong to its
-  // generations).
-  std::unique_ptr<elastic::WorkerStore> store;
-  for (;;) {
-    elastic::WorkerGroupRound round;
-    round.group_rank = options.node_rank;
-    round.group_world_size = options.nnodes;
-    round.base_rank = options.node_rank * options.nproc_per_node;
-    round.world_size = options.nnodes * options.nproc_per_node;
-    round.master_addr = options.master_addr;
-    // A fresh port each attempt: the previous store's port may linger, or another program may have
-    // taken it meanwhile.
-    round.master_port = plan.auto_port ? elastic::pick_free_port() : options.master_port;
-    round.agent_store = recovers_in_place(options);
-    if (round.agent_store && options.node_rank == 0) {
-      store.reset();  // its port is free again for the new one
-      // One node: the loopback address the workers are given; several: every interface, as
-      // rank 0's TCPStore listens.
-      store = std::make_unique<elastic::WorkerStore>(options.nnodes == 1 ? round.master_addr : "",
-                                                     plan.auto_port ? 0 : options.master_port);
-      round.master_port = store->port();
-    }
-    round.restart_count = restarts;
-    group.start(round);
-
-    WaitResult result = group.wait(signals.fd());
-    announce_exits(round, result);
-    while (result.state == WaitResult::State::kFailed &&
-           restart_alone(options, group, round, store.get(), result, signals.fd(), &restarts)) {
-      result = group.wait(signals.fd());
-      announce_exits(round, result);
-    }
-    if (result.state == WaitResult::State::kSucceeded) {
-      group.stop();  // ends whatever the workers left running in their process groups
-      return 0;
-    }
-    if (result.state == WaitResult::State::kInterrupted) {
-      int signo = signals.take();
-      say("received " + elastic::signal_name(signo) + "; stopping " +
-          std::to_string(group.running()) + " worker(s): SIGTERM now, SIGKILL after " +
-          detail::seconds_text(options.grace_period_s));
-      group.stop(signals.fd());
-      return 128 + signo;
-    }
-
-    if (group.running() > 0) {
-      say("rank " + std::to_string(result.failures.front().global_rank) +
-          " failed; stopping the other " + std::to_string(group.running()) +
-          " worker(s) of this node");
-    }
-    group.stop(signals.fd());
-    print_failure_summary(result, round);
-    if (int signo = signals.take(); signo != 0) {
-      say("received " + elastic::signal_name(signo) + "; not restarting");
-      return 128 + signo;
-    }
-    int exit_code = result.failures.front().launcher_exit_code();
-    if (result.failures.front().usage_error() && options.max_restarts > 0) {
-      say("not restarting: exit code 2 is a usage error (a bad flag, variable or file), which a "
-          "restart cannot fix; exiting with code 2");
-      return exit_code;
-    }
-    if (restarts >= options.max_restarts) {
-      say("no restarts left (--max-restarts " + std::to_string(options.max_restarts) +
-          "); exiting with code " + std::to_string(exit_code));
-      return exit_code;
-    }
-    ++restarts;
-    say("restarting the worker group of this node: attempt " + std::to_string(restarts) +
-        " (restart " + std::to_string(restarts) + " of " + std::to_string(options.max_restarts) +
-        ")");
-  }
-}
-
-}  // namespace
-
 LaunchPlan prepare_launch(const RunOptions& options) {
   LaunchPlan plan;
   const std::string& program = options.command.front();
@@ -448,7 +226,7 @@ int run_main(const std::vector<std::string>& args) {
     say(warning);
   }
   try {
-    return is_elastic(options) ? run_elastic(options, plan) : run_workers(options, plan);
+    return run_agent(options, plan);
   } catch (const UsageError& error) {
     print_error(error);
     return 2;

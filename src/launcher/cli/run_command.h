@@ -1,6 +1,6 @@
 // `dtrain run`: checks the flags against the machine (program, interpreter, port, log folder), then
-// runs the local worker group, restarting it after failures, and turns the outcome into an exit
-// code.
+// hands over to the agent (agent.h), whose one loop runs the local worker group under a static or
+// elastic rendezvous, restarting it after failures, and turns the outcome into an exit code.
 #pragma once
 
 #include <string>
@@ -32,7 +32,7 @@ std::string oversubscription_warning(int ranks, int cores);
 // usage for --help, one line and 2 for bad input; blocks until the workers are done.
 int run_main(const std::vector<std::string>& args);
 
-// Shared by the static launcher and the elastic agent (elastic_agent.cpp).
+// Shared with the agent (agent.cpp) and its rendezvous and recovery.
 // One launcher line ("dtrain run: <message>") to stderr in one write.
 void say(const std::string& message);
 // One line for an exception (dtrain's own messages already start with "dtrain run: ").

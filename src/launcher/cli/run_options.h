@@ -75,7 +75,7 @@ struct RunOptions {
 // '0'".
 RunOptions parse_run_options(const std::vector<std::string>& args);
 
-// Whether the options ask for the elastic agent (a c10d or etcd rendezvous).
+// Whether the options ask for the elastic rendezvous (c10d or etcd) rather than the static one.
 inline bool is_elastic(const RunOptions& options) { return options.rdzv_backend != "static"; }
 
 // Whether a failed worker is restarted alone (--recovery in-place).

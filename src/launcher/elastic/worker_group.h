@@ -1,11 +1,11 @@
 // WorkerGroup: the local worker processes of one node - spawning them with torchrun's environment,
 // relaying their output line by line with a rank prefix (and into per-rank log files), watching for
 // the first failure, and stopping them all (SIGTERM to each worker's process group, SIGKILL after a
-// grace period, every child reaped). `dtrain run` drives one WorkerGroup through its restart loop
-// (with --recovery in-place it replaces a single failed worker through restart_worker()); the
-// elastic agent (src/launcher/cli/elastic_agent.cpp) drives it from its rendezvous rounds, and
-// dtrain::spawn (src/spawn/spawn.cpp) runs a program's own ranks through it: one supervisor for all
-// three, LibTorch-free (a static library that libdtrain links too).
+// grace period, every child reaped). The agent of `dtrain run` (src/launcher/cli/agent.h) drives
+// one WorkerGroup through its restart loop, one round of its rendezvous (static or elastic) per
+// start(); with --recovery in-place it replaces a single failed worker through restart_worker().
+// dtrain::spawn (src/spawn/spawn.cpp) runs a program's own ranks through it too: one supervisor for
+// both, LibTorch-free (a static library that libdtrain links too).
 //
 // Limits: a worker's children are signalled through its process group, so one that moves to a group
 // of its own (setsid, a daemon) escapes stop(). If the launcher is SIGKILLed, the kernel kills the
@@ -78,14 +78,14 @@ struct WorkerGroupOptions {
   bool relay_output = true;
 };
 
-// What one attempt of the group runs as: fixed by the static launcher, decided by a rendezvous
-// round in the elastic agent.
+// What one attempt of the group runs as: a round of the agent's rendezvous, fixed by the flags
+// (static) or agreed with the other nodes (elastic).
 struct WorkerGroupRound {
   // GROUP_RANK: this node's rank among the nodes.
   int group_rank = 0;
   // GROUP_WORLD_SIZE: number of nodes.
   int group_world_size = 1;
-  // RANK of local rank 0; the static launcher uses group_rank * local_world_size.
+  // RANK of local rank 0; the static rendezvous uses group_rank * local_world_size.
   int base_rank = 0;
   // WORLD_SIZE: workers over all nodes.
   int world_size = 1;

@@ -41,7 +41,7 @@ class WorkerStore {
   int port() const { return port_; }
 
   // Whether a key is set, as the workers would see it now (thread-safe). The launcher reads what
-  // the workers declare through it, e.g. that they recover in place (run_command.cpp).
+  // the workers declare through it, e.g. that they recover in place (in_place_recovery.cpp).
   bool contains(const std::string& key) const;
 
  private:
@@ -54,8 +54,9 @@ class WorkerStore {
 // A client's SET into the workers' store at host:port, as c10d's TCPStore client sends it
 // (VALIDATE, SET; then PING, whose answer says both were served), within `timeout` all told. Each
 // launcher of a `--recovery in-place` job writes through it what the workers read from it (a
-// worker's exit, run_command.cpp), node 0's into its own store like the others. Returns "" once
-// the store has the key, else why not ("connection refused", "no answer within 1 s"). Never throws.
+// worker's exit, in_place_recovery.cpp), node 0's into its own store like the others. Returns ""
+// once the store has the key, else why not ("connection refused", "no answer within 1 s"). Never
+// throws.
 std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
                                 const std::string& value, std::chrono::milliseconds timeout);
 

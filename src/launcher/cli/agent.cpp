@@ -1,0 +1,164 @@
+// The agent's loop (see agent.h). One thread runs it; it wakes on three things, through one epoll
+// descriptor that WorkerGroup::wait() polls: a worker's exit, a signal (self-pipe), and the monitor
+// timer (only where the rendezvous has something to look at).
+#include "launcher/cli/agent.h"
+
+#include <sys/epoll.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <memory>
+#include <optional>
+
+#include "common/format.h"
+#include "dtrain/errors.h"
+#include "launcher/cli/elastic_rendezvous.h"
+#include "launcher/cli/in_place_recovery.h"
+#include "launcher/cli/static_rendezvous.h"
+
+namespace dtrain::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using elastic::Verdict;
+using elastic::WaitResult;
+
+// One descriptor that is readable when a signal is pending or the monitor timer fired. A zero
+// period leaves the timer disarmed: only signals wake it.
+class Waker {
+ public:
+  Waker(int signal_fd, std::chrono::milliseconds period) {
+    epoll_ = epoll_create1(EPOLL_CLOEXEC);
+    timer_ = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+    if (epoll_ < 0 || timer_ < 0) {
+      if (epoll_ >= 0) close(epoll_);
+      if (timer_ >= 0) close(timer_);
+      throw InternalError("dtrain run: cannot create the monitor timer");
+    }
+    itimerspec spec{};
+    spec.it_interval.tv_sec = period.count() / 1000;
+    spec.it_interval.tv_nsec = (period.count() % 1000) * 1000000;
+    spec.it_value = spec.it_interval;
+    timerfd_settime(timer_, 0, &spec, nullptr);
+    for (int fd : {signal_fd, timer_}) {
+      epoll_event event{};
+      event.events = EPOLLIN;
+      event.data.fd = fd;
+      epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &event);
+    }
+  }
+  ~Waker() {
+    close(timer_);
+    close(epoll_);
+  }
+  Waker(const Waker&) = delete;
+  Waker& operator=(const Waker&) = delete;
+  int fd() const { return epoll_; }
+  void drain_timer() {
+    uint64_t expirations = 0;
+    ssize_t ignored = read(timer_, &expirations, sizeof(expirations));
+    (void)ignored;
+  }
+
+ private:
+  int epoll_ = -1;
+  int timer_ = -1;
+};
+
+}  // namespace
+
+int run_agent(const RunOptions& options, const LaunchPlan& plan) {
+  // Installed before the first worker exists, so no signal slips between fork and the handler.
+  elastic::SignalPipe signals(elastic::kLauncherSignals);
+  std::unique_ptr<AgentRendezvous> rendezvous;
+  // --recovery in-place; without it a failure stops the whole group and asks for a new round.
+  std::optional<InPlaceRecovery> in_place;
+  if (is_elastic(options)) {
+    rendezvous = join_elastic_rendezvous(options);
+  } else {
+    auto fixed = std::make_unique<StaticRendezvous>(options, plan.auto_port);
+    if (recovers_in_place(options)) in_place.emplace(options, plan.auto_port, fixed->restarts());
+    rendezvous = std::move(fixed);
+  }
+  elastic::WorkerGroup group(worker_group_options(options, plan));
+  Waker waker(signals.fd(), rendezvous->monitor_interval());
+
+  // SIGTERM/SIGINT/SIGHUP/SIGQUIT: passed on to the workers (SIGTERM, SIGKILL after the grace
+  // period; a trainer checkpoints meanwhile), and this node leaves the job.
+  auto end_on_signal = [&](int signo) {
+    const int running = group.running();
+    say("received " + elastic::signal_name(signo) + "; " +
+        (running > 0
+             ? "passing SIGTERM to " + std::to_string(running) + " worker(s) (SIGKILL after " +
+                   detail::seconds_text(options.grace_period_s) + ")"
+             : std::string("not restarting")));
+    rendezvous->leaving(signo);
+    group.stop(signals.fd());
+    rendezvous->leave(signo);
+    return 128 + signo;
+  };
+
+  for (;;) {
+    int exit_code = 1;
+    std::optional<elastic::WorkerGroupRound> round = rendezvous->next_round(signals, &exit_code);
+    if (!round) return exit_code;
+    if (in_place) in_place->prepare(*round);
+    group.start(*round);
+
+    for (bool round_running = true; round_running;) {
+      WaitResult result = group.wait(waker.fd());
+      if (in_place) in_place->announce_exits(*round, result);
+      if (result.state == WaitResult::State::kInterrupted) {
+        if (int signo = signals.take(); signo != 0) return end_on_signal(signo);
+        waker.drain_timer();
+        // wait() reports kInterrupted when the monitor timer fired in the same wake-up as a
+        // worker's exit, with that exit in result.failures (and reaped: the next wait() would not
+        // see it again, and would call the round a success).
+        if (!result.failures.empty()) result.state = WaitResult::State::kFailed;
+      }
+      if (result.state == WaitResult::State::kSucceeded) {
+        group.stop();  // ends whatever the workers left running in their process groups
+        rendezvous->finish(signals.fd());
+        return 0;
+      }
+
+      if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
+        Verdict verdict = rendezvous->check();
+        if (verdict.kind == Verdict::Kind::kKeepRunning) continue;
+        Clock::time_point stop_start = Clock::now();
+        const int running = group.running();
+        group.stop(signals.fd());
+        if (verdict.kind == Verdict::Kind::kShutdown) {
+          say(verdict.message + "; stopped " + std::to_string(running) + " worker(s) of this node");
+          rendezvous->leave_ended_job();
+          return 1;
+        }
+        say(verdict.message + "; stopped " + std::to_string(running) +
+            " worker(s) of this node in " + detail::seconds_text(Clock::now() - stop_start));
+        round_running = false;
+        continue;
+      }
+
+      // A local worker failed.
+      if (in_place && in_place->restart_alone(group, *round, result, signals.fd())) continue;
+      const elastic::WorkerExit& root = result.failures.front();
+      if (group.running() > 0) {
+        say("rank " + std::to_string(root.global_rank) + " failed; stopping the other " +
+            std::to_string(group.running()) + " worker(s) of this node");
+      }
+      group.stop(signals.fd());
+      print_failure_summary(result, *round);
+      if (int signo = signals.take(); signo != 0) return end_on_signal(signo);
+      Verdict verdict = rendezvous->report_failure(root);
+      if (verdict.kind == Verdict::Kind::kShutdown) {
+        say(verdict.message + "; exiting with code " + std::to_string(root.launcher_exit_code()));
+        rendezvous->leave_ended_job();
+        return root.launcher_exit_code();
+      }
+      say(verdict.message);
+      round_running = false;
+    }
+  }
+}
+
+}  // namespace dtrain::cli

@@ -1,0 +1,147 @@
+// --recovery in-place (see in_place_recovery.h).
+#include "launcher/cli/in_place_recovery.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+
+#include "common/process_identity.h"
+#include "launcher/cli/run_command.h"
+
+namespace dtrain::cli {
+
+using elastic::WaitResult;
+using elastic::WorkerExit;
+
+namespace {
+
+bool readable(int fd) {
+  struct pollfd p {
+    fd, POLLIN, 0
+  };
+  return poll(&p, 1, 0) > 0;
+}
+
+// The key the workers' first in-place generation writes when it forms (src/recovery/membership.h):
+// its presence says the program recovers in place (dtrain::ResilientDataParallel). As the store
+// holds it: c10d's client puts "/" before every key.
+constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
+
+// A worker's notice costs at most this much when the store is out of reach (the link to node 0 is
+// cut): the survivors then tell the death by its heartbeat.
+constexpr auto kExitNoticeTimeout = std::chrono::seconds(1);
+
+}  // namespace
+
+InPlaceRecovery::InPlaceRecovery(const RunOptions& options, bool auto_port, RestartBudget& restarts)
+    : nnodes_(options.nnodes),
+      node_rank_(options.node_rank),
+      auto_port_(auto_port),
+      restarts_(restarts) {}
+
+void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
+  round.agent_store = true;
+  if (node_rank_ != 0) return;
+  store_.reset();  // its port is free again for the new one
+  // One node: the loopback address the workers are given; several: every interface, as rank 0's
+  // TCPStore listens.
+  store_ = std::make_unique<elastic::WorkerStore>(nnodes_ == 1 ? round.master_addr : "",
+                                                  auto_port_ ? 0 : round.master_port);
+  round.master_port = store_->port();
+}
+
+// The notice of a death (Note [Heartbeats], src/recovery/membership.h): a survivor on another host
+// cannot check the dead worker's pid, and would otherwise wait for it min(settle, lost_after),
+// about 2 s, before going on without it. The key names the process as its membership record does:
+// this host's name, its pid (the launcher execs the program itself, so the pid is the worker's)
+// and the pid namespace; the value says how it ended.
+void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
+                                     const WaitResult& ended) const {
+  for (const WorkerExit& failure : ended.failures) {
+    const std::string key = "/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
+                            std::to_string(failure.pid) + "/" +
+                            std::to_string(detail::own_pid_namespace());
+    const std::string why = elastic::set_in_worker_store(round.master_addr, round.master_port, key,
+                                                         failure.describe(), kExitNoticeTimeout);
+    if (!why.empty()) {
+      say("could not tell the other workers through their store at " + round.master_addr + ":" +
+          std::to_string(round.master_port) + " that rank " + std::to_string(failure.global_rank) +
+          " " + failure.describe() + " (" + why +
+          "); they go on without it once its heartbeat stops");
+    }
+  }
+}
+
+// With no restart left for a worker, the survivors of an in-place group go on without it (a
+// smaller job, not a stopped one). The whole group stops instead, as in restart mode, where: a
+// signal came for the launcher; a usage error (exit code 2) cannot be fixed by a restart; the
+// workers never formed an in-place group (a program that does not recover in place: its survivors
+// fail too); a worker stopped on SIGTERM or none is left (one node); no restart is left and this
+// node cannot tell that they did (the store is on node 0); or rank 0 died while it hosted the
+// store.
+bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
+                                    const elastic::WorkerGroupRound& round,
+                                    const WaitResult& failed, int signal_fd) {
+  if (readable(signal_fd)) return false;
+  const std::vector<WorkerExit>& failures = failed.failures;
+  if (std::any_of(failures.begin(), failures.end(),
+                  [](const WorkerExit& failure) { return failure.usage_error(); })) {
+    return false;  // the static rendezvous says why it does not restart
+  }
+  const int left = restarts_.left();
+  const bool in_place_group = store_ != nullptr && store_->contains(kInPlaceGroupFormed);
+  if (store_ != nullptr && !in_place_group) {
+    if (left > 0) {
+      say("the workers formed no in-place group (the program does not use "
+          "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group "
+          "from the last checkpoint");
+    }
+    return false;
+  }
+  // Nobody to go on or to admit a newcomer: every worker of a one-node job failed, or one stopped
+  // on SIGTERM (exit code 143, dtrain/stop.h), which its peers agreed to and saved the job's
+  // checkpoint for. The whole group restarts and resumes from that checkpoint, as in restart mode.
+  const bool stopped = std::any_of(failures.begin(), failures.end(), [](const WorkerExit& failure) {
+    return failure.signal == 0 && failure.exit_code == 128 + SIGTERM;
+  });
+  if (in_place_group && (stopped || (nnodes_ == 1 && group.running() == 0))) {
+    if (left > 0) {
+      say(stopped ? "a worker stopped on SIGTERM (exit code 143) with its peers: restarting the "
+                    "whole group from the last checkpoint"
+                  : "no worker is left to admit a newcomer: restarting the whole group from the "
+                    "last checkpoint");
+    }
+    return false;
+  }
+  if (!round.agent_store &&
+      std::any_of(failures.begin(), failures.end(),
+                  [](const WorkerExit& failure) { return failure.global_rank == 0; })) {
+    say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
+    return false;
+  }
+  if (!in_place_group && static_cast<std::size_t>(std::max(left, 0)) < failures.size()) {
+    return false;
+  }
+  if (group.running() == 0 && left <= 0) return false;  // nobody left to go on
+  for (const WorkerExit& failure : failures) {
+    const std::string who = "rank " + std::to_string(failure.global_rank) + "/" +
+                            std::to_string(round.world_size) + " (local rank " +
+                            std::to_string(failure.local_rank) + ", pid " +
+                            std::to_string(failure.pid) + ") " + failure.describe() +
+                            " on attempt " + std::to_string(failure.restart_count);
+    if (!restarts_.spend()) {
+      say(who + "; no restart left to replace it (--max-restarts " +
+          std::to_string(restarts_.max()) + "): the other " + std::to_string(group.running()) +
+          " worker(s) go on without it");
+      continue;
+    }
+    say(who + "; restarting it alone as a newcomer, the other workers keep running (restart " +
+        std::to_string(restarts_.spent()) + " of " + std::to_string(restarts_.max()) + ")");
+    group.restart_worker(failure.local_rank, restarts_.spent());
+  }
+  return true;
+}
+
+}  // namespace dtrain::cli

@@ -1,0 +1,50 @@
+// --recovery in-place, a policy of the agent's loop (agent.h) under the static rendezvous: the
+// survivors carry on, the library (DTRAIN_RECOVERY=in-place, dtrain::ResilientDataParallel)
+// re-forms their group without the dead worker, and the launcher restarts that worker alone as a
+// newcomer (restart_alone()). Node 0's launcher hosts the workers' store (WorkerStore,
+// TORCHELASTIC_USE_AGENT_STORE=True), so that it outlives every worker, rank 0 included; a program
+// whose workers never formed an in-place group gets the whole-group restart instead. Every node's
+// launcher writes its failed workers' deaths into that store (announce_exits()), so that survivors
+// on other hosts do not wait for them.
+#pragma once
+
+#include <memory>
+
+#include "launcher/cli/run_options.h"
+#include "launcher/cli/static_rendezvous.h"
+#include "launcher/elastic/worker_group.h"
+#include "launcher/elastic/worker_store.h"
+
+namespace dtrain::cli {
+
+class InPlaceRecovery {
+ public:
+  // `auto_port`: the store takes a free port (no --master-port). Restarts of single workers spend
+  // `restarts`, the static rendezvous's budget, which must outlive this object.
+  InPlaceRecovery(const RunOptions& options, bool auto_port, RestartBudget& restarts);
+
+  // Before the whole group starts: points the workers at the launcher's store, and on node 0 hosts
+  // a fresh one (the last one's keys belong to its generations).
+  void prepare(elastic::WorkerGroupRound& round);
+
+  // Tells the workers on every host, through their store, that each worker of `ended` has failed
+  // and is dead. A store out of reach costs at most one second, and one line.
+  void announce_exits(const elastic::WorkerGroupRound& round,
+                      const elastic::WaitResult& ended) const;
+
+  // Restarts each worker of `failed` alone, as a newcomer the survivors admit into their group, and
+  // returns true; the other workers keep running. Returns false, restarting nothing, where the
+  // whole group must stop instead (see in_place_recovery.cpp), `signal_fd` readable among them.
+  bool restart_alone(elastic::WorkerGroup& group, const elastic::WorkerGroupRound& round,
+                     const elastic::WaitResult& failed, int signal_fd);
+
+ private:
+  int nnodes_;
+  int node_rank_;
+  bool auto_port_;
+  RestartBudget& restarts_;
+  // Node 0's: the workers' store of the current start of the whole group.
+  std::unique_ptr<elastic::WorkerStore> store_;
+};
+
+}  // namespace dtrain::cli
