@@ -79,8 +79,8 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
 // signal came for the launcher; a usage error (exit code 2) cannot be fixed by a restart; the
 // workers never formed an in-place group (a program that does not recover in place: its survivors
 // fail too); a worker stopped on SIGTERM or none is left (one node); no restart is left and this
-// node cannot tell that they did (the store is on node 0); or rank 0 died while it hosted the
-// store.
+// node cannot tell that they did (the store is on node 0). (Rank 0's death is no reason: prepare()
+// put the store in node 0's launcher, which outlives it.)
 bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                                     const elastic::WorkerGroupRound& round,
                                     const WaitResult& failed, int signal_fd) {
@@ -113,12 +113,6 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                   : "no worker is left to admit a newcomer: restarting the whole group from the "
                     "last checkpoint");
     }
-    return false;
-  }
-  if (!round.agent_store &&
-      std::any_of(failures.begin(), failures.end(),
-                  [](const WorkerExit& failure) { return failure.global_rank == 0; })) {
-    say("rank 0 hosts the store: restarting the whole group from the last checkpoint");
     return false;
   }
   if (!in_place_group && static_cast<std::size_t>(std::max(left, 0)) < failures.size()) {
