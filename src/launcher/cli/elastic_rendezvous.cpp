@@ -137,8 +137,9 @@ std::string store_lost(const RunOptions& options, const std::exception& error) {
   std::string message = "lost the rendezvous: " + strip_prefix(error.what());
   if (options.rdzv_backend == "c10d") {
     message +=
-        "; with --rdzv-backend c10d the store lives in the agent that hosted it, and that agent "
-        "is gone, so the job cannot continue (--rdzv-backend etcd has no such single point of "
+        "; with --rdzv-backend c10d the store lives in the agent that hosted it: either that "
+        "agent is gone or this node is cut off from it (from here the two look the same), and "
+        "this node cannot continue without it (--rdzv-backend etcd has no such single point of "
         "failure)";
   }
   return message;
