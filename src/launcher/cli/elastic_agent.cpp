@@ -115,6 +115,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
   std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
+    endpoint = options.rdzv_endpoint;  // every member of the etcd cluster, to fail over between
     if (!token.empty()) {
       say("note: the rendezvous token guards the c10d store only; secure etcd with its own "
           "authentication and TLS");
