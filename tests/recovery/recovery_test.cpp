@@ -236,6 +236,48 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   fs::remove_all(dir);
 }
 
+TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
+  // Four workers; rank 3 dies after step 5; while the survivors form the next generation, one of
+  // them (DTRAIN_TEST_FAULT=kill-member-mid-formation: the first to claim it) dies after the
+  // generation agreed on its members and before its group connected. The other two must form the
+  // generation after it, redo the step once at 2 ranks, finish, and equal one process; nothing may
+  // wait for a collective's timeout.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command(
+      "env DTRAIN_TEST_FAULT=kill-member-mid-formation DTRAIN_TIMEOUT_S=60 " + bin("dtrain") +
+          " run --nproc-per-node 4 --recovery in-place --max-restarts 0 -- " +
+          bin("recovery_worker") + " " + dir + " --kill-rank 3 --kill-after 5",
+      120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  SCOPED_TRACE(result.output);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_LT(took.count(), 50) << "something waited for the collective timeout (60 s)";
+  size_t lost = 0;
+  for (size_t at = 0; (at = result.output.find("go on without it", at)) != std::string::npos;
+       ++at) {
+    ++lost;
+  }
+  EXPECT_EQ(lost, 2u);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 2);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.at(5).world, 4);
+  EXPECT_EQ(steps.at(6).world, 2);  // the failed step, redone once, at 2 ranks
+  EXPECT_EQ(steps.rbegin()->second.world, 2);
+  expect_exactly_once(steps);
+  int64_t last = 0;
+  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  expect_counts_travelled(dir, 2);
+  fs::remove_all(dir);
+}
+
 // A failure during a newcomer's state transfer. Three workers under `dtrain run --recovery
 // in-place --max-restarts 1`; rank 2 dies after step 5 and is restarted as a newcomer; while the
 // survivors' rank 0 sends it the state, the sender dies (or the newcomer does: DTRAIN_TEST_FAULT,
