@@ -61,9 +61,10 @@ struct GroupState {
   // call: see wait_for()): a non-empty answer abandons the wait with PeerLostError giving it as the
   // cause (the operation is left to run, and the group is never used again). In-place recovery
   // sets it to its heartbeats' verdict (src/recovery/membership.h), so that a lost host or a cut
-  // link, which resets no connection, ends the wait in seconds instead of at the timeout. Unset
-  // (the default), a wait is one call. Set before the group's first operation; called on the
-  // waiting thread: it must be cheap and never block.
+  // link, which resets no connection, ends the wait in seconds instead of at the timeout. The
+  // meeting that creates the group (connect_group) asks it too, between its looks at the store: a
+  // member that died before it came. Unset (the default), a wait is one call. Set before the
+  // group's first operation; called on the waiting thread: it must be cheap and never block.
   std::function<std::string()> abandon_check;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;

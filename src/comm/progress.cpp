@@ -19,6 +19,11 @@ int64_t unix_ms() {
       .count();
 }
 
+std::string unreadable_store(const std::string& why) {
+  return "the store could not be read to find the missing ranks (" + why +
+         "); rank 0 hosts it and may have died";
+}
+
 }  // namespace
 
 ProgressTracker::ProgressTracker(c10::intrusive_ptr<c10d::Store> store, int group_rank,
@@ -93,9 +98,12 @@ std::string ProgressTracker::describe_missing(uint64_t seq, const std::vector<in
         std::istringstream record(std::string(bytes.begin(), bytes.end()));
         record >> seen >> op >> published_ms;
       }
+    } catch (const c10::Error& e) {
+      // The store's own message, without the C++ backtrace c10 appends to what(): this sentence
+      // ends up in every peer's one-line error.
+      return unreadable_store(e.what_without_backtrace());
     } catch (const std::exception& e) {
-      return "the store could not be read to find the missing ranks (" + std::string(e.what()) +
-             "); rank 0 hosts it and may have died";
+      return unreadable_store(e.what());
     }
     if (seen >= seq) continue;
     missing.push_back(r);

@@ -139,11 +139,11 @@ void RecoveryCore::start() {
   newcomer_ = join == "1";
   if (const char* fault = std::getenv("DTRAIN_TEST_FAULT")) test_fault_ = fault;
   if (!test_fault_.empty() && test_fault_ != "kill-source-mid-transfer" &&
-      test_fault_ != "kill-newcomer-mid-transfer") {
+      test_fault_ != "kill-newcomer-mid-transfer" && test_fault_ != "kill-member-mid-formation") {
     // A mistyped fault would inject nothing, and its test would pass for the wrong reason.
     throw UsageError(who() + ": DTRAIN_TEST_FAULT is '" + test_fault_ +
                      "'; accepted (tests only): kill-source-mid-transfer, "
-                     "kill-newcomer-mid-transfer, or unset");
+                     "kill-newcomer-mid-transfer, kill-member-mid-formation, or unset");
   }
   if (newcomer_ && launch_.rank == 0 && !launcher_hosts_store()) {
     throw CommError(who() +
@@ -279,6 +279,13 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     if (reason == Reason::kFailure) membership_->mark_failed(generation_);
     members_ = membership_->form(generation_, members_, newcomers, options_.settle);
     watch(generation_);
+    // Fault injection for tests/recovery/recovery_test.cpp (see transfer_state): after a failure,
+    // one survivor (the first to claim it) dies once the next generation agreed on its members and
+    // before it connects, so that the others meet a second failure while the group forms.
+    if (test_fault_ == "kill-member-mid-formation" && reason == Reason::kFailure &&
+        root_store_->add("dtrain/recovery/test-fault", 1) == 1) {
+      std::raise(SIGKILL);
+    }
     marks.push_back(Clock::now());
     if (static_cast<int>(members_.size()) < options_.min_size) {
       throw CommError(who() + ": in-place recovery: " + std::to_string(members_.size()) +

@@ -9,6 +9,13 @@
 // as one process replaying the committed steps, each launcher's exit code, no process left on any
 // host, and no hang past the test's limit. Needs root, `ip` and `unshare`; skips elsewhere. Each
 // test takes about 10 s; the kill-to-next-step times they print are doc/benchmarks.md's.
+//
+// The rendezvous has a single point of failure of its own: the etcd server of `--rdzv-backend
+// etcd`. With a 3-member etcd cluster (one member per host) and an elastic job on hosts 0 and 1
+// whose agents talk to host 2's member first, that member is killed, or its host lost, mid-run:
+// the agents must fail over to another member and the job finish undisturbed (both launchers 0,
+// every step at full size, every sample once, the same parameters as one process, no process of
+// the job left). Needs /usr/bin/etcd (Debian's etcd-server) too.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -25,6 +32,7 @@
 #include <sstream>
 #include <thread>
 
+#include "launcher/elastic/etcd_server.h"  // tests/launcher/elastic/etcd_server.h
 #include "support/equivalence.h"
 #include "support/namespace_hosts.h"
 #include "support/subprocess.h"
@@ -37,6 +45,7 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using testing::bin;
+using testing::EtcdServer;
 using testing::json_int;
 using testing::NamespaceHosts;
 using testing::run_command;
@@ -368,6 +377,164 @@ TEST_F(HostFaults, TheStoresHostLostEndsTheJobWithALineNamingIt) {
     EXPECT_NE(job.log(h).find(store), std::string::npos) << "node " << h;
     EXPECT_TRUE(hosts_->pids(h).empty()) << "processes left on host " << h;
   }
+}
+
+// The processes on host `host` that are not etcd (those of the job).
+std::vector<int> job_pids(const NamespaceHosts& hosts, int host) {
+  std::vector<int> found;
+  for (int pid : hosts.pids(host)) {
+    if (read_file("/proc/" + std::to_string(pid) + "/comm") != "etcd\n") found.push_back(pid);
+  }
+  return found;
+}
+
+// A 3-member etcd cluster, member h on host h (client port 2379, peer port 2380 on the host's
+// address), each run by a thread of its own under a time limit, so that none outlives the test by
+// more than that even if the test process dies; data and logs in `dir`.
+class EtcdCluster {
+ public:
+  EtcdCluster(const NamespaceHosts& hosts, const std::string& dir) : hosts_(hosts), dir_(dir) {
+    std::string cluster;
+    for (int h = 0; h < kHosts; ++h) {
+      cluster += (h ? "," : "") + name(h) + "=" + url(h, 2380);
+    }
+    for (int h = 0; h < kHosts; ++h) {
+      const std::string etcd =
+          std::string(EtcdServer::kBinary) + " --name " + name(h) + " --data-dir " + dir + "/" +
+          name(h) + " --listen-client-urls " + url(h, 2379) + " --advertise-client-urls " +
+          url(h, 2379) + " --listen-peer-urls " + url(h, 2380) + " --initial-advertise-peer-urls " +
+          url(h, 2380) + " --initial-cluster " + cluster +
+          " --initial-cluster-state new --logger zap --log-level info";
+      members_.emplace_back([this, h, etcd] {
+        testing::run_command(hosts_.on(h, etcd) + " > " + log_path(h) + " 2>&1", 120);
+      });
+    }
+  }
+  ~EtcdCluster() {
+    for (int h = 0; h < kHosts; ++h) kill_member(h);
+    for (auto& member : members_) member.join();
+  }
+
+  // Waits (up to `limit`) until every member has published itself to the cluster through raft,
+  // which takes an elected leader and a quorum.
+  bool wait_ready(std::chrono::seconds limit) const {
+    for (const auto until = Clock::now() + limit; Clock::now() < until;) {
+      int ready = 0;
+      for (int h = 0; h < kHosts; ++h) {
+        ready +=
+            read_file(log_path(h)).find("published local member to cluster") != std::string::npos;
+      }
+      if (ready == kHosts) return true;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  }
+  // kill -9 of member `host` (the etcd processes on that host). Returns how many were killed.
+  int kill_member(int host) const {
+    int killed = 0;
+    for (int pid : hosts_.pids(host)) {
+      if (read_file("/proc/" + std::to_string(pid) + "/comm") == "etcd\n") {
+        killed += ::kill(pid, SIGKILL) == 0;
+      }
+    }
+    return killed;
+  }
+  std::string logs() const {
+    std::string all;
+    for (int h = 0; h < kHosts; ++h) all += "--- etcd " + std::to_string(h) + ":\n" + tail(h);
+    return all;
+  }
+  static std::string client_endpoint(int host) { return NamespaceHosts::address(host) + ":2379"; }
+
+ private:
+  static std::string name(int host) { return "member" + std::to_string(host); }
+  static std::string url(int host, int port) {
+    return "http://" + NamespaceHosts::address(host) + ":" + std::to_string(port);
+  }
+  std::string log_path(int host) const { return dir_ + "/" + name(host) + ".log"; }
+  std::string tail(int host) const {
+    const std::string all = read_file(log_path(host));
+    return all.size() > 1500 ? all.substr(all.size() - 1500) : all;
+  }
+
+  const NamespaceHosts& hosts_;
+  std::string dir_;
+  std::vector<std::thread> members_;
+};
+
+// Kills host 2's etcd member mid-run (silently: its link down first, as when its host is lost),
+// the member both agents talk to; the job must not notice.
+void expect_an_etcd_member_lost_unnoticed(const NamespaceHosts& hosts, const std::string& dir,
+                                          bool silently) {
+  if (!EtcdServer::available()) GTEST_SKIP() << EtcdServer::skip_reason();
+  EtcdCluster etcd(hosts, dir);
+  ASSERT_TRUE(etcd.wait_ready(30s)) << etcd.logs();
+  // Host 2's member first: the agents start with it and stay with it while it answers.
+  const std::string members = EtcdCluster::client_endpoint(2) + "," +
+                              EtcdCluster::client_endpoint(0) + "," +
+                              EtcdCluster::client_endpoint(1);
+  std::string script;
+  for (int h = 0; h < 2; ++h) {
+    const std::string launcher =
+        bin("dtrain") + " run --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd --rdzv-endpoint " +
+        members + " --rdzv-id member-lost --rdzv-conf join_timeout=6 -- " + bin("recovery_worker") +
+        " " + dir + " --step-ms 80";
+    script += hosts.on(h, launcher) + " > " + dir + "/node" + std::to_string(h) + ".log 2>&1 & p" +
+              std::to_string(h) + "=$!; ";
+  }
+  script += "wait $p0; echo node0=$?; wait $p1; echo node1=$?";
+  const auto begun = Clock::now();
+  testing::CommandResult result;
+  std::thread job([&] { result = run_command("bash -c '" + script + "'", 90); });
+  auto logs = [&] {
+    return result.output + "\n--- node 0:\n" + read_file(dir + "/node0.log") + "\n--- node 1:\n" +
+           read_file(dir + "/node1.log") + "\n" + etcd.logs();
+  };
+  int64_t at_fault = 0;
+  for (const auto until = Clock::now() + 60s; at_fault < kFaultAfterStep && Clock::now() < until;) {
+    for (const auto& l : read_lines(dir)) at_fault = std::max(at_fault, l.step);
+    std::this_thread::sleep_for(20ms);
+  }
+  if (silently) EXPECT_TRUE(hosts.set_link(2, false));
+  EXPECT_EQ(etcd.kill_member(2), 1);
+  job.join();
+  const std::chrono::duration<double> took = Clock::now() - begun;
+  SCOPED_TRACE(logs());
+  if (logs().find("built without the etcd backend") != std::string::npos) {
+    GTEST_SKIP() << "this dtrain was built without the etcd backend";
+  }
+  ASSERT_GE(at_fault, kFaultAfterStep) << "the job never reached step " << kFaultAfterStep;
+  EXPECT_NE(result.output.find("node0=0"), std::string::npos);
+  EXPECT_NE(result.output.find("node1=0"), std::string::npos);
+  EXPECT_LT(took.count(), 60) << "the job took too long: something waited for a timeout";
+  // No call of either agent failed: each went to another member within its timeout (6 s here, 2 s
+  // for each member) rather than report the store silent and, after 3 s more, lost.
+  const std::string outputs = read_file(dir + "/node0.log") + read_file(dir + "/node1.log");
+  EXPECT_EQ(outputs.find("the rendezvous store did not answer"), std::string::npos);
+  // Rank 0's result line, relayed by whichever node it ran on: undisturbed, at full size.
+  EXPECT_EQ(json_int(outputs, "world_size"), 2);
+  EXPECT_EQ(json_int(outputs, "recoveries"), 0);
+  std::map<int64_t, int> worlds;
+  auto steps = committed_steps(read_lines(dir), &worlds);
+  ASSERT_FALSE(steps.empty());
+  // The job ran on for seconds after the fault, longer than the store may stay silent (3 s).
+  EXPECT_GE(steps.rbegin()->first - at_fault, 60);
+  for (const auto& [number, world] : worlds) EXPECT_EQ(world, 2) << "step " << number;
+  expect_exactly_once(steps, worlds);
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  for (int h = 0; h < 2; ++h) {
+    EXPECT_TRUE(job_pids(hosts, h).empty()) << "processes of the job left on host " << h;
+  }
+}
+
+TEST_F(HostFaults, AnEtcdMemberKilledMidRunIsFailedOverAndTheJobGoesOn) {
+  expect_an_etcd_member_lost_unnoticed(*hosts_, dir_, /*silently=*/false);
+}
+
+TEST_F(HostFaults, AnEtcdMembersHostLostMidRunIsFailedOverAndTheJobGoesOn) {
+  expect_an_etcd_member_lost_unnoticed(*hosts_, dir_, /*silently=*/true);
 }
 
 }  // namespace

@@ -79,6 +79,23 @@ std::vector<torch::Tensor> replay(const std::map<int64_t, Step>& steps) {
   return net->parameters();
 }
 
+// The parameters the job's rank 0 saved at the end (OUT/final.pt) equal one process's after the
+// same steps.
+void expect_final_equals_replay(const std::string& dir, const std::map<int64_t, Step>& steps) {
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+}
+
+// How often `needle` occurs in `text` (a launcher line per failure, say).
+size_t occurrences(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = 0; (at = text.find(needle, at)) != std::string::npos; at += needle.size()) {
+    ++count;
+  }
+  return count;
+}
+
 // Every epoch uses each sample once, plus fewer than `world` repeats (padding) at its end.
 void expect_exactly_once(const std::map<int64_t, Step>& steps) {
   std::vector<int64_t> count(kSamples, 0);
@@ -178,9 +195,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   int64_t last = 0;
   for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
 
-  std::vector<torch::Tensor> final_params;
-  torch::load(final_params, dir + "/final.pt");
-  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, newcomer ? 3 : 2);
   fs::remove_all(dir);
 }
@@ -215,12 +230,7 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   SCOPED_TRACE(result.output);
   // --max-restarts 0: the launcher replaces no one; the survivors finish, and the job succeeds.
   EXPECT_EQ(result.exit_code, 0);
-  size_t lost = 0;
-  for (size_t at = 0; (at = result.output.find("go on without it", at)) != std::string::npos;
-       ++at) {
-    ++lost;
-  }
-  EXPECT_EQ(lost, 2u);
+  EXPECT_EQ(occurrences(result.output, "go on without it"), 2u);
   EXPECT_EQ(json_int(result.output, "recoveries"), 2);
   EXPECT_EQ(json_int(result.output, "steps_redone"), 2);
   EXPECT_EQ(json_int(result.output, "world_size"), 2);
@@ -230,9 +240,42 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   EXPECT_EQ(steps.at(6).world, 3);
   EXPECT_EQ(steps.at(10).world, 2);
   expect_exactly_once(steps);
-  std::vector<torch::Tensor> final_params;
-  torch::load(final_params, dir + "/final.pt");
-  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  expect_final_equals_replay(dir, steps);
+  fs::remove_all(dir);
+}
+
+TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
+  // Four workers; rank 3 dies after step 5; while the survivors form the next generation, one of
+  // them (DTRAIN_TEST_FAULT=kill-member-mid-formation: the first to claim it) dies after the
+  // generation agreed on its members and before its group connected. The other two must form the
+  // generation after it, redo the step once at 2 ranks, finish, and equal one process; nothing may
+  // wait for a collective's timeout.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command(
+      "env DTRAIN_TEST_FAULT=kill-member-mid-formation DTRAIN_TIMEOUT_S=60 " + bin("dtrain") +
+          " run --nproc-per-node 4 --recovery in-place --max-restarts 0 -- " +
+          bin("recovery_worker") + " " + dir + " --kill-rank 3 --kill-after 5",
+      120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  SCOPED_TRACE(result.output);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_LT(took.count(), 50) << "something waited for the collective timeout (60 s)";
+  EXPECT_EQ(occurrences(result.output, "go on without it"), 2u);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 2);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.at(5).world, 4);
+  EXPECT_EQ(steps.at(6).world, 2);  // the failed step, redone once, at 2 ranks
+  EXPECT_EQ(steps.rbegin()->second.world, 2);
+  expect_exactly_once(steps);
+  int64_t last = 0;
+  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  expect_final_equals_replay(dir, steps);
+  expect_counts_travelled(dir, 2);
   fs::remove_all(dir);
 }
 
@@ -285,9 +328,7 @@ TEST_P(InPlaceRecoveryTransfer, AFailureMidTransferLeavesTheJobGoingOnAtTwoRanks
   expect_exactly_once(steps);
   int64_t last = 0;
   for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
-  std::vector<torch::Tensor> final_params;
-  torch::load(final_params, dir + "/final.pt");
-  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  expect_final_equals_replay(dir, steps);
   // The two that finished: the survivor and the newcomer, whose count came with the state, or the
   // two survivors.
   expect_counts_travelled(dir, 2);

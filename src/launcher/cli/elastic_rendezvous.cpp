@@ -71,6 +71,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
   std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
+    endpoint = options.rdzv_endpoint;  // every member of the etcd cluster, to fail over between
     if (!token.empty()) {
       say("note: the rendezvous token guards the c10d store only; secure etcd with its own "
           "authentication and TLS");
@@ -184,9 +185,13 @@ class ElasticRendezvous final : public AgentRendezvous {
     store_patience_ = settings.keep_alive_interval * settings.keep_alive_max_attempt;
     rendezvous_ = std::make_unique<elastic::Rendezvous>(std::move(backend), settings, self);
     rendezvous_->start_keep_alive();
-    say(self.describe() + " joins rendezvous '" + options.run_id + "' at " + options.rdzv_host +
-        ":" + std::to_string(options.rdzv_port) + " (" + options.rdzv_backend + ", --nnodes " +
-        std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes) + ")");
+    // With etcd, every member it may fail over to (--rdzv-endpoint as given).
+    const std::string at = options.rdzv_backend == "etcd"
+                               ? options.rdzv_endpoint
+                               : options.rdzv_host + ":" + std::to_string(options.rdzv_port);
+    say(self.describe() + " joins rendezvous '" + options.run_id + "' at " + at + " (" +
+        options.rdzv_backend + ", --nnodes " + std::to_string(options.min_nodes) + ":" +
+        std::to_string(options.nnodes) + ")");
   }
 
   std::optional<elastic::WorkerGroupRound> next_round(elastic::SignalPipe& signals,

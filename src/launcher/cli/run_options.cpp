@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "dtrain/errors.h"
 #include "launcher/cli/flags.h"
@@ -37,50 +39,87 @@ void parse_nnodes(const std::string& value, RunOptions& options) {
   options.nnodes = static_cast<int>(*high);
 }
 
-// --rdzv-endpoint HOST[:PORT] or [IPV6]:PORT. Every error names the whole value as given, what is
-// expected and how to write it (a bad port used to be reported alone: "got '0'").
-void parse_endpoint(const std::string& value, RunOptions& options) {
+// One HOST[:PORT] or [IPV6]:PORT of --rdzv-endpoint, whose whole value is `value`. Every error
+// names the endpoint as given (and the list it is in), what is expected and how to write it (a bad
+// port used to be reported alone: "got '0'"). Returns the host and the port (0: none given).
+std::pair<std::string, int> parse_one_endpoint(const std::string& item, const std::string& value,
+                                               const std::string& default_port) {
   constexpr std::string_view kFlag = "--rdzv-endpoint";
-  const std::string default_port = options.rdzv_backend == "etcd" ? "2379" : "29400";
+  const std::string in_list = item == value ? "" : " (in the list '" + value + "')";
   auto bad_form = [&] {
     fail(std::string(kFlag) + ": " +
-         expected_but_got("HOST:PORT (a host name or address, a port in 1..65535)", value) +
-         "; write it as host:" + default_port + ", or [address]:" + default_port +
+         expected_but_got("HOST:PORT (a host name or address, a port in 1..65535)", item) +
+         in_list + "; write it as host:" + default_port + ", or [address]:" + default_port +
          " for an IPv6 address");
   };
-  std::string host = value;
+  std::string host = item;
   std::string port;
-  if (!value.empty() && value.front() == '[') {
-    std::size_t close = value.find(']');
+  if (!item.empty() && item.front() == '[') {
+    std::size_t close = item.find(']');
     if (close == std::string::npos) bad_form();
-    host = value.substr(1, close - 1);
-    std::string rest = value.substr(close + 1);
+    host = item.substr(1, close - 1);
+    std::string rest = item.substr(close + 1);
     if (!rest.empty()) {
       if (rest.front() != ':') bad_form();
       port = rest.substr(1);
       if (port.empty()) bad_form();
     }
-  } else if (std::size_t colon = value.find(':'); colon != std::string::npos) {
-    if (value.find(':', colon + 1) != std::string::npos) bad_form();
-    host = value.substr(0, colon);
-    port = value.substr(colon + 1);
+  } else if (std::size_t colon = item.find(':'); colon != std::string::npos) {
+    if (item.find(':', colon + 1) != std::string::npos) bad_form();
+    host = item.substr(0, colon);
+    port = item.substr(colon + 1);
     if (port.empty()) bad_form();
   }
   if (host.empty() || host.find_first_of(" /\t") != std::string::npos) bad_form();
-  options.rdzv_host = host;
-  options.rdzv_port = 0;
-  if (!port.empty()) {
-    std::optional<long long> number = integer_in(port, 1, 65535);
-    if (!number) {
-      // Port 0 ("any free port") cannot work here: every node must name the same port.
-      std::string shown_host = value.front() == '[' ? "[" + host + "]" : host;
-      fail(std::string(kFlag) + ": expected HOST:PORT with a port in 1..65535, got '" + value +
-           "'; give the port the rendezvous listens on, the same on every node (e.g. " +
-           shown_host + ":" + default_port + "), or the host alone for the default port " +
-           default_port);
-    }
-    options.rdzv_port = static_cast<int>(*number);
+  if (port.empty()) return {host, 0};
+  std::optional<long long> number = integer_in(port, 1, 65535);
+  if (!number) {
+    // Port 0 ("any free port") cannot work here: every node must name the same port.
+    std::string shown_host = item.front() == '[' ? "[" + host + "]" : host;
+    fail(std::string(kFlag) + ": expected HOST:PORT with a port in 1..65535, got '" + item + "'" +
+         in_list + "; give the port the rendezvous listens on, the same on every node (e.g. " +
+         shown_host + ":" + default_port + "), or the host alone for the default port " +
+         default_port);
   }
+  return {host, static_cast<int>(*number)};
+}
+
+// --rdzv-endpoint: one HOST[:PORT], or with etcd the members of its cluster, HOST[:PORT],... (as
+// torchrun's etcd backend takes them; the agents fail over between them). rdzv_host and rdzv_port
+// are the first.
+void parse_endpoint(const std::string& value, RunOptions& options) {
+  const bool etcd = options.rdzv_backend == "etcd";
+  const std::string default_port = etcd ? "2379" : "29400";
+  std::vector<std::string> items;
+  for (std::size_t start = 0;;) {
+    std::size_t comma = value.find(',', start);
+    items.push_back(value.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  if (items.size() > 1 && !etcd) {
+    fail("--rdzv-endpoint: a list of endpoints ('" + value +
+         "') is for --rdzv-backend etcd (the members of an etcd cluster); with " +
+         options.rdzv_backend + " give the one HOST:PORT of the node hosting the store");
+  }
+  std::vector<std::pair<std::string, int>> parsed;
+  for (const std::string& item : items) {
+    if (item.empty() && items.size() > 1) {
+      fail("--rdzv-endpoint: an empty item in the list '" + value +
+           "'; expected HOST:PORT,HOST:PORT,... separated by single commas, e.g. "
+           "etcd1:2379,etcd2:2379,etcd3:2379");
+    }
+    auto endpoint = parse_one_endpoint(item, value, default_port);
+    if (endpoint.second == 0) endpoint.second = std::stoi(default_port);
+    if (std::find(parsed.begin(), parsed.end(), endpoint) != parsed.end()) {
+      fail("--rdzv-endpoint: '" + item + "' is listed twice in '" + value +
+           "'; name each member of the etcd cluster once");
+    }
+    parsed.push_back(endpoint);
+  }
+  options.rdzv_host = parsed.front().first;
+  options.rdzv_port = parsed.front().second;
+  options.rdzv_endpoint = value;
 }
 
 // --rdzv-conf key=value,key=value.
@@ -298,7 +337,8 @@ static nodes (--rdzv-backend static, the default):
 elastic nodes (one `dtrain run` agent per node, all with the same flags):
   --rdzv-backend B       c10d: a store hosted by the agent that can bind --rdzv-endpoint (if that
                          agent dies the job ends); etcd: an etcd server (no single point of failure)
-  --rdzv-endpoint H:P    where the store or etcd listens (default port 29400 c10d, 2379 etcd)
+  --rdzv-endpoint H:P    where the store or etcd listens (default port 29400 c10d, 2379 etcd);
+                         etcd: H:P,H:P,... every member of its cluster, the agents fail over
   --rdzv-id JOB          the job's id: agents with the same id form one job
   --rdzv-conf K=V,...    timeout=900 (s a round may take to complete), last_call_timeout=30 (s
                          to wait for more nodes once MIN joined), join_timeout=60 (s to reach the

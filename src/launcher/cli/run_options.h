@@ -31,9 +31,12 @@ struct RunOptions {
   // --rdzv-backend: "static" (fixed nodes, --node-rank/--master-addr/--master-port), "c10d" or
   // "etcd" (elastic: agents rendezvous at --rdzv-endpoint).
   std::string rdzv_backend = "static";
-  // --rdzv-endpoint HOST[:PORT]; the port defaults to 29400 (c10d) or 2379 (etcd).
+  // --rdzv-endpoint HOST[:PORT]; the port defaults to 29400 (c10d) or 2379 (etcd). With etcd, the
+  // flag may list every member of its cluster, HOST[:PORT],...: these are the first one's.
   std::string rdzv_host;
   int rdzv_port = 0;
+  // --rdzv-endpoint's value as given: one endpoint, or with etcd the list of members.
+  std::string rdzv_endpoint;
   RendezvousConf rdzv_conf;
   // --rdzv-token (DTRAIN_RDZV_TOKEN is read by run_command, so it stays out of process listings).
   std::string rdzv_token;

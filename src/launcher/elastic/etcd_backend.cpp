@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -142,6 +144,29 @@ std::pair<std::string, std::string> parse_endpoint(const std::string& given) {
   return {host_port, "http://" + host_port};
 }
 
+// The comma-separated endpoints of `given`, each still to be parsed. An empty item (",," or a comma
+// at either end) is an error naming the list.
+std::vector<std::string> split_endpoints(const std::string& given) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  for (;;) {
+    size_t comma = given.find(',', start);
+    items.push_back(given.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  if (items.size() > 1) {
+    for (const std::string& item : items) {
+      if (item.empty()) {
+        throw UsageError("etcd endpoints '" + given +
+                         "': an empty item between commas; expected HOST:PORT,HOST:PORT,... " +
+                         "(the members of one etcd cluster), e.g. 10.0.0.1:2379,10.0.0.2:2379");
+      }
+    }
+  }
+  return items;
+}
+
 size_t append_to_string(char* data, size_t size, size_t count, void* target) {
   static_cast<std::string*>(target)->append(data, size * count);
   return size * count;
@@ -172,10 +197,20 @@ struct EtcdBackend::Http {
   char error[CURL_ERROR_SIZE] = {};
 };
 
-EtcdBackend::EtcdBackend(const std::string& endpoint, const std::string& run_id,
+EtcdBackend::EtcdBackend(const std::string& endpoints, const std::string& run_id,
                          std::chrono::milliseconds timeout, std::string key_prefix)
     : timeout_(timeout) {
-  std::tie(endpoint_, base_url_) = parse_endpoint(endpoint);
+  for (const std::string& given : split_endpoints(endpoints)) {
+    auto [host_port, base_url] = parse_endpoint(given);
+    for (const Member& earlier : members_) {
+      if (earlier.endpoint == host_port) {
+        throw UsageError("etcd endpoints '" + endpoints + "': " + host_port +
+                         " is listed twice; name each member of the etcd cluster once");
+      }
+    }
+    endpoint_ += (endpoint_.empty() ? "" : ",") + host_port;
+    members_.push_back(Member{std::move(host_port), std::move(base_url)});
+  }
   if (run_id.empty()) {
     throw UsageError(
         "etcd rendezvous backend: the run id is empty; give the job one with --rdzv-id");
@@ -190,14 +225,67 @@ EtcdBackend::EtcdBackend(const std::string& endpoint, const std::string& run_id,
 
 EtcdBackend::~EtcdBackend() = default;
 
+// Note [Failing over between etcd members]
+// With several endpoints (the members of one etcd cluster), a call goes to the member that answered
+// last; one that does not answer (refused, reset, silent, or an HTTP 5xx: etcd while it has no
+// leader) is left for the next, and so on round the list, round after round (100 ms apart) until
+// the call's timeout. Each try gets an equal share of what is left of the timeout for the members
+// still to try in the round, so that a member that is only silent (its host lost: nothing resets
+// the connection) costs a third of the timeout with three members, and the call still succeeds on
+// another; later rounds ride out an election, when the members left have no leader for a second or
+// two after the leader was lost. The member that answers is tried first from then on: one lost
+// member slows one call, not every call. Any member serves the whole key space (etcd replicates
+// it), and a write is one compare-and-set transaction: a write that timed out on one member but
+// was applied there fails its comparison on the next, which returns the state as it is now, as
+// after a lost race; the caller reads it and decides again (etcd_backend.h). An answer that is an
+// error etcd gave (HTTP 4xx, a malformed reply) is not retried: every member would give it.
 std::string EtcdBackend::request(const std::string& path, const std::string* post_body,
                                  const std::string& operation, Clock::time_point deadline) {
+  constexpr auto kBetweenRounds = std::chrono::milliseconds(100);
+  for (;;) {
+    std::string failures;
+    bool every_one_timed_out = true;
+    for (size_t tried = 0; tried < members_.size(); ++tried) {
+      const size_t index = (current_ + tried) % members_.size();
+      const Clock::time_point share =
+          Clock::now() + (deadline - Clock::now()) / static_cast<int>(members_.size() - tried);
+      bool unanswered = false;
+      try {
+        std::string reply =
+            request_to(members_[index], path, post_body, operation, share, &unanswered);
+        current_ = index;
+        return reply;
+      } catch (const TimeoutError& error) {
+        if (!unanswered || members_.size() == 1) throw;
+        failures += (failures.empty() ? "" : " | ") + std::string(error.what());
+      } catch (const CommError& error) {
+        if (!unanswered || members_.size() == 1) throw;
+        failures += (failures.empty() ? "" : " | ") + std::string(error.what());
+        every_one_timed_out = false;
+      }
+    }
+    if (Clock::now() + kBetweenRounds >= deadline) {
+      std::string message = "no member of the etcd cluster " + endpoint_ + " answered within " +
+                            detail::seconds_text(timeout_) + ": " + failures;
+      if (every_one_timed_out) throw TimeoutError(message);
+      throw CommError(message);
+    }
+    std::this_thread::sleep_for(kBetweenRounds);
+  }
+}
+
+std::string EtcdBackend::request_to(const Member& member, const std::string& path,
+                                    const std::string* post_body, const std::string& operation,
+                                    Clock::time_point deadline, bool* unanswered) {
   // What is left of the call's budget (at least 1 ms: curl takes 0 to mean "no limit").
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   long budget_ms = std::max<long>(1, static_cast<long>(left.count()));
+  // The wait a timeout reports: the whole timeout, or this member's share of it.
+  const std::chrono::milliseconds waited =
+      members_.size() == 1 ? timeout_ : std::chrono::milliseconds(budget_ms);
   CURL* curl = http_->curl;
   std::string response;
-  std::string url = base_url_ + path;
+  std::string url = member.base_url + path;
   http_->error[0] = '\0';
   curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
   // No signals: a timeout must not longjmp out of another thread's resolver (libcurl's advice for
@@ -222,13 +310,15 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
 
   CURLcode code = curl_easy_perform(curl);
   std::string detail = http_->error[0] != '\0' ? http_->error : curl_easy_strerror(code);
-  std::string at = "etcd at " + endpoint_;
+  std::string at = "etcd at " + member.endpoint;
+  // No answer from this member (another may give one): every transport failure.
+  *unanswered = code != CURLE_OK;
   switch (code) {
     case CURLE_OK:
       break;
     case CURLE_OPERATION_TIMEDOUT:
       throw TimeoutError(
-          at + ": " + operation + " got no answer within " + detail::seconds_text(timeout_) +
+          at + ": " + operation + " got no answer within " + detail::seconds_text(waited) +
           "; the server is stopped, overloaded or unreachable from here (" + detail + ")");
     case CURLE_COULDNT_CONNECT: {
       long os_errno = 0;
@@ -236,8 +326,8 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
       std::string what = os_errno == ECONNREFUSED ? " refused the connection"
                                                   : " could not be reached (" + detail + ")";
       throw CommError(at + what + "; is etcd running there? (apt-get install etcd-server; or " +
-                      "start one: etcd --listen-client-urls " + base_url_ +
-                      " --advertise-client-urls " + base_url_ + ")");
+                      "start one: etcd --listen-client-urls " + member.base_url +
+                      " --advertise-client-urls " + member.base_url + ")");
     }
     case CURLE_COULDNT_RESOLVE_HOST:
       throw CommError(at + ": the host name does not resolve (" + detail +
@@ -249,6 +339,7 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
   long status = 0;
   curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
   if (status != 200) {
+    *unanswered = status >= 500;  // etcd without a leader, or a gateway in front of it
     // grpc-gateway errors are {"error": ..., "message": ..., "code": N}.
     json error = json::parse(response, nullptr, false);
     std::string message = excerpt(response);
@@ -279,8 +370,8 @@ std::optional<VersionedState> EtcdBackend::get_state() {
     if (!state || version == 0) throw std::invalid_argument("bad value or mod_revision");
     return VersionedState{std::move(*state), version};
   } catch (const std::exception& error) {
-    throw CommError("etcd at " + endpoint_ + ": " + operation + ": unexpected reply (" +
-                    error.what() + "): " + excerpt(reply_text));
+    throw CommError(at() + ": " + operation + ": unexpected reply (" + error.what() +
+                    "): " + excerpt(reply_text));
   }
 }
 
@@ -331,8 +422,8 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
       }
     }
   } catch (const std::exception& error) {
-    throw CommError("etcd at " + endpoint_ + ": " + operation + ": unexpected reply (" +
-                    error.what() + "): " + excerpt(reply_text));
+    throw CommError(at() + ": " + operation + ": unexpected reply (" + error.what() +
+                    "): " + excerpt(reply_text));
   }
   if (!result) {
     // The comparison failed and the key is gone: it expired, or something outside dtrain deleted
@@ -341,7 +432,7 @@ RendezvousBackend::SetResult EtcdBackend::set_state(const std::string& state,
                             ? "its TTL of " + detail::seconds_text(state_ttl_) +
                                   " expired with no write, or it was deleted (etcdctl del?)"
                             : "it was deleted (etcdctl del?)";
-    throw CommError("etcd at " + endpoint_ + ": " + operation + ": the key vanished while the " +
+    throw CommError(at() + ": " + operation + ": the key vanished while the " +
                     "job was using it: " + cause + "; restart the job, or give it a new --rdzv-id");
   }
   if (written_revision != 0) maybe_compact(written_revision, deadline);
@@ -364,8 +455,7 @@ int64_t EtcdBackend::lease_for_write(Clock::time_point deadline) {
     id = static_cast<int64_t>(json_uint64(reply, "ID"));
     if (id == 0) throw std::invalid_argument("no lease ID");
   } catch (const std::exception& error) {
-    throw CommError("etcd at " + endpoint_ + ": " + operation + ": " + error.what() + ": " +
-                    excerpt(reply_text));
+    throw CommError(at() + ": " + operation + ": " + error.what() + ": " + excerpt(reply_text));
   }
   lease_id_ = id;
   lease_granted_ = asked;  // the lease started no earlier than this: its age is not underestimated
@@ -399,7 +489,7 @@ void EtcdBackend::check_reachable() {
   std::string reply_text = request("/version", nullptr, "GET /version", Clock::now() + timeout_);
   json reply = json::parse(reply_text, nullptr, false);
   if (!reply.is_object() || !reply.contains("etcdserver") || !reply["etcdserver"].is_string()) {
-    throw CommError("the server at " + endpoint_ +
+    throw CommError("the server at " + current_member() +
                     " answered GET /version but is not etcd (reply: " + excerpt(reply_text) +
                     "); check the rendezvous endpoint");
   }
@@ -408,7 +498,7 @@ void EtcdBackend::check_reachable() {
   int minor = 0;
   if (std::sscanf(version.c_str(), "%d.%d", &major, &minor) == 2 &&
       (major < 3 || (major == 3 && minor < 4))) {
-    throw CommError("etcd at " + endpoint_ + " is version " + version +
+    throw CommError(at() + " is version " + version +
                     "; dtrain needs etcd 3.4 or newer (its /v3 JSON gateway)");
   }
   get_state();  // proves the v3 gateway answers and that this client may read the key

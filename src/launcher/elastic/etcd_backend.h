@@ -10,11 +10,17 @@
 // never 0 for a stored key and different after every write. The /v3 gateway path needs etcd 3.4
 // or newer (Debian 12 ships 3.4.23; etcd 3.3 only had /v3beta).
 //
+// The endpoints may name every member of an etcd cluster ("A:2379,B:2379,C:2379", as torchrun's
+// etcd backend takes them): a call that one member does not answer goes to the next, within the
+// same timeout, and later calls stay with the member that answered (Note [Failing over between
+// etcd members] in etcd_backend.cpp). So the job goes on while a majority of the cluster lives.
+//
 // Errors (the contract of rendezvous_backend.h): every HTTP call is bounded by `timeout`,
 // connecting included, and then throws dtrain::TimeoutError naming the endpoint; a refused
 // connection, an HTTP error or an error etcd reports throws dtrain::CommError naming the
-// endpoint and, where etcd gave one, etcd's message. A malformed endpoint or an empty run id
-// throws dtrain::UsageError at construction.
+// endpoint and, where etcd gave one, etcd's message. With several members, a call that no member
+// answered names each and what it did. A malformed endpoint (list) or an empty run id throws
+// dtrain::UsageError at construction.
 //
 // A set_state() that timed out may still be applied later (the request can already be in etcd's
 // hands): read the state again before deciding what to write next, as after a lost race.
@@ -27,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "launcher/elastic/rendezvous_backend.h"
 
@@ -39,11 +46,12 @@ class EtcdBackend : public RendezvousBackend {
   // Where the state lives unless told otherwise; the run id and "/state" follow.
   static constexpr const char* kDefaultKeyPrefix = "/dtrain/rdzv/";
 
-  // endpoint: "HOST:PORT", "HOST" (port 2379), "[IPv6]:PORT", optionally prefixed with "http://".
+  // endpoints: one endpoint or several separated by commas (the members of one etcd cluster),
+  // each "HOST:PORT", "HOST" (port 2379) or "[IPv6]:PORT", optionally prefixed with "http://".
   // run_id: the job's --rdzv-id; jobs with different ids never see each other's state.
   // timeout: the bound on each call below (connecting, sending and receiving together).
   // Does not touch the network; call check_reachable() for an early, clear error.
-  EtcdBackend(const std::string& endpoint, const std::string& run_id,
+  EtcdBackend(const std::string& endpoints, const std::string& run_id,
               std::chrono::milliseconds timeout, std::string key_prefix = kDefaultKeyPrefix);
   ~EtcdBackend() override;
   EtcdBackend(const EtcdBackend&) = delete;
@@ -53,8 +61,9 @@ class EtcdBackend : public RendezvousBackend {
   std::optional<VersionedState> get_state() override;
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
 
-  // Checks, once, at start-up, that an etcd 3.4+ answers at the endpoint and serves the v3 gateway:
-  // `GET /version`, then a range read of the state key. Blocks at most 2 x timeout. Throws
+  // Checks, once, at start-up, that an etcd 3.4+ answers at the endpoint (with several: at one of
+  // them) and serves the v3 gateway: `GET /version`, then a range read of the state key. Blocks at
+  // most 2 x timeout. Throws
   // TimeoutError or CommError with a one-line message saying what to do ("is etcd running there?
   // ..."); a launcher prints it and exits 2 before starting any worker.
   void check_reachable();
@@ -73,28 +82,44 @@ class EtcdBackend : public RendezvousBackend {
   // stays until deleted. etcd raises a TTL under its minimum (about 2 s) to that minimum.
   void set_state_ttl(std::chrono::seconds ttl) { state_ttl_ = ttl; }
 
-  // "HOST:PORT" as the messages name it.
+  // "HOST:PORT" as the messages name it; with several members "HOST:PORT,HOST:PORT,...".
   const std::string& endpoint() const { return endpoint_; }
+  // The member the next call goes to first: the one that answered last ("HOST:PORT").
+  const std::string& current_member() const { return members_[current_].endpoint; }
   // The etcd key holding this job's state.
   const std::string& key() const { return key_; }
 
  private:
   using Clock = std::chrono::steady_clock;
   struct Http;  // the libcurl handle, reused between calls for a kept-alive connection
+  struct Member {
+    std::string endpoint;  // HOST:PORT
+    std::string base_url;  // http://HOST:PORT
+  };
 
-  // One HTTP request (POST with a body, GET without), given until `deadline`. `operation` names the
-  // call in messages ("read the rendezvous state"). Returns the response body of an HTTP 200;
-  // throws as described above for anything else.
+  // One HTTP request (POST with a body, GET without), given until `deadline`, to the members in
+  // turn from the current one. `operation` names the call in messages ("read the rendezvous
+  // state"). Returns the response body of an HTTP 200; throws as described above for anything
+  // else.
   std::string request(const std::string& path, const std::string* post_body,
                       const std::string& operation, Clock::time_point deadline);
+  // The same request to one member. Sets *unanswered before throwing when the member did not
+  // answer (no connection, none kept, no reply in time, or an HTTP 5xx: etcd without a leader), so
+  // that another member may.
+  std::string request_to(const Member& member, const std::string& path,
+                         const std::string* post_body, const std::string& operation,
+                         Clock::time_point deadline, bool* unanswered);
+  // "etcd at HOST:PORT" of the member that answered last, for messages about its reply.
+  std::string at() const { return "etcd at " + current_member(); }
 
   void maybe_compact(uint64_t written_revision, Clock::time_point deadline);
   // The lease to attach the next write to (0: none), granting a new one when the current one is
   // older than half the TTL, so that a write always leaves the state at least ttl/2 to live.
   int64_t lease_for_write(Clock::time_point deadline);
 
-  std::string endpoint_;  // HOST:PORT
-  std::string base_url_;  // http://HOST:PORT
+  std::string endpoint_;  // every member's HOST:PORT, separated by commas
+  std::vector<Member> members_;
+  size_t current_ = 0;  // the member tried first: the one that answered last
   std::string key_;
   std::chrono::milliseconds timeout_;
   uint64_t compaction_interval_ = kDefaultCompactionInterval;

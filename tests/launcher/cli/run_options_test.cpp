@@ -148,6 +148,20 @@ TEST(RunOptions, ElasticFlagsAsTorchrunSpellsThem) {
   EXPECT_FALSE(is_elastic(parse_run_options({"p"})));
 }
 
+// etcd: every member of its cluster, as torchrun's etcd backend takes them; the agents fail over
+// between them (the backend gets the list as given, the first member is where this node's address
+// is looked up from).
+TEST(RunOptions, EtcdTakesTheMembersOfItsClusterAsAList) {
+  RunOptions options = parse_run_options(
+      {"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2381,e2,[::1]:2379", "p"});
+  EXPECT_EQ(options.rdzv_endpoint, "e1:2381,e2,[::1]:2379");
+  EXPECT_EQ(options.rdzv_host, "e1");
+  EXPECT_EQ(options.rdzv_port, 2381);
+  EXPECT_EQ(
+      parse_run_options({"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1", "p"}).rdzv_endpoint,
+      "e1");
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Flags, RunOptionsRejects,
     testing::Values(
@@ -192,6 +206,20 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "a:1:2", "p"},
                  "--rdzv-endpoint: expected HOST:PORT"},
         BadInput{{"--rdzv-endpoint", "h:1", "p"}, "--rdzv-endpoint: used only with"},
+        // Lists: etcd only; every item a HOST:PORT, named with the list; none empty or repeated.
+        BadInput{{"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1,g:1", "p"},
+                 "--rdzv-endpoint: a list of endpoints ('h:1,g:1') is for --rdzv-backend etcd"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,,e3:2379", "p"},
+                 "--rdzv-endpoint: an empty item in the list 'e1:2379,,e3:2379'"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,", "p"},
+                 "--rdzv-endpoint: an empty item in the list 'e1:2379,'"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2:0", "p"},
+                 "got 'e2:0' (in the list 'e1:2379,e2:0'); give the port"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1,e2:x:1", "p"},
+                 "--rdzv-endpoint: expected HOST:PORT (a host name or address, a port in "
+                 "1..65535), got 'e2:x:1' (in the list 'e1,e2:x:1')"},
+        BadInput{{"--rdzv-backend", "etcd", "--rdzv-endpoint", "e1,e2,e1:2379", "p"},
+                 "--rdzv-endpoint: 'e1:2379' is listed twice in 'e1,e2,e1:2379'"},
         BadInput{
             {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "speed=9", "p"},
             "--rdzv-conf: unknown key 'speed'; expected one of: timeout, last_call_timeout"},

@@ -1,6 +1,7 @@
 // EtcdBackend against a real etcd (Debian's etcd-server, started per test on free loopback ports):
 // the compare-and-set contract of RendezvousBackend, a race of two agents that only a working CAS
-// survives, binary state, job isolation, and the errors when etcd is paused, stopped or not etcd.
+// survives, binary state, job isolation, the errors when etcd is paused, stopped or not etcd, and
+// the failover between the members of a list of endpoints when one refuses or stays silent.
 #include "launcher/elastic/etcd_backend.h"
 
 #include <gtest/gtest.h>
@@ -330,6 +331,91 @@ TEST_F(EtcdBackendTest, StoppedEtcdIsAConnectionRefusedThatSaysWhatToDo) {
   EXPECT_LT(std::chrono::steady_clock::now() - started, kTimeout);
 }
 
+// A loopback port held by this process where nothing answers: `listening`, the kernel accepts
+// connections into its backlog and nobody reads them (a silent member, as when its host is lost);
+// otherwise the port is only bound, and a connection is refused (a stopped member).
+class DeadMember {
+ public:
+  explicit DeadMember(bool listening) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    if (listening) listen(fd_, 8);
+  }
+  ~DeadMember() { close(fd_); }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// Note [Failing over between etcd members]: a member that refuses is passed over at once, and the
+// member that answered is the one asked first from then on.
+TEST_F(EtcdBackendTest, AListPassesOverARefusingMemberAndStaysWithTheOneThatAnswered) {
+  DeadMember stopped(/*listening=*/false);
+  EtcdBackend etcd(stopped.endpoint() + "," + etcd_.endpoint(), "job", kTimeout);
+  EXPECT_EQ(etcd.endpoint(), stopped.endpoint() + "," + etcd_.endpoint());
+  EXPECT_EQ(etcd.current_member(), stopped.endpoint());
+  EXPECT_NO_THROW(etcd.check_reachable());
+  EXPECT_EQ(etcd.current_member(), etcd_.endpoint());
+  auto written = etcd.set_state("a", std::nullopt);
+  EXPECT_TRUE(written.written);
+  auto read = etcd.get_state();
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(read->state, "a");
+  EXPECT_EQ(read->version, written.current.version);
+}
+
+// A silent member (no reset, no answer) costs its share of the call's timeout, and the call still
+// succeeds on the next member, well within the timeout: without the failover it would time out.
+TEST_F(EtcdBackendTest, ASilentMemberCostsItsShareOfTheTimeoutAndTheCallSucceedsOnTheNext) {
+  DeadMember silent(/*listening=*/true);
+  EtcdBackend etcd(silent.endpoint() + "," + etcd_.endpoint(), "job", 3s);
+  auto started = std::chrono::steady_clock::now();
+  EXPECT_FALSE(etcd.get_state().has_value());
+  // At least the silent member's half of the 3 s (curl's timer may end it a little early).
+  EXPECT_GT(std::chrono::steady_clock::now() - started, 1200ms);
+  EXPECT_EQ(etcd.current_member(), etcd_.endpoint());
+  EXPECT_TRUE(etcd.set_state("b", std::nullopt).written);
+  EXPECT_EQ(etcd.current_member(), etcd_.endpoint());
+}
+
+// When no member answers within the timeout (round after round), the error names every member and
+// what each did last; a refusal among them makes it a CommError, silence alone a TimeoutError.
+TEST(EtcdBackendErrors, WhenNoMemberAnswersTheErrorNamesEach) {
+  DeadMember stopped(/*listening=*/false);
+  DeadMember silent(/*listening=*/true);
+  const std::string list = stopped.endpoint() + "," + silent.endpoint();
+  try {
+    EtcdBackend(list, "job", 1s).get_state();
+    FAIL() << "a state from no etcd";
+  } catch (const TimeoutError& error) {
+    FAIL() << "a refusal reported as a timeout: " << error.what();
+  } catch (const CommError& error) {
+    std::string message = error.what();
+    EXPECT_NE(message.find("no member of the etcd cluster " + list + " answered within 1 s: "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("etcd at " + stopped.endpoint() + " refused the connection"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("etcd at " + silent.endpoint() + ": read the rendezvous state"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+  DeadMember silent_too(/*listening=*/true);
+  EXPECT_THROW(EtcdBackend(silent.endpoint() + "," + silent_too.endpoint(), "job", 600ms)
+                   .set_state("x", std::nullopt),
+               TimeoutError);
+}
+
 // A listening socket that answers every request with a fixed HTTP reply: a server that is not etcd.
 class FakeHttpServer {
  public:
@@ -407,6 +493,19 @@ TEST(EtcdBackendErrors, MalformedEndpointsAndRunIdsAreUsageErrors) {
           << error.what();
     }
   }
+  for (const char* list : {"a:1,,b:2", "a:1,", ",a:1", "a:1,a:1", "a,a:2379", "a:1,b:port"}) {
+    try {
+      EtcdBackend etcd(list, "job", kTimeout);
+      ADD_FAILURE() << "accepted '" << list << "'";
+    } catch (const UsageError& error) {
+      const std::string message = error.what();
+      const bool names_it = message.find(std::string("'") + list + "'") != std::string::npos ||
+                            message.find("'b:port'") != std::string::npos;
+      EXPECT_TRUE(names_it) << message;
+    }
+  }
+  EXPECT_EQ(EtcdBackend("10.0.0.1,http://10.0.0.2:2380", "job", kTimeout).endpoint(),
+            "10.0.0.1:2379,10.0.0.2:2380");
   EXPECT_THROW(EtcdBackend("127.0.0.1:2379", "", kTimeout), UsageError);
   EXPECT_THROW(EtcdBackend("127.0.0.1:2379", "job", 0ms), UsageError);
 
