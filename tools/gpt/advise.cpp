@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <sstream>
 
 #include "dtrain/errors.h"
+#include "dtrain/pipeline.h"
 
 namespace gpt {
 namespace {
@@ -37,34 +37,14 @@ std::vector<int64_t> children(const GptConfig& c, int tp) {
   return counts;
 }
 
-// dtrain::balance_by_parameters' cut (src/pipeline/split.cpp's min_max_partition, the same dynamic
-// program and tie rule): the first child of each of `parts` contiguous runs, and the end.
+// dtrain::balance_by_parameters' cut, by the counts given: the first child of each of `parts`
+// contiguous runs, and the end.
 std::vector<int64_t> stage_starts(const std::vector<int64_t>& weights, int parts) {
-  const int n = static_cast<int>(weights.size());
-  std::vector<double> prefix(n + 1, 0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + static_cast<double>(weights[i]);
-  const double kInf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(n + 1, kInf));
-  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
-  best[0][0] = 0;
-  for (int k = 1; k <= parts; ++k) {
-    for (int i = k; i <= n; ++i) {
-      for (int j = k - 1; j < i; ++j) {
-        const double heaviest = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        if (heaviest <= best[k][i]) {
-          best[k][i] = heaviest;
-          cut[k][i] = j;
-        }
-      }
-    }
-  }
-  std::vector<int64_t> starts{n};
-  for (int k = parts, i = n; k > 1; --k) {
-    i = cut[k][i];
-    starts.push_back(i);
-  }
-  starts.push_back(0);
-  std::reverse(starts.begin(), starts.end());
+  const std::vector<int64_t> boundaries =
+      dtrain::balance_by_weights(std::vector<double>(weights.begin(), weights.end()), parts);
+  std::vector<int64_t> starts{0};
+  starts.insert(starts.end(), boundaries.begin(), boundaries.end());
+  starts.push_back(static_cast<int64_t>(weights.size()));
   return starts;  // stage s holds children [starts[s], starts[s + 1])
 }
 
