@@ -22,6 +22,12 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The parameters tensor parallelism splits (Note [Tensor-parallel blocks] in gpt.h): the blocks'
+// projections. The norms, the embedding and the head are whole on every tensor rank.
+bool split_over_tensor_ranks(const std::string& name) {
+  return name.find(".attention.w") != std::string::npos || name.find(".mlp.w") != std::string::npos;
+}
+
 std::string degrees_text(const LayoutOptions& options, int dp) {
   return "--dp " + std::to_string(dp) + " x --tp " + std::to_string(options.tp) + " x --pp " +
          std::to_string(options.pp);
@@ -51,11 +57,11 @@ int check_degrees(const LayoutOptions& options, int world_size) {
         " ranks, but the world size is " + world +
         "; their product must equal it (leave --dp out for " + world + " / (tp x pp))");
   }
-  if (options.zero > 0 && model > 1) {
-    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --tp " +
-                             std::to_string(options.tp) + " --pp " + std::to_string(options.pp) +
-                             ": ZeRO over the data dimension of a tensor or pipeline layout is not "
-                             "implemented; use --zero 0 (DDP over the replicas) there");
+  if (options.zero > 0 && options.pp > 1) {
+    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --pp " +
+                             std::to_string(options.pp) +
+                             ": ZeRO over the data dimension of a pipeline layout is not "
+                             "implemented; use --zero 0 (DDP over the replicas) with --pp");
   }
   return dp;
 }
@@ -83,14 +89,8 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
       device_(device) {
   check_degrees(options_, world_->size());
   if (options_.tp > 1) {
-    // The blocks' projections are split (Note [Tensor-parallel blocks]); the norms, the
-    // embedding and the head are whole on every tensor rank.
     for (const auto& item : model->named_parameters()) {
-      const std::string& name = item.key();
-      if (name.find(".attention.w") != std::string::npos ||
-          name.find(".mlp.w") != std::string::npos) {
-        split_.insert(item.value().unsafeGetTensorImpl());
-      }
+      if (split_over_tensor_ranks(item.key())) split_.insert(item.value().unsafeGetTensorImpl());
     }
   }
   if (options_.pp > 1) {
@@ -112,9 +112,10 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
     pipe = std::make_unique<dtrain::DistributedPipeline>(chunks_, mesh_, pipeline, device);
     parameters_ = pipe->parameters();  // this stage's
   } else if (options_.zero > 0) {
+    // ZeRO over the mesh's data group (the world when tp = 1): the replicas that hold the same
+    // tensor shards split those once more, each rank keeping 1/D of its tensor rank's units.
     dtrain::ShardedDataParallelOptions sharded;
     sharded.stage = options_.zero;
-    data_group_ = world_;  // tp = pp = 1: the mesh's data group is the world
     sdp = dtrain::ShardedDataParallel(model, data_group_, sharded);
     parameters_ = sdp->parameters();  // this rank's shards
   } else {
@@ -144,18 +145,35 @@ at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor
 // disjoint ones); with tensor parallelism, a split projection's shard on every tensor rank but a
 // whole tensor (a norm, the embedding, the head: the same gradient on every tensor rank) on tensor
 // rank 0 only; under DDP (the replicas' averaged gradients are equal) only replica 0 adds, under
-// ZeRO every rank adds its shards (disjoint; the padding's gradient is zero).
+// ZeRO every rank adds its shards (disjoint over the data group; the padding's gradient is zero).
+// A ZeRO shard is a range of a unit's flat buffer, which holds a block's split projections and its
+// whole norms end to end: the range is added parameter by parameter, by the names in its unit.
 double Parallel::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
-  const bool replica_adds = sdp || mesh_.data_index == 0;
   std::vector<at::Tensor> squares;
   std::vector<at::Tensor> grads;
-  for (const auto& p : parameters_) {
-    const at::Tensor& grad = p.grad();
-    if (!grad.defined()) continue;
-    grads.push_back(grad);
-    if (replica_adds && (mesh_.tensor_index == 0 || tensor_split(p))) {
-      squares.push_back(grad.to(at::kDouble).square().sum());
+  auto add = [&](const at::Tensor& grad) {
+    squares.push_back(grad.to(at::kDouble).square().sum());
+  };
+  if (sdp) {
+    for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+      const at::Tensor& grad = unit.shard.grad();
+      if (!grad.defined()) continue;
+      grads.push_back(grad);
+      const int64_t begin = unit.offset, end = unit.offset + grad.numel();
+      for (const dtrain::ParamExtent& p : unit.params) {
+        if (mesh_.tensor_index != 0 && !split_over_tensor_ranks(p.name)) continue;
+        const int64_t from = std::max(begin, p.offset);
+        const int64_t to = std::min(end, p.offset + numel_of(p.shape));
+        if (from < to) add(grad.narrow(0, from - begin, to - from));
+      }
+    }
+  } else {
+    for (const auto& p : parameters_) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      grads.push_back(grad);
+      if (mesh_.data_index == 0 && (mesh_.tensor_index == 0 || tensor_split(p))) add(grad);
     }
   }
   at::Tensor total = squares.empty() ? at::zeros({1}, at::kDouble)
@@ -500,8 +518,21 @@ void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer
   }
 }
 
+// ZeRO saves its flat shards as they are, keyed by unit and by the names of the parameters in
+// them; under tensor parallelism every tensor rank's shards would go under the same names (its
+// own rows or columns as the whole tensor), so they are refused rather than written over each
+// other.
+void Parallel::check_saves_its_state(const char* what) const {
+  if (!sdp || options_.tp == 1) return;
+  throw dtrain::UsageError(std::string(what) + " of --zero " + std::to_string(options_.zero) +
+                           " with --tp " + std::to_string(options_.tp) +
+                           ": the state of ZeRO over a tensor-parallel layout is not saved or "
+                           "loaded yet; use --zero 0 (DDP) with --tp, or --tp 1 with --zero");
+}
+
 void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
                     dtrain::DistributedSampler& sampler, int64_t step) {
+  check_saves_its_state("gpt checkpoint");
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
   state.step = step;
@@ -521,6 +552,7 @@ void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::Ada
 std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
                                       torch::optim::AdamW& optimizer,
                                       dtrain::DistributedSampler& sampler) {
+  check_saves_its_state("gpt checkpoint");
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
   if (sdp) {
@@ -554,6 +586,7 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // Loading reads by name and range as a checkpoint's load does, into units for every parameter
 // (empty for another stage's), so that the folder's every tensor is one of the model's.
 void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
+  check_saves_its_state("DCP export");
   if (sdp) {
     dtrain::save_dcp_safetensors(
         dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
@@ -581,6 +614,7 @@ void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer
 }
 
 void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
+  check_saves_its_state("DCP load");
   // A damaged folder here is named by the load below, on every rank together.
   bool moments = true;
   try {
