@@ -241,5 +241,22 @@ TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
   }
 }
 
+// A size that the tensor ranks cannot split is one line naming the size and the degree: the
+// key/value heads (a head stays on one rank), and under --sp the sequence (equal slices). A hidden
+// width that does not divide is split unevenly instead (parallelize_test.cpp).
+TEST(TrainGpt, ASizeTheTensorRanksCannotSplitNamesItAndTheDegree) {
+  for (const auto& [flags, named] :
+       {std::pair<std::string, std::string>{" --tp 2 --kv-heads 1",
+                                            "kv_heads 1 does not divide by the tensor-parallel "
+                                            "degree 2"},
+        {" --tp 2 --sp --seq-len 31", "--seq-len 31 does not divide by --tp 2"}}) {
+    SCOPED_TRACE(flags);
+    auto run =
+        run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_NE(run.output.find(named), std::string::npos) << run.output;
+  }
+}
+
 }  // namespace
 }  // namespace dtrain
