@@ -75,10 +75,11 @@ std::vector<Stage> stages(const GptConfig& c, const Layout& layout) {
   return result;
 }
 
-// ZeRO's flat shards: every child a unit, padded to a multiple of dp.
-int64_t zero_shard(const GptConfig& c, int dp) {
+// ZeRO's flat shards: every child a unit (of tensor rank 0's shards with tp > 1), padded to a
+// multiple of dp.
+int64_t zero_shard(const GptConfig& c, const Layout& layout) {
   int64_t shard = 0;
-  for (int64_t count : children(c, 1)) shard += ceil_div(count, dp);
+  for (int64_t count : children(c, layout.tp)) shard += ceil_div(count, layout.dp);
   return shard;
 }
 
@@ -138,7 +139,7 @@ double Costs::at(const std::map<int64_t, double>& table, int64_t rows) {
 }
 
 int64_t parameters_per_rank(const GptConfig& config, const Layout& layout) {
-  if (layout.zero == 3) return zero_shard(config, layout.dp);
+  if (layout.zero == 3) return zero_shard(config, layout);
   int64_t most = 0;
   for (const Stage& stage : stages(config, layout)) most = std::max(most, stage.parameters);
   return most;
@@ -154,7 +155,7 @@ Memory memory_per_rank(const GptConfig& config, const Layout& layout, int64_t ro
     const Stage& stage = all[s];
     Memory m;
     const double held = static_cast<double>(stage.parameters) * kFloat;
-    const double shard = static_cast<double>(zero_shard(config, layout.dp)) * kFloat;
+    const double shard = static_cast<double>(zero_shard(config, layout)) * kFloat;
     const double largest = static_cast<double>(stage.largest_child) * kFloat;
     switch (layout.zero) {
       case 0:
@@ -230,7 +231,10 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
   p.terms.emplace_back("pipeline sends", m * sends);
   p.terms.emplace_back("pipeline bubble", (layout.pp - 1) * slowest);
   const double gradient_bytes = static_cast<double>(parameters_per_rank(config, layout)) * kFloat;
-  const double whole_bytes = static_cast<double>(parameter_count(config)) * kFloat;
+  // What ZeRO reduces and gathers over the data group: a tensor rank's shards of the whole model.
+  double whole_bytes = 0;
+  for (int64_t count : children(config, layout.tp))
+    whole_bytes += static_cast<double>(count) * kFloat;
   const int64_t units = config.layers + 3;
   switch (layout.zero) {
     case 0:
@@ -253,7 +257,7 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
                            ring_s(whole_bytes, layout.dp, 3, machine, units));
   }
   const int64_t stepped =
-      layout.zero > 0 ? zero_shard(config, layout.dp) : parameters_per_rank(config, layout);
+      layout.zero > 0 ? zero_shard(config, layout) : parameters_per_rank(config, layout);
   p.terms.emplace_back("optimizer", static_cast<double>(stepped) * costs.optimizer_s_per_parameter);
   std::stable_sort(p.terms.begin(), p.terms.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
@@ -291,7 +295,7 @@ std::vector<Layout> candidate_layouts(const GptConfig& config, int devices, int6
         }
       }
       std::vector<int> zeros{0};
-      if (tp == 1 && pp == 1 && dp > 1) zeros = {0, 1, 2, 3};
+      if (pp == 1 && dp > 1) zeros = {0, 1, 2, 3};
       std::vector<bool> sps{false};
       if (tp > 1 && config.seq_len % tp == 0) sps.push_back(true);
       for (int zero : zeros) {
