@@ -518,32 +518,126 @@ void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer
   }
 }
 
-// ZeRO saves its flat shards as they are, keyed by unit and by the names of the parameters in
-// them; under tensor parallelism every tensor rank's shards would go under the same names (its
-// own rows or columns as the whole tensor), so they are refused rather than written over each
-// other.
-void Parallel::check_saves_its_state(const char* what) const {
-  if (!sdp || options_.tp == 1) return;
-  throw dtrain::UsageError(std::string(what) + " of --zero " + std::to_string(options_.zero) +
-                           " with --tp " + std::to_string(options_.tp) +
-                           ": the state of ZeRO over a tensor-parallel layout is not saved or "
-                           "loaded yet; use --zero 0 (DDP) with --tp, or --tp 1 with --zero");
+// Note [ZeRO over a tensor layout's state]
+// ZeRO saves its flat shards as they are, keyed by unit and by the names of the parameters in them;
+// under tensor parallelism every tensor rank's units would go under the same names (its own rows or
+// columns as the whole tensor). So ZeRO over a tensor layout saves the ranges of Note
+// [Layout-neutral checkpoints] instead, as DDP over it would: the data group gathers its tensor
+// rank's parameters (gather_full_parameters) and AdamW's moments (all-gathered unit by unit, cut by
+// the units' parameter extents), the ranges are cut from those, and a load fills the gathered
+// parameters and moments, from which each rank copies its ZeRO slice back into its shards. While a
+// save or load runs, a rank holds its tensor rank's whole training state, as DDP would.
+bool Parallel::zero_over_tensor_ranks() const { return sdp && options_.tp > 1; }
+
+std::unique_ptr<torch::optim::AdamW> Parallel::gathered_moments(torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& item : model->named_parameters()) by_name[item.key()] = item.value();
+  auto gathered =
+      std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1.0));
+  auto all_gather = [&](const at::Tensor& shard) {
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < data_group_->size(); ++r) parts.push_back(at::empty_like(shard));
+    data_group_->all_gather(parts, shard.contiguous());
+    return at::cat(parts);
+  };
+  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+    // AdamW steps every shard of the data group together: all of them have a state, or none.
+    auto* s = adamw_state(optimizer, unit.shard);
+    if (!s) continue;
+    const at::Tensor exp_avg = all_gather(s->exp_avg()), exp_avg_sq = all_gather(s->exp_avg_sq());
+    for (const dtrain::ParamExtent& p : unit.params) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(s->step());
+      state->exp_avg(exp_avg.narrow(0, p.offset, numel_of(p.shape)).view(p.shape));
+      state->exp_avg_sq(exp_avg_sq.narrow(0, p.offset, numel_of(p.shape)).view(p.shape));
+      gathered->state()[by_name.at(p.name).unsafeGetTensorImpl()] = std::move(state);
+    }
+  }
+  return gathered;
+}
+
+void Parallel::scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
+                                 torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+    at::Tensor shard = unit.shard.detach();
+    const int64_t begin = unit.offset, end = unit.offset + shard.numel();
+    at::Tensor exp_avg = at::zeros_like(shard), exp_avg_sq = at::zeros_like(shard);
+    std::optional<int64_t> step;
+    for (const dtrain::ParamExtent& p : unit.params) {
+      const at::Tensor& param = by_name.at(p.name);
+      auto* s = adamw_state(gathered, param);
+      if (s) step = s->step();
+      const int64_t from = std::max(begin, p.offset);
+      const int64_t to = std::min(end, p.offset + numel_of(p.shape));
+      if (from >= to) continue;
+      auto mine = [&](const at::Tensor& whole) {
+        return whole.reshape(-1).narrow(0, from - p.offset, to - from);
+      };
+      shard.narrow(0, from - begin, to - from).copy_(mine(param.detach()));
+      if (s) {
+        exp_avg.narrow(0, from - begin, to - from).copy_(mine(s->exp_avg()));
+        exp_avg_sq.narrow(0, from - begin, to - from).copy_(mine(s->exp_avg_sq()));
+      }
+    }
+    optimizer.state().erase(unit.shard.unsafeGetTensorImpl());
+    if (step) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(*step);
+      state->exp_avg(exp_avg);
+      state->exp_avg_sq(exp_avg_sq);
+      optimizer.state()[unit.shard.unsafeGetTensorImpl()] = std::move(state);
+    }
+  }
+  sdp->shards_changed();
+}
+
+Parallel::Ranges Parallel::ranges_to_save(torch::optim::AdamW& optimizer) {
+  if (!zero_over_tensor_ranks()) return saved_ranges(optimizer);
+  sdp->gather_full_parameters();
+  Ranges saved = saved_ranges(*gathered_moments(optimizer));
+  sdp->release_full_parameters();
+  return saved;
+}
+
+// With ZeRO the pieces read into copies of the gathered parameters: ZeRO refuses full parameters
+// changed in place (they only mirror its shards).
+Parallel::Ranges Parallel::ranges_to_read(bool every) {
+  if (!zero_over_tensor_ranks()) return ranges_to_load(every);
+  sdp->gather_full_parameters();  // their shapes, and where to read
+  Ranges result = ranges_to_load(every);
+  for (Piece& piece : result.pieces) piece.param = piece.param.detach().clone();
+  sdp->release_full_parameters();
+  return result;
+}
+
+void Parallel::apply_read(const Ranges& loaded, torch::optim::AdamW& optimizer) {
+  if (!zero_over_tensor_ranks()) return apply_loaded(loaded, optimizer);
+  std::map<std::string, at::Tensor> values;
+  std::vector<at::Tensor> tensors;
+  for (const Piece& piece : loaded.pieces) {
+    values[piece.name] = piece.param;
+    tensors.push_back(piece.param);
+  }
+  torch::optim::AdamW gathered(tensors, torch::optim::AdamWOptions(1.0));
+  apply_loaded(loaded, gathered);
+  scatter_to_shards(values, gathered, optimizer);
 }
 
 void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
                     dtrain::DistributedSampler& sampler, int64_t step) {
-  check_saves_its_state("gpt checkpoint");
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
   state.step = step;
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
     checkpointer.save(state);
     return;
   }
-  Ranges saved = saved_ranges(optimizer);
+  Ranges saved = ranges_to_save(optimizer);
   state.shards = saved.units();
   state.optimizer = saved.optimizer.get();
   checkpointer.save(state);
@@ -552,10 +646,9 @@ void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::Ada
 std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
                                       torch::optim::AdamW& optimizer,
                                       dtrain::DistributedSampler& sampler) {
-  check_saves_its_state("gpt checkpoint");
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
@@ -563,11 +656,11 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
     sdp->shards_changed();
     return state.step;
   }
-  Ranges loaded = ranges_to_load(/*every=*/false);  // what this rank reads: what it holds
+  Ranges loaded = ranges_to_read(/*every=*/false);  // what this rank reads: what it holds
   state.shards = loaded.units();
   state.optimizer = loaded.optimizer.get();
   if (!checkpointer.load_latest(state)) return std::nullopt;
-  apply_loaded(loaded, optimizer);
+  apply_read(loaded, optimizer);
   return state.step;
 }
 
@@ -586,13 +679,12 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // Loading reads by name and range as a checkpoint's load does, into units for every parameter
 // (empty for another stage's), so that the folder's every tensor is one of the model's.
 void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
-  check_saves_its_state("DCP export");
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     dtrain::save_dcp_safetensors(
         dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
     return;
   }
-  Ranges saved = saved_ranges(optimizer);
+  Ranges saved = ranges_to_save(optimizer);
   int64_t step = 0;
   for (const auto& [impl, s] : saved.optimizer->state())
     step = std::max(step, static_cast<torch::optim::AdamWParamState&>(*s).step());
@@ -614,14 +706,13 @@ void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer
 }
 
 void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
-  check_saves_its_state("DCP load");
   // A damaged folder here is named by the load below, on every rank together.
   bool moments = true;
   try {
     moments = dtrain::dcp_has_optimizer_state(dir);
   } catch (const dtrain::UsageError&) {
   }
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr,
                             dtrain::TensorTable()};
     dtrain::load_dcp_safetensors(dir, state, world_);
@@ -629,11 +720,11 @@ void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) 
     sdp->shards_changed();
     return;
   }
-  Ranges loaded = ranges_to_load(/*every=*/true);
+  Ranges loaded = ranges_to_read(/*every=*/true);
   dtrain::DcpShards state{loaded.units(), moments ? loaded.optimizer.get() : nullptr,
                           dtrain::TensorTable()};
   dtrain::load_dcp_safetensors(dir, state, world_);
-  apply_loaded(loaded, optimizer);
+  apply_read(loaded, optimizer);
 }
 
 }  // namespace gpt

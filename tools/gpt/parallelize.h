@@ -22,6 +22,7 @@
 #include <c10/core/Device.h>
 #include <torch/optim/adamw.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -117,8 +118,7 @@ class Parallel {
   // run resumes in any other layout and at any world size. `checkpointer` is over the world;
   // `optimizer` is over parameters(). Collective over the world. load returns the step of the
   // checkpoint loaded, or nullopt when there is none; it throws dtrain::UsageError when the
-  // checkpoint is of another model, and (as the DCP calls below) for ZeRO with tp > 1, whose state
-  // is not saved yet.
+  // checkpoint is of another model.
   void save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
             dtrain::DistributedSampler& sampler, int64_t step);
   std::optional<int64_t> load(dtrain::ShardedCheckpointer& checkpointer,
@@ -152,7 +152,14 @@ class Parallel {
   Ranges saved_ranges(torch::optim::AdamW& optimizer);
   Ranges ranges_to_load(bool every);
   void apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer);
-  void check_saves_its_state(const char* what) const;  // throws for ZeRO with tp > 1
+  // ZeRO with tp > 1 saves and loads through the ranges (Note [ZeRO over a tensor layout's state]).
+  bool zero_over_tensor_ranks() const;
+  std::unique_ptr<torch::optim::AdamW> gathered_moments(torch::optim::AdamW& optimizer);
+  void scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
+                         torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer);
+  Ranges ranges_to_save(torch::optim::AdamW& optimizer);
+  Ranges ranges_to_read(bool every);
+  void apply_read(const Ranges& loaded, torch::optim::AdamW& optimizer);
 
   LayoutOptions options_;
   dtrain::RankMesh mesh_;

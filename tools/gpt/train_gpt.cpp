@@ -7,9 +7,8 @@
 // and residuals on a slice of the sequence (Note [Sequence-parallel blocks] in gpt.h). --recompute
 // makes every block recompute its activations in backward; --clip-grad N clips the gradient to the
 // global norm N (over every shard, tensor rank and stage). ZeRO with --pp is not here yet (issue
-// 20), nor checkpoints and DCP folders of ZeRO with --tp. Prints rank 0's progress and one JSON
-// line at the end, with tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s
-// they amount to.
+// 20). Prints rank 0's progress and one JSON line at the end, with tokens/s over the timed steps
+// (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
 // safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
@@ -211,19 +210,6 @@ Flags parse(int argc, char** argv) {
     dtrain::parse_schedule_kind(flags.schedule);
   } catch (const dtrain::UsageError& e) {
     throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
-  }
-  // Parallel::save and the DCP calls refuse it too, but only after the first steps.
-  if (flags.tp > 1 && flags.zero > 0) {
-    for (const auto& [flag, value] :
-         {std::pair<const char*, const std::string*>{"--checkpoint-dir", &flags.checkpoint_dir},
-          {"--export-dcp", &flags.export_dcp},
-          {"--init-dcp", &flags.init_dcp}}) {
-      if (value->empty()) continue;
-      throw dtrain::UsageError(std::string("train_gpt: ") + flag + " with --zero " +
-                               std::to_string(flags.zero) + " --tp " + std::to_string(flags.tp) +
-                               ": the state of ZeRO over a tensor-parallel layout is not saved or "
-                               "loaded yet; use --zero 0 (DDP) with --tp, or --tp 1 with --zero");
-    }
   }
   if (flags.pp > 1 && flags.zero > 0) {
     throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +
