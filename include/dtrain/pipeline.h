@@ -74,6 +74,13 @@ namespace dtrain {
 std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential& model,
                                                     const std::vector<int64_t>& boundaries);
 
+// Boundaries that cut layers of the given weights (one per layer, in order) into `parts`
+// contiguous non-empty runs whose heaviest run is as light as can be (dynamic programming, O(parts
+// x layers^2)); of equally good cuts, the later one, which keeps the runs' sizes closer to even.
+// The two below cut by it; a planner that weighs layers otherwise (tools/gpt/advise.cpp) too.
+// Throws UsageError unless 1 <= parts <= weights.size().
+std::vector<int64_t> balance_by_weights(const std::vector<double>& weights, int parts);
+
 // Boundaries that give `parts` chunks of roughly equal parameter count (each chunk at least one
 // layer).
 std::vector<int64_t> balance_by_parameters(const torch::nn::Sequential& model, int parts);

@@ -1,5 +1,5 @@
-// Cutting a torch::nn::Sequential into pipeline chunks, by hand or balanced by parameters or
-// measured time.
+// Cutting a torch::nn::Sequential into pipeline chunks, by hand or balanced by weights, parameters
+// or measured time.
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/torch.h>
 
@@ -12,10 +12,23 @@
 namespace dtrain {
 namespace {
 
-// Contiguous split of `weights` into `parts` non-empty runs minimizing the heaviest run (dynamic
-// programming, O(parts · n²): n is a layer count). Returns the boundaries between runs.
-std::vector<int64_t> min_max_partition(const std::vector<double>& weights, int parts) {
+void check_parts(const torch::nn::Sequential& model, int parts, const char* what) {
+  if (parts < 1 || static_cast<int64_t>(model->size()) < parts) {
+    throw UsageError(
+        std::string(what) + ": cannot cut a model of " + std::to_string(model->size()) +
+        " layers into " + std::to_string(parts) +
+        " chunks; expected 1 <= chunks <= layers (use fewer stages or virtual stages)");
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> balance_by_weights(const std::vector<double>& weights, int parts) {
   const int n = static_cast<int>(weights.size());
+  if (parts < 1 || parts > n) {
+    throw UsageError("balance_by_weights: cannot cut " + std::to_string(n) + " weights into " +
+                     std::to_string(parts) + " runs; expected 1 <= runs <= weights");
+  }
   std::vector<double> prefix(n + 1, 0);
   for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + weights[i];
   const double kInf = std::numeric_limits<double>::infinity();
@@ -44,17 +57,6 @@ std::vector<int64_t> min_max_partition(const std::vector<double>& weights, int p
   std::reverse(boundaries.begin(), boundaries.end());
   return boundaries;
 }
-
-void check_parts(const torch::nn::Sequential& model, int parts, const char* what) {
-  if (parts < 1 || static_cast<int64_t>(model->size()) < parts) {
-    throw UsageError(
-        std::string(what) + ": cannot cut a model of " + std::to_string(model->size()) +
-        " layers into " + std::to_string(parts) +
-        " chunks; expected 1 <= chunks <= layers (use fewer stages or virtual stages)");
-  }
-}
-
-}  // namespace
 
 std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential& model,
                                                     const std::vector<int64_t>& boundaries) {
@@ -94,7 +96,7 @@ std::vector<int64_t> balance_by_parameters(const torch::nn::Sequential& model, i
     for (const auto& p : child->parameters()) count += p.numel();
     weights.push_back(static_cast<double>(count));
   }
-  return min_max_partition(weights, parts);
+  return balance_by_weights(weights, parts);
 }
 
 std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, int parts,
@@ -122,7 +124,7 @@ std::vector<int64_t> balance_by_time(const torch::nn::Sequential& model, int par
   }
   size_t i = 0;
   for (auto& p : model->parameters()) p.mutable_grad() = saved_grads[i++];
-  return min_max_partition(weights, parts);
+  return balance_by_weights(weights, parts);
 }
 
 }  // namespace dtrain

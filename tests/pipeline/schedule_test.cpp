@@ -304,6 +304,18 @@ TEST(Split, BalanceByParametersEvensOutTheHeavyLayers) {
   for (auto& chunk : chunks) EXPECT_GE(chunk->size(), 1u);
 }
 
+// The heaviest run as light as can be, the later of equal cuts, and counts that cannot be cut are
+// one error.
+TEST(Split, BalanceByWeightsMinimizesTheHeaviestRun) {
+  EXPECT_EQ(balance_by_weights({1, 1, 1, 5}, 2), (std::vector<int64_t>{3}));
+  EXPECT_EQ(balance_by_weights({4, 1, 1, 1, 1, 4}, 3), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(balance_by_weights({1, 1}, 1), (std::vector<int64_t>{}));
+  EXPECT_EQ(balance_by_weights({2, 2, 2}, 3), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(balance_by_weights({1, 0, 1}, 2), (std::vector<int64_t>{2}));  // the tie: later
+  EXPECT_THROW(balance_by_weights({1, 2}, 3), UsageError);
+  EXPECT_THROW(balance_by_weights({1, 2}, 0), UsageError);
+}
+
 TEST(Split, BalanceByTimeGivesValidBoundariesAndKeepsGradients) {
   auto model = layered_model();
   auto first = model->parameters()[0];

@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <sstream>
 
 #include "dtrain/errors.h"
+#include "dtrain/pipeline.h"
 
 namespace gpt {
 namespace {
@@ -37,34 +37,14 @@ std::vector<int64_t> children(const GptConfig& c, int tp) {
   return counts;
 }
 
-// dtrain::balance_by_parameters' cut (src/pipeline/split.cpp's min_max_partition, the same dynamic
-// program and tie rule): the first child of each of `parts` contiguous runs, and the end.
+// dtrain::balance_by_parameters' cut, by the counts given: the first child of each of `parts`
+// contiguous runs, and the end.
 std::vector<int64_t> stage_starts(const std::vector<int64_t>& weights, int parts) {
-  const int n = static_cast<int>(weights.size());
-  std::vector<double> prefix(n + 1, 0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + static_cast<double>(weights[i]);
-  const double kInf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(n + 1, kInf));
-  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
-  best[0][0] = 0;
-  for (int k = 1; k <= parts; ++k) {
-    for (int i = k; i <= n; ++i) {
-      for (int j = k - 1; j < i; ++j) {
-        const double heaviest = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        if (heaviest <= best[k][i]) {
-          best[k][i] = heaviest;
-          cut[k][i] = j;
-        }
-      }
-    }
-  }
-  std::vector<int64_t> starts{n};
-  for (int k = parts, i = n; k > 1; --k) {
-    i = cut[k][i];
-    starts.push_back(i);
-  }
-  starts.push_back(0);
-  std::reverse(starts.begin(), starts.end());
+  const std::vector<int64_t> boundaries =
+      dtrain::balance_by_weights(std::vector<double>(weights.begin(), weights.end()), parts);
+  std::vector<int64_t> starts{0};
+  starts.insert(starts.end(), boundaries.begin(), boundaries.end());
+  starts.push_back(static_cast<int64_t>(weights.size()));
   return starts;  // stage s holds children [starts[s], starts[s + 1])
 }
 
@@ -95,10 +75,11 @@ std::vector<Stage> stages(const GptConfig& c, const Layout& layout) {
   return result;
 }
 
-// ZeRO's flat shards: every child a unit, padded to a multiple of dp.
-int64_t zero_shard(const GptConfig& c, int dp) {
+// ZeRO's flat shards: every child a unit (of tensor rank 0's shards with tp > 1), padded to a
+// multiple of dp.
+int64_t zero_shard(const GptConfig& c, const Layout& layout) {
   int64_t shard = 0;
-  for (int64_t count : children(c, 1)) shard += ceil_div(count, dp);
+  for (int64_t count : children(c, layout.tp)) shard += ceil_div(count, layout.dp);
   return shard;
 }
 
@@ -158,7 +139,7 @@ double Costs::at(const std::map<int64_t, double>& table, int64_t rows) {
 }
 
 int64_t parameters_per_rank(const GptConfig& config, const Layout& layout) {
-  if (layout.zero == 3) return zero_shard(config, layout.dp);
+  if (layout.zero == 3) return zero_shard(config, layout);
   int64_t most = 0;
   for (const Stage& stage : stages(config, layout)) most = std::max(most, stage.parameters);
   return most;
@@ -174,7 +155,7 @@ Memory memory_per_rank(const GptConfig& config, const Layout& layout, int64_t ro
     const Stage& stage = all[s];
     Memory m;
     const double held = static_cast<double>(stage.parameters) * kFloat;
-    const double shard = static_cast<double>(zero_shard(config, layout.dp)) * kFloat;
+    const double shard = static_cast<double>(zero_shard(config, layout)) * kFloat;
     const double largest = static_cast<double>(stage.largest_child) * kFloat;
     switch (layout.zero) {
       case 0:
@@ -250,7 +231,10 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
   p.terms.emplace_back("pipeline sends", m * sends);
   p.terms.emplace_back("pipeline bubble", (layout.pp - 1) * slowest);
   const double gradient_bytes = static_cast<double>(parameters_per_rank(config, layout)) * kFloat;
-  const double whole_bytes = static_cast<double>(parameter_count(config)) * kFloat;
+  // What ZeRO reduces and gathers over the data group: a tensor rank's shards of the whole model.
+  double whole_bytes = 0;
+  for (int64_t count : children(config, layout.tp))
+    whole_bytes += static_cast<double>(count) * kFloat;
   const int64_t units = config.layers + 3;
   switch (layout.zero) {
     case 0:
@@ -273,7 +257,7 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
                            ring_s(whole_bytes, layout.dp, 3, machine, units));
   }
   const int64_t stepped =
-      layout.zero > 0 ? zero_shard(config, layout.dp) : parameters_per_rank(config, layout);
+      layout.zero > 0 ? zero_shard(config, layout) : parameters_per_rank(config, layout);
   p.terms.emplace_back("optimizer", static_cast<double>(stepped) * costs.optimizer_s_per_parameter);
   std::stable_sort(p.terms.begin(), p.terms.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
@@ -311,7 +295,7 @@ std::vector<Layout> candidate_layouts(const GptConfig& config, int devices, int6
         }
       }
       std::vector<int> zeros{0};
-      if (tp == 1 && pp == 1 && dp > 1) zeros = {0, 1, 2, 3};
+      if (pp == 1 && dp > 1) zeros = {0, 1, 2, 3};
       std::vector<bool> sps{false};
       if (tp > 1 && config.seq_len % tp == 0) sps.push_back(true);
       for (int zero : zeros) {

@@ -93,6 +93,7 @@ TEST(GptAdvise, ParametersPerRankEqualTheRealLayouts) {
   expect_counts_match_the_real_layout(make(1, 1, 2), 2);     // the fuller stage
   expect_counts_match_the_real_layout(make(1, 1, 3), 3);     // a stage per block
   expect_counts_match_the_real_layout(make(1, 2, 2), 4);     // both
+  expect_counts_match_the_real_layout(make(2, 2, 1, 3), 4);  // ZeRO-3 of tensor shards
 }
 
 TEST(GptAdvise, MemoryFallsWithShardingAndRecomputation) {

@@ -1,8 +1,9 @@
 // The GPT layouts and torch.distributed.checkpoint's safetensors storage (Note [DCP export of a
-// layout] in parallelize.cpp). Tier 1 (thread-ranks): DDP, ZeRO-3, tensor, pipeline and tensor x
-// pipeline layouts export, after two AdamW steps, exactly the whole state their layout-neutral
-// checkpoint holds; tensor and tensor x pipeline layouts load such a folder exactly (exported
-// again, it is the same) and train on as one process does from it; a folder of the model alone
+// layout] in parallelize.cpp). Tier 1 (thread-ranks): DDP, ZeRO-3, tensor, pipeline, tensor x
+// pipeline and ZeRO-3 over tensor layouts export, after two AdamW steps, exactly the whole state
+// their layout-neutral checkpoint holds; tensor, tensor x pipeline and ZeRO-3 over tensor layouts
+// load such a folder exactly (exported again, it is the same) and train on as one process does
+// from it; a folder of the model alone
 // starts AdamW afresh; a damaged folder is named on every rank and loads nothing. With PyTorch
 // 2.15 (tests/python/gpt_dcp_interop.py): what train_gpt --tp 2 --pp 2 exports loads in Python into
 // an unsharded model and AdamW, exactly; what FSDP2 at 2 ranks saves loads into a tensor x pipeline
@@ -166,8 +167,8 @@ TEST(GptDcp, EveryLayoutExportsExactlyWhatItsCheckpointHolds) {
   const at::Tensor data = fixed_data();
   for (const auto& [options, world] :
        {std::pair{layout(2, 1, 1), 2}, std::pair{layout(2, 1, 1, 3), 2},
-        std::pair{layout(1, 2, 1), 2}, std::pair{layout(1, 1, 2), 2},
-        std::pair{layout(1, 2, 2), 4}}) {
+        std::pair{layout(1, 2, 1), 2}, std::pair{layout(1, 1, 2), 2}, std::pair{layout(1, 2, 2), 4},
+        std::pair{layout(2, 2, 1, 3), 4}}) {
     SCOPED_TRACE(name_of(options));
     const std::string exported = dir + "/" + name_of(options), checkpoint = exported + "-ckpt";
     run_layout(options, world, 3, [&](Parallel& parallel, torch::optim::AdamW& adamw, auto& pg) {
@@ -204,14 +205,14 @@ TEST(GptDcp, TensorAndPipelineLayoutsLoadAFolderExactlyAndTrainOn) {
     adamw.step();
     parallel.export_dcp(one, adamw);
   });
-  for (const auto& [options, world] :
-       {std::pair{layout(1, 2, 1), 2}, std::pair{layout(1, 2, 2), 4}}) {
+  for (const auto& [options, world] : {std::pair{layout(1, 2, 1), 2}, std::pair{layout(1, 2, 2), 4},
+                                       std::pair{layout(2, 2, 1, 3), 4}}) {
     SCOPED_TRACE(name_of(options));
     const std::string again = dir + "/" + name_of(options), on = again + "-on";
     run_layout(options, world, 99, [&](Parallel& parallel, torch::optim::AdamW& adamw, auto&) {
       parallel.load_dcp(from, adamw);
       parallel.export_dcp(again, adamw);
-      // This layout has one replica: it takes the whole batch, as the one process did.
+      // Every replica takes the whole batch, as the one process did (with two, the same gradient).
       const int64_t seq = tiny().seq_len;
       adamw.zero_grad();
       parallel.forward_backward(data[2].narrow(1, 0, seq), data[2].narrow(1, 1, seq));

@@ -22,6 +22,12 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The parameters tensor parallelism splits (Note [Tensor-parallel blocks] in gpt.h): the blocks'
+// projections. The norms, the embedding and the head are whole on every tensor rank.
+bool split_over_tensor_ranks(const std::string& name) {
+  return name.find(".attention.w") != std::string::npos || name.find(".mlp.w") != std::string::npos;
+}
+
 std::string degrees_text(const LayoutOptions& options, int dp) {
   return "--dp " + std::to_string(dp) + " x --tp " + std::to_string(options.tp) + " x --pp " +
          std::to_string(options.pp);
@@ -51,11 +57,11 @@ int check_degrees(const LayoutOptions& options, int world_size) {
         " ranks, but the world size is " + world +
         "; their product must equal it (leave --dp out for " + world + " / (tp x pp))");
   }
-  if (options.zero > 0 && model > 1) {
-    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --tp " +
-                             std::to_string(options.tp) + " --pp " + std::to_string(options.pp) +
-                             ": ZeRO over the data dimension of a tensor or pipeline layout is not "
-                             "implemented; use --zero 0 (DDP over the replicas) there");
+  if (options.zero > 0 && options.pp > 1) {
+    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --pp " +
+                             std::to_string(options.pp) +
+                             ": ZeRO over the data dimension of a pipeline layout is not "
+                             "implemented; use --zero 0 (DDP over the replicas) with --pp");
   }
   return dp;
 }
@@ -83,14 +89,8 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
       device_(device) {
   check_degrees(options_, world_->size());
   if (options_.tp > 1) {
-    // The blocks' projections are split (Note [Tensor-parallel blocks]); the norms, the
-    // embedding and the head are whole on every tensor rank.
     for (const auto& item : model->named_parameters()) {
-      const std::string& name = item.key();
-      if (name.find(".attention.w") != std::string::npos ||
-          name.find(".mlp.w") != std::string::npos) {
-        split_.insert(item.value().unsafeGetTensorImpl());
-      }
+      if (split_over_tensor_ranks(item.key())) split_.insert(item.value().unsafeGetTensorImpl());
     }
   }
   if (options_.pp > 1) {
@@ -112,9 +112,10 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
     pipe = std::make_unique<dtrain::DistributedPipeline>(chunks_, mesh_, pipeline, device);
     parameters_ = pipe->parameters();  // this stage's
   } else if (options_.zero > 0) {
+    // ZeRO over the mesh's data group (the world when tp = 1): the replicas that hold the same
+    // tensor shards split those once more, each rank keeping 1/D of its tensor rank's units.
     dtrain::ShardedDataParallelOptions sharded;
     sharded.stage = options_.zero;
-    data_group_ = world_;  // tp = pp = 1: the mesh's data group is the world
     sdp = dtrain::ShardedDataParallel(model, data_group_, sharded);
     parameters_ = sdp->parameters();  // this rank's shards
   } else {
@@ -144,18 +145,35 @@ at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor
 // disjoint ones); with tensor parallelism, a split projection's shard on every tensor rank but a
 // whole tensor (a norm, the embedding, the head: the same gradient on every tensor rank) on tensor
 // rank 0 only; under DDP (the replicas' averaged gradients are equal) only replica 0 adds, under
-// ZeRO every rank adds its shards (disjoint; the padding's gradient is zero).
+// ZeRO every rank adds its shards (disjoint over the data group; the padding's gradient is zero).
+// A ZeRO shard is a range of a unit's flat buffer, which holds a block's split projections and its
+// whole norms end to end: the range is added parameter by parameter, by the names in its unit.
 double Parallel::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
-  const bool replica_adds = sdp || mesh_.data_index == 0;
   std::vector<at::Tensor> squares;
   std::vector<at::Tensor> grads;
-  for (const auto& p : parameters_) {
-    const at::Tensor& grad = p.grad();
-    if (!grad.defined()) continue;
-    grads.push_back(grad);
-    if (replica_adds && (mesh_.tensor_index == 0 || tensor_split(p))) {
-      squares.push_back(grad.to(at::kDouble).square().sum());
+  auto add = [&](const at::Tensor& grad) {
+    squares.push_back(grad.to(at::kDouble).square().sum());
+  };
+  if (sdp) {
+    for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+      const at::Tensor& grad = unit.shard.grad();
+      if (!grad.defined()) continue;
+      grads.push_back(grad);
+      const int64_t begin = unit.offset, end = unit.offset + grad.numel();
+      for (const dtrain::ParamExtent& p : unit.params) {
+        if (mesh_.tensor_index != 0 && !split_over_tensor_ranks(p.name)) continue;
+        const int64_t from = std::max(begin, p.offset);
+        const int64_t to = std::min(end, p.offset + numel_of(p.shape));
+        if (from < to) add(grad.narrow(0, from - begin, to - from));
+      }
+    }
+  } else {
+    for (const auto& p : parameters_) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      grads.push_back(grad);
+      if (mesh_.data_index == 0 && (mesh_.tensor_index == 0 || tensor_split(p))) add(grad);
     }
   }
   at::Tensor total = squares.empty() ? at::zeros({1}, at::kDouble)
@@ -500,19 +518,126 @@ void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer
   }
 }
 
+// Note [ZeRO over a tensor layout's state]
+// ZeRO saves its flat shards as they are, keyed by unit and by the names of the parameters in them;
+// under tensor parallelism every tensor rank's units would go under the same names (its own rows or
+// columns as the whole tensor). So ZeRO over a tensor layout saves the ranges of Note
+// [Layout-neutral checkpoints] instead, as DDP over it would: the data group gathers its tensor
+// rank's parameters (gather_full_parameters) and AdamW's moments (all-gathered unit by unit, cut by
+// the units' parameter extents), the ranges are cut from those, and a load fills the gathered
+// parameters and moments, from which each rank copies its ZeRO slice back into its shards. While a
+// save or load runs, a rank holds its tensor rank's whole training state, as DDP would.
+bool Parallel::zero_over_tensor_ranks() const { return sdp && options_.tp > 1; }
+
+std::unique_ptr<torch::optim::AdamW> Parallel::gathered_moments(torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& item : model->named_parameters()) by_name[item.key()] = item.value();
+  auto gathered =
+      std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1.0));
+  auto all_gather = [&](const at::Tensor& shard) {
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < data_group_->size(); ++r) parts.push_back(at::empty_like(shard));
+    data_group_->all_gather(parts, shard.contiguous());
+    return at::cat(parts);
+  };
+  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+    // AdamW steps every shard of the data group together: all of them have a state, or none.
+    auto* s = adamw_state(optimizer, unit.shard);
+    if (!s) continue;
+    const at::Tensor exp_avg = all_gather(s->exp_avg()), exp_avg_sq = all_gather(s->exp_avg_sq());
+    for (const dtrain::ParamExtent& p : unit.params) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(s->step());
+      state->exp_avg(exp_avg.narrow(0, p.offset, numel_of(p.shape)).view(p.shape));
+      state->exp_avg_sq(exp_avg_sq.narrow(0, p.offset, numel_of(p.shape)).view(p.shape));
+      gathered->state()[by_name.at(p.name).unsafeGetTensorImpl()] = std::move(state);
+    }
+  }
+  return gathered;
+}
+
+void Parallel::scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
+                                 torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+    at::Tensor shard = unit.shard.detach();
+    const int64_t begin = unit.offset, end = unit.offset + shard.numel();
+    at::Tensor exp_avg = at::zeros_like(shard), exp_avg_sq = at::zeros_like(shard);
+    std::optional<int64_t> step;
+    for (const dtrain::ParamExtent& p : unit.params) {
+      const at::Tensor& param = by_name.at(p.name);
+      auto* s = adamw_state(gathered, param);
+      if (s) step = s->step();
+      const int64_t from = std::max(begin, p.offset);
+      const int64_t to = std::min(end, p.offset + numel_of(p.shape));
+      if (from >= to) continue;
+      auto mine = [&](const at::Tensor& whole) {
+        return whole.reshape(-1).narrow(0, from - p.offset, to - from);
+      };
+      shard.narrow(0, from - begin, to - from).copy_(mine(param.detach()));
+      if (s) {
+        exp_avg.narrow(0, from - begin, to - from).copy_(mine(s->exp_avg()));
+        exp_avg_sq.narrow(0, from - begin, to - from).copy_(mine(s->exp_avg_sq()));
+      }
+    }
+    optimizer.state().erase(unit.shard.unsafeGetTensorImpl());
+    if (step) {
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(*step);
+      state->exp_avg(exp_avg);
+      state->exp_avg_sq(exp_avg_sq);
+      optimizer.state()[unit.shard.unsafeGetTensorImpl()] = std::move(state);
+    }
+  }
+  sdp->shards_changed();
+}
+
+Parallel::Ranges Parallel::ranges_to_save(torch::optim::AdamW& optimizer) {
+  if (!zero_over_tensor_ranks()) return saved_ranges(optimizer);
+  sdp->gather_full_parameters();
+  Ranges saved = saved_ranges(*gathered_moments(optimizer));
+  sdp->release_full_parameters();
+  return saved;
+}
+
+// With ZeRO the pieces read into copies of the gathered parameters: ZeRO refuses full parameters
+// changed in place (they only mirror its shards).
+Parallel::Ranges Parallel::ranges_to_read(bool every) {
+  if (!zero_over_tensor_ranks()) return ranges_to_load(every);
+  sdp->gather_full_parameters();  // their shapes, and where to read
+  Ranges result = ranges_to_load(every);
+  for (Piece& piece : result.pieces) piece.param = piece.param.detach().clone();
+  sdp->release_full_parameters();
+  return result;
+}
+
+void Parallel::apply_read(const Ranges& loaded, torch::optim::AdamW& optimizer) {
+  if (!zero_over_tensor_ranks()) return apply_loaded(loaded, optimizer);
+  std::map<std::string, at::Tensor> values;
+  std::vector<at::Tensor> tensors;
+  for (const Piece& piece : loaded.pieces) {
+    values[piece.name] = piece.param;
+    tensors.push_back(piece.param);
+  }
+  torch::optim::AdamW gathered(tensors, torch::optim::AdamWOptions(1.0));
+  apply_loaded(loaded, gathered);
+  scatter_to_shards(values, gathered, optimizer);
+}
+
 void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::AdamW& optimizer,
                     dtrain::DistributedSampler& sampler, int64_t step) {
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
   state.step = step;
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
     checkpointer.save(state);
     return;
   }
-  Ranges saved = saved_ranges(optimizer);
+  Ranges saved = ranges_to_save(optimizer);
   state.shards = saved.units();
   state.optimizer = saved.optimizer.get();
   checkpointer.save(state);
@@ -523,7 +648,7 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
                                       dtrain::DistributedSampler& sampler) {
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
@@ -531,11 +656,11 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
     sdp->shards_changed();
     return state.step;
   }
-  Ranges loaded = ranges_to_load(/*every=*/false);  // what this rank reads: what it holds
+  Ranges loaded = ranges_to_read(/*every=*/false);  // what this rank reads: what it holds
   state.shards = loaded.units();
   state.optimizer = loaded.optimizer.get();
   if (!checkpointer.load_latest(state)) return std::nullopt;
-  apply_loaded(loaded, optimizer);
+  apply_read(loaded, optimizer);
   return state.step;
 }
 
@@ -554,12 +679,12 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // Loading reads by name and range as a checkpoint's load does, into units for every parameter
 // (empty for another stage's), so that the folder's every tensor is one of the model's.
 void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     dtrain::save_dcp_safetensors(
         dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
     return;
   }
-  Ranges saved = saved_ranges(optimizer);
+  Ranges saved = ranges_to_save(optimizer);
   int64_t step = 0;
   for (const auto& [impl, s] : saved.optimizer->state())
     step = std::max(step, static_cast<torch::optim::AdamWParamState&>(*s).step());
@@ -587,7 +712,7 @@ void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) 
     moments = dtrain::dcp_has_optimizer_state(dir);
   } catch (const dtrain::UsageError&) {
   }
-  if (sdp) {
+  if (sdp && !zero_over_tensor_ranks()) {
     dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr,
                             dtrain::TensorTable()};
     dtrain::load_dcp_safetensors(dir, state, world_);
@@ -595,11 +720,11 @@ void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) 
     sdp->shards_changed();
     return;
   }
-  Ranges loaded = ranges_to_load(/*every=*/true);
+  Ranges loaded = ranges_to_read(/*every=*/true);
   dtrain::DcpShards state{loaded.units(), moments ? loaded.optimizer.get() : nullptr,
                           dtrain::TensorTable()};
   dtrain::load_dcp_safetensors(dir, state, world_);
-  apply_loaded(loaded, optimizer);
+  apply_read(loaded, optimizer);
 }
 
 }  // namespace gpt

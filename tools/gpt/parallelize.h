@@ -22,6 +22,7 @@
 #include <c10/core/Device.h>
 #include <torch/optim/adamw.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -38,10 +39,10 @@
 namespace gpt {
 
 struct LayoutOptions {
-  int dp = 0;    // data-parallel replicas; 0: the world size / (tp x pp)
-  int tp = 1;    // tensor-parallel ranks that split every block
-  int pp = 1;    // pipeline stages (the blocks cut between them)
-  int zero = 0;  // ZeRO stage over the data replicas (0: DDP); only with tp = pp = 1 so far
+  int dp = 0;              // data-parallel replicas; 0: the world size / (tp x pp)
+  int tp = 1;              // tensor-parallel ranks that split every block
+  int pp = 1;              // pipeline stages (the blocks cut between them)
+  int zero = 0;            // ZeRO stage over the data replicas (0: DDP); not with pp > 1 yet
   bool recompute = false;  // every block recomputes its activations in backward
   bool sp = false;         // sequence parallelism over the tensor group (with tp > 1)
   bool bf16 = false;       // the forward under bfloat16 autocast (parameters stay float32)
@@ -64,8 +65,9 @@ dtrain::RankMesh make_mesh(const LayoutOptions& options,
 Gpt make_model(const GptConfig& config, const LayoutOptions& options, const dtrain::RankMesh& mesh);
 
 // The model of make_model in the layout: this rank's pipeline stage (pp > 1) and the data
-// dimension around it, DDP (over the mesh's data group) or ZeRO (over the world). Blocks on DDP's
-// or ZeRO's set-up (rank 0 of each data group broadcasts its parameters).
+// dimension around it, DDP or ZeRO over the mesh's data group (with tp > 1, ZeRO shards each tensor
+// rank's shards over the replicas that hold the same ones). Blocks on DDP's or ZeRO's set-up (rank
+// 0 of each data group broadcasts its parameters).
 // The whole model's parameters, by name and shape, in the model's order (whatever layout holds
 // them).
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const GptConfig& config);
@@ -135,7 +137,7 @@ class Parallel {
   void load_dcp(const std::string& dir, torch::optim::AdamW& optimizer);
 
   const dtrain::RankMesh& mesh() const { return mesh_; }
-  // The ranks that read other windows: the mesh's data group (the world with ZeRO).
+  // The ranks that read other windows: the mesh's data group.
   const std::shared_ptr<dtrain::ProcessGroup>& data_group() const { return data_group_; }
 
   Gpt model;
@@ -150,6 +152,14 @@ class Parallel {
   Ranges saved_ranges(torch::optim::AdamW& optimizer);
   Ranges ranges_to_load(bool every);
   void apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer);
+  // ZeRO with tp > 1 saves and loads through the ranges (Note [ZeRO over a tensor layout's state]).
+  bool zero_over_tensor_ranks() const;
+  std::unique_ptr<torch::optim::AdamW> gathered_moments(torch::optim::AdamW& optimizer);
+  void scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
+                         torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer);
+  Ranges ranges_to_save(torch::optim::AdamW& optimizer);
+  Ranges ranges_to_read(bool every);
+  void apply_read(const Ranges& loaded, torch::optim::AdamW& optimizer);
 
   LayoutOptions options_;
   dtrain::RankMesh mesh_;

@@ -1,8 +1,9 @@
 // The layouts of parallelize.h against one process: data x tensor x pipeline meshes of 2 and 4
-// thread-ranks, ZeRO, recomputed blocks and the clipped global norm each end k SGD steps with the
-// parameters of one process trained on the whole batch (every whole tensor and every tensor shard
-// within a relative 1e-5, float32), and the degrees that do not fit the world are one error naming
-// them.
+// thread-ranks, ZeRO (alone and over a tensor layout's data dimension), recomputed blocks, the
+// clipped global norm and a hidden width that does not divide by the tensor ranks each end k SGD
+// steps with the parameters of one process trained on the whole batch (every whole tensor and every
+// tensor shard within a relative 1e-5, float32), and the degrees that do not fit the world are one
+// error naming them.
 #include "gpt/parallelize.h"
 
 #include <gtest/gtest.h>
@@ -66,9 +67,8 @@ Reference train_one_process(const GptConfig& config, const at::Tensor& data, dou
 // `world` thread-ranks in `options`' layout, each replica on its rows of every step's batch, k SGD
 // steps clipped at max_norm (0: not): every parameter a rank holds (a tensor shard: its rows or
 // columns of the whole one) equals the reference's, and so does every step's norm.
-void expect_layout_equals_one_process(const LayoutOptions& options, int world,
-                                      double max_norm = 0) {
-  const GptConfig config = tiny();
+void expect_layout_equals_one_process(const LayoutOptions& options, int world, double max_norm = 0,
+                                      const GptConfig& config = tiny()) {
   const int dp = check_degrees(options, world);
   torch::manual_seed(7);
   at::Tensor data = torch::randint(256, {kSteps, dp * kRowsPerReplica, config.seq_len + 1});
@@ -111,9 +111,11 @@ void expect_layout_equals_one_process(const LayoutOptions& options, int world,
     for (const auto& [name, mine] : trained) {
       at::Tensor want = reference.parameters.at(name);
       if (!mine.sizes().equals(want.sizes())) {
-        // A shard: rows (column-parallel) or columns (row-parallel); the sizes here divide.
-        const int64_t dim = mine.size(0) != want.size(0) ? 0 : 1;
-        want = want.narrow(dim, mesh.tensor_index * mine.size(dim), mine.size(dim));
+        // A shard: rows (column-parallel) or columns (row-parallel); of a size that does not
+        // divide, the first size % T tensor ranks hold one more (as ColumnParallelLinear cuts).
+        const int64_t dim = mine.size(0) != want.size(0) ? 0 : 1, t = mesh.tensor_index;
+        const int64_t base = want.size(dim) / options.tp, extra = want.size(dim) % options.tp;
+        want = want.narrow(dim, t * base + std::min(t, extra), mine.size(dim));
       }
       const double error =
           (mine - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-12);
@@ -171,6 +173,28 @@ TEST(GptLayout, ClippingByTheGlobalNormEqualsOneProcessInEveryLayout) {
   expect_layout_equals_one_process(layout(1, 2, 2, 0, /*recompute=*/true), 4, kClip);
 }
 
+// ZeRO over the data dimension of a tensor layout: each tensor rank's shards sharded over its
+// data group. Clipped, so that the global norm must count a block's whole norms once over the
+// tensor ranks although a ZeRO shard holds them beside the split projections; stage 2 with
+// sequence parallelism, recomputed blocks and a hidden width that does not divide by the tensor
+// ranks (91: 46 and 45 features), and the same uneven width in a DDP x tensor x pipeline mesh.
+TEST(GptLayout, ZeroOverATensorLayoutsDataDimensionEqualsOneProcess) {
+  for (int zero : {1, 3}) {
+    SCOPED_TRACE("dp 2 x tp 2, zero " + std::to_string(zero));
+    expect_layout_equals_one_process(layout(2, 2, 1, zero), 4, kClip);
+  }
+  GptConfig uneven = tiny();
+  uneven.mlp_width = 91;
+  {
+    SCOPED_TRACE("dp 2 x tp 2, zero 2, sequence parallel, recomputed, hidden width 91");
+    LayoutOptions options = layout(2, 2, 1, 2, /*recompute=*/true);
+    options.sp = true;
+    expect_layout_equals_one_process(options, 4, kClip, uneven);
+  }
+  SCOPED_TRACE("dp 1 x tp 2 x pp 2, hidden width 91");
+  expect_layout_equals_one_process(layout(1, 2, 2), 4, 0, uneven);
+}
+
 TEST(GptLayout, DegreesThatDoNotFitTheWorldAreNamed) {
   auto message = [](const LayoutOptions& options, int world) {
     try {
@@ -191,8 +215,9 @@ TEST(GptLayout, DegreesThatDoNotFitTheWorldAreNamed) {
                       "size is 4"),
             std::string::npos)
       << message(layout(3, 2, 1), 4);
-  EXPECT_NE(message(layout(2, 1, 2, 3), 4).find("--zero 3 with --tp 1 --pp 2"), std::string::npos)
+  EXPECT_NE(message(layout(2, 1, 2, 3), 4).find("--zero 3 with --pp 2"), std::string::npos)
       << message(layout(2, 1, 2, 3), 4);
+  EXPECT_EQ(check_degrees(layout(2, 2, 1, 3), 4), 2);  // ZeRO with --tp
 }
 
 }  // namespace

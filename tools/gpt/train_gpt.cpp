@@ -1,13 +1,14 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
 // the flags ask for (tools/gpt/parallelize.h): --dp D x --tp T x --pp P ranks on one mesh (D
 // defaults to world / (T x P)): D data-parallel replicas (DDP, or ZeRO stage 1-3 with --zero when
-// T = P = 1), each of P pipeline stages (one block range per stage, --schedule, --micro-batches),
-// each stage's blocks split over T tensor ranks (heads and hidden features); --sp adds sequence
-// parallelism, the norms and residuals on a slice of the sequence (Note [Sequence-parallel blocks]
-// in gpt.h). --recompute makes every block recompute its activations in backward; --clip-grad N
-// clips the gradient to the global norm N (over every shard, tensor rank and stage). ZeRO with --tp
-// or --pp is not here yet (issue 20). Prints rank 0's progress and one JSON line at the end, with
-// tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s they amount to.
+// P = 1; with --tp, each tensor rank's shards sharded again over its D replicas), each of P
+// pipeline stages (one block range per stage, --schedule, --micro-batches), each stage's blocks
+// split over T tensor ranks (heads and hidden features); --sp adds sequence parallelism, the norms
+// and residuals on a slice of the sequence (Note [Sequence-parallel blocks] in gpt.h). --recompute
+// makes every block recompute its activations in backward; --clip-grad N clips the gradient to the
+// global norm N (over every shard, tensor rank and stage). ZeRO with --pp is not here yet (issue
+// 20). Prints rank 0's progress and one JSON line at the end, with tokens/s over the timed steps
+// (after --warmup-steps) and the model FLOP/s they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
 // safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
@@ -36,6 +37,7 @@
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --tp 2 --sp
 //   build/bin/dtrain run --nproc-per-node 8 -- build/bin/train_gpt --dp 2 --tp 2 --pp 2
+//   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --dp 2 --tp 2 --zero 3
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
 #include <torch/torch.h>
 
@@ -67,7 +69,7 @@ struct Flags {
   int dp = 0;              // data-parallel replicas; 0: world / (pp x tp)
   int pp = 1;              // pipeline stages
   int tp = 1;              // tensor-parallel ranks per block
-  int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1 --tp 1)
+  int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1)
   bool sp = false;         // sequence parallelism over the tensor group (with --tp > 1)
   bool recompute = false;  // every block recomputes its activations in backward
   double clip_grad = 0;    // the global gradient norm's bound (0: no clipping)
@@ -109,8 +111,8 @@ Flags parse(int argc, char** argv) {
   app.add_flag("--sp", flags.sp,
                "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
   app.add_option("--zero", flags.zero,
-                 "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; 1-3 only with --tp 1 --pp "
-                 "1)")
+                 "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; 1-3 with --pp 1; with --tp, "
+                 "each tensor rank's shards over its replicas)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--recompute", flags.recompute,
                "recompute every block's activations in backward (less memory, one more forward)");
@@ -208,12 +210,6 @@ Flags parse(int argc, char** argv) {
     dtrain::parse_schedule_kind(flags.schedule);
   } catch (const dtrain::UsageError& e) {
     throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
-  }
-  if (flags.tp > 1 && flags.zero > 0) {
-    throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --tp " +
-                             std::to_string(flags.tp) +
-                             ": ZeRO over the data dimension of a tensor-parallel layout is not "
-                             "implemented; use --zero 0 (DDP over the replicas) with --tp");
   }
   if (flags.pp > 1 && flags.zero > 0) {
     throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +

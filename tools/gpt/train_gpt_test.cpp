@@ -228,15 +228,32 @@ TEST(TrainGpt, APipelineExportsWhatOneProcessExports) {
 
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
   for (const std::string& flags :
-       {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --tp 2 --zero 3"),
-        std::string(" --width 30"), std::string(" --steps x"), std::string(" --amp fp16"),
-        std::string(" --device tpu"), std::string(" --clip-grad -1"), std::string(" --dp 3"),
-        std::string(" --tp 2 --pp 2"), std::string(" --resume")}) {
+       {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --width 30"),
+        std::string(" --steps x"), std::string(" --amp fp16"), std::string(" --device tpu"),
+        std::string(" --clip-grad -1"), std::string(" --dp 3"), std::string(" --tp 2 --pp 2"),
+        std::string(" --resume")}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
     EXPECT_EQ(run.exit_code, 2) << run.output;
     EXPECT_NE(run.output.find("train_gpt"), std::string::npos) << run.output;
+  }
+}
+
+// A size that the tensor ranks cannot split is one line naming the size and the degree: the
+// key/value heads (a head stays on one rank), and under --sp the sequence (equal slices). A hidden
+// width that does not divide is split unevenly instead (parallelize_test.cpp).
+TEST(TrainGpt, ASizeTheTensorRanksCannotSplitNamesItAndTheDegree) {
+  for (const auto& [flags, named] :
+       {std::pair<std::string, std::string>{" --tp 2 --kv-heads 1",
+                                            "kv_heads 1 does not divide by the tensor-parallel "
+                                            "degree 2"},
+        {" --tp 2 --sp --seq-len 31", "--seq-len 31 does not divide by --tp 2"}}) {
+    SCOPED_TRACE(flags);
+    auto run =
+        run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_NE(run.output.find(named), std::string::npos) << run.output;
   }
 }
 
