@@ -331,6 +331,17 @@ TEST_F(EtcdBackendTest, StoppedEtcdIsAConnectionRefusedThatSaysWhatToDo) {
   EXPECT_LT(std::chrono::steady_clock::now() - started, kTimeout);
 }
 
+// Binds the TCP socket `fd` to a port of 127.0.0.1 the kernel picks, and returns that port.
+int bind_to_a_free_loopback_port(int fd) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  return ntohs(address.sin_port);
+}
+
 // A loopback port held by this process where nothing answers: `listening`, the kernel accepts
 // connections into its backlog and nobody reads them (a silent member, as when its host is lost);
 // otherwise the port is only bound, and a connection is refused (a stopped member).
@@ -338,13 +349,7 @@ class DeadMember {
  public:
   explicit DeadMember(bool listening) {
     fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
+    port_ = bind_to_a_free_loopback_port(fd_);
     if (listening) listen(fd_, 8);
   }
   ~DeadMember() { close(fd_); }
@@ -421,13 +426,7 @@ class FakeHttpServer {
  public:
   explicit FakeHttpServer(std::string reply) : reply_(std::move(reply)) {
     fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
+    port_ = bind_to_a_free_loopback_port(fd_);
     listen(fd_, 8);
     thread_ = std::thread([this] {
       int client;
