@@ -142,7 +142,8 @@ std::string in_place_unsupported_reason(const Flags& flags) {
     return "--amp (its loss scaler agrees on skipped steps over one fixed group, which in-place "
            "recovery replaces with every generation)";
   }
-  if (flags.spawn > 0) return "--spawn (its workers are not restarted alone)";
+  // (--spawn needs no case: dtrain::spawn gives its ranks DTRAIN_RECOVERY=restart, as it restarts
+  // nothing.)
   return "";
 }
 
