@@ -34,34 +34,38 @@ done
 [[ $cap =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$me: CAP_GBPS='$cap': expected a rate in Gbit/s, e.g. 1" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "$me: network namespaces need root" >&2; exit 2; }
 
-# The two hosts: namespaces $ns0 and $ns1, hostnames bench-host0 and bench-host1.
-ns0=dtrain-bench$$h0 ns1=dtrain-bench$$h1
+# The two hosts: namespaces ${ns[0]} and ${ns[1]} (ns0 and ns1 for short), hostnames bench-host0 and
+# bench-host1.
+ns=(dtrain-bench$$h0 dtrain-bench$$h1)
+ns0=${ns[0]} ns1=${ns[1]}
 remove_hosts() {
-  for ns in $ns0 $ns1; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
+  for host_ns in "${ns[@]}"; do
+    ip netns pids "$host_ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$host_ns" 2>/dev/null || true
   done
 }
 trap remove_hosts EXIT
 made=$( (ip netns add $ns0 && ip netns add $ns1 &&
   ip -n $ns0 link add eth0 type veth peer name eth0 netns $ns1 &&
   ip -n $ns0 addr add 10.79.0.1/24 dev eth0 && ip -n $ns1 addr add 10.79.0.2/24 dev eth0 &&
-  for ns in $ns0 $ns1; do ip -n "$ns" link set eth0 up && ip -n "$ns" link set lo up || exit 1; done) 2>&1) ||
+  for host_ns in "${ns[@]}"; do
+    ip -n "$host_ns" link set eth0 up && ip -n "$host_ns" link set lo up || exit 1
+  done) 2>&1) ||
   { echo "$me: cannot make two namespace hosts (the kernel or the container refused): $made" >&2; exit 2; }
 
 # on HOST COMMAND...: runs COMMAND on host 0 or 1, with that host's hostname.
 on() {
   local host=$1
   shift
-  ip netns exec "dtrain-bench$$h$host" unshare --uts sh -c 'hostname "$0" && exec "$@"' "bench-host$host" "$@"
+  ip netns exec "${ns[host]}" unshare --uts sh -c 'hostname "$0" && exec "$@"' "bench-host$host" "$@"
 }
 # cap_links RATE|off: tbf on both ends of the link (a burst of 1 MB: at least rate / HZ for 1 Gbit/s).
 cap_links() {
-  for ns in $ns0 $ns1; do
+  for host_ns in "${ns[@]}"; do
     if [ "$1" = off ]; then
-      ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+      ip netns exec "$host_ns" tc qdisc del dev eth0 root 2>/dev/null || true
     else
-      ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "${1}gbit" burst 1mb latency 100ms
+      ip netns exec "$host_ns" tc qdisc replace dev eth0 root tbf rate "${1}gbit" burst 1mb latency 100ms
     fi
   done
 }

@@ -55,6 +55,14 @@ std::string node_id(const std::string& host) {
   return host + "_" + std::to_string(getpid()) + "_" + suffix;
 }
 
+// Where the rendezvous is, as the backend is given it and messages name it: HOST:PORT, or with etcd
+// --rdzv-endpoint as given (every member of its cluster, to fail over between).
+std::string rendezvous_endpoint(const RunOptions& options) {
+  return options.rdzv_backend == "etcd"
+             ? options.rdzv_endpoint
+             : options.rdzv_host + ":" + std::to_string(options.rdzv_port);
+}
+
 // The backend for the flags, after its first successful contact. c10d: hosts the store when this
 // process can bind the endpoint, then waits up to join_timeout for the store to answer (its host
 // may start after this agent). Throws CommError (exit 1) when nothing answers in time (the flags
@@ -64,14 +72,13 @@ std::string node_id(const std::string& host) {
 std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     const RunOptions& options, const std::string& token,
     std::unique_ptr<elastic::C10dStoreServer>* server) {
-  std::string endpoint = options.rdzv_host + ":" + std::to_string(options.rdzv_port);
+  const std::string endpoint = rendezvous_endpoint(options);
   std::chrono::milliseconds join_timeout = to_ms(options.rdzv_conf.join_timeout_s);
   // One call to the store: bounded more tightly than the wait at start, so that a store whose
   // machine vanished (no reset, only silence) ends the job in seconds, not after join_timeout.
   std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
-    endpoint = options.rdzv_endpoint;  // every member of the etcd cluster, to fail over between
     if (!token.empty()) {
       say("note: the rendezvous token guards the c10d store only; secure etcd with its own "
           "authentication and TLS");
@@ -185,13 +192,9 @@ class ElasticRendezvous final : public AgentRendezvous {
     store_patience_ = settings.keep_alive_interval * settings.keep_alive_max_attempt;
     rendezvous_ = std::make_unique<elastic::Rendezvous>(std::move(backend), settings, self);
     rendezvous_->start_keep_alive();
-    // With etcd, every member it may fail over to (--rdzv-endpoint as given).
-    const std::string at = options.rdzv_backend == "etcd"
-                               ? options.rdzv_endpoint
-                               : options.rdzv_host + ":" + std::to_string(options.rdzv_port);
-    say(self.describe() + " joins rendezvous '" + options.run_id + "' at " + at + " (" +
-        options.rdzv_backend + ", --nnodes " + std::to_string(options.min_nodes) + ":" +
-        std::to_string(options.nnodes) + ")");
+    say(self.describe() + " joins rendezvous '" + options.run_id + "' at " +
+        rendezvous_endpoint(options) + " (" + options.rdzv_backend + ", --nnodes " +
+        std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes) + ")");
   }
 
   std::optional<elastic::WorkerGroupRound> next_round(elastic::SignalPipe& signals,
