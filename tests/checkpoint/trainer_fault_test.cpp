@@ -49,11 +49,14 @@ TEST(TrainerFaults, WorkerKilledMidEpochRestartsAndEverySampleCountsOnce) {
   EXPECT_EQ(json_int(reference.output, "restarts"), 0) << reference.output;
 
   // Rank 1 dies (SIGKILL) right after step 300 of 938; the last checkpoint is step 200's (written
-  // in the background), so steps 201..300 are rolled back and redone after the restart.
+  // in the background), so steps 201..300 are rolled back and redone after the restart of the
+  // whole job (--recovery restart; in place, the default, is recovery_test.cpp's).
   std::string dir = temp_dir("dtrain-fault-kill");
-  auto killed = run_command("env DTRAIN_TEST_KILL_AT_STEP=1:300 " + bin("dtrain") +
-                            " run --nproc-per-node 2 --max-restarts 1 --grace-period 2" + kTrainer +
-                            "--checkpoint-every 100 --async-checkpoints --checkpoint-dir " + dir);
+  auto killed =
+      run_command("env DTRAIN_TEST_KILL_AT_STEP=1:300 " + bin("dtrain") +
+                  " run --nproc-per-node 2 --max-restarts 1 --recovery restart "
+                  "--grace-period 2" +
+                  kTrainer + "--checkpoint-every 100 --async-checkpoints --checkpoint-dir " + dir);
   ASSERT_EQ(killed.exit_code, 0) << killed.output;
   EXPECT_NE(killed.output.find("killed by signal 9"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("restart 1: resumed from " + dir +

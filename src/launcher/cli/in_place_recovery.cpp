@@ -29,9 +29,10 @@ bool readable(int fd) {
 // holds it: c10d's client puts "/" before every key.
 constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 
-// A worker's notice costs at most this much when the store is out of reach (the link to node 0 is
-// cut): the survivors then tell the death by its heartbeat.
-constexpr auto kExitNoticeTimeout = std::chrono::seconds(1);
+// A call into node 0's store (a worker's exit notice, the question whether the workers recover in
+// place) costs at most this much when that store is out of reach (the link to node 0 is cut): the
+// survivors then tell a death by its heartbeat.
+constexpr auto kStoreCallTimeout = std::chrono::seconds(1);
 
 }  // namespace
 
@@ -64,7 +65,7 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
                             std::to_string(failure.pid) + "/" +
                             std::to_string(detail::own_pid_namespace());
     const std::string why = elastic::set_in_worker_store(round.master_addr, round.master_port, key,
-                                                         failure.describe(), kExitNoticeTimeout);
+                                                         failure.describe(), kStoreCallTimeout);
     if (!why.empty()) {
       say("could not tell the other workers through their store at " + round.master_addr + ":" +
           std::to_string(round.master_port) + " that rank " + std::to_string(failure.global_rank) +
@@ -79,8 +80,8 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
 // signal came for the launcher; a usage error (exit code 2) cannot be fixed by a restart; the
 // workers never formed an in-place group (a program that does not recover in place: its survivors
 // fail too); a worker stopped on SIGTERM or none is left (one node); no restart is left and this
-// node cannot tell that they did (the store is on node 0). (Rank 0's death is no reason: prepare()
-// put the store in node 0's launcher, which outlives it.)
+// node cannot tell whether they did (node 0's store does not answer). (Rank 0's death is no
+// reason: prepare() put the store in node 0's launcher, which outlives it.)
 bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                                     const elastic::WorkerGroupRound& round,
                                     const WaitResult& failed, int signal_fd) {
@@ -91,8 +92,18 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
     return false;  // the static rendezvous says why it does not restart
   }
   const int left = restarts_.left();
-  const bool in_place_group = store_ != nullptr && store_->contains(kInPlaceGroupFormed);
-  if (store_ != nullptr && !in_place_group) {
+  // Node 0 looks into its own store; another node asks it. When that store does not answer (node
+  // 0 is gone or cut off) this node cannot tell, and goes on as if its workers did form the group.
+  bool in_place_group = false;
+  bool known = true;
+  if (store_ != nullptr) {
+    in_place_group = store_->contains(kInPlaceGroupFormed);
+  } else {
+    known = elastic::check_in_worker_store(round.master_addr, round.master_port,
+                                           kInPlaceGroupFormed, &in_place_group, kStoreCallTimeout)
+                .empty();
+  }
+  if (known && !in_place_group) {
     if (left > 0) {
       say("the workers formed no in-place group (the program does not use "
           "dtrain::ResilientDataParallel, or failed before it did): restarting the whole group "

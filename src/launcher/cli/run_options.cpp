@@ -202,6 +202,7 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
           "--recovery in-place: static rendezvous only for now; use --recovery restart with "
           "--rdzv-backend c10d/etcd");
     }
+    if (options.recovery.empty()) options.recovery = "restart";
     if (options.command.empty()) {
       fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
     }
@@ -212,6 +213,7 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
          std::to_string(options.nnodes) +
          " needs --rdzv-backend c10d or etcd (and --rdzv-endpoint); for a static job give N");
   }
+  if (options.recovery.empty()) options.recovery = "in-place";
   if (!options.rdzv_host.empty()) {
     fail("--rdzv-endpoint: used only with --rdzv-backend c10d or etcd, got it with static");
   }
@@ -309,18 +311,19 @@ std::string run_usage() {
 Starts --nproc-per-node copies of `program` on this node with the environment torchrun gives its
 workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), relays their output prefixed with [rank<R>]:,
-stops them all when one fails and restarts them up to --max-restarts times (with --recovery
-in-place, only the failed one). A program ending in .py runs under $DTRAIN_PYTHON (default: python3
-on PATH) unless --no-python.
+stops them all when one fails and restarts them up to --max-restarts times (under --recovery
+in-place, the default on static nodes, only the failed one where the program recovers in place).
+A program ending in .py runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
 
 flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
   --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
   --max-restarts K       worker failures the job restarts from (default 0)
-  --recovery MODE        restart: a failure restarts every worker of the node (default);
-                         in-place: only the failed worker restarts, joining the survivors
-                         (static nodes only; programs using dtrain::ResilientDataParallel;
-                         others restart together)
+  --recovery MODE        in-place (the default on static nodes): only the failed worker
+                         restarts and joins the survivors, who go on from the state they hold
+                         (programs using dtrain::ResilientDataParallel; the workers of others
+                         restart together); restart (the default with c10d/etcd): a failure
+                         restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
@@ -362,9 +365,10 @@ TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_E
 OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
 DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
 alone, which joins the running workers as a newcomer and takes its state from a live peer.
-Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it;
-torchrun's agent hosts one and says True), except with --recovery in-place, where node 0's
-launcher hosts it and says True; MASTER_ADDR is an address (127.0.0.1 on one node) where
+TORCHELASTIC_USE_AGENT_STORE=True on static nodes, as in torchrun: node 0's launcher hosts the
+workers' store, so that it outlives every worker. Differences: TORCHELASTIC_USE_AGENT_STORE=False
+(no store in the launcher: rank 0 hosts it; torchrun's agent hosts one and says True) with
+--recovery restart and with c10d/etcd; MASTER_ADDR is an address (127.0.0.1 on one node) where
 torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
 TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 

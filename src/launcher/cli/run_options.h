@@ -53,7 +53,10 @@ struct RunOptions {
   // --recovery: "restart" stops the node's workers when one fails and restarts them all (they
   // resume from their checkpoint); "in-place" restarts only the failed worker, as a newcomer the
   // survivors admit into their group (static rendezvous only). Workers see it as DTRAIN_RECOVERY.
-  std::string recovery = "restart";
+  // Unset, parse_run_options makes it "in-place" under the static rendezvous and "restart" under
+  // c10d/etcd: the workers of a program that does not recover in place restart together anyway
+  // (in_place_recovery.h), so in-place is the default wherever it is available.
+  std::string recovery;
   // When not empty, each rank's output is also appended to <log_dir>/rank<R>.log: --log-dir.
   std::string log_dir;
   // TORCHELASTIC_RUN_ID: --run-id or torchrun's --rdzv-id; torchrun's default is "none" (a single

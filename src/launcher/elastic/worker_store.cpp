@@ -794,8 +794,15 @@ int connect_before(const addrinfo& address, std::chrono::steady_clock::time_poin
 
 }  // namespace
 
-std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
-                                const std::string& value, std::chrono::milliseconds timeout) {
+namespace {
+
+// One client's requests to the workers' store at host:port: VALIDATE, then `request`, then reads
+// `reply_size` bytes of answer into *reply, within `timeout` all told. Returns "" when it has them,
+// else why not. One connection per call: these are rare (a worker's exit), and a connection kept
+// open would outlive the store it was made for.
+std::string exchange_with_worker_store(const std::string& host, int port,
+                                       const std::string& request, std::size_t reply_size,
+                                       std::string* reply, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::string seconds = detail::seconds_text(timeout);
   addrinfo hints{};
@@ -813,16 +820,11 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
   freeaddrinfo(found);
   if (fd < 0) return why == "no connection" ? "no connection within " + seconds : why;
 
-  const uint32_t nonce = static_cast<uint32_t>(getpid());
-  std::string request;
-  put<uint8_t>(request, static_cast<uint8_t>(Command::kValidate));
-  put<uint32_t>(request, kValidationMagic);
-  put<uint8_t>(request, static_cast<uint8_t>(Command::kSet));
-  put_bytes(request, key);
-  put_bytes(request, value);
-  put<uint8_t>(request, static_cast<uint8_t>(Command::kPing));
-  put<uint32_t>(request, nonce);
-  std::string_view rest = request;
+  std::string sent;
+  put<uint8_t>(sent, static_cast<uint8_t>(Command::kValidate));
+  put<uint32_t>(sent, kValidationMagic);
+  sent += request;
+  std::string_view rest = sent;
   while (!rest.empty() && why.empty()) {
     ssize_t n = send(fd, rest.data(), rest.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
@@ -834,17 +836,18 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
       why = std::strerror(errno);
     }
   }
-  std::string answer;
-  while (answer.size() < sizeof(nonce) && why.empty()) {
+  reply->clear();
+  while (reply->size() < reply_size && why.empty()) {
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, ms_left(deadline)) <= 0) {
       why = "no answer within " + seconds;
       break;
     }
-    char buffer[sizeof(nonce)];
-    ssize_t n = recv(fd, buffer, sizeof(nonce) - answer.size(), MSG_DONTWAIT);
+    char buffer[64];
+    ssize_t n =
+        recv(fd, buffer, std::min(sizeof(buffer), reply_size - reply->size()), MSG_DONTWAIT);
     if (n > 0) {
-      answer.append(buffer, static_cast<std::size_t>(n));
+      reply->append(buffer, static_cast<std::size_t>(n));
     } else if (n == 0) {
       why = "the store closed the connection";
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
@@ -852,10 +855,42 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
     }
   }
   close(fd);
+  return why;
+}
+
+}  // namespace
+
+std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
+                                const std::string& value, std::chrono::milliseconds timeout) {
+  // SET has no reply; PING's, after it, says that both were served.
+  const uint32_t nonce = static_cast<uint32_t>(getpid());
+  std::string request;
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kSet));
+  put_bytes(request, key);
+  put_bytes(request, value);
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kPing));
+  put<uint32_t>(request, nonce);
+  std::string answer;
+  const std::string why =
+      exchange_with_worker_store(host, port, request, sizeof(nonce), &answer, timeout);
   if (!why.empty()) return why;
   uint32_t echoed = 0;
   std::memcpy(&echoed, answer.data(), sizeof(echoed));
   return echoed == nonce ? "" : "a wrong answer to PING (not a TCPStore?)";
+}
+
+std::string check_in_worker_store(const std::string& host, int port, const std::string& key,
+                                  bool* present, std::chrono::milliseconds timeout) {
+  std::string request;
+  put<uint8_t>(request, static_cast<uint8_t>(Command::kCheck));
+  put<uint64_t>(request, 1);
+  put_bytes(request, key);
+  std::string answer;
+  const std::string why = exchange_with_worker_store(host, port, request, 1, &answer, timeout);
+  if (!why.empty()) return why;
+  if (answer[0] != 0 && answer[0] != 1) return "a wrong answer to CHECK (not a TCPStore?)";
+  *present = answer[0] == 0;  // READY: every key asked for exists
+  return "";
 }
 
 }  // namespace dtrain::elastic

@@ -60,4 +60,10 @@ class WorkerStore {
 std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
                                 const std::string& value, std::chrono::milliseconds timeout);
 
+// A client's CHECK of one key in the workers' store at host:port, within `timeout`: sets *present
+// and returns "", or returns why it could not ask, as set_in_worker_store does. A launcher on
+// another node than the store's reads through it what node 0's reads with contains(). Never throws.
+std::string check_in_worker_store(const std::string& host, int port, const std::string& key,
+                                  bool* present, std::chrono::milliseconds timeout);
+
 }  // namespace dtrain::elastic

@@ -77,14 +77,15 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"].size(), 36u) << env["TORCHELASTIC_RUN_ID"];
     if (local_rank == 0) run_id = env["TORCHELASTIC_RUN_ID"];
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], run_id);
-    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    // In place by default on static nodes: the launcher hosts the store, as torchrun's agent does.
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "True");
     EXPECT_EQ(env["TORCHELASTIC_SIGNALS_TO_HANDLE"], "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
     EXPECT_TRUE(env["TORCHELASTIC_ERROR_FILE"].ends_with("/attempt_0/" + rank + "/error.json"))
         << env["TORCHELASTIC_ERROR_FILE"];
     EXPECT_EQ(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     EXPECT_EQ(env["DTRAIN_TEST_PASSTHROUGH"], "kept as is");
-    EXPECT_EQ(env["DTRAIN_RECOVERY"], "restart");
+    EXPECT_EQ(env["DTRAIN_RECOVERY"], "in-place");
     EXPECT_EQ(env.count("DTRAIN_RECOVERY_JOIN"), 0u);
     // An automatically picked port: a valid one, and the same for every rank.
     int master_port = std::stoi(env["MASTER_PORT"]);
@@ -121,8 +122,22 @@ TEST_F(LauncherTest, SecondNodeGetsItsGlobalRanks) {
     EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
     EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "0");
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "job7");
-    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "True");  // node 0's launcher hosts it
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+  }
+}
+
+// --recovery restart: torchrun's whole-group restart, rank 0 hosting the store (the launcher hosts
+// none). Elastic rendezvous restart so by default (run_options_test.cpp).
+TEST_F(LauncherTest, RecoveryRestartLeavesTheStoreToRankZero) {
+  RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "restart", "--"},
+                                sh("env > \"$1/env.$LOCAL_RANK\"")));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  for (int local_rank = 0; local_rank < 2; ++local_rank) {
+    SCOPED_TRACE("local rank " + std::to_string(local_rank));
+    auto env = parse_env(read_file(dir_ / ("env." + std::to_string(local_rank))));
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(env["DTRAIN_RECOVERY"], "restart");
   }
 }
 
@@ -524,7 +539,9 @@ TEST_F(LauncherTest, HelpPrintsUsageAndExitsZero) {
     RunResult run = dtrain(args);
     EXPECT_EQ(run.exit_code, 0);
     EXPECT_NE(run.out.find("usage: dtrain run"), std::string::npos) << run.out;
-    EXPECT_NE(run.out.find("  --recovery MODE        restart:"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("  --recovery MODE        in-place (the default on static nodes)"),
+              std::string::npos)
+        << run.out;
     EXPECT_NE(run.out.find("DTRAIN_RECOVERY_JOIN=1"), std::string::npos) << run.out;
     EXPECT_EQ(run.err, "");
   }

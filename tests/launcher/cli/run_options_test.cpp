@@ -28,11 +28,17 @@ TEST(RunOptions, DefaultsMatchTorchrun) {
   EXPECT_DOUBLE_EQ(options.grace_period_s, 5.0);
   EXPECT_FALSE(options.no_python);
   EXPECT_FALSE(options.standalone);
-  EXPECT_EQ(options.recovery, "restart");
+  EXPECT_EQ(options.recovery, "in-place");
   EXPECT_EQ(options.command, Args({"./train"}));
 }
 
-TEST(RunOptions, RecoveryInPlaceIsForStaticNodes) {
+// In place wherever it is available (issue 21): the default on static nodes, also several of
+// them; restart under an elastic rendezvous, which cannot admit a newcomer into a running round.
+TEST(RunOptions, RecoveryIsInPlaceByDefaultOnStaticNodesOnly) {
+  EXPECT_TRUE(recovers_in_place(parse_run_options({"./train"})));
+  EXPECT_TRUE(
+      recovers_in_place(parse_run_options({"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                           "10.0.0.1", "--master-port", "29500", "./train"})));
   EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery", "in-place", "./train"})));
   EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery=in-place", "./train"})));
   EXPECT_FALSE(recovers_in_place(parse_run_options({"--recovery", "restart", "./train"})));

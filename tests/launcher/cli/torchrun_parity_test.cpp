@@ -90,16 +90,20 @@ struct IntendedDifference {
   const char* dtrain_value;
 };
 const std::map<std::string, IntendedDifference> kIntendedDifferences = {
-    // torchrun's agent hosts the workers' TCPStore at MASTER_ADDR:MASTER_PORT and says True, so
-    // every rank connects as a client. dtrain's launcher holds no PyTorch store (it is not Python
-    // and links no LibTorch); False tells init_process_group that rank 0 hosts it.
-    {"TORCHELASTIC_USE_AGENT_STORE", {IntendedDifference::Kind::kDtrainValue, "False"}},
     // torchrun names the store's host as its rendezvous saw it ("localhost" on one node); dtrain
     // gives the address the node is reached at (127.0.0.1 on one node). Same machine, same port.
     {"MASTER_ADDR", {IntendedDifference::Kind::kSameHost, nullptr}},
     // torchrun sets it when TORCHELASTIC_ENABLE_FILE_TIMER=1, for its FileTimerServer watchdog
     // (torch.distributed.elastic.timer); dtrain has no such watchdog. Not set in these tests.
     {"TORCHELASTIC_TIMER_FILE", {IntendedDifference::Kind::kNotSet, nullptr}},
+};
+
+// Under an elastic rendezvous (c10d, etcd) only: torchrun's agent hosts the workers' TCPStore at
+// MASTER_ADDR:MASTER_PORT and says True, so every rank connects as a client; dtrain's launcher
+// hosts one on static nodes alone (for in-place recovery, which is static only), and False tells
+// init_process_group that rank 0 hosts it.
+const std::map<std::string, IntendedDifference> kElasticDifferences = {
+    {"TORCHELASTIC_USE_AGENT_STORE", {IntendedDifference::Kind::kDtrainValue, "False"}},
 };
 
 bool is_uuid4(const std::string& text) {
@@ -238,9 +242,9 @@ class TorchrunParityTest : public testing::Test {
       const Env& theirs = torchrun[local_rank].set;
       const Env& ours = dtrain[local_rank].set;
       for (const auto& [name, value] : theirs) {
-        auto intended = kIntendedDifferences.find(name);
+        auto intended = differences_.find(name);
         auto found = ours.find(name);
-        if (intended != kIntendedDifferences.end() &&
+        if (intended != differences_.end() &&
             intended->second.kind == IntendedDifference::Kind::kNotSet) {
           EXPECT_EQ(found, ours.end()) << name << " is listed as not set by dtrain, but it is";
           continue;
@@ -252,7 +256,7 @@ class TorchrunParityTest : public testing::Test {
           continue;
         }
         const std::string& mine = found->second;
-        if (intended != kIntendedDifferences.end()) {
+        if (intended != differences_.end()) {
           if (intended->second.kind == IntendedDifference::Kind::kDtrainValue) {
             EXPECT_EQ(mine, intended->second.dtrain_value)
                 << name << " (torchrun: " << value << ")";
@@ -299,7 +303,7 @@ class TorchrunParityTest : public testing::Test {
       }
       for (const auto& [name, value] : ours) {
         if (theirs.count(name) != 0 || name.starts_with("DTRAIN_")) continue;
-        EXPECT_TRUE(kIntendedDifferences.count(name) != 0)
+        EXPECT_TRUE(differences_.count(name) != 0)
             << "dtrain run sets " << name << "=" << value
             << ", torchrun does not; drop it or list it in kIntendedDifferences with the reason";
       }
@@ -314,6 +318,8 @@ class TorchrunParityTest : public testing::Test {
     }
   }
 
+  // kIntendedDifferences, and a test's own (kElasticDifferences).
+  std::map<std::string, IntendedDifference> differences_ = kIntendedDifferences;
   TempDir dir_;
   std::string python_;
   EnvChanges unset_;
@@ -363,6 +369,7 @@ TEST_F(TorchrunParityTest, ElasticRangeOverC10d) {
   };
   auto theirs = launch("torchrun", torchrun(flags(dtrain::elastic::pick_free_port())));
   auto ours = launch("dtrain", dtrain(flags(dtrain::elastic::pick_free_port())));
+  differences_.insert(kElasticDifferences.begin(), kElasticDifferences.end());
   compare_all(theirs, ours);
 }
 

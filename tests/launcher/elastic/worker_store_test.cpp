@@ -499,5 +499,40 @@ TEST(WorkerStore, WithoutTheSwitchRankZeroStillHosts) {
   }
 }
 
+// The launcher's own client (in_place_recovery.cpp: a worker's exit notice, and whether the
+// workers formed an in-place group) against this store and against LibTorch's own TCPStore server,
+// so that it speaks the protocol and not merely this server's reading of it. Keys as the server
+// holds them: c10d's client puts "/" before each.
+TEST(WorkerStore, TheLaunchersClientSetsAndChecksKeysInAnyTCPStore) {
+  std::optional<WorkerStore> ours;
+  ours.emplace("127.0.0.1", 0);
+  c10d::TCPStoreOptions options;
+  options.port = 0;
+  options.isServer = true;
+  options.waitWorkers = false;
+  options.timeout = 10s;
+  auto theirs = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  for (const int port : {ours->port(), static_cast<int>(theirs->getPort())}) {
+    SCOPED_TRACE("the store on port " + std::to_string(port));
+    auto worker = client(port);
+    bool present = true;
+    EXPECT_EQ(check_in_worker_store("127.0.0.1", port, "/formed", &present, 2s), "");
+    EXPECT_FALSE(present);
+    worker->set("formed", bytes("1"));
+    EXPECT_EQ(check_in_worker_store("127.0.0.1", port, "/formed", &present, 2s), "");
+    EXPECT_TRUE(present);
+    EXPECT_EQ(set_in_worker_store("127.0.0.1", port, "/exited/7", "killed by SIGKILL", 2s), "");
+    EXPECT_EQ(text(worker->get("exited/7")), "killed by SIGKILL");
+  }
+  // No store there: one reason, within the time given, and nothing thrown.
+  const int closed = ours->port();
+  ours.reset();
+  bool present = true;
+  const auto start = Clock::now();
+  const std::string why = check_in_worker_store("127.0.0.1", closed, "/formed", &present, 1s);
+  EXPECT_NE(why, "");
+  EXPECT_LT(Clock::now() - start, 3s) << why;
+}
+
 }  // namespace
 }  // namespace dtrain::elastic
