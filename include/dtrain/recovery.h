@@ -127,6 +127,17 @@ struct RecoveryStats {
   int64_t steps_redone = 0;  // steps abandoned by a failure and done again at the new size
 };
 
+// What being ready to recover has cost this process so far, nothing failing (the bench's "at most
+// 1% of a step": bench/recovery_overhead.sh): the admission checks' all-reduces on the training
+// thread (wall time, the wait for the slower member included, so an upper bound) and the CPU time
+// of the heartbeat thread (on a machine whose cores all train, taken from training). Not the same
+// on every member; the recoveries themselves are not in it.
+struct ReadinessCost {
+  int64_t admission_checks = 0;
+  double admission_s = 0;
+  double heartbeat_cpu_s = 0;
+};
+
 namespace detail {
 class RecoveryCore;
 }
@@ -150,6 +161,7 @@ class ResilientDataParallelBase {
   // steps).
   const std::shared_ptr<ProcessGroup>& group() const;
   RecoveryStats stats() const;
+  ReadinessCost readiness_cost() const;
   // Stops watching for newcomers and tells those still waiting that the job is over. Call when
   // training is over, before the final barrier: after it rank 0 may exit and take the store with
   // it. (The destructor stops watching too.)

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <future>
 #include <mutex>
 #include <sstream>
@@ -79,6 +80,11 @@ class RecoveryCore {
   bool job_finished_ = false;
   std::shared_ptr<ProcessGroup> group_;
   RecoveryStats stats_;
+  ReadinessCost readiness_cost() const {
+    ReadinessCost cost = readiness_;
+    cost.heartbeat_cpu_s = static_cast<double>(heartbeat_cpu_ns_->load()) * 1e-9;
+    return cost;
+  }
 
  private:
   enum class Reason { kFailure, kAdmission };
@@ -106,6 +112,10 @@ class RecoveryCore {
   int64_t newcomers_admitted_ = 0;  // newcomer numbers 1..this are admitted (or gone)
   int64_t checked_at_step_ = -1;    // the last step count whose admission check ran
   SamplerState committed_;          // the sampler at the last committed step
+  ReadinessCost readiness_;         // the admission checks' part; the heartbeats' is below
+  // The heartbeat thread's CPU time, which it adds after every round.
+  std::shared_ptr<std::atomic<int64_t>> heartbeat_cpu_ns_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   std::vector<std::thread> releases_;
   // DTRAIN_TEST_FAULT (tests only, see transfer_state): "" or where this process kills itself.
   std::string test_fault_;
@@ -420,10 +430,14 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
   if (stats_.steps > 0 && stats_.steps % options_.admit_every == 0 &&
       checked_at_step_ != stats_.steps) {
     checked_at_step_ = stats_.steps;
+    const auto check_start = std::chrono::steady_clock::now();
     auto seen = torch::tensor({heartbeats_->newcomers_seen()}, torch::kInt64);
     try {
       group_->all_reduce(seen, ReduceOp::kMax);
       const int64_t requested = seen.item<int64_t>();
+      ++readiness_.admission_checks;
+      readiness_.admission_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
       if (requested > newcomers_admitted_) {
         const int64_t first = newcomers_admitted_ + 1;
         const int count = static_cast<int>(requested - newcomers_admitted_);
@@ -455,25 +469,30 @@ void RecoveryCore::start_watching() {
   watch_control_ = std::make_shared<WatchControl>();
   auto exited = std::make_shared<std::promise<void>>();
   watcher_exited_ = exited->get_future();
-  watcher_ = std::thread([control = watch_control_, heartbeats = heartbeats_, exited] {
-    std::unique_lock<std::mutex> lock(control->mutex);
-    bool failing = false;
-    while (!control->stop) {
-      lock.unlock();
-      try {
-        heartbeats->round();
-        failing = false;
-      } catch (const std::exception& e) {
-        // The store did not answer (it is gone, or out of reach): the verdict counts for how long
-        // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
-        if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
-        failing = true;
-      }
-      lock.lock();
-      control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
-    }
-    exited->set_value();
-  });
+  watcher_ = std::thread(
+      [control = watch_control_, heartbeats = heartbeats_, exited, cpu_ns = heartbeat_cpu_ns_] {
+        std::unique_lock<std::mutex> lock(control->mutex);
+        bool failing = false;
+        while (!control->stop) {
+          lock.unlock();
+          try {
+            heartbeats->round();
+            failing = false;
+          } catch (const std::exception& e) {
+            // The store did not answer (it is gone, or out of reach): the verdict counts for how long
+            // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
+            if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
+            failing = true;
+          }
+          timespec used{};
+          if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &used) == 0) {
+            cpu_ns->store(static_cast<int64_t>(used.tv_sec) * 1000000000 + used.tv_nsec);
+          }
+          lock.lock();
+          control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
+        }
+        exited->set_value();
+      });
 }
 
 void RecoveryCore::finish() {
@@ -522,6 +541,8 @@ const std::shared_ptr<ProcessGroup>& ResilientDataParallelBase::group() const {
 }
 
 RecoveryStats ResilientDataParallelBase::stats() const { return core_->stats_; }
+
+ReadinessCost ResilientDataParallelBase::readiness_cost() const { return core_->readiness_cost(); }
 
 void ResilientDataParallelBase::finish() { core_->finish(); }
 

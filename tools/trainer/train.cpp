@@ -465,6 +465,12 @@ int train(const Flags& flags) {
       result["recoveries"] = stats.recoveries;
       result["steps_redone"] = stats.steps_redone;
       result["admitted"] = stats.admitted;
+      // What being ready cost this rank, nothing failing (dtrain::ReadinessCost); against
+      // train_time_s it is bench/recovery_overhead.sh's share.
+      const dtrain::ReadinessCost cost = strategy.rdp->readiness_cost();
+      result["readiness"] = {{"admission_checks", cost.admission_checks},
+                             {"admission_s", cost.admission_s},
+                             {"heartbeat_cpu_s", cost.heartbeat_cpu_s}};
     }
     result["epoch_samples"] = epoch_samples;
     if (strategy.sdp) result["zero_stage"] = strategy.sdp->stage();
