@@ -469,30 +469,30 @@ void RecoveryCore::start_watching() {
   watch_control_ = std::make_shared<WatchControl>();
   auto exited = std::make_shared<std::promise<void>>();
   watcher_exited_ = exited->get_future();
-  watcher_ = std::thread(
-      [control = watch_control_, heartbeats = heartbeats_, exited, cpu_ns = heartbeat_cpu_ns_] {
-        std::unique_lock<std::mutex> lock(control->mutex);
-        bool failing = false;
-        while (!control->stop) {
-          lock.unlock();
-          try {
-            heartbeats->round();
-            failing = false;
-          } catch (const std::exception& e) {
-            // The store did not answer (it is gone, or out of reach): the verdict counts for how long
-            // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
-            if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
-            failing = true;
-          }
-          timespec used{};
-          if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &used) == 0) {
-            cpu_ns->store(static_cast<int64_t>(used.tv_sec) * 1000000000 + used.tv_nsec);
-          }
-          lock.lock();
-          control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
-        }
-        exited->set_value();
-      });
+  auto cpu_ns = heartbeat_cpu_ns_;
+  watcher_ = std::thread([control = watch_control_, heartbeats = heartbeats_, exited, cpu_ns] {
+    std::unique_lock<std::mutex> lock(control->mutex);
+    bool failing = false;
+    while (!control->stop) {
+      lock.unlock();
+      try {
+        heartbeats->round();
+        failing = false;
+      } catch (const std::exception& e) {
+        // The store did not answer (it is gone, or out of reach): the verdict counts for how long
+        // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
+        if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
+        failing = true;
+      }
+      timespec used{};
+      if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &used) == 0) {
+        cpu_ns->store(static_cast<int64_t>(used.tv_sec) * 1000000000 + used.tv_nsec);
+      }
+      lock.lock();
+      control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
+    }
+    exited->set_value();
+  });
 }
 
 void RecoveryCore::finish() {
