@@ -43,7 +43,7 @@ run_side() {  # side log
   [ "$side" = in-place ] || job+=(--checkpoint-dir "$dir" --checkpoint-every "$ckpt_every")
   case $side in
     in-place) cmd=("$dtrain" run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- "${job[@]}") ;;
-    restart) cmd=("$dtrain" run --nproc-per-node 3 --max-restarts 1 -- "${job[@]}") ;;
+    restart) cmd=("$dtrain" run --nproc-per-node 3 --recovery restart --max-restarts 1 -- "${job[@]}") ;;
     torchrun) cmd=("$torchrun" --standalone --nproc-per-node 3 --max-restarts 1 --monitor-interval 0.5
                    --no-python "${job[@]}") ;;
   esac
