@@ -136,6 +136,9 @@ enum class Launch {
   kNewcomer,        // ...and the test starts a replacement with DTRAIN_RECOVERY_JOIN=1
   kUnderDtrainRun,  // `dtrain run --recovery in-place`, which restarts rank 2 alone as a newcomer
   kRankZeroUnderDtrainRun,  // the same with rank 0 killed: the launcher hosts the store
+  // Two agents of an elastic c10d rendezvous, --recovery in-place: 2 + 1 workers, rank 2 (on node
+  // 1, whichever agent joined first) is restarted alone by its node's launcher.
+  kUnderElasticDtrainRun,
 };
 
 std::string launch_script(const std::string& dir, Launch launch) {
@@ -146,6 +149,16 @@ std::string launch_script(const std::string& dir, Launch launch) {
   if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     return bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
            worker + flags;
+  }
+  if (launch == Launch::kUnderElasticDtrainRun) {
+    const std::string agent = bin("dtrain") +
+                              " run --nnodes 2:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
+                              std::to_string(free_port()) +
+                              " --rdzv-conf last_call_timeout=1 --recovery in-place "
+                              "--max-restarts 1 --nproc-per-node ";
+    return "bash -c '" + agent + "2 -- " + worker + flags + " > " + dir + "/agent0 2>&1 & a=$!; " +
+           agent + "1 -- " + worker + flags + " > " + dir + "/agent1 2>&1; b=$?; wait $a; " +
+           "echo agents=$?,$b; cat " + dir + "/agent0 " + dir + "/agent1'";
   }
   std::string env = "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                     std::to_string(free_port()) + " DTRAIN_RECOVERY=in-place ";
@@ -176,6 +189,10 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   ASSERT_EQ(result.exit_code, 0);
   if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     EXPECT_NE(result.output.find("restarting it alone as a newcomer"), std::string::npos);
+  } else if (launch == Launch::kUnderElasticDtrainRun) {
+    EXPECT_NE(result.output.find("agents=0,0"), std::string::npos);
+    EXPECT_NE(result.output.find("rank 2/3 (local rank "), std::string::npos);  // on node 1
+    EXPECT_NE(result.output.find("restarting it alone as a newcomer"), std::string::npos);
   } else {
     EXPECT_NE(result.output.find("victim=137"), std::string::npos);  // killed by SIGKILL
     EXPECT_NE(result.output.find("rank0=0"), std::string::npos);
@@ -202,8 +219,8 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                          ::testing::Values(Launch::kSurvivorsOnly, Launch::kNewcomer,
-                                           Launch::kUnderDtrainRun,
-                                           Launch::kRankZeroUnderDtrainRun),
+                                           Launch::kUnderDtrainRun, Launch::kRankZeroUnderDtrainRun,
+                                           Launch::kUnderElasticDtrainRun),
                          [](const auto& info) {
                            switch (info.param) {
                              case Launch::kSurvivorsOnly:
@@ -212,6 +229,8 @@ INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                                return std::string("NewcomerTakesTheDeadRanksPlace");
                              case Launch::kUnderDtrainRun:
                                return std::string("UnderDtrainRunRecoveryInPlace");
+                             case Launch::kUnderElasticDtrainRun:
+                               return std::string("UnderAnElasticRendezvousOfTwoAgents");
                              default:
                                return std::string("RankZeroKilledUnderDtrainRun");
                            }

@@ -5,7 +5,8 @@
 # hold rank 0 (scancel: SIGTERM to its agent, which passes it on and leaves the rendezvous) stops the
 # training at a step both ranks agree on, with a checkpoint; the other agent restarts its worker at size 1
 # from it; a new job on the freed node joins and the training grows back to size 2 the same way. These are
-# elastic restarts from a checkpoint, not in place: dtrain's in-place recovery is for static nodes only.
+# elastic restarts from a checkpoint, not in place: under an elastic rendezvous in-place recovery covers a
+# worker's failure, not a node lost or joining.
 # Every sample of both epochs counts exactly once. Prints the time from scancel to the next step at size 1
 # and from the new node job's start to the first step at size 2.
 # Usage: elastic_nodes_test.sh BUILD_BIN_DIR

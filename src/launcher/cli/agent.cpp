@@ -73,11 +73,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
   std::unique_ptr<AgentRendezvous> rendezvous;
   // --recovery in-place; without it a failure stops the whole group and asks for a new round.
   std::optional<InPlaceRecovery> in_place;
+  // Under an elastic rendezvous, which counts its rounds against --max-restarts job-wide, a worker
+  // restarted alone spends from this node's own budget instead.
+  RestartBudget node_restarts(options.max_restarts);
   if (is_elastic(options)) {
     rendezvous = join_elastic_rendezvous(options);
+    if (recovers_in_place(options)) in_place.emplace(/*auto_port=*/false, node_restarts);
   } else {
     auto fixed = std::make_unique<StaticRendezvous>(options, plan.auto_port);
-    if (recovers_in_place(options)) in_place.emplace(options, plan.auto_port, fixed->restarts());
+    if (recovers_in_place(options)) in_place.emplace(plan.auto_port, fixed->restarts());
     rendezvous = std::move(fixed);
   }
   elastic::WorkerGroup group(worker_group_options(options, plan));

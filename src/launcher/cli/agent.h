@@ -8,8 +8,8 @@
 //   - elastic (c10d, etcd; elastic_rendezvous.h): the agents of every node agree on each round
 //     through a store (Note [Rounds] in launcher/elastic/rendezvous.h).
 // How a failure is recovered from is a policy of the loop (--recovery): the whole group restarts
-// from a new round, or (in-place, static only; in_place_recovery.h) the failed worker restarts
-// alone while the others keep running.
+// from a new round, or (in-place; in_place_recovery.h) the failed worker restarts alone while the
+// others keep running.
 #pragma once
 
 #include <chrono>

@@ -36,18 +36,19 @@ constexpr auto kStoreCallTimeout = std::chrono::seconds(1);
 
 }  // namespace
 
-InPlaceRecovery::InPlaceRecovery(const RunOptions& options, bool auto_port, RestartBudget& restarts)
-    : nnodes_(options.nnodes),
-      node_rank_(options.node_rank),
-      auto_port_(auto_port),
-      restarts_(restarts) {}
+InPlaceRecovery::InPlaceRecovery(bool auto_port, RestartBudget& restarts)
+    : auto_port_(auto_port), restarts_(restarts) {}
 
 void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   round.agent_store = true;
-  if (node_rank_ != 0) return;
-  store_.reset();  // its port is free again for the new one
-  // One node: the loopback address the workers are given; several: every interface, as rank 0's
-  // TCPStore listens.
+  // The round says which node is node 0: under an elastic rendezvous that may change from round to
+  // round, so a store of this node's is dropped whatever this round makes of it (its port is free
+  // again for the new one, and its keys belong to the last round's generations).
+  nnodes_ = round.group_world_size;
+  store_.reset();
+  if (round.group_rank != 0) return;
+  // One node: the address the workers are given (loopback on a static node); several: every
+  // interface, as rank 0's TCPStore listens.
   store_ = std::make_unique<elastic::WorkerStore>(nnodes_ == 1 ? round.master_addr : "",
                                                   auto_port_ ? 0 : round.master_port);
   round.master_port = store_->port();

@@ -1,4 +1,4 @@
-// --recovery in-place, a policy of the agent's loop (agent.h) under the static rendezvous: the
+// --recovery in-place, a policy of the agent's loop (agent.h) under either rendezvous: the
 // survivors carry on, the library (DTRAIN_RECOVERY=in-place, dtrain::ResilientDataParallel)
 // re-forms their group without the dead worker, and the launcher restarts that worker alone as a
 // newcomer (restart_alone()). Node 0's launcher hosts the workers' store (WorkerStore,
@@ -19,12 +19,13 @@ namespace dtrain::cli {
 
 class InPlaceRecovery {
  public:
-  // `auto_port`: the store takes a free port (no --master-port). Restarts of single workers spend
-  // `restarts`, the static rendezvous's budget, which must outlive this object.
-  InPlaceRecovery(const RunOptions& options, bool auto_port, RestartBudget& restarts);
+  // `auto_port`: the store takes a free port (no --master-port, a single static node). Restarts of
+  // single workers spend `restarts`, which must outlive this object: the static rendezvous's
+  // budget, or under an elastic one a budget of this node's own (the rendezvous counts its rounds).
+  InPlaceRecovery(bool auto_port, RestartBudget& restarts);
 
-  // Before the whole group starts: points the workers at the launcher's store, and on node 0 hosts
-  // a fresh one (the last one's keys belong to its generations).
+  // Before the whole group starts in a round: points the workers at the launcher's store, and on
+  // the round's node 0 hosts a fresh one (the last one's keys belong to its generations).
   void prepare(elastic::WorkerGroupRound& round);
 
   // Tells the workers on every host, through their store, that each worker of `ended` has failed
@@ -39,8 +40,7 @@ class InPlaceRecovery {
                      const elastic::WaitResult& failed, int signal_fd);
 
  private:
-  int nnodes_;
-  int node_rank_;
+  int nnodes_ = 1;  // in the current round
   bool auto_port_;
   RestartBudget& restarts_;
   // Node 0's: the workers' store of the current start of the whole group.

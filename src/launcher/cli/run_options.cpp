@@ -195,13 +195,8 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
                                            : "--master-port") +
            ": decided by the rendezvous with " + backend + "; drop it");
     }
-    // The agent restarts every node's workers from a new rendezvous round; admitting one newcomer
-    // into a running round is not written yet.
-    if (recovers_in_place(options)) {
-      fail(
-          "--recovery in-place: static rendezvous only for now; use --recovery restart with "
-          "--rdzv-backend c10d/etcd");
-    }
+    // In place, a worker's failure restarts it alone, but a node lost or joining still makes a new
+    // round of every node's workers, restarted from their checkpoint: restart stays the default.
     if (options.recovery.empty()) options.recovery = "restart";
     if (options.command.empty()) {
       fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
@@ -322,7 +317,8 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --recovery MODE        in-place (the default on static nodes): only the failed worker
                          restarts and joins the survivors, who go on from the state they hold
                          (programs using dtrain::ResilientDataParallel; the workers of others
-                         restart together); restart (the default with c10d/etcd): a failure
+                         restart together); restart (the default with c10d/etcd, where a
+                         node lost or joining restarts every worker even in place): a failure
                          restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
@@ -365,12 +361,12 @@ TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_E
 OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
 DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
 alone, which joins the running workers as a newcomer and takes its state from a live peer.
-TORCHELASTIC_USE_AGENT_STORE=True on static nodes, as in torchrun: node 0's launcher hosts the
-workers' store, so that it outlives every worker. Differences: TORCHELASTIC_USE_AGENT_STORE=False
-(no store in the launcher: rank 0 hosts it; torchrun's agent hosts one and says True) with
---recovery restart and with c10d/etcd; MASTER_ADDR is an address (127.0.0.1 on one node) where
-torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
-TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
+TORCHELASTIC_USE_AGENT_STORE=True under --recovery in-place, as in torchrun: node 0's launcher
+hosts the workers' store, so that it outlives every worker. Differences:
+TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it; torchrun's agent
+hosts one and says True) under --recovery restart, the default with c10d/etcd; MASTER_ADDR is an
+address (127.0.0.1 on one node) where torchrun may give a host name (localhost); no
+TORCHELASTIC_TIMER_FILE (torchrun's TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
 Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run; one that
 --recovery in-place could not replace, the others going on without it, does not count); the first

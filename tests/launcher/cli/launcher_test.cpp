@@ -486,10 +486,6 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"run", "--max-restarts", "x", "/bin/true"}, "dtrain run: --max-restarts"},
         BadRun{{"run", "--recovery", "sometimes", "/bin/true"},
                "dtrain run: --recovery: expected one of restart, in-place, got 'sometimes'"},
-        BadRun{{"run", "--recovery", "in-place", "--nnodes", "1:2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", "127.0.0.1:29400", "/bin/true"},
-               "dtrain run: --recovery in-place: static rendezvous only for now; use --recovery "
-               "restart with --rdzv-backend c10d/etcd"},
         BadRun{{"run", "--grace-period", "-1", "/bin/true"}, "dtrain run: --grace-period"},
         BadRun{{"run", "--nproc-per-node", "2"}, "dtrain run: no program given"},
         BadRun{{"run", "dtrain-no-such-program"},

@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "launcher/elastic/worker_store.h"
 #include "launcher_fixture.h"
 #include "test_support.h"
 
@@ -160,6 +161,40 @@ TEST_F(RecoveryTest, WorkersThatFormNoInPlaceGroupRestartTogether) {
     std::map<std::string, std::string> second = env_of(rank, 1);
     EXPECT_EQ(second["TORCHELASTIC_RESTART_COUNT"], "1");
     EXPECT_EQ(second.count("DTRAIN_RECOVERY_JOIN"), 0u);
+  }
+}
+
+// On a node other than 0 the store is node 0's launcher's, so this node's launcher asks it
+// (check_in_worker_store) whether the workers formed an in-place group. The test hosts that store
+// as node 0's launcher would, and runs node 1 alone, in place by default: first with workers that
+// do not recover in place, whose failure restarts the node's group (it must not restart one alone:
+// a program's survivors that do not recover in place fail too); then with workers that wrote the
+// group's key, one of which is restarted alone.
+TEST_F(RecoveryTest, OnAnotherNodeTheLauncherAsksNodeZerosStoreWhetherToRestartOneAlone) {
+  for (const bool in_place_group : {false, true}) {
+    SCOPED_TRACE(in_place_group ? "an in-place group" : "no in-place group");
+    dtrain::elastic::WorkerStore node_zeros("127.0.0.1", 0);
+    const std::string script =
+        "if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $LOCAL_RANK = 1 ]; then exit 3; fi; exit 0";
+    RunResult run = dtrain(concat(
+        {"run", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-port",
+         std::to_string(node_zeros.port()), "--max-restarts", "1", "--grace-period", "2", "--"},
+        sh(in_place_group ? recorded(script) : recorded_only(script))));
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+    EXPECT_EQ(run.err.find("could not"), std::string::npos) << run.err;
+    if (in_place_group) {
+      EXPECT_NE(run.err.find("rank 3/4 (local rank 1, pid " + std::to_string(pid_in("pid.3.0")) +
+                             ") exited with code 3 on attempt 0; restarting it alone"),
+                std::string::npos)
+          << run.err;
+      EXPECT_EQ(env_of(3, 1)["DTRAIN_RECOVERY_JOIN"], "1");
+    } else {
+      EXPECT_NE(run.err.find("dtrain run: the workers formed no in-place group"), std::string::npos)
+          << run.err;
+      EXPECT_EQ(run.err.find("restarting it alone"), std::string::npos) << run.err;
+      EXPECT_EQ(env_of(3, 1).count("DTRAIN_RECOVERY_JOIN"), 0u);
+      EXPECT_EQ(env_of(2, 1)["TORCHELASTIC_RESTART_COUNT"], "1");  // the whole node's group
+    }
   }
 }
 

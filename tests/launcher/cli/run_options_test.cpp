@@ -32,9 +32,9 @@ TEST(RunOptions, DefaultsMatchTorchrun) {
   EXPECT_EQ(options.command, Args({"./train"}));
 }
 
-// In place wherever it is available (issue 21): the default on static nodes, also several of
-// them; restart under an elastic rendezvous, which cannot admit a newcomer into a running round.
-TEST(RunOptions, RecoveryIsInPlaceByDefaultOnStaticNodesOnly) {
+// In place by default on static nodes (issue 21), also several of them; restart by default under
+// an elastic rendezvous, where a node lost or joining restarts every worker anyway.
+TEST(RunOptions, RecoveryIsInPlaceByDefaultOnStaticNodes) {
   EXPECT_TRUE(recovers_in_place(parse_run_options({"./train"})));
   EXPECT_TRUE(
       recovers_in_place(parse_run_options({"--nnodes", "2", "--node-rank", "1", "--master-addr",
@@ -44,6 +44,10 @@ TEST(RunOptions, RecoveryIsInPlaceByDefaultOnStaticNodesOnly) {
   EXPECT_FALSE(recovers_in_place(parse_run_options({"--recovery", "restart", "./train"})));
   EXPECT_FALSE(recovers_in_place(parse_run_options(
       {"--nnodes=1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0", "./train"})));
+  // In place there when asked for: a worker's failure is recovered in place.
+  EXPECT_TRUE(recovers_in_place(
+      parse_run_options({"--nnodes=1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "node0",
+                         "--recovery", "in-place", "./train"})));
 }
 
 TEST(RunOptions, AcceptsSpaceEqualsAndUnderscoreSpellings) {
@@ -174,8 +178,6 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--bogus", "p"}, "unknown flag '--bogus'"},
         BadInput{{"--recovery", "sometimes", "p"},
                  "--recovery: expected one of restart, in-place, got 'sometimes'"},
-        BadInput{{"--recovery", "in-place", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e", "p"},
-                 "--recovery in-place: static rendezvous only for now; use --recovery restart"},
         BadInput{{"-x", "p"}, "unknown flag '-x'"},
         BadInput{{"--nproc-per-node"}, "--nproc-per-node: missing value"},
         BadInput{{"--nproc-per-node", "--nnodes", "2", "p"}, "--nproc-per-node: missing value"},

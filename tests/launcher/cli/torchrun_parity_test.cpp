@@ -100,7 +100,7 @@ const std::map<std::string, IntendedDifference> kIntendedDifferences = {
 
 // Under an elastic rendezvous (c10d, etcd) only: torchrun's agent hosts the workers' TCPStore at
 // MASTER_ADDR:MASTER_PORT and says True, so every rank connects as a client; dtrain's launcher
-// hosts one on static nodes alone (for in-place recovery, which is static only), and False tells
+// hosts one there only for --recovery in-place (not the default there), and False tells
 // init_process_group that rank 0 hosts it.
 const std::map<std::string, IntendedDifference> kElasticDifferences = {
     {"TORCHELASTIC_USE_AGENT_STORE", {IntendedDifference::Kind::kDtrainValue, "False"}},
