@@ -118,7 +118,9 @@ launch() {  # launcher log [rdzv-conf]: one agent in the background; its pid in 
   if [ "$launcher" = torchrun ]; then
     BENCH_ELASTIC_TAG=$tag "$torchrun" "${flags[@]}" --no-python "${cmd[@]}" > >(stamp > "$log") 2>&1 &
   else
-    BENCH_ELASTIC_TAG=$tag "$dtrain" run "${flags[@]}" -- "${cmd[@]}" > >(stamp > "$log") 2>&1 &
+    # torchrun's kind of recovery: every worker restarts (in place, dtrain run's default, is
+    # bench/compare_recovery.sh's)
+    BENCH_ELASTIC_TAG=$tag "$dtrain" run "${flags[@]}" --recovery restart -- "${cmd[@]}" > >(stamp > "$log") 2>&1 &
   fi
   launched=$!
 }

@@ -66,7 +66,7 @@ agent_flags() {
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
     echo $((20000 + RANDOM % 20000)))
   echo "--nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:$port --rdzv-id bench" \
-    "--rdzv-conf last_call_timeout=5 --max-restarts 3 ${ELASTIC_FLAGS:-}"
+    "--rdzv-conf last_call_timeout=5 --max-restarts 3 --recovery restart ${ELASTIC_FLAGS:-}"
 }
 
 trainer_once() {  # scenario dir: the same as run_once with the trainer as the worker

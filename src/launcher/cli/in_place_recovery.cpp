@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <thread>
 
 #include "common/process_identity.h"
 #include "launcher/cli/run_command.h"
@@ -33,6 +34,9 @@ constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 // place) costs at most this much when that store is out of reach (the link to node 0 is cut): the
 // survivors then tell a death by its heartbeat.
 constexpr auto kStoreCallTimeout = std::chrono::seconds(1);
+// How long another node's launcher waits for node 0's store to come up (see
+// ask_whether_group_formed): node 0's launcher hosts it as soon as it has its round.
+constexpr auto kStoreStartTimeout = std::chrono::seconds(10);
 
 }  // namespace
 
@@ -76,6 +80,25 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
   }
 }
 
+// Another node than 0 asks node 0's store. One that refuses the connection is not up yet (this
+// node's workers started, and one failed, before node 0's launcher hosted it) or gone with that
+// launcher: no group can have formed around it either way, but the first may answer any moment, so
+// it is asked again for a while. One that does not answer (node 0's host lost, or the link to it
+// cut) leaves this node unable to tell (kNoAnswer): its workers are then taken to have formed the
+// group, so that a minority cut off by a partition rejoins as newcomers once the link returns.
+elastic::KeyCheck InPlaceRecovery::ask_whether_group_formed(
+    const elastic::WorkerGroupRound& round) const {
+  const auto give_up = std::chrono::steady_clock::now() + kStoreStartTimeout;
+  for (;;) {
+    const elastic::KeyCheck answer = elastic::check_in_worker_store(
+        round.master_addr, round.master_port, kInPlaceGroupFormed, kStoreCallTimeout);
+    if (answer != elastic::KeyCheck::kNoStore || std::chrono::steady_clock::now() >= give_up) {
+      return answer;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 // With no restart left for a worker, the survivors of an in-place group go on without it (a
 // smaller job, not a stopped one). The whole group stops instead, as in restart mode, where: a
 // signal came for the launcher; a usage error (exit code 2) cannot be fixed by a restart; the
@@ -93,16 +116,14 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
     return false;  // the static rendezvous says why it does not restart
   }
   const int left = restarts_.left();
-  // Node 0 looks into its own store; another node asks it. When that store does not answer (node
-  // 0 is gone or cut off) this node cannot tell, and goes on as if its workers did form the group.
   bool in_place_group = false;
   bool known = true;
   if (store_ != nullptr) {
     in_place_group = store_->contains(kInPlaceGroupFormed);
   } else {
-    known = elastic::check_in_worker_store(round.master_addr, round.master_port,
-                                           kInPlaceGroupFormed, &in_place_group, kStoreCallTimeout)
-                .empty();
+    const elastic::KeyCheck answer = ask_whether_group_formed(round);
+    in_place_group = answer == elastic::KeyCheck::kPresent;
+    known = answer != elastic::KeyCheck::kNoAnswer;
   }
   if (known && !in_place_group) {
     if (left > 0) {

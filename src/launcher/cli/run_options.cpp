@@ -195,9 +195,6 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
                                            : "--master-port") +
            ": decided by the rendezvous with " + backend + "; drop it");
     }
-    // In place, a worker's failure restarts it alone, but a node lost or joining still makes a new
-    // round of every node's workers, restarted from their checkpoint: restart stays the default.
-    if (options.recovery.empty()) options.recovery = "restart";
     if (options.command.empty()) {
       fail("no program given; expected `dtrain run [flags] [--] program [args...]`");
     }
@@ -208,7 +205,6 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
          std::to_string(options.nnodes) +
          " needs --rdzv-backend c10d or etcd (and --rdzv-endpoint); for a static job give N");
   }
-  if (options.recovery.empty()) options.recovery = "in-place";
   if (!options.rdzv_host.empty()) {
     fail("--rdzv-endpoint: used only with --rdzv-backend c10d or etcd, got it with static");
   }
@@ -307,19 +303,18 @@ Starts --nproc-per-node copies of `program` on this node with the environment to
 workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE,
 ROLE_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, ...), relays their output prefixed with [rank<R>]:,
 stops them all when one fails and restarts them up to --max-restarts times (under --recovery
-in-place, the default on static nodes, only the failed one where the program recovers in place).
+in-place, the default, only the failed one where the program recovers in place).
 A program ending in .py runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
 
 flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
   --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
   --max-restarts K       worker failures the job restarts from (default 0)
-  --recovery MODE        in-place (the default on static nodes): only the failed worker
-                         restarts and joins the survivors, who go on from the state they hold
-                         (programs using dtrain::ResilientDataParallel; the workers of others
-                         restart together); restart (the default with c10d/etcd, where a
-                         node lost or joining restarts every worker even in place): a failure
-                         restarts every worker of the node
+  --recovery MODE        in-place (default): only the failed worker restarts and joins the
+                         survivors, who go on from the state they hold (programs using
+                         dtrain::ResilientDataParallel; the workers of others restart
+                         together; with c10d/etcd a node lost or joining restarts them all);
+                         restart: a failure restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
@@ -361,12 +356,11 @@ TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT, TORCH_NCCL_ASYNC_E
 OMP_NUM_THREADS=1 with several workers (each unless already set). dtrain's own:
 DTRAIN_RECOVERY=restart|in-place (--recovery), and DTRAIN_RECOVERY_JOIN=1 for a worker restarted
 alone, which joins the running workers as a newcomer and takes its state from a live peer.
-TORCHELASTIC_USE_AGENT_STORE=True under --recovery in-place, as in torchrun: node 0's launcher
-hosts the workers' store, so that it outlives every worker. Differences:
-TORCHELASTIC_USE_AGENT_STORE=False (no store in the launcher: rank 0 hosts it; torchrun's agent
-hosts one and says True) under --recovery restart, the default with c10d/etcd; MASTER_ADDR is an
-address (127.0.0.1 on one node) where torchrun may give a host name (localhost); no
-TORCHELASTIC_TIMER_FILE (torchrun's TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
+TORCHELASTIC_USE_AGENT_STORE=True, as in torchrun: node 0's launcher hosts the workers' store, so
+that it outlives every worker. Differences: TORCHELASTIC_USE_AGENT_STORE=False (no store in the
+launcher: rank 0 hosts it) under --recovery restart; MASTER_ADDR is an address (127.0.0.1 on one
+node) where torchrun may give a host name (localhost); no TORCHELASTIC_TIMER_FILE (torchrun's
+TORCHELASTIC_ENABLE_FILE_TIMER=1 watchdog is not implemented).
 
 Exit code: 0 when every worker succeeds (for a worker restarted alone: its last run; one that
 --recovery in-place could not replace, the others going on without it, does not count); the first

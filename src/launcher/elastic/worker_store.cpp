@@ -765,8 +765,9 @@ int ms_left(std::chrono::steady_clock::time_point deadline) {
 }
 
 // Connects a non-blocking socket to one address before the deadline; -1 with *why set otherwise.
+// *refused: the host answered that nothing listens on the port.
 int connect_before(const addrinfo& address, std::chrono::steady_clock::time_point deadline,
-                   std::string* why) {
+                   std::string* why, bool* refused) {
   int fd = socket(address.ai_family, address.ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                   address.ai_protocol);
   if (fd < 0) {
@@ -774,6 +775,7 @@ int connect_before(const addrinfo& address, std::chrono::steady_clock::time_poin
     return -1;
   }
   if (connect(fd, address.ai_addr, address.ai_addrlen) != 0 && errno != EINPROGRESS) {
+    *refused = errno == ECONNREFUSED;
     *why = std::strerror(errno);
     close(fd);
     return -1;
@@ -784,6 +786,7 @@ int connect_before(const addrinfo& address, std::chrono::steady_clock::time_poin
   if (poll(&p, 1, ms_left(deadline)) <= 0) {
     *why = "no connection";
   } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) != 0 || error != 0) {
+    *refused = error == ECONNREFUSED;
     *why = std::strerror(error != 0 ? error : errno);
   } else {
     return fd;
@@ -802,7 +805,8 @@ namespace {
 // open would outlive the store it was made for.
 std::string exchange_with_worker_store(const std::string& host, int port,
                                        const std::string& request, std::size_t reply_size,
-                                       std::string* reply, std::chrono::milliseconds timeout) {
+                                       std::string* reply, std::chrono::milliseconds timeout,
+                                       bool* refused = nullptr) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::string seconds = detail::seconds_text(timeout);
   addrinfo hints{};
@@ -814,11 +818,17 @@ std::string exchange_with_worker_store(const std::string& host, int port,
   }
   std::string why;
   int fd = -1;
+  bool every_address_refused = true;
   for (const addrinfo* entry = found; entry && fd < 0; entry = entry->ai_next) {
-    fd = connect_before(*entry, deadline, &why);
+    bool address_refused = false;
+    fd = connect_before(*entry, deadline, &why, &address_refused);
+    every_address_refused = every_address_refused && address_refused;
   }
   freeaddrinfo(found);
-  if (fd < 0) return why == "no connection" ? "no connection within " + seconds : why;
+  if (fd < 0) {
+    if (refused != nullptr) *refused = every_address_refused;
+    return why == "no connection" ? "no connection within " + seconds : why;
+  }
 
   std::string sent;
   put<uint8_t>(sent, static_cast<uint8_t>(Command::kValidate));
@@ -879,18 +889,24 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
   return echoed == nonce ? "" : "a wrong answer to PING (not a TCPStore?)";
 }
 
-std::string check_in_worker_store(const std::string& host, int port, const std::string& key,
-                                  bool* present, std::chrono::milliseconds timeout) {
+KeyCheck check_in_worker_store(const std::string& host, int port, const std::string& key,
+                               std::chrono::milliseconds timeout, std::string* why) {
   std::string request;
   put<uint8_t>(request, static_cast<uint8_t>(Command::kCheck));
   put<uint64_t>(request, 1);
   put_bytes(request, key);
   std::string answer;
-  const std::string why = exchange_with_worker_store(host, port, request, 1, &answer, timeout);
-  if (!why.empty()) return why;
-  if (answer[0] != 0 && answer[0] != 1) return "a wrong answer to CHECK (not a TCPStore?)";
-  *present = answer[0] == 0;  // READY: every key asked for exists
-  return "";
+  bool refused = false;
+  std::string failed =
+      exchange_with_worker_store(host, port, request, 1, &answer, timeout, &refused);
+  if (failed.empty() && answer[0] != 0 && answer[0] != 1) {
+    failed = "a wrong answer to CHECK (not a TCPStore?)";
+  }
+  if (!failed.empty()) {
+    if (why != nullptr) *why = failed;
+    return refused ? KeyCheck::kNoStore : KeyCheck::kNoAnswer;
+  }
+  return answer[0] == 0 ? KeyCheck::kPresent : KeyCheck::kAbsent;  // 0: READY, the key exists
 }
 
 }  // namespace dtrain::elastic

@@ -60,10 +60,13 @@ class WorkerStore {
 std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
                                 const std::string& value, std::chrono::milliseconds timeout);
 
-// A client's CHECK of one key in the workers' store at host:port, within `timeout`: sets *present
-// and returns "", or returns why it could not ask, as set_in_worker_store does. A launcher on
-// another node than the store's reads through it what node 0's reads with contains(). Never throws.
-std::string check_in_worker_store(const std::string& host, int port, const std::string& key,
-                                  bool* present, std::chrono::milliseconds timeout);
+// A client's CHECK of one key in the workers' store at host:port, within `timeout`. A launcher on
+// another node than the store's reads through it what node 0's reads with contains(). kNoStore:
+// the host refused the connection (nothing listens there: the store is not up yet, or gone);
+// kNoAnswer: no answer in time (a host lost, a link cut) or not a TCPStore's; for both, *why (when
+// given) says what happened. Never throws.
+enum class KeyCheck { kPresent, kAbsent, kNoStore, kNoAnswer };
+KeyCheck check_in_worker_store(const std::string& host, int port, const std::string& key,
+                               std::chrono::milliseconds timeout, std::string* why = nullptr);
 
 }  // namespace dtrain::elastic

@@ -77,7 +77,7 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"].size(), 36u) << env["TORCHELASTIC_RUN_ID"];
     if (local_rank == 0) run_id = env["TORCHELASTIC_RUN_ID"];
     EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], run_id);
-    // In place by default on static nodes: the launcher hosts the store, as torchrun's agent does.
+    // In place by default: the launcher hosts the store, as torchrun's agent does.
     EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "True");
     EXPECT_EQ(env["TORCHELASTIC_SIGNALS_TO_HANDLE"], "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
     EXPECT_TRUE(env["TORCHELASTIC_ERROR_FILE"].ends_with("/attempt_0/" + rank + "/error.json"))
@@ -128,7 +128,7 @@ TEST_F(LauncherTest, SecondNodeGetsItsGlobalRanks) {
 }
 
 // --recovery restart: torchrun's whole-group restart, rank 0 hosting the store (the launcher hosts
-// none). Elastic rendezvous restart so by default (run_options_test.cpp).
+// none).
 TEST_F(LauncherTest, RecoveryRestartLeavesTheStoreToRankZero) {
   RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--recovery", "restart", "--"},
                                 sh("env > \"$1/env.$LOCAL_RANK\"")));
@@ -535,7 +535,7 @@ TEST_F(LauncherTest, HelpPrintsUsageAndExitsZero) {
     RunResult run = dtrain(args);
     EXPECT_EQ(run.exit_code, 0);
     EXPECT_NE(run.out.find("usage: dtrain run"), std::string::npos) << run.out;
-    EXPECT_NE(run.out.find("  --recovery MODE        in-place (the default on static nodes)"),
+    EXPECT_NE(run.out.find("  --recovery MODE        in-place (default): only the failed worker"),
               std::string::npos)
         << run.out;
     EXPECT_NE(run.out.find("DTRAIN_RECOVERY_JOIN=1"), std::string::npos) << run.out;

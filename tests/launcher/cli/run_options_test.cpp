@@ -32,22 +32,19 @@ TEST(RunOptions, DefaultsMatchTorchrun) {
   EXPECT_EQ(options.command, Args({"./train"}));
 }
 
-// In place by default on static nodes (issue 21), also several of them; restart by default under
-// an elastic rendezvous, where a node lost or joining restarts every worker anyway.
-TEST(RunOptions, RecoveryIsInPlaceByDefaultOnStaticNodes) {
+// In place by default (issue 21), on one node or several, under either rendezvous.
+TEST(RunOptions, RecoveryIsInPlaceByDefault) {
   EXPECT_TRUE(recovers_in_place(parse_run_options({"./train"})));
   EXPECT_TRUE(
       recovers_in_place(parse_run_options({"--nnodes", "2", "--node-rank", "1", "--master-addr",
                                            "10.0.0.1", "--master-port", "29500", "./train"})));
-  EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery", "in-place", "./train"})));
+  EXPECT_TRUE(recovers_in_place(parse_run_options(
+      {"--nnodes=1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "node0", "./train"})));
   EXPECT_TRUE(recovers_in_place(parse_run_options({"--recovery=in-place", "./train"})));
   EXPECT_FALSE(recovers_in_place(parse_run_options({"--recovery", "restart", "./train"})));
-  EXPECT_FALSE(recovers_in_place(parse_run_options(
-      {"--nnodes=1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0", "./train"})));
-  // In place there when asked for: a worker's failure is recovered in place.
-  EXPECT_TRUE(recovers_in_place(
-      parse_run_options({"--nnodes=1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "node0",
-                         "--recovery", "in-place", "./train"})));
+  EXPECT_FALSE(recovers_in_place(
+      parse_run_options({"--nnodes=1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0",
+                         "--recovery", "restart", "./train"})));
 }
 
 TEST(RunOptions, AcceptsSpaceEqualsAndUnderscoreSpellings) {

@@ -98,14 +98,6 @@ const std::map<std::string, IntendedDifference> kIntendedDifferences = {
     {"TORCHELASTIC_TIMER_FILE", {IntendedDifference::Kind::kNotSet, nullptr}},
 };
 
-// Under an elastic rendezvous (c10d, etcd) only: torchrun's agent hosts the workers' TCPStore at
-// MASTER_ADDR:MASTER_PORT and says True, so every rank connects as a client; dtrain's launcher
-// hosts one there only for --recovery in-place (not the default there), and False tells
-// init_process_group that rank 0 hosts it.
-const std::map<std::string, IntendedDifference> kElasticDifferences = {
-    {"TORCHELASTIC_USE_AGENT_STORE", {IntendedDifference::Kind::kDtrainValue, "False"}},
-};
-
 bool is_uuid4(const std::string& text) {
   if (text.size() != 36 || text[14] != '4') return false;
   for (std::size_t i = 0; i < text.size(); ++i) {
@@ -242,9 +234,9 @@ class TorchrunParityTest : public testing::Test {
       const Env& theirs = torchrun[local_rank].set;
       const Env& ours = dtrain[local_rank].set;
       for (const auto& [name, value] : theirs) {
-        auto intended = differences_.find(name);
+        auto intended = kIntendedDifferences.find(name);
         auto found = ours.find(name);
-        if (intended != differences_.end() &&
+        if (intended != kIntendedDifferences.end() &&
             intended->second.kind == IntendedDifference::Kind::kNotSet) {
           EXPECT_EQ(found, ours.end()) << name << " is listed as not set by dtrain, but it is";
           continue;
@@ -256,7 +248,7 @@ class TorchrunParityTest : public testing::Test {
           continue;
         }
         const std::string& mine = found->second;
-        if (intended != differences_.end()) {
+        if (intended != kIntendedDifferences.end()) {
           if (intended->second.kind == IntendedDifference::Kind::kDtrainValue) {
             EXPECT_EQ(mine, intended->second.dtrain_value)
                 << name << " (torchrun: " << value << ")";
@@ -303,7 +295,7 @@ class TorchrunParityTest : public testing::Test {
       }
       for (const auto& [name, value] : ours) {
         if (theirs.count(name) != 0 || name.starts_with("DTRAIN_")) continue;
-        EXPECT_TRUE(differences_.count(name) != 0)
+        EXPECT_TRUE(kIntendedDifferences.count(name) != 0)
             << "dtrain run sets " << name << "=" << value
             << ", torchrun does not; drop it or list it in kIntendedDifferences with the reason";
       }
@@ -318,8 +310,6 @@ class TorchrunParityTest : public testing::Test {
     }
   }
 
-  // kIntendedDifferences, and a test's own (kElasticDifferences).
-  std::map<std::string, IntendedDifference> differences_ = kIntendedDifferences;
   TempDir dir_;
   std::string python_;
   EnvChanges unset_;
@@ -369,7 +359,6 @@ TEST_F(TorchrunParityTest, ElasticRangeOverC10d) {
   };
   auto theirs = launch("torchrun", torchrun(flags(dtrain::elastic::pick_free_port())));
   auto ours = launch("dtrain", dtrain(flags(dtrain::elastic::pick_free_port())));
-  differences_.insert(kElasticDifferences.begin(), kElasticDifferences.end());
   compare_all(theirs, ours);
 }
 
