@@ -85,14 +85,16 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
 // launcher: no group can have formed around it either way, but the first may answer any moment, so
 // it is asked again for a while. One that does not answer (node 0's host lost, or the link to it
 // cut) leaves this node unable to tell (kNoAnswer): its workers are then taken to have formed the
-// group, so that a minority cut off by a partition rejoins as newcomers once the link returns.
-elastic::KeyCheck InPlaceRecovery::ask_whether_group_formed(
-    const elastic::WorkerGroupRound& round) const {
+// group, so that a minority cut off by a partition rejoins as newcomers once the link returns. A
+// signal for the launcher (`signal_fd` readable) ends the asking at once.
+elastic::KeyCheck InPlaceRecovery::ask_whether_group_formed(const elastic::WorkerGroupRound& round,
+                                                            int signal_fd) const {
   const auto give_up = std::chrono::steady_clock::now() + kStoreStartTimeout;
   for (;;) {
     const elastic::KeyCheck answer = elastic::check_in_worker_store(
         round.master_addr, round.master_port, kInPlaceGroupFormed, kStoreCallTimeout);
-    if (answer != elastic::KeyCheck::kNoStore || std::chrono::steady_clock::now() >= give_up) {
+    if (answer != elastic::KeyCheck::kNoStore || std::chrono::steady_clock::now() >= give_up ||
+        readable(signal_fd)) {
       return answer;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -121,7 +123,7 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
   if (store_ != nullptr) {
     in_place_group = store_->contains(kInPlaceGroupFormed);
   } else {
-    const elastic::KeyCheck answer = ask_whether_group_formed(round);
+    const elastic::KeyCheck answer = ask_whether_group_formed(round, signal_fd);
     in_place_group = answer == elastic::KeyCheck::kPresent;
     known = answer != elastic::KeyCheck::kNoAnswer;
   }

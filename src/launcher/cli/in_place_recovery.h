@@ -40,7 +40,8 @@ class InPlaceRecovery {
                      const elastic::WaitResult& failed, int signal_fd);
 
  private:
-  elastic::KeyCheck ask_whether_group_formed(const elastic::WorkerGroupRound& round) const;
+  elastic::KeyCheck ask_whether_group_formed(const elastic::WorkerGroupRound& round,
+                                             int signal_fd) const;
 
   int nnodes_ = 1;  // in the current round
   bool auto_port_;

@@ -206,6 +206,9 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
   }
 
   RunOptions run_options;
+  // A measurement recovers nothing: the plain DDP step, without the in-place path's admission
+  // all-reduce in its bytes.
+  run_options.recovery = "restart";
   run_options.nproc_per_node = session.slurm ? 1 : workers;
   run_options.log_dir = dir;
   run_options.grace_period_s = options.grace_period_s;
