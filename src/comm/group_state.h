@@ -66,6 +66,11 @@ struct GroupState {
   // member that died before it came. Unset (the default), a wait is one call. Set before the
   // group's first operation; called on the waiting thread: it must be cheap and never block.
   std::function<std::string()> abandon_check;
+  // A collective that fails without the transport naming a dead peer first waits three of the
+  // peers' progress posts (0.3 s, ProgressTracker::describe_missing) so that its message can say
+  // who never arrived. In-place recovery turns it off for its generations: it re-forms the group at
+  // once, and its own line says what failed.
+  bool wait_for_peer_posts = true;
   // The first failure; later calls fail fast with it instead of hanging on a broken transport.
   std::mutex failure_mutex;
   std::string failure;

@@ -196,8 +196,8 @@ class ShmMessageInFlight : public InFlight {
   } else {
     // A peer the transport saw exit needs no waiting for the others' posts: it is the cause.
     const bool dead_peer_known = failure.kind == Kind::kPeerLost && failure.late_rank >= 0;
-    std::string missing =
-        group.progress->describe_missing(work.seq, group.global_ranks, !dead_peer_known);
+    std::string missing = group.progress->describe_missing(
+        work.seq, group.global_ranks, !dead_peer_known && group.wait_for_peer_posts);
     if (failure.late_rank >= 0 && missing.rfind("every rank reached it", 0) == 0) {
       // Queued asynchronous operations: every rank issued it, but rank `late_rank` never got to run
       // it.

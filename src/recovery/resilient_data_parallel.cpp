@@ -245,6 +245,8 @@ void RecoveryCore::connect(int64_t generation) {
   state->abandon_check = [heartbeats = heartbeats_, generation] {
     return heartbeats->verdict(generation);
   };
+  // A failure re-forms the group at once: no pause for a fuller message (GroupState).
+  state->wait_for_peer_posts = false;
   group_ = GroupInternals::group(connect_group(std::move(state)));
 }
 
