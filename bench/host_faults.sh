@@ -84,11 +84,7 @@ made=$( (for host_ns in "${ns[@]}"; do ip netns add "$host_ns" || exit 1; done
   { echo "$me: cannot make three namespace hosts (the kernel or the container refused): $made" >&2; exit 2; }
 
 # on HOST COMMAND...: runs COMMAND on host 0, 1 or 2, with that host's hostname.
-on() {
-  local host=$1
-  shift
-  ip netns exec "${ns[host]}" unshare --uts sh -c 'hostname "$0" && exec "$@"' "fault-host$host" "$@"
-}
+on() { in_host "${ns[$1]}" "fault-host$1" "${@:2}"; }
 stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 # Ends a run: every process of every host, and host 2's link back up for the next.
 kill_hosts() {

@@ -54,3 +54,12 @@ find_peers() {
   done
   echo "$repo/../shared/peers"
 }
+
+# in_host NAMESPACE HOSTNAME COMMAND...: runs COMMAND in a network namespace as a host of that name (a
+# UTS namespace of its own), for the benches that build hosts out of namespaces (two_hosts.sh,
+# host_faults.sh).
+in_host() {
+  local where=$1 name=$2
+  shift 2
+  ip netns exec "$where" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$name" "$@"
+}

@@ -54,11 +54,7 @@ made=$( (ip netns add $ns0 && ip netns add $ns1 &&
   { echo "$me: cannot make two namespace hosts (the kernel or the container refused): $made" >&2; exit 2; }
 
 # on HOST COMMAND...: runs COMMAND on host 0 or 1, with that host's hostname.
-on() {
-  local host=$1
-  shift
-  ip netns exec "${ns[host]}" unshare --uts sh -c 'hostname "$0" && exec "$@"' "bench-host$host" "$@"
-}
+on() { in_host "${ns[$1]}" "bench-host$1" "${@:2}"; }
 # cap_links RATE|off: tbf on both ends of the link (a burst of 1 MB: at least rate / HZ for 1 Gbit/s).
 cap_links() {
   for host_ns in "${ns[@]}"; do
