@@ -113,7 +113,7 @@ class RecoveryCore {
   int64_t checked_at_step_ = -1;    // the last step count whose admission check ran
   SamplerState committed_;          // the sampler at the last committed step
   ReadinessCost readiness_;         // the admission checks' part; the heartbeats' is below
-  // The heartbeat thread's CPU time, which it adds after every round.
+  // The heartbeat thread's CPU time so far, which it writes after every round.
   std::shared_ptr<std::atomic<int64_t>> heartbeat_cpu_ns_ =
       std::make_shared<std::atomic<int64_t>>(0);
   std::vector<std::thread> releases_;

@@ -1,11 +1,11 @@
 // In-place recovery (dtrain/recovery.h) with real processes: three workers of
 // tests/workers/recovery_worker.cpp train DDP; one kills itself (SIGKILL) after a step; the
-// survivors go on without a restart; in the second and third tests a newcomer then takes its place
-// (started by the test, or by `dtrain run --recovery in-place`) and receives the state from a live
-// peer. Each test replays the committed global batches the workers
-// recorded in one process, from the same initial model, and requires the same parameters (relative
-// error < 1e-4), and requires every sample of every epoch to be used exactly once (plus the
-// sampler's padding at an epoch's end), and every process's own count of committed steps, which
+// survivors go on without a restart; in the later tests a newcomer then takes its place (started by
+// the test, or by `dtrain run --recovery in-place`, static or the agents of an elastic rendezvous)
+// and receives the state from a live peer. Each test replays the committed global batches the
+// workers recorded in one process, from the same initial model, and requires the same parameters
+// (relative error < 1e-4), and requires every sample of every epoch to be used exactly once (plus
+// the sampler's padding at an epoch's end), and every process's own count of committed steps, which
 // travels with the model (RecoveryOptions::state), to equal the job's.
 #include "dtrain/recovery.h"
 

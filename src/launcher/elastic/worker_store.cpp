@@ -795,10 +795,6 @@ int connect_before(const addrinfo& address, std::chrono::steady_clock::time_poin
   return -1;
 }
 
-}  // namespace
-
-namespace {
-
 // One client's requests to the workers' store at host:port: VALIDATE, then `request`, then reads
 // `reply_size` bytes of answer into *reply, within `timeout` all told. Returns "" when it has them,
 // else why not. One connection per call: these are rare (a worker's exit), and a connection kept
