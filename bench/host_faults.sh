@@ -49,6 +49,17 @@ timeout_s=${DTRAIN_TIMEOUT_S:-20}
 check_count $me "DTRAIN_TIMEOUT_S" "$timeout_s"
 # After a host loss torchrun's workers learn of it from their collective's timeout; then they restart.
 loss_watch_s=$((timeout_s + 15))
+for var in FAULT_AT:$fault_at CKPT_EVERY:$ckpt_every CUT_S:$cut_s WATCH_S:$watch_s; do
+  check_count $me "${var%%:*}" "${var#*:}"
+done
+for side in ${SIDES:-}; do
+  [[ $side =~ ^(in-place|restart|torchrun)$ ]] ||
+    { echo "$me: SIDES: '$side': expected in-place, restart or torchrun" >&2; exit 2; }
+done
+for fault in ${FAULTS:-}; do
+  [[ $fault =~ ^(host-loss|link-cut)$ ]] ||
+    { echo "$me: FAULTS: '$fault': expected host-loss or link-cut" >&2; exit 2; }
+done
 for f in "$dtrain" "$trainer" "$torchrun"; do
   [ -x "$f" ] || { echo "$me: $f is not an executable (set BUILD or TORCHRUN)" >&2; exit 2; }
 done

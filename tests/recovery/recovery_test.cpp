@@ -116,6 +116,12 @@ void expect_exactly_once(const std::map<int64_t, Step>& steps) {
                             << " of the last epoch's recorded";
 }
 
+// The committed steps are numbered 1, 2, ... without a gap.
+void expect_no_step_missing(const std::map<int64_t, Step>& steps) {
+  int64_t last = 0;
+  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+}
+
 // Every process that finished counted, in its RecoveryOptions::state tensor, as many committed
 // steps as the job did: a newcomer's count arrived with the model.
 void expect_counts_travelled(const std::string& dir, int processes) {
@@ -209,8 +215,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   EXPECT_EQ(steps.begin()->second.world, 3);
   EXPECT_EQ(steps.at(6).world, 2);  // the step after the kill, redone without rank 2
   expect_exactly_once(steps);
-  int64_t last = 0;
-  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  expect_no_step_missing(steps);
 
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, newcomer ? 3 : 2);
@@ -291,8 +296,7 @@ TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
   EXPECT_EQ(steps.at(6).world, 2);  // the failed step, redone once, at 2 ranks
   EXPECT_EQ(steps.rbegin()->second.world, 2);
   expect_exactly_once(steps);
-  int64_t last = 0;
-  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  expect_no_step_missing(steps);
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, 2);
   fs::remove_all(dir);
@@ -345,8 +349,7 @@ TEST_P(InPlaceRecoveryTransfer, AFailureMidTransferLeavesTheJobGoingOnAtTwoRanks
   EXPECT_EQ(steps.begin()->second.world, 3);
   EXPECT_EQ(steps.rbegin()->second.world, 2);
   expect_exactly_once(steps);
-  int64_t last = 0;
-  for (const auto& [number, step] : steps) EXPECT_EQ(number, ++last) << "a step is missing";
+  expect_no_step_missing(steps);
   expect_final_equals_replay(dir, steps);
   // The two that finished: the survivor and the newcomer, whose count came with the state, or the
   // two survivors.

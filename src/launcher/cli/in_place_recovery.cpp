@@ -48,13 +48,12 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   // The round says which node is node 0: under an elastic rendezvous that may change from round to
   // round, so a store of this node's is dropped whatever this round makes of it (its port is free
   // again for the new one, and its keys belong to the last round's generations).
-  nnodes_ = round.group_world_size;
   store_.reset();
   if (round.group_rank != 0) return;
   // One node: the address the workers are given (loopback on a static node); several: every
   // interface, as rank 0's TCPStore listens.
-  store_ = std::make_unique<elastic::WorkerStore>(nnodes_ == 1 ? round.master_addr : "",
-                                                  auto_port_ ? 0 : round.master_port);
+  store_ = std::make_unique<elastic::WorkerStore>(
+      round.group_world_size == 1 ? round.master_addr : "", auto_port_ ? 0 : round.master_port);
   round.master_port = store_->port();
 }
 
@@ -141,7 +140,7 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
   const bool stopped = std::any_of(failures.begin(), failures.end(), [](const WorkerExit& failure) {
     return failure.signal == 0 && failure.exit_code == 128 + SIGTERM;
   });
-  if (in_place_group && (stopped || (nnodes_ == 1 && group.running() == 0))) {
+  if (in_place_group && (stopped || (round.group_world_size == 1 && group.running() == 0))) {
     if (left > 0) {
       say(stopped ? "a worker stopped on SIGTERM (exit code 143) with its peers: restarting the "
                     "whole group from the last checkpoint"

@@ -43,7 +43,6 @@ class InPlaceRecovery {
   elastic::KeyCheck ask_whether_group_formed(const elastic::WorkerGroupRound& round,
                                              int signal_fd) const;
 
-  int nnodes_ = 1;  // in the current round
   bool auto_port_;
   RestartBudget& restarts_;
   // Node 0's: the workers' store of the current start of the whole group.
