@@ -145,13 +145,22 @@ enum class Launch {
   // Two agents of an elastic c10d rendezvous, --recovery in-place: 2 + 1 workers, rank 2 (on node
   // 1, whichever agent joined first) is restarted alone by its node's launcher.
   kUnderElasticDtrainRun,
+  // Note [Rounds in place]: two agents of 2 workers each, --nnodes 1:2; rank 3 kills its agent and
+  // so the whole of node 1 (ranks 2 and 3). The survivors go on in the same round; a third agent
+  // started afterwards is admitted into it, into the lost node's ranks, and its workers join as
+  // newcomers: the job ends at full size without any worker restarted.
+  kElasticNodeLostAndReplaced,
 };
 
 std::string launch_script(const std::string& dir, Launch launch) {
   const std::string worker = bin("recovery_worker") + " " + dir;
-  const std::string victim = launch == Launch::kRankZeroUnderDtrainRun ? "0" : "2";
-  const std::string flags = " --kill-rank " + victim + " --kill-after 5" +
-                            (launch == Launch::kSurvivorsOnly ? "" : " --slow-until-admitted");
+  const std::string victim = launch == Launch::kRankZeroUnderDtrainRun       ? "0"
+                             : launch == Launch::kElasticNodeLostAndReplaced ? "3"
+                                                                             : "2";
+  const std::string flags =
+      " --kill-rank " + victim + " --kill-after 5" +
+      (launch == Launch::kSurvivorsOnly ? "" : " --slow-until-admitted") +
+      (launch == Launch::kElasticNodeLostAndReplaced ? " --kill-launcher-too" : "");
   if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     return bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
            worker + flags;
@@ -165,6 +174,22 @@ std::string launch_script(const std::string& dir, Launch launch) {
     return "bash -c '" + agent + "2 -- " + worker + flags + " > " + dir + "/agent0 2>&1 & a=$!; " +
            agent + "1 -- " + worker + flags + " > " + dir + "/agent1 2>&1; b=$?; wait $a; " +
            "echo agents=$?,$b; cat " + dir + "/agent0 " + dir + "/agent1'";
+  }
+  if (launch == Launch::kElasticNodeLostAndReplaced) {
+    // MAX 2, so the third agent waits until node 1 is found lost (a heartbeat timeout of 1.5 s)
+    // and then takes its place; the first round closes as soon as both first agents are there.
+    const std::string agent =
+        bin("dtrain") + " run --nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
+        std::to_string(free_port()) +
+        " --rdzv-conf last_call_timeout=30,keep_alive_interval=0.5 --recovery in-place "
+        "--nproc-per-node 2 -- " +
+        worker + flags;
+    // Node 1 is whichever agent did not host the rendezvous store (it takes node rank 0): the
+    // first agent to end is the one killed.
+    return "bash -c '" + agent + " > " + dir + "/agent0 2>&1 & a=$!; " + agent + " > " + dir +
+           "/agent1 2>&1 & b=$!; wait -n -p lost $a $b; echo node_lost=$?; " + agent + " > " + dir +
+           "/agent2 2>&1; c=$?; if [ $lost = $a ]; then wait $b; else wait $a; fi; " +
+           "echo agents=$?,$c; cat " + dir + "/agent0 " + dir + "/agent1 " + dir + "/agent2'";
   }
   std::string env = "WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                     std::to_string(free_port()) + " DTRAIN_RECOVERY=in-place ";
@@ -195,6 +220,13 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   ASSERT_EQ(result.exit_code, 0);
   if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     EXPECT_NE(result.output.find("restarting it alone as a newcomer"), std::string::npos);
+  } else if (launch == Launch::kElasticNodeLostAndReplaced) {
+    EXPECT_NE(result.output.find("node_lost=137"), std::string::npos);  // its agent was killed
+    EXPECT_NE(result.output.find("agents=0,0"), std::string::npos);
+    EXPECT_NE(result.output.find("goes on in place with 1 node(s)"), std::string::npos);
+    EXPECT_NE(result.output.find("joins the running round in place as node rank 1 (ranks 2..3)"),
+              std::string::npos);
+    EXPECT_EQ(result.output.find("new round"), std::string::npos) << "a worker was restarted";
   } else if (launch == Launch::kUnderElasticDtrainRun) {
     EXPECT_NE(result.output.find("agents=0,0"), std::string::npos);
     EXPECT_NE(result.output.find("rank 2/3 (local rank "), std::string::npos);  // on node 1
@@ -205,27 +237,31 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
     EXPECT_NE(result.output.find("rank1=0"), std::string::npos);
     if (newcomer) EXPECT_NE(result.output.find("newcomer=0"), std::string::npos);
   }
+  // The node case loses and admits two workers; every other case one.
+  const int lost = launch == Launch::kElasticNodeLostAndReplaced ? 2 : 1;
+  const int full = launch == Launch::kElasticNodeLostAndReplaced ? 4 : 3;
   EXPECT_EQ(json_int(result.output, "recoveries"), 1);
   EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
-  EXPECT_EQ(json_int(result.output, "admitted"), newcomer ? 1 : 0);
-  EXPECT_EQ(json_int(result.output, "world_size"), newcomer ? 3 : 2);
+  EXPECT_EQ(json_int(result.output, "admitted"), newcomer ? lost : 0);
+  EXPECT_EQ(json_int(result.output, "world_size"), newcomer ? full : full - lost);
 
   auto steps = read_steps(dir);
   ASSERT_FALSE(steps.empty());
-  EXPECT_EQ(steps.begin()->second.world, 3);
-  EXPECT_EQ(steps.at(6).world, 2);  // the step after the kill, redone without rank 2
+  EXPECT_EQ(steps.begin()->second.world, full);
+  EXPECT_EQ(steps.at(6).world, full - lost);  // the step after the kill, redone without them
   expect_exactly_once(steps);
   expect_no_step_missing(steps);
 
   expect_final_equals_replay(dir, steps);
-  expect_counts_travelled(dir, newcomer ? 3 : 2);
+  expect_counts_travelled(dir, newcomer ? full : full - lost);
   fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                          ::testing::Values(Launch::kSurvivorsOnly, Launch::kNewcomer,
                                            Launch::kUnderDtrainRun, Launch::kRankZeroUnderDtrainRun,
-                                           Launch::kUnderElasticDtrainRun),
+                                           Launch::kUnderElasticDtrainRun,
+                                           Launch::kElasticNodeLostAndReplaced),
                          [](const auto& info) {
                            switch (info.param) {
                              case Launch::kSurvivorsOnly:
@@ -236,6 +272,8 @@ INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                                return std::string("UnderDtrainRunRecoveryInPlace");
                              case Launch::kUnderElasticDtrainRun:
                                return std::string("UnderAnElasticRendezvousOfTwoAgents");
+                             case Launch::kElasticNodeLostAndReplaced:
+                               return std::string("ElasticNodeLostAndAnotherAdmittedInPlace");
                              default:
                                return std::string("RankZeroKilledUnderDtrainRun");
                            }

@@ -4,9 +4,10 @@
 # trainer, joining one etcd rendezvous (etcd on the head node). Cancelling the job of the node that does not
 # hold rank 0 (scancel: SIGTERM to its agent, which passes it on and leaves the rendezvous) stops the
 # training at a step both ranks agree on, with a checkpoint; the other agent restarts its worker at size 1
-# from it; a new job on the freed node joins and the training grows back to size 2 the same way. These are
-# elastic restarts from a checkpoint, not in place: under an elastic rendezvous in-place recovery covers a
-# worker's failure, not a node lost or joining.
+# from it (a node that leaves on SIGTERM makes a new round: its peers stopped with it and saved). A new job on
+# the freed node joins and the training grows back to size 2 in place (Note [Rounds in place]): the running
+# round admits the node, its worker joins as a newcomer and takes the state from a live peer, and the staying
+# worker never stops.
 # Every sample of both epochs counts exactly once. Prints the time from scancel to the next step at size 1
 # and from the new node job's start to the first step at size 2.
 # Usage: elastic_nodes_test.sh BUILD_BIN_DIR
@@ -50,10 +51,12 @@ grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$n
 
 # Regrow: a new node job on node 1 joins.
 c=$(submit "$node" "$work/c.out") || fail "sbatch: $c"
-read -r grown s2 < <(wait_restart_step "$out" 2 60) || exit 1
-grep -q "waiting to join: the job grows" "$out" || fail "the staying agent did not see $node join"
-grep -q "round 2: node rank 0 of 2, WORLD_SIZE 2" "$out" || fail "no round 2 at WORLD_SIZE 2"
-grep -q "round 2: node rank 1 of 2" "$work/c.out" || fail "the new node job did not join round 2"
+read -r grown s2 < <(wait_grown_in_place "$out" 60) || exit 1
+grep -q "joins the running round in place as node rank 1 (ranks 1..1)" "$out" ||
+  fail "the staying agent did not admit $node in place"
+grep -q "admitted into the running round 1 in place" "$work/c.out" ||
+  fail "the new node job was not admitted in place: $(grep -v 'step [0-9]* loss' "$work/c.out" | tail -n 5)"
+grep -q "round 2:" "$out" && fail "a new round instead of in place: $(grep 'round' "$out")"
 c_started=$(grep -o "^node job $c on $node at [0-9.]*" "$work/c.out" | grep -o "[0-9.]*$")
 
 state=$(wait_job_end "$stay" 120)

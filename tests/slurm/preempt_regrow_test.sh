@@ -101,7 +101,8 @@ wait_line "$work/high.out" "^high ends at " 30
 step_at_high_end=$(last_step)
 high_end=$(grep -o "^high ends at [0-9.]*" "$work/high.out" | grep -o "[0-9.]*$")
 # While the high job ran: the training at size 1, on, not yet grown.
-grep -q "round 2:" "$out" && fail "the training grew back while the high job ran: $(grep 'round' "$out")"
+grep -qE "round 2:|joins the running round in place" "$out" &&
+  fail "the training grew back while the high job ran: $(grep -E 'round' "$out")"
 # (Now: slurmctld forgets a job MinJobAge after its end: 600 s on the tests' cluster.)
 [[ "$(wait_job_end "$high" 30)" == "JobState=COMPLETED "* ]] || fail "the high-priority job $high did not complete"
 ((step_at_high_end >= step_at_high_start + 10)) ||
@@ -126,15 +127,17 @@ signalled=$(signal_time "$cluster/slurmd-$node.log" "$leave")
 # The worker goes on as soon as the requeued job's script starts, before its agent joins.
 wait_line "$leave_out" "^node job $leave on $node at [0-9.]*, SLURM_RESTART_COUNT=1" 120
 resume
-read -r grown s2 < <(wait_restart_step "$out" 2 300) || exit 1
-grep -q "waiting to join: the job grows" "$out" || fail "the staying agent did not see $node join"
-grep -q "round 2: node rank 0 of 2, WORLD_SIZE 2" "$out" || fail "no round 2 at WORLD_SIZE 2"
+read -r grown s2 < <(wait_grown_in_place "$out" 300) || exit 1
+grep -q "joins the running round in place as node rank 1 (ranks 1..1)" "$out" ||
+  fail "the staying agent did not admit $node in place"
+grep -q "round 2:" "$out" && fail "a new round instead of in place: $(grep 'round' "$out")"
 requeued=$(grep -o "^node job $leave on $node at [0-9.]*, SLURM_RESTART_COUNT=1" "$leave_out" |
   grep -o "at [0-9.]*" | grep -o "[0-9.]*$")
 [ -n "$requeued" ] || fail "no second start of node job $leave: $(grep '^node job' "$leave_out")"
 python3 -c "import sys; sys.exit(0 if $high_end < $requeued < $grown else 1)" ||
   fail "expected: the high job ended ($high_end), the requeued job started ($requeued), the training grew ($grown)"
-grep -q "round 2: node rank 1 of 2" "$leave_out" || fail "the requeued node job did not join round 2"
+grep -q "admitted into the running round 1 in place" "$leave_out" ||
+  fail "the requeued node job was not admitted in place"
 
 state=$(wait_job_end "$stay" 300)
 [[ $state == "JobState=COMPLETED "* ]] || fail "node job $stay ended as '$state': $(tail -n 5 "$out")"

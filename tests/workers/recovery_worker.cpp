@@ -5,11 +5,15 @@
 // also counts the steps it committed in a tensor of its own that travels with the model
 // (RecoveryOptions::state) and writes it beside the job's count to <out>/counted-<pid>.txt at the
 // end: a newcomer's must come out as the job's.
-//   recovery_worker OUT [--kill-rank R --kill-after S]... [--slow-until-admitted] [--step-ms MS]
-//                   [--settle-ms MS] [--lost-after-ms MS]
+//   recovery_worker OUT [--kill-rank R --kill-after S]... [--kill-launcher-too]
+//                   [--slow-until-admitted] [--step-ms MS] [--settle-ms MS] [--lost-after-ms MS]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
-// newcomer; the pair may be given several times (failures in a row). --slow-until-admitted: 100 ms
-// per step until a newcomer has been admitted (so one has time to start), bounded by the epochs.
+// newcomer; the pair may be given several times (failures in a row). --kill-launcher-too: it kills
+// its parent first, the `dtrain run` agent, whose other workers die with it (PR_SET_PDEATHSIG): the
+// whole node is lost, as when its host is. It first waits (up to 10 s) until every rank has
+// recorded step S, so that the replay holds the step its node-mates committed just before they
+// died. --slow-until-admitted: 100 ms per step until a newcomer has been admitted (so one has time
+// to start), bounded by the epochs.
 // --step-ms: MS ms more per step, so that a fault from outside
 // (tests/recovery/host_faults_test.cpp) lands mid-training. --settle-ms, --lost-after-ms:
 // RecoveryOptions::settle and lost_after, so that a test can tell a wait for them from none.
@@ -18,6 +22,7 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -33,12 +38,26 @@ namespace {
 
 using namespace recovery_model;
 
+// Whether `world` lines for `step` are in OUT's steps files, one per rank.
+bool everyone_recorded(const std::string& out, int64_t step, int world) {
+  int lines = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(out)) {
+    if (entry.path().filename().string().rfind("steps-", 0) != 0) continue;
+    std::ifstream in(entry.path());
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind(std::to_string(step) + " ", 0) == 0) ++lines;
+    }
+  }
+  return lines >= world;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2)
     throw dtrain::UsageError("usage: recovery_worker OUT [--kill-rank R --kill-after S]");
   const std::string out = argv[1];
   std::vector<std::pair<int, int64_t>> kills;  // (job rank, after step)
   bool slow = false;
+  bool kill_launcher = false;
   int step_ms = 0;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
@@ -48,6 +67,7 @@ int run(int argc, char** argv) {
       kills.back().second = std::atoll(argv[++i]);
     }
     if (arg == "--slow-until-admitted") slow = true;
+    if (arg == "--kill-launcher-too") kill_launcher = true;
     if (arg == "--step-ms" && i + 1 < argc) step_ms = std::atoi(argv[++i]);
     if (arg == "--settle-ms" && i + 1 < argc) {
       options.settle = std::chrono::milliseconds(std::atoll(argv[++i]));
@@ -92,7 +112,15 @@ int run(int argc, char** argv) {
       for (size_t i : used) steps << " " << i;
       steps << std::endl;  // flushed: the line must survive a SIGKILL right after
       for (const auto& [rank, after] : kills) {
-        if (job_rank == rank && stats.steps == after && !newcomer) std::raise(SIGKILL);
+        if (job_rank == rank && stats.steps == after && !newcomer) {
+          if (kill_launcher) {
+            for (int i = 0; i < 200 && !everyone_recorded(out, after, rdp.group()->size()); ++i) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            }
+            ::kill(::getppid(), SIGKILL);
+          }
+          std::raise(SIGKILL);
+        }
       }
       if (slow && stats.admitted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));

@@ -108,6 +108,8 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
     if (!round) return exit_code;
     if (in_place) in_place->prepare(*round);
     group.start(*round);
+    // Node 0 tells the rendezvous once the workers recover in place (Note [Rounds in place]).
+    bool told_in_place = false;
 
     for (bool round_running = true; round_running;) {
       WaitResult result = group.wait(waker.fd());
@@ -127,8 +129,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       }
 
       if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
+        if (in_place && !told_in_place && in_place->group_formed()) {
+          rendezvous->workers_recover_in_place();
+          told_in_place = true;
+        }
         Verdict verdict = rendezvous->check();
-        if (verdict.kind == Verdict::Kind::kKeepRunning) continue;
+        if (verdict.kind == Verdict::Kind::kKeepRunning) {
+          if (!verdict.message.empty()) say(verdict.message);
+          continue;
+        }
         Clock::time_point stop_start = Clock::now();
         const int running = group.running();
         group.stop(signals.fd());

@@ -43,6 +43,9 @@ class AgentRendezvous {
   // workers and calls next_round()); or the end of the job (the loop stops the workers, calls
   // leave_ended_job() and exits with code 1).
   virtual elastic::Verdict check() { return {}; }
+  // Node 0's launcher saw this round's workers form an in-place group: from now on a node lost or
+  // joining may change the running round instead of restarting every worker (elastic only).
+  virtual void workers_recover_in_place() {}
 
   // A local worker failed, `root` first, and this node's workers are stopped: a new round, or the
   // end of the job (the loop calls leave_ended_job() and exits with the worker's code).

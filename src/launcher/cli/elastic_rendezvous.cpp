@@ -164,6 +164,8 @@ Verdict as_line(Verdict verdict) {
     verdict.message = "new round: " + verdict.message;
   } else if (verdict.kind == Verdict::Kind::kShutdown) {
     verdict.message = "the job ends: " + verdict.message;
+  } else if (!verdict.message.empty()) {
+    verdict.message = "in place: " + verdict.message;
   }
   return verdict;
 }
@@ -179,6 +181,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     self.addr = elastic::local_address_towards(options.rdzv_host, options.rdzv_port);
     if (self.addr.empty()) self.addr = self.host;
     self.nproc = options.nproc_per_node;
+    self.hosts_rendezvous = server_ != nullptr;
 
     elastic::RendezvousSettings settings;
     settings.job_id = options.run_id;
@@ -240,6 +243,12 @@ class ElasticRendezvous final : public AgentRendezvous {
     workers.master_addr = round->master_addr;
     workers.master_port = round->master_port;
     workers.restart_count = round->round;
+    workers.join_running = round->join_running;
+    if (round->join_running) {
+      say("admitted into the running round " + std::to_string(round->round) +
+          " in place: this node's workers join as newcomers and take their state from a live "
+          "peer");
+    }
     return workers;
   }
 
@@ -269,6 +278,15 @@ class ElasticRendezvous final : public AgentRendezvous {
       return {Verdict::Kind::kShutdown, store_lost(options_, error)};
     }
     return as_line(verdict);
+  }
+
+  void workers_recover_in_place() override {
+    try {
+      rendezvous_->mark_in_place();
+    } catch (const std::exception&) {
+      // The next look at the state (check()) meets the same trouble and says so. Meanwhile a
+      // change of nodes restarts the workers, as it would without in place.
+    }
   }
 
   Verdict report_failure(const elastic::WorkerExit& root) override {

@@ -57,6 +57,10 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   round.master_port = store_->port();
 }
 
+bool InPlaceRecovery::group_formed() const {
+  return store_ != nullptr && store_->contains(kInPlaceGroupFormed);
+}
+
 // The notice of a death (Note [Heartbeats], src/recovery/membership.h): a survivor on another host
 // cannot check the dead worker's pid, and would otherwise wait for it min(settle, lost_after),
 // about 2 s, before going on without it. The key names the process as its membership record does:

@@ -28,6 +28,10 @@ class InPlaceRecovery {
   // the round's node 0 hosts a fresh one (the last one's keys belong to its generations).
   void prepare(elastic::WorkerGroupRound& round);
 
+  // On node 0: whether this round's workers have formed their in-place group (they use
+  // dtrain::ResilientDataParallel). Elsewhere false: only node 0 holds the store.
+  bool group_formed() const;
+
   // Tells the workers on every host, through their store, that each worker of `ended` has failed
   // and is dead. A store out of reach costs at most one second, and one line.
   void announce_exits(const elastic::WorkerGroupRound& round,

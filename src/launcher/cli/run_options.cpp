@@ -313,7 +313,8 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --recovery MODE        in-place (default): only the failed worker restarts and joins the
                          survivors, who go on from the state they hold (programs using
                          dtrain::ResilientDataParallel; the workers of others restart
-                         together; with c10d/etcd a node lost or joining restarts them all);
+                         together); with c10d/etcd a node lost or joining changes the
+                         running round in place too (not node 0's loss, nor a SIGTERM);
                          restart: a failure restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)

@@ -1,5 +1,5 @@
 // The elastic rendezvous over a RendezvousBackend (see rendezvous.h and Note [Rounds] there). One
-// state machine, kept in one file (a little over 600 lines) so that it reads top to bottom against
+// state machine, kept in one file (about 750 lines) so that it reads top to bottom against
 // the note.
 #include "launcher/elastic/rendezvous.h"
 
@@ -45,9 +45,14 @@ std::string NodeInfo::describe() const { return "host " + host + " (node " + id 
 std::string RendezvousState::to_json() const {
   json nodes_json = json::object();
   for (const auto& [id, node] : nodes) {
-    nodes_json[id] = {
-        {"host", node.host}, {"addr", node.addr}, {"port", node.port}, {"nproc", node.nproc}};
+    nodes_json[id] = {{"host", node.host},
+                      {"addr", node.addr},
+                      {"port", node.port},
+                      {"nproc", node.nproc},
+                      {"hosts_rendezvous", node.hosts_rendezvous}};
   }
+  json slots_json = json::object();
+  for (const auto& [id, slot] : slots) slots_json[id] = {slot.node_rank, slot.first_rank};
   json out = {{"round", round},
               {"complete", complete},
               {"participants", participants},
@@ -57,6 +62,10 @@ std::string RendezvousState::to_json() const {
               {"leaving", leaving},
               {"nodes", nodes_json},
               {"keep_alive", keep_alive},
+              {"slots", slots_json},
+              {"in_place", in_place},
+              {"joined_running", joined_running},
+              {"changes_in_place", changes_in_place},
               {"last_call_deadline_ms", last_call_deadline_ms},
               {"failures", failures},
               {"last_failure_ms", last_failure_ms},
@@ -83,9 +92,16 @@ RendezvousState RendezvousState::from_json(const std::string& text) {
       info.addr = node.at("addr").get<std::string>();
       info.port = node.at("port").get<int>();
       info.nproc = node.at("nproc").get<int>();
+      info.hosts_rendezvous = node.at("hosts_rendezvous").get<bool>();
       state.nodes[id] = info;
     }
     state.keep_alive = in.at("keep_alive").get<std::map<std::string, uint64_t>>();
+    for (const auto& [id, slot] : in.at("slots").items()) {
+      state.slots[id] = Slot{slot.at(0).get<int>(), slot.at(1).get<int>()};
+    }
+    state.in_place = in.at("in_place").get<bool>();
+    state.joined_running = in.at("joined_running").get<std::vector<std::string>>();
+    state.changes_in_place = in.at("changes_in_place").get<std::vector<std::string>>();
     state.last_call_deadline_ms = in.at("last_call_deadline_ms").get<int64_t>();
     state.failures = in.at("failures").get<int>();
     state.last_failure_ms = in.at("last_failure_ms").get<int64_t>();
@@ -236,17 +252,27 @@ bool Rendezvous::sweep(RendezvousState& state) {
   }
   if (lost.empty()) return false;
 
-  bool running_participant_lost = false;
-  bool member_lost = false;  // of the running round, or expected back in the open one
+  bool running_participant_lost = false;  // one whose loss ends the running round
+  bool lost_in_place = false;             // Note [Rounds in place]
+  bool member_lost = false;               // of the running round, or expected back in the open one
   std::string names;
   for (const std::string& id : lost) {
-    if (state.complete && contains(state.participants, id)) running_participant_lost = true;
+    if (state.complete && contains(state.participants, id)) {
+      auto slot = state.slots.find(id);
+      if (state.in_place && slot != state.slots.end() && slot->second.node_rank != 0) {
+        lost_in_place = true;
+      } else {
+        running_participant_lost = true;
+      }
+    }
     if (contains(state.participants, id) || contains(state.expected, id)) member_lost = true;
     names += (names.empty() ? "" : ", ") + describe_node(state, id);
     erase(state.participants, id);
     erase(state.waiting, id);
     erase(state.expected, id);
     erase(state.leaving, id);
+    erase(state.joined_running, id);
+    state.slots.erase(id);
     state.keep_alive.erase(id);
     state.nodes.erase(id);
     seen_.erase(id);
@@ -269,6 +295,18 @@ bool Rendezvous::sweep(RendezvousState& state) {
                        " had already finished";
     } else {
       open_round(state, what, what);
+    }
+  } else if (lost_in_place && state.shutdown.empty()) {
+    const int left = static_cast<int>(state.participants.size());
+    if (left < settings_.min_nodes) {
+      state.shutdown =
+          what + "; " + std::to_string(left) + " node(s) left, fewer than the minimum of " +
+          std::to_string(settings_.min_nodes) + " (--nnodes " +
+          std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes) + ")";
+    } else {
+      state.changes_in_place.push_back(what + "; the running round goes on in place with " +
+                                       std::to_string(left) +
+                                       " node(s), whose workers carry on without the lost ones");
     }
   }
   return true;
@@ -298,6 +336,10 @@ void Rendezvous::open_round(RendezvousState& state, const std::string& reason,
   state.finished.clear();
   state.last_call_deadline_ms = 0;
   state.reason = reason;
+  state.slots.clear();
+  state.in_place = false;
+  state.joined_running.clear();
+  state.changes_in_place.clear();
 }
 
 bool Rendezvous::try_close(RendezvousState& state) {
@@ -312,17 +354,26 @@ bool Rendezvous::try_close(RendezvousState& state) {
                               [&](const auto& id) { return contains(state.participants, id); });
   bool window_over = state.last_call_deadline_ms != 0 && wall_ms() >= state.last_call_deadline_ms;
   if (joined >= settings_.max_nodes || all_back || window_over) {
-    // Survivors keep their relative order (rank 0 stays rank 0 when it survives), newcomers follow.
+    // Survivors keep their relative order (rank 0 stays rank 0 when it survives), newcomers follow,
+    // the c10d store's host first among them (NodeInfo::hosts_rendezvous).
     auto position = [&](const std::string& id) {
       auto found = std::find(state.expected.begin(), state.expected.end(), id);
-      return found - state.expected.begin();
+      const auto at = 2 * (found - state.expected.begin());
+      return state.nodes.at(id).hosts_rendezvous ? at : at + 1;
     };
     std::stable_sort(state.participants.begin(), state.participants.end(),
                      [&](const auto& a, const auto& b) { return position(a) < position(b); });
     state.complete = true;
     state.expected.clear();
     state.last_call_deadline_ms = 0;
-    for (const std::string& id : state.participants) erase(state.waiting, id);
+    state.slots.clear();
+    int first_rank = 0;
+    for (std::size_t rank = 0; rank < state.participants.size(); ++rank) {
+      const std::string& id = state.participants[rank];
+      state.slots[id] = Slot{static_cast<int>(rank), first_rank};
+      first_rank += state.nodes.at(id).nproc;
+      erase(state.waiting, id);
+    }
     return true;
   }
   if (state.last_call_deadline_ms == 0) {
@@ -332,23 +383,70 @@ bool Rendezvous::try_close(RendezvousState& state) {
   return false;
 }
 
+// The sizes are those of the rank spaces (Note [Rounds in place]): where a lost node's slot is
+// still free, WORLD_SIZE counts its ranks though no worker holds them.
 RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
   RoundAssignment out;
   out.round = state.round;
-  out.group_world_size = static_cast<int>(state.participants.size());
+  out.group_world_size = 0;
   out.world_size = 0;
-  for (std::size_t rank = 0; rank < state.participants.size(); ++rank) {
-    const NodeInfo& node = state.nodes.at(state.participants[rank]);
-    if (node.id == self_.id) {
-      out.group_rank = static_cast<int>(rank);
-      out.base_rank = out.world_size;
+  for (const std::string& id : state.participants) {
+    const NodeInfo& node = state.nodes.at(id);
+    const Slot& slot = state.slots.at(id);
+    if (id == self_.id) {
+      out.group_rank = slot.node_rank;
+      out.base_rank = slot.first_rank;
     }
-    out.world_size += node.nproc;
+    out.group_world_size = std::max(out.group_world_size, slot.node_rank + 1);
+    out.world_size = std::max(out.world_size, slot.first_rank + node.nproc);
     out.nodes.push_back(node);
   }
   out.master_addr = out.nodes.front().addr;
   out.master_port = out.nodes.front().port;
+  out.join_running = contains(state.joined_running, self_.id);
   return out;
+}
+
+void Rendezvous::admit_in_place(RendezvousState& state) {
+  if (!state.in_place || !state.complete || !state.finished.empty() || !state.shutdown.empty()) {
+    return;
+  }
+  while (!state.waiting.empty() &&
+         static_cast<int>(state.participants.size()) < settings_.max_nodes) {
+    const std::string id = state.waiting.front();
+    erase(state.waiting, id);
+    const int nproc = state.nodes.at(id).nproc;
+    Slot slot;
+    auto node_rank_taken = [&](int rank) {
+      return std::any_of(state.slots.begin(), state.slots.end(),
+                         [&](const auto& entry) { return entry.second.node_rank == rank; });
+    };
+    while (node_rank_taken(slot.node_rank)) ++slot.node_rank;
+    // The lowest block of nproc global ranks that no participant holds: a lost node's ranks are
+    // given again, so that the job keeps its size.
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (const auto& [other, taken] : state.slots) {
+        const int end = taken.first_rank + state.nodes.at(other).nproc;
+        if (slot.first_rank < end && taken.first_rank < slot.first_rank + nproc) {
+          slot.first_rank = end;
+          moved = true;
+        }
+      }
+    }
+    state.slots[id] = slot;
+    state.participants.push_back(id);
+    std::stable_sort(state.participants.begin(), state.participants.end(),
+                     [&](const auto& a, const auto& b) {
+                       return state.slots.at(a).node_rank < state.slots.at(b).node_rank;
+                     });
+    state.joined_running.push_back(id);
+    state.changes_in_place.push_back(
+        describe_node(state, id) + " joins the running round in place as node rank " +
+        std::to_string(slot.node_rank) + " (ranks " + std::to_string(slot.first_rank) + ".." +
+        std::to_string(slot.first_rank + nproc - 1) +
+        "): its workers start as newcomers that the others admit");
+  }
 }
 
 // Note [Reusing a run id]: an etcd key outlives the job that wrote it (a c10d store dies with its
@@ -395,7 +493,7 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
         changed |= sweep(s);
         if (!s.shutdown.empty()) return true;
         bool joined = contains(s.participants, self_.id);
-        if (s.complete && joined && s.round <= round_) {
+        if (s.complete && joined && s.round <= round_ && !contains(s.joined_running, self_.id)) {
           // This node still counts as a participant of the round it ran: it never left it (it
           // should not happen, but a new round is the safe way back).
           open_round(s, self_.describe() + " rejoins", "");
@@ -420,15 +518,24 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
           s.waiting.push_back(self_.id);
           changed = true;
         }
-        if (!s.complete) changed |= try_close(s);
+        if (!s.complete) {
+          changed |= try_close(s);
+        } else if (s.in_place && contains(s.waiting, self_.id)) {
+          // Note [Rounds in place]: no need to wait for a running agent's next look.
+          const std::size_t before = s.changes_in_place.size();
+          admit_in_place(s);
+          changed |= s.changes_in_place.size() != before;
+        }
         return changed;
       });
     }
     if (!state.shutdown.empty() && state.nodes.count(self_.id) > 0) {
       throw PeerLostError("dtrain run: " + state.shutdown);
     }
-    if (state.complete && contains(state.participants, self_.id) && state.round > round_) {
+    if (state.complete && contains(state.participants, self_.id) &&
+        (state.round > round_ || contains(state.joined_running, self_.id))) {
       round_ = state.round;
+      changes_seen_ = state.changes_in_place.size();
       return assignment(state);
     }
     if (now() >= deadline) {
@@ -463,8 +570,13 @@ Verdict Rendezvous::check() {
     state = update([&](RendezvousState& s) {
       if (!s.shutdown.empty()) return false;
       bool changed = sweep(s);
-      if (s.shutdown.empty() && s.round == round_ && s.complete && !s.waiting.empty() &&
-          static_cast<int>(s.participants.size()) < settings_.max_nodes && s.finished.empty()) {
+      if (s.in_place && s.round == round_) {
+        const std::size_t before = s.changes_in_place.size();
+        admit_in_place(s);
+        changed |= s.changes_in_place.size() != before;
+      } else if (s.shutdown.empty() && s.round == round_ && s.complete && !s.waiting.empty() &&
+                 static_cast<int>(s.participants.size()) < settings_.max_nodes &&
+                 s.finished.empty()) {
         std::string names;
         for (const std::string& id : s.waiting) {
           names += (names.empty() ? "" : ", ") + describe_node(s, id);
@@ -481,7 +593,24 @@ Verdict Rendezvous::check() {
     return {Verdict::Kind::kNewRound,
             self_.describe() + " was dropped from the round (its heartbeat was missed)"};
   }
+  if (state.changes_in_place.size() > changes_seen_) {
+    std::string changes;
+    for (std::size_t i = changes_seen_; i < state.changes_in_place.size(); ++i) {
+      changes += (changes.empty() ? "" : "; then ") + state.changes_in_place[i];
+    }
+    changes_seen_ = state.changes_in_place.size();
+    return {Verdict::Kind::kKeepRunning, changes};
+  }
   return {};
+}
+
+void Rendezvous::mark_in_place() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  update([&](RendezvousState& s) {
+    if (s.in_place || !s.complete || s.round != round_ || !s.shutdown.empty()) return false;
+    s.in_place = true;
+    return true;
+  });
 }
 
 Verdict Rendezvous::report_failure(const std::string& what) {
@@ -611,6 +740,8 @@ void Rendezvous::leave(const std::string& why) {
     changed |= erase(s.participants, self_.id);
     changed |= erase(s.waiting, self_.id);
     changed |= erase(s.expected, self_.id);
+    changed |= erase(s.joined_running, self_.id);
+    changed |= s.slots.erase(self_.id) > 0;
     changed |= s.keep_alive.erase(self_.id) > 0;
     if (s.complete && was_participant && s.round == round_ && s.shutdown.empty() &&
         s.finished.empty()) {

@@ -12,7 +12,7 @@
 //   - A round closes when MAX nodes have joined, when every node expected back from the previous
 //     round (its survivors and the waiting list) has rejoined, or when MIN have joined and the
 //     last-call window after the MIN-th join has passed. Ranks: survivors keep their order,
-//     newcomers follow.
+//     newcomers follow; the node that hosts the c10d store comes first among newcomers.
 //   - Any agent opens the next round (round + 1, empty participants, `expected` = who should come
 //     back) when: one of its workers failed; it noticed a dead participant; a node waits and the
 //     job is below MAX (growth); it leaves (SIGTERM). The other agents notice the new round number
@@ -22,9 +22,27 @@
 //     counter unchanged for keep_alive_interval * keep_alive_max_attempt means that node is dead;
 //     the first observer to see it removes it (and opens a new round if it was a participant of a
 //     running one, or ends the job if fewer than MIN nodes remain).
+//   - In place (Note [Rounds in place]): a round whose workers recover in place is changed without
+//     a new round when a node other than node 0 is lost, or a waiting node is admitted.
 //   - Only the last-call deadline uses wall-clock time from another machine (as PyTorch does); skew
 //     only lengthens or shortens that window.
 //   - The time is read through RendezvousSettings::clock (Note [The rendezvous clock]).
+//
+// Note [Rounds in place]
+//   Under `--recovery in-place` the workers of a round re-form their own group when some of them
+//   die, and admit newcomers who take their state from a live peer (dtrain/recovery.h). Restarting
+//   every worker for a change of nodes would throw that away, so once node 0's agent has seen the
+//   round's workers form such a group (mark_in_place()), the round itself changes instead:
+//   - A lost participant other than node 0 is removed from the running round; its workers are gone
+//     with it and the survivors' group carries on without them. Node 0 hosts the workers' store,
+//     and without it nobody can go on: its loss still opens a new round.
+//   - A waiting node, while the job is below MAX, is admitted into the running round: it takes the
+//     lowest free node rank and the lowest free block of global ranks (a lost node's, when its
+//     nproc fits), and its workers start as newcomers (RoundAssignment::join_running) that the
+//     others admit at their next step boundary.
+//   Each participant keeps its slot (node rank, first global rank) for the whole round, so that the
+//     ranks of running workers never move. Every other change (a worker failure the agents cannot
+//     repair alone, a node leaving on SIGTERM, node 0 lost) opens a new round, as without in place.
 #pragma once
 
 #include <atomic>
@@ -84,6 +102,10 @@ struct NodeInfo {
   std::string addr;  // address the other nodes reach this node at (MASTER_ADDR when it is rank 0)
   int port = 0;      // free port picked at join time (MASTER_PORT when it is rank 0)
   int nproc = 1;     // local workers
+  // Its agent hosts the rendezvous's c10d store: it takes node rank 0 in the first round, so that
+  // under --recovery in-place the job has one node it cannot lose (that store and the workers'
+  // are on the same node) instead of two.
+  bool hosts_rendezvous = false;
 
   std::string describe() const;  // "node <id> (host <host>)"
 };
@@ -98,6 +120,9 @@ struct RoundAssignment {
   std::string master_addr;   // rank 0's node
   int master_port = 0;
   std::vector<NodeInfo> nodes;  // in rank order
+  // Admitted into a round that was already running (Note [Rounds in place]): the workers start as
+  // newcomers and join the others' group.
+  bool join_running = false;
 };
 
 // What the agent should do, from check().
@@ -108,7 +133,15 @@ struct Verdict {
     kShutdown,     // the job is over (message says why); stop the workers and exit non-zero
   };
   Kind kind = Kind::kKeepRunning;
+  // Why; with kKeepRunning empty, or what changed in the running round (Note [Rounds in place]).
   std::string message;
+};
+
+// Where a participant's workers sit in a complete round: set when the round closes, or when the
+// node is admitted into it in place, and kept until the next round.
+struct Slot {
+  int node_rank = 0;   // GROUP_RANK
+  int first_rank = 0;  // RANK of its local rank 0
 };
 
 // The rendezvous state (public for tests and for the etcd helper's tests).
@@ -122,6 +155,12 @@ struct RendezvousState {
   std::vector<std::string> leaving;       // participants stopping their workers to leave (SIGTERM)
   std::map<std::string, NodeInfo> nodes;  // every participant and waiting node
   std::map<std::string, uint64_t> keep_alive;
+  std::map<std::string, Slot> slots;  // complete round: every participant's
+  // Note [Rounds in place]: the running round's workers recover in place; who was admitted into it
+  // while it ran; what changed in it in place, in order (each agent says what it has not yet).
+  bool in_place = false;
+  std::vector<std::string> joined_running;
+  std::vector<std::string> changes_in_place;
   int64_t last_call_deadline_ms = 0;  // wall clock (ms since the epoch); 0: not started
   int failures = 0;                   // worker failures so far (against --max-restarts)
   int64_t last_failure_ms = 0;        // wall clock of the last counted failure (for refunds)
@@ -182,6 +221,10 @@ class Rendezvous {
   // are its doing and do not count against --max-restarts.
   void announce_leaving();
 
+  // Node 0's agent saw this round's workers form an in-place group: from now on a node lost or
+  // joining changes the round in place (Note [Rounds in place]). Idempotent.
+  void mark_in_place();
+
   // Leaves the job (SIGTERM): removed from the state; if the others were running, a new round
   // starts so they shrink at once instead of waiting for this node's heartbeat to expire.
   void leave(const std::string& why);
@@ -215,6 +258,8 @@ class Rendezvous {
   // MIN nodes remain (`lost` names who was lost, for that message).
   void open_round(RendezvousState& state, const std::string& reason, const std::string& lost);
   bool try_close(RendezvousState& state);
+  // Note [Rounds in place]: admits waiting nodes into the running round while it is below MAX.
+  void admit_in_place(RendezvousState& state);
   RoundAssignment assignment(const RendezvousState& state) const;
   std::string describe_node(const RendezvousState& state, const std::string& id) const;
   void keep_alive_loop(std::chrono::steady_clock::time_point first);
@@ -225,7 +270,8 @@ class Rendezvous {
   std::unique_ptr<RendezvousBackend> backend_;
   RendezvousSettings settings_;
   NodeInfo self_;
-  int round_ = -1;  // the round this node's workers run in; -1 before the first
+  int round_ = -1;                // the round this node's workers run in; -1 before the first
+  std::size_t changes_seen_ = 0;  // of round_'s changes in place, those check() has reported
 
   std::mutex mutex_;  // the backend and everything below
   std::optional<VersionedState> cached_;

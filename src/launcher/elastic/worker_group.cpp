@@ -358,6 +358,7 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
   // What torchrun exports from its own --signals-to-handle; dtrain handles exactly that default.
   set("TORCHELASTIC_SIGNALS_TO_HANDLE", kLauncherSignalNames);
   set("DTRAIN_RECOVERY", options_.recovery);
+  if (round.join_running) set("DTRAIN_RECOVERY_JOIN", "1");
   // torchrun's agent turns NCCL's async error handling on unless the user chose: a rank whose peer
   // died then fails instead of hanging in a collective, and the launcher can restart the group.
   if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr &&

@@ -97,6 +97,10 @@ struct WorkerGroupRound {
   bool agent_store = false;
   // TORCHELASTIC_RESTART_COUNT: 0 for the first attempt.
   int restart_count = 0;
+  // The node was admitted into a round whose workers already run and recover in place (an elastic
+  // rendezvous, --recovery in-place): every worker starts as a newcomer (DTRAIN_RECOVERY_JOIN=1)
+  // that the running workers admit and give their state.
+  bool join_running = false;
 };
 
 // How a worker process ended.

@@ -247,6 +247,24 @@ TEST_F(RendezvousTest, MaxNodesCloseTheRoundWithRanksAndMaster) {
   EXPECT_EQ(rb.master_port, 1001);
 }
 
+// The node whose agent hosts the c10d store takes node rank 0 in the first round, whenever it
+// joined: the job then has one node it cannot lose, not two (Note [Rounds in place]).
+TEST_F(RendezvousTest, TheStoresHostTakesNodeRankZero) {
+  auto first = node("first", settings(2, 2));
+  auto host = node("host", settings(2, 2));
+  NodeInfo info = host->self();
+  info.hosts_rendezvous = true;
+  host = std::make_unique<Rendezvous>(std::make_unique<MemoryBackend>(store_, reads_.at(info.id)),
+                                      settings(2, 2), info);
+  auto jf = join(*first, 1001);
+  wait_until_joined(*first);
+  auto jh = join(*host, 1002);
+  EXPECT_EQ(get(jh).group_rank, 0);
+  RoundAssignment rf = get(jf);
+  EXPECT_EQ(rf.group_rank, 1);
+  EXPECT_EQ(rf.master_port, 1002);
+}
+
 // MIN nodes and the last call: the round closes when the window is over, not a millisecond before.
 TEST_F(RendezvousTest, MinNodesCloseAfterTheLastCall) {
   RendezvousSettings s = settings(1, 2);
@@ -489,6 +507,80 @@ TEST_F(RendezvousTest, WaitingNodeMakesTheJobGrow) {
   EXPECT_EQ(ra.world_size, 2);
   EXPECT_EQ(ra.group_rank, 0);  // the survivor keeps rank 0
   EXPECT_EQ(rc.group_rank, 1);
+}
+
+// Note [Rounds in place]: once node 0 says its workers recover in place, a lost node leaves the
+// running round without a new one, and waiting nodes are admitted into it: the first into the lost
+// node's ranks, the next into new ones while the job is below MAX. Nobody's ranks move.
+TEST_F(RendezvousTest, InPlaceRoundLosesANodeAndAdmitsNewcomersWithoutANewRound) {
+  RendezvousSettings s = settings(1, 3);
+  s.last_call_timeout = kInterval;  // shorter than a heartbeat timeout: nobody is lost in it
+  auto a = node("a", s, 2);
+  auto b = node("b", s, 2);  // silent once the round runs: lost
+  auto c = node("c", s, 2);
+  auto d = node("d", s, 1);
+  auto ja = join(*a, 1001);
+  wait_until_joined(*a);
+  auto jb = join(*b, 1002);
+  wait_until_joined(*b);
+  clock_.advance(s.last_call_timeout);
+  RoundAssignment ra = get(ja);
+  EXPECT_EQ(get(jb).base_rank, 2);
+  EXPECT_FALSE(ra.join_running);
+  a->mark_in_place();
+  EXPECT_TRUE(stored().in_place);
+
+  pass(kHeartbeatTimeout + 1ms, {a.get()});
+  Verdict lost = a->check();
+  EXPECT_EQ(lost.kind, Verdict::Kind::kKeepRunning) << lost.message;
+  EXPECT_NE(lost.message.find("host b (node b_1_0) lost"), std::string::npos) << lost.message;
+  EXPECT_NE(lost.message.find("goes on in place with 1 node(s)"), std::string::npos)
+      << lost.message;
+  EXPECT_EQ(stored().round, 0);
+  EXPECT_EQ(a->check().message, "") << "a change is reported once";
+
+  auto jc = join(*c, 1003);
+  RoundAssignment rc = get(jc);  // admitted by its own join: no need to wait for a's next look
+  EXPECT_TRUE(rc.join_running);
+  EXPECT_EQ(rc.round, 0);
+  EXPECT_EQ(rc.group_rank, 1);
+  EXPECT_EQ(rc.base_rank, 2);  // b's ranks
+  EXPECT_EQ(rc.world_size, 4);
+  EXPECT_EQ(rc.master_addr, a->self().addr);
+  EXPECT_EQ(rc.master_port, 1001);
+  Verdict joined = a->check();
+  EXPECT_EQ(joined.kind, Verdict::Kind::kKeepRunning);
+  EXPECT_NE(joined.message.find("host c (node c_1_0) joins the running round in place as node "
+                                "rank 1 (ranks 2..3)"),
+            std::string::npos)
+      << joined.message;
+
+  auto jd = join(*d, 1004);
+  RoundAssignment rd = get(jd);
+  EXPECT_TRUE(rd.join_running);
+  EXPECT_EQ(rd.group_rank, 2);
+  EXPECT_EQ(rd.base_rank, 4);
+  EXPECT_EQ(rd.world_size, 5);
+  EXPECT_EQ(rd.group_world_size, 3);
+  EXPECT_EQ(stored().round, 0);
+}
+
+// Node 0's agent hosts the workers' store: its loss ends the round in place too, and a round whose
+// workers never said they recover in place restarts for any lost node (SilentNodeIsLost...).
+TEST_F(RendezvousTest, InPlaceRoundStillRestartsWhenNodeZeroIsLost) {
+  RendezvousSettings s = settings(1, 2);
+  auto a = node("a", s);  // node 0, silent: lost
+  auto b = node("b", s);
+  auto ja = join(*a, 1001);
+  wait_until_joined(*a);
+  auto jb = join(*b, 1002);
+  get(ja);
+  EXPECT_EQ(get(jb).group_rank, 1);
+  a->mark_in_place();
+  pass(kHeartbeatTimeout + 1ms, {b.get()});
+  Verdict verdict = b->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound) << verdict.message;
+  EXPECT_FALSE(stored().in_place) << "the next round starts without it";
 }
 
 // A node that leaves (SIGTERM) makes the others shrink at once, without a heartbeat timeout: no
