@@ -21,6 +21,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using elastic::Verdict;
+
+// Note [Stopping after a loss] (launcher/elastic/rendezvous.h): the grace the workers get when a
+// round ends because a participant was lost. A moment for a program to flush its output; a stop
+// they agree on cannot happen without the lost peer, and waiting --grace-period for it gains
+// nothing.
+constexpr std::chrono::milliseconds kGraceAfterALoss{500};
 using elastic::WaitResult;
 
 // One descriptor that is readable when a signal is pending or the monitor timer fired. A zero
@@ -140,14 +146,20 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
         }
         Clock::time_point stop_start = Clock::now();
         const int running = group.running();
-        group.stop(signals.fd());
+        std::optional<std::chrono::milliseconds> grace;
+        if (verdict.participant_lost) grace = kGraceAfterALoss;
+        group.stop(signals.fd(), grace);
+        const std::string stopped =
+            "; stopped " + std::to_string(running) + " worker(s) of this node in " +
+            detail::seconds_text(Clock::now() - stop_start) +
+            (grace && running > 0 ? " (SIGKILL after " + detail::seconds_text(*grace) +
+                                        ": they cannot stop together with a lost peer)"
+                                  : "");
+        say(verdict.message + stopped);
         if (verdict.kind == Verdict::Kind::kShutdown) {
-          say(verdict.message + "; stopped " + std::to_string(running) + " worker(s) of this node");
           rendezvous->leave_ended_job();
           return 1;
         }
-        say(verdict.message + "; stopped " + std::to_string(running) +
-            " worker(s) of this node in " + detail::seconds_text(Clock::now() - stop_start));
         round_running = false;
         continue;
       }

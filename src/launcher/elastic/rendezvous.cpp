@@ -70,6 +70,7 @@ std::string RendezvousState::to_json() const {
               {"failures", failures},
               {"last_failure_ms", last_failure_ms},
               {"reason", reason},
+              {"ended_by_loss", ended_by_loss},
               {"shutdown", shutdown}};
   return out.dump();
 }
@@ -106,6 +107,7 @@ RendezvousState RendezvousState::from_json(const std::string& text) {
     state.failures = in.at("failures").get<int>();
     state.last_failure_ms = in.at("last_failure_ms").get<int64_t>();
     state.reason = in.at("reason").get<std::string>();
+    state.ended_by_loss = in.at("ended_by_loss").get<bool>();
     state.shutdown = in.at("shutdown").get<std::string>();
     return state;
   } catch (const json::exception& error) {
@@ -296,6 +298,7 @@ bool Rendezvous::sweep(RendezvousState& state) {
     } else {
       open_round(state, what, what);
     }
+    state.ended_by_loss = true;
   } else if (lost_in_place && state.shutdown.empty()) {
     const int left = static_cast<int>(state.participants.size());
     if (left < settings_.min_nodes) {
@@ -336,6 +339,7 @@ void Rendezvous::open_round(RendezvousState& state, const std::string& reason,
   state.finished.clear();
   state.last_call_deadline_ms = 0;
   state.reason = reason;
+  state.ended_by_loss = false;
   state.slots.clear();
   state.in_place = false;
   state.joined_running.clear();
@@ -366,6 +370,7 @@ bool Rendezvous::try_close(RendezvousState& state) {
     state.complete = true;
     state.expected.clear();
     state.last_call_deadline_ms = 0;
+    state.ended_by_loss = false;
     state.slots.clear();
     int first_rank = 0;
     for (std::size_t rank = 0; rank < state.participants.size(); ++rank) {
@@ -587,8 +592,14 @@ Verdict Rendezvous::check() {
       return changed;
     });
   }
-  if (!state.shutdown.empty()) return {Verdict::Kind::kShutdown, state.shutdown};
-  if (state.round != round_) return {Verdict::Kind::kNewRound, state.reason};
+  if (!state.shutdown.empty()) {
+    return {Verdict::Kind::kShutdown, state.shutdown, state.ended_by_loss};
+  }
+  if (state.round != round_) {
+    // Only the round right after this node's tells why this node's workers must stop.
+    const bool lost = state.ended_by_loss && state.round == round_ + 1;
+    return {Verdict::Kind::kNewRound, state.reason, lost};
+  }
   if (!contains(state.participants, self_.id)) {
     return {Verdict::Kind::kNewRound,
             self_.describe() + " was dropped from the round (its heartbeat was missed)"};

@@ -24,6 +24,10 @@
 //     running one, or ends the job if fewer than MIN nodes remain).
 //   - In place (Note [Rounds in place]): a round whose workers recover in place is changed without
 //     a new round when a node other than node 0 is lost, or a waiting node is admitted.
+//   - Note [Stopping after a loss]: when a round ends because a participant was lost, its workers
+//     cannot stop at a step they agree on with the lost ones (a trainer's SIGTERM stop, dtrain/stop.h):
+//     they wait in a collective with them instead. The agents then stop their workers with a short
+//     grace (Verdict::participant_lost), not --grace-period, which they would only wait out.
 //   - Only the last-call deadline uses wall-clock time from another machine (as PyTorch does); skew
 //     only lengthens or shortens that window.
 //   - The time is read through RendezvousSettings::clock (Note [The rendezvous clock]).
@@ -135,6 +139,9 @@ struct Verdict {
   Kind kind = Kind::kKeepRunning;
   // Why; with kKeepRunning empty, or what changed in the running round (Note [Rounds in place]).
   std::string message;
+  // kNewRound or kShutdown because a participant of the running round was lost (Note [Stopping
+  // after a loss]).
+  bool participant_lost = false;
 };
 
 // Where a participant's workers sit in a complete round: set when the round closes, or when the
@@ -165,6 +172,9 @@ struct RendezvousState {
   int failures = 0;                   // worker failures so far (against --max-restarts)
   int64_t last_failure_ms = 0;        // wall clock of the last counted failure (for refunds)
   std::string reason;                 // why the current round started
+  // The last round ended (this round opened, or the job was shut down) because a participant was
+  // lost: Note [Stopping after a loss]. Cleared when a round closes.
+  bool ended_by_loss = false;
   std::string shutdown;               // non-empty: the job is over, and why
 
   std::string to_json() const;

@@ -595,14 +595,15 @@ WaitResult WorkerGroup::wait(int interrupt_fd) {
   }
 }
 
-std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd) {
+std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd,
+                                          std::optional<std::chrono::milliseconds> grace) {
   std::vector<WorkerExit> exits;
   reap(&exits);
   signal_groups(SIGTERM);
   // Stopping has two phases: SIGTERM and wait until the workers and everything in their process
   // groups are gone or the grace period ends; then SIGKILL to the groups and wait only for our own
   // children (grandchildren are not ours to reap).
-  Clock::time_point deadline = Clock::now() + options_.grace_period;
+  Clock::time_point deadline = Clock::now() + grace.value_or(options_.grace_period);
   bool killed = false;
   for (;;) {
     // After SIGKILL, leftovers in the groups are only waited for when we can reap them ourselves;

@@ -21,6 +21,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <optional>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -171,8 +172,10 @@ class WorkerGroup {
   // its children), SIGKILL to the groups after options.grace_period or as soon as `interrupt_fd`
   // (if >= 0) becomes readable (a second Ctrl-C), then reaps them. Relays their last output,
   // flushes unterminated last lines and closes the pipes and logs. Blocks at most about
-  // grace_period plus a few seconds. Returns how each worker that was still running ended.
-  std::vector<WorkerExit> stop(int interrupt_fd = -1);
+  // grace_period plus a few seconds. `grace`, when given, replaces options.grace_period for this
+  // stop. Returns how each worker that was still running ended.
+  std::vector<WorkerExit> stop(int interrupt_fd = -1,
+                               std::optional<std::chrono::milliseconds> grace = std::nullopt);
 
   // In-place recovery: spawns local rank `local_rank` again, its previous process reaped (wait()
   // reported it), while the other workers keep running. The newcomer gets the current round's

@@ -343,8 +343,12 @@ TEST_P(ElasticTest, BlockedWorkerOfALostPeerIsStoppedAndTheLostNodeNamed) {
   ASSERT_TRUE(a.wait(kExitTimeout));
   double seconds = std::chrono::duration<double>(Clock::now() - killed).count();
   EXPECT_EQ(a.exit_code(), 1) << err(0);
-  // Heartbeats 0.6 s + grace 1 s + reaping; the collective's own timeout would be 30 min.
+  // Heartbeats 0.6 s + 0.5 s (not --grace-period: Note [Stopping after a loss]) + reaping; the
+  // collective's own timeout would be 30 min.
   EXPECT_LT(seconds, 10.0) << err(0);
+  EXPECT_NE(err(0).find("(SIGKILL after 0.5 s: they cannot stop together with a lost peer)"),
+            std::string::npos)
+      << err(0);
   EXPECT_NE(err(0).find("lost: no heartbeat"), std::string::npos) << err(0);
   EXPECT_NE(err(0).find("fewer than the minimum of 2"), std::string::npos) << err(0);
   std::regex lost_node(R"(host \S+ \(node \S+_\d+_[0-9a-f]+\) lost)");

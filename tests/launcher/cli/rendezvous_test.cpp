@@ -302,6 +302,7 @@ TEST_F(RendezvousTest, SilentNodeIsLostAndTheJobShrinksOrEnds) {
         << verdict.message;
     if (min_nodes == 1) {
       EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound);
+      EXPECT_TRUE(verdict.participant_lost) << "Note [Stopping after a loss]";
       auto again = join(*a, 3);
       RoundAssignment alone = get(again);
       EXPECT_EQ(alone.round, 1);
@@ -594,7 +595,9 @@ TEST_F(RendezvousTest, LeavingNodeShrinksTheJobAtOnce) {
   get(jb);
   b->announce_leaving();
   // Workers failing while a peer leaves spend no restart.
-  EXPECT_EQ(a->report_failure("worker rank 0 exited with code 1").kind, Verdict::Kind::kNewRound);
+  Verdict verdict = a->report_failure("worker rank 0 exited with code 1");
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound);
+  EXPECT_FALSE(verdict.participant_lost) << "a leaving peer's workers stop together with ours";
   b->leave("received SIGTERM");
   ja = join(*a, 1);
   RoundAssignment ra = get(ja);
