@@ -25,9 +25,10 @@
 //   - In place (Note [Rounds in place]): a round whose workers recover in place is changed without
 //     a new round when a node other than node 0 is lost, or a waiting node is admitted.
 //   - Note [Stopping after a loss]: when a round ends because a participant was lost, its workers
-//     cannot stop at a step they agree on with the lost ones (a trainer's SIGTERM stop, dtrain/stop.h):
-//     they wait in a collective with them instead. The agents then stop their workers with a short
-//     grace (Verdict::participant_lost), not --grace-period, which they would only wait out.
+//     cannot stop at a step they agree on with the lost ones (a trainer's SIGTERM stop,
+//     dtrain/stop.h): they wait in a collective with them instead. The agents then stop their
+//     workers with a short grace (Verdict::participant_lost), not --grace-period, which they would
+//     only wait out.
 //   - Only the last-call deadline uses wall-clock time from another machine (as PyTorch does); skew
 //     only lengthens or shortens that window.
 //   - The time is read through RendezvousSettings::clock (Note [The rendezvous clock]).
@@ -175,7 +176,7 @@ struct RendezvousState {
   // The last round ended (this round opened, or the job was shut down) because a participant was
   // lost: Note [Stopping after a loss]. Cleared when a round closes.
   bool ended_by_loss = false;
-  std::string shutdown;               // non-empty: the job is over, and why
+  std::string shutdown;  // non-empty: the job is over, and why
 
   std::string to_json() const;
   static RendezvousState from_json(const std::string& text);  // throws InternalError

@@ -21,8 +21,8 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <optional>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
