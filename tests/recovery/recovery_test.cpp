@@ -143,7 +143,8 @@ enum class Launch {
   kUnderDtrainRun,  // `dtrain run --recovery in-place`, which restarts rank 2 alone as a newcomer
   kRankZeroUnderDtrainRun,  // the same with rank 0 killed: the launcher hosts the store
   // Two agents of an elastic c10d rendezvous, --recovery in-place: 2 + 1 workers, rank 2 (on node
-  // 1, whichever agent joined first) is restarted alone by its node's launcher.
+  // 1, the agent that does not host the rendezvous store, whichever that is) is restarted alone by
+  // its node's launcher.
   kUnderElasticDtrainRun,
   // Note [Rounds in place]: two agents of 2 workers each, --nnodes 1:2; rank 3 kills its agent and
   // so the whole of node 1 (ranks 2 and 3). The survivors go on in the same round; a third agent
@@ -160,7 +161,7 @@ std::string launch_script(const std::string& dir, Launch launch) {
   const std::string flags =
       " --kill-rank " + victim + " --kill-after 5" +
       (launch == Launch::kSurvivorsOnly ? "" : " --slow-until-admitted") +
-      (launch == Launch::kElasticNodeLostAndReplaced ? " --kill-launcher-too" : "");
+      (launch == Launch::kElasticNodeLostAndReplaced ? " --kill-launcher-too --newcomers 2" : "");
   if (launch == Launch::kUnderDtrainRun || launch == Launch::kRankZeroUnderDtrainRun) {
     return bin("dtrain") + " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
            worker + flags;

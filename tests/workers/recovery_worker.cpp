@@ -6,14 +6,15 @@
 // (RecoveryOptions::state) and writes it beside the job's count to <out>/counted-<pid>.txt at the
 // end: a newcomer's must come out as the job's.
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--kill-launcher-too]
-//                   [--slow-until-admitted] [--step-ms MS] [--settle-ms MS] [--lost-after-ms MS]
+//                   [--slow-until-admitted [--newcomers N]] [--step-ms MS] [--settle-ms MS]
+//                   [--lost-after-ms MS]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --kill-launcher-too: it kills
 // its parent first, the `dtrain run` agent, whose other workers die with it (PR_SET_PDEATHSIG): the
 // whole node is lost, as when its host is. It first waits (up to 10 s) until every rank has
 // recorded step S, so that the replay holds the step its node-mates committed just before they
 // died. --slow-until-admitted: 100 ms per step until a newcomer has been admitted (so one has time
-// to start), bounded by the epochs.
+// to start), bounded by the epochs; --newcomers N: until N have been (default 1).
 // --step-ms: MS ms more per step, so that a fault from outside
 // (tests/recovery/host_faults_test.cpp) lands mid-training. --settle-ms, --lost-after-ms:
 // RecoveryOptions::settle and lost_after, so that a test can tell a wait for them from none.
@@ -58,6 +59,7 @@ int run(int argc, char** argv) {
   std::vector<std::pair<int, int64_t>> kills;  // (job rank, after step)
   bool slow = false;
   bool kill_launcher = false;
+  int64_t newcomers = 1;
   int step_ms = 0;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
@@ -68,6 +70,7 @@ int run(int argc, char** argv) {
     }
     if (arg == "--slow-until-admitted") slow = true;
     if (arg == "--kill-launcher-too") kill_launcher = true;
+    if (arg == "--newcomers" && i + 1 < argc) newcomers = std::atoll(argv[++i]);
     if (arg == "--step-ms" && i + 1 < argc) step_ms = std::atoi(argv[++i]);
     if (arg == "--settle-ms" && i + 1 < argc) {
       options.settle = std::chrono::milliseconds(std::atoll(argv[++i]));
@@ -117,12 +120,20 @@ int run(int argc, char** argv) {
             for (int i = 0; i < 200 && !everyone_recorded(out, after, rdp.group()->size()); ++i) {
               std::this_thread::sleep_for(std::chrono::milliseconds(50));
             }
-            ::kill(::getppid(), SIGKILL);
+            // Every worker of the node dies together, by PR_SET_PDEATHSIG, once the launcher is
+            // gone: none of them may register for the survivors' next generation first.
+            const pid_t launcher = ::getppid();
+            ::kill(launcher, SIGKILL);
+            for (int i = 0; i < 500 && ::getppid() == launcher; ++i) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            }
           }
           std::raise(SIGKILL);
         }
       }
-      if (slow && stats.admitted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (slow && stats.admitted < newcomers) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
     }
   }

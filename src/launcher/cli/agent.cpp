@@ -7,8 +7,11 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -84,10 +87,14 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
   RestartBudget node_restarts(options.max_restarts);
   if (is_elastic(options)) {
     rendezvous = join_elastic_rendezvous(options);
-    if (recovers_in_place(options)) in_place.emplace(/*auto_port=*/false, node_restarts);
+    if (recovers_in_place(options)) {
+      in_place.emplace(/*auto_port=*/false, node_restarts, /*one_node_job=*/options.nnodes == 1);
+    }
   } else {
     auto fixed = std::make_unique<StaticRendezvous>(options, plan.auto_port);
-    if (recovers_in_place(options)) in_place.emplace(plan.auto_port, fixed->restarts());
+    if (recovers_in_place(options)) {
+      in_place.emplace(plan.auto_port, fixed->restarts(), /*one_node_job=*/options.nnodes == 1);
+    }
     rendezvous = std::move(fixed);
   }
   elastic::WorkerGroup group(worker_group_options(options, plan));
@@ -136,8 +143,7 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
 
       if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
         if (in_place && !told_in_place && in_place->group_formed()) {
-          rendezvous->workers_recover_in_place();
-          told_in_place = true;
+          told_in_place = rendezvous->workers_recover_in_place();
         }
         Verdict verdict = rendezvous->check();
         if (verdict.kind == Verdict::Kind::kKeepRunning) {
@@ -148,13 +154,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
         const int running = group.running();
         std::optional<std::chrono::milliseconds> grace;
         if (verdict.participant_lost) grace = kGraceAfterALoss;
-        group.stop(signals.fd(), grace);
+        const std::vector<elastic::WorkerExit> exits = group.stop(signals.fd(), grace);
+        const bool killed = std::any_of(exits.begin(), exits.end(),
+                                        [](const auto& exit) { return exit.signal == SIGKILL; });
         const std::string stopped =
             "; stopped " + std::to_string(running) + " worker(s) of this node in " +
             detail::seconds_text(Clock::now() - stop_start) +
-            (grace && running > 0 ? " (SIGKILL after " + detail::seconds_text(*grace) +
-                                        ": they cannot stop together with a lost peer)"
-                                  : "");
+            (grace && killed ? " (SIGKILL after " + detail::seconds_text(*grace) +
+                                   ": they cannot stop together with a lost peer)"
+                             : "");
         say(verdict.message + stopped);
         if (verdict.kind == Verdict::Kind::kShutdown) {
           rendezvous->leave_ended_job();

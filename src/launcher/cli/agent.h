@@ -45,7 +45,8 @@ class AgentRendezvous {
   virtual elastic::Verdict check() { return {}; }
   // Node 0's launcher saw this round's workers form an in-place group: from now on a node lost or
   // joining may change the running round instead of restarting every worker (elastic only).
-  virtual void workers_recover_in_place() {}
+  // Returns false when the rendezvous could not be told (the loop tries again at its next look).
+  virtual bool workers_recover_in_place() { return true; }
 
   // A local worker failed, `root` first, and this node's workers are stopped: a new round, or the
   // end of the job (the loop calls leave_ended_job() and exits with the worker's code).

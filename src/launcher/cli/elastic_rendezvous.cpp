@@ -280,12 +280,16 @@ class ElasticRendezvous final : public AgentRendezvous {
     return as_line(verdict);
   }
 
-  void workers_recover_in_place() override {
+  bool workers_recover_in_place() override {
     try {
       rendezvous_->mark_in_place();
+      return true;
+    } catch (const UsageError&) {
+      throw;
     } catch (const std::exception&) {
-      // The next look at the state (check()) meets the same trouble and says so. Meanwhile a
-      // change of nodes restarts the workers, as it would without in place.
+      // check() meets the same trouble and says so. Until a later try succeeds, a change of
+      // nodes restarts the workers, as it would without in place.
+      return false;
     }
   }
 

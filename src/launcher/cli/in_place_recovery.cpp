@@ -40,8 +40,8 @@ constexpr auto kStoreStartTimeout = std::chrono::seconds(10);
 
 }  // namespace
 
-InPlaceRecovery::InPlaceRecovery(bool auto_port, RestartBudget& restarts)
-    : auto_port_(auto_port), restarts_(restarts) {}
+InPlaceRecovery::InPlaceRecovery(bool auto_port, RestartBudget& restarts, bool one_node_job)
+    : auto_port_(auto_port), restarts_(restarts), one_node_job_(one_node_job) {}
 
 void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   round.agent_store = true;
@@ -50,10 +50,11 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   // again for the new one, and its keys belong to the last round's generations).
   store_.reset();
   if (round.group_rank != 0) return;
-  // One node: the address the workers are given (loopback on a static node); several: every
-  // interface, as rank 0's TCPStore listens.
-  store_ = std::make_unique<elastic::WorkerStore>(
-      round.group_world_size == 1 ? round.master_addr : "", auto_port_ ? 0 : round.master_port);
+  // A job of one node for good: the address the workers are given (loopback on a static node);
+  // else every interface, as rank 0's TCPStore listens, also while an elastic round has one node
+  // (a node that joins it in place reaches the store from elsewhere).
+  store_ = std::make_unique<elastic::WorkerStore>(one_node_job_ ? round.master_addr : "",
+                                                  auto_port_ ? 0 : round.master_port);
   round.master_port = store_->port();
 }
 

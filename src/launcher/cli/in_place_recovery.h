@@ -22,7 +22,9 @@ class InPlaceRecovery {
   // `auto_port`: the store takes a free port (no --master-port, a single static node). Restarts of
   // single workers spend `restarts`, which must outlive this object: the static rendezvous's
   // budget, or under an elastic one a budget of this node's own (the rendezvous counts its rounds).
-  InPlaceRecovery(bool auto_port, RestartBudget& restarts);
+  // `one_node_job`: no other node can ever take part (--nnodes 1 or 1:1), so the store need not
+  // listen beyond the address the workers are given.
+  InPlaceRecovery(bool auto_port, RestartBudget& restarts, bool one_node_job);
 
   // Before the whole group starts in a round: points the workers at the launcher's store, and on
   // the round's node 0 hosts a fresh one (the last one's keys belong to its generations).
@@ -49,6 +51,7 @@ class InPlaceRecovery {
 
   bool auto_port_;
   RestartBudget& restarts_;
+  bool one_node_job_;
   // Node 0's: the workers' store of the current start of the whole group.
   std::unique_ptr<elastic::WorkerStore> store_;
 };

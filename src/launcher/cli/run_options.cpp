@@ -318,7 +318,8 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
                          restart: a failure restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
-  --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5)
+  --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5;
+                         0.5 when a peer node was lost: they cannot stop together with it)
   --no-python            run a .py program directly instead of through python
   --standalone           single node with a free port (torchrun compatibility)
   -h, --help             this text
@@ -346,7 +347,9 @@ elastic nodes (one `dtrain run` agent per node, all with the same flags):
   A round starts when MAX nodes joined, or MIN and the last call passed. A failed worker restarts
   every node's workers (TORCHELASTIC_RESTART_COUNT = round number); a lost node (no heartbeat) or
   one that leaves (SIGTERM) shrinks the job if MIN still holds, else the job ends naming it; a node
-  that arrives later waits and the job grows at the next monitor interval.
+  that arrives later waits and the job grows at the next monitor interval. Under --recovery
+  in-place, once the workers formed their group, a lost node (not node 0) leaves and a new one
+  joins the running round without a restart (its workers join as newcomers).
 
 Each worker's environment is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR,

@@ -52,9 +52,10 @@ struct RunOptions {
   int max_restarts = 0;
   // --recovery: "restart" stops the node's workers when one fails and restarts them all (they
   // resume from their checkpoint); "in-place" restarts only the failed worker, as a newcomer the
-  // survivors admit into their group (under c10d/etcd a node lost or joining still restarts every
-  // worker from a new round). In place by default: the workers of a program that does not recover
-  // in place restart together anyway (in_place_recovery.h). Workers see it as DTRAIN_RECOVERY.
+  // survivors admit into their group (under c10d/etcd a node lost or joining changes the running
+  // round in place too: Note [Rounds in place]). In place by default: the workers of a program
+  // that does not recover in place restart together anyway (in_place_recovery.h). Workers see it
+  // as DTRAIN_RECOVERY.
   std::string recovery = "in-place";
   // When not empty, each rank's output is also appended to <log_dir>/rank<R>.log: --log-dir.
   std::string log_dir;

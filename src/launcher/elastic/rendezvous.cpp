@@ -93,21 +93,24 @@ RendezvousState RendezvousState::from_json(const std::string& text) {
       info.addr = node.at("addr").get<std::string>();
       info.port = node.at("port").get<int>();
       info.nproc = node.at("nproc").get<int>();
-      info.hosts_rendezvous = node.at("hosts_rendezvous").get<bool>();
+      // The fields from "hosts_rendezvous" on came with in-place rounds: a state an older dtrain
+      // left under the same run id (Note [Reusing a run id]) reads with their defaults.
+      info.hosts_rendezvous = node.value("hosts_rendezvous", false);
       state.nodes[id] = info;
     }
     state.keep_alive = in.at("keep_alive").get<std::map<std::string, uint64_t>>();
-    for (const auto& [id, slot] : in.at("slots").items()) {
+    const json slots = in.value("slots", json::object());
+    for (const auto& [id, slot] : slots.items()) {
       state.slots[id] = Slot{slot.at(0).get<int>(), slot.at(1).get<int>()};
     }
-    state.in_place = in.at("in_place").get<bool>();
-    state.joined_running = in.at("joined_running").get<std::vector<std::string>>();
-    state.changes_in_place = in.at("changes_in_place").get<std::vector<std::string>>();
+    state.in_place = in.value("in_place", false);
+    state.joined_running = in.value("joined_running", std::vector<std::string>{});
+    state.changes_in_place = in.value("changes_in_place", std::vector<std::string>{});
     state.last_call_deadline_ms = in.at("last_call_deadline_ms").get<int64_t>();
     state.failures = in.at("failures").get<int>();
     state.last_failure_ms = in.at("last_failure_ms").get<int64_t>();
     state.reason = in.at("reason").get<std::string>();
-    state.ended_by_loss = in.at("ended_by_loss").get<bool>();
+    state.ended_by_loss = in.value("ended_by_loss", false);
     state.shutdown = in.at("shutdown").get<std::string>();
     return state;
   } catch (const json::exception& error) {
@@ -301,15 +304,19 @@ bool Rendezvous::sweep(RendezvousState& state) {
     state.ended_by_loss = true;
   } else if (lost_in_place && state.shutdown.empty()) {
     const int left = static_cast<int>(state.participants.size());
-    if (left < settings_.min_nodes) {
+    // Nodes waiting to join fill the gap in the same change (where MIN == MAX they must, or the job
+    // would end for want of a node that is there).
+    if (left + static_cast<int>(state.waiting.size()) < settings_.min_nodes) {
       state.shutdown =
           what + "; " + std::to_string(left) + " node(s) left, fewer than the minimum of " +
           std::to_string(settings_.min_nodes) + " (--nnodes " +
           std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes) + ")";
+      state.ended_by_loss = true;
     } else {
       state.changes_in_place.push_back(what + "; the running round goes on in place with " +
                                        std::to_string(left) +
                                        " node(s), whose workers carry on without the lost ones");
+      admit_in_place(state);
     }
   }
   return true;
@@ -395,9 +402,14 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
   out.round = state.round;
   out.group_world_size = 0;
   out.world_size = 0;
-  for (const std::string& id : state.participants) {
+  int next_rank = 0;  // a round closed by an older dtrain has no slots: ranks in participant order
+  for (std::size_t index = 0; index < state.participants.size(); ++index) {
+    const std::string& id = state.participants[index];
     const NodeInfo& node = state.nodes.at(id);
-    const Slot& slot = state.slots.at(id);
+    auto found = state.slots.find(id);
+    const Slot slot =
+        found != state.slots.end() ? found->second : Slot{static_cast<int>(index), next_rank};
+    next_rank += node.nproc;
     if (id == self_.id) {
       out.group_rank = slot.node_rank;
       out.base_rank = slot.first_rank;

@@ -15,8 +15,9 @@
 //     newcomers follow; the node that hosts the c10d store comes first among newcomers.
 //   - Any agent opens the next round (round + 1, empty participants, `expected` = who should come
 //     back) when: one of its workers failed; it noticed a dead participant; a node waits and the
-//     job is below MAX (growth); it leaves (SIGTERM). The other agents notice the new round number
-//     at their monitor interval, stop their workers and rejoin.
+//     job is below MAX (growth); it leaves (SIGTERM). (A round whose workers recover in place
+//     takes the second and third in place instead: Note [Rounds in place].) The other agents
+//     notice the new round number at their monitor interval, stop their workers and rejoin.
 //   - Liveness without trusting clocks across machines: each node increments its counter every
 //     keep_alive_interval; each observer notes, on its own clock, when a counter last changed. A
 //     counter unchanged for keep_alive_interval * keep_alive_max_attempt means that node is dead;
@@ -48,6 +49,11 @@
 //   Each participant keeps its slot (node rank, first global rank) for the whole round, so that the
 //     ranks of running workers never move. Every other change (a worker failure the agents cannot
 //     repair alone, a node leaving on SIGTERM, node 0 lost) opens a new round, as without in place.
+//   Limit: a node cut off from the rendezvous store but not from the other nodes is removed as lost
+//     while its workers may still run, until its agent finds out (its store patience, then the
+//     grace period); a node admitted meanwhile gets the same RANKs. The workers' group tells
+//     processes apart by host and pid, not by rank, but files a program names by rank alone (a
+//     shared --log-dir) could then be written by two processes for that while.
 #pragma once
 
 #include <atomic>

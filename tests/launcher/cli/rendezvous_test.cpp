@@ -581,7 +581,38 @@ TEST_F(RendezvousTest, InPlaceRoundStillRestartsWhenNodeZeroIsLost) {
   pass(kHeartbeatTimeout + 1ms, {b.get()});
   Verdict verdict = b->check();
   EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound) << verdict.message;
+  EXPECT_TRUE(verdict.participant_lost) << "Note [Stopping after a loss]";
   EXPECT_FALSE(stored().in_place) << "the next round starts without it";
+}
+
+// With MIN == MAX a lost node leaves the job below MIN, but a node already waiting takes its place
+// in the same change: the job goes on in place instead of ending for want of a node that is there.
+TEST_F(RendezvousTest, InPlaceRoundAtMinAdmitsAWaitingNodeForALostOne) {
+  RendezvousSettings s = settings(2, 2);
+  auto a = node("a", s);
+  auto b = node("b", s);  // silent once the round runs: lost
+  auto c = node("c", s);
+  auto ja = join(*a, 1001);
+  wait_until_joined(*a);
+  auto jb = join(*b, 1002);
+  get(ja);
+  get(jb);
+  a->mark_in_place();
+  auto jc = join(*c, 1003);
+  wait_until_stored([](const RendezvousState& state) { return state.waiting.size() == 1; },
+                    "c on the waiting list");
+  pass(kHeartbeatTimeout + 1ms, {a.get(), c.get()}, c.get());
+  Verdict verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+  EXPECT_NE(verdict.message.find("host b (node b_1_0) lost"), std::string::npos) << verdict.message;
+  EXPECT_NE(verdict.message.find("host c (node c_1_0) joins the running round in place as node "
+                                 "rank 1 (ranks 1..1)"),
+            std::string::npos)
+      << verdict.message;
+  RoundAssignment rc = get(jc);
+  EXPECT_TRUE(rc.join_running);
+  EXPECT_EQ(rc.base_rank, 1);
+  EXPECT_EQ(stored().round, 0);
 }
 
 // A node that leaves (SIGTERM) makes the others shrink at once, without a heartbeat timeout: no
