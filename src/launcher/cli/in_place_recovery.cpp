@@ -49,6 +49,7 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   // round, so a store of this node's is dropped whatever this round makes of it (its port is free
   // again for the new one, and its keys belong to the last round's generations).
   store_.reset();
+  formed_answer_.reset();
   if (round.group_rank != 0) return;
   // A job of one node for good: the address the workers are given (loopback on a static node);
   // else every interface, as rank 0's TCPStore listens, also while an elastic round has one node
@@ -68,19 +69,27 @@ bool InPlaceRecovery::group_formed() const {
 // this host's name, its pid (the launcher execs the program itself, so the pid is the worker's)
 // and the pid namespace; the value says how it ended.
 void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
-                                     const WaitResult& ended) const {
+                                     const WaitResult& ended) {
+  if (ended.failures.empty()) return;
+  std::vector<std::pair<std::string, std::string>> notices;
+  std::string ranks;
   for (const WorkerExit& failure : ended.failures) {
-    const std::string key = "/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
-                            std::to_string(failure.pid) + "/" +
-                            std::to_string(detail::own_pid_namespace());
-    const std::string why = elastic::set_in_worker_store(round.master_addr, round.master_port, key,
-                                                         failure.describe(), kStoreCallTimeout);
-    if (!why.empty()) {
-      say("could not tell the other workers through their store at " + round.master_addr + ":" +
-          std::to_string(round.master_port) + " that rank " + std::to_string(failure.global_rank) +
-          " " + failure.describe() + " (" + why +
-          "); they go on without it once its heartbeat stops");
-    }
+    notices.emplace_back("/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
+                             std::to_string(failure.pid) + "/" +
+                             std::to_string(detail::own_pid_namespace()),
+                         failure.describe());
+    ranks += (ranks.empty() ? "rank " : ", rank ") + std::to_string(failure.global_rank) + " " +
+             failure.describe();
+  }
+  std::string why;
+  const elastic::KeyCheck answer = elastic::set_and_check_in_worker_store(
+      round.master_addr, round.master_port, notices, kInPlaceGroupFormed, kStoreCallTimeout, &why);
+  // Node 0 reads its own store directly (restart_alone()).
+  if (store_ == nullptr) formed_answer_ = answer;
+  if (answer == elastic::KeyCheck::kNoStore || answer == elastic::KeyCheck::kNoAnswer) {
+    say("could not tell the other workers through their store at " + round.master_addr + ":" +
+        std::to_string(round.master_port) + " that " + ranks + " (" + why +
+        "); they go on without it once its heartbeat stops");
   }
 }
 
@@ -127,7 +136,10 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
   if (store_ != nullptr) {
     in_place_group = store_->contains(kInPlaceGroupFormed);
   } else {
-    const elastic::KeyCheck answer = ask_whether_group_formed(round, signal_fd);
+    // Asked already with the exit notice (announce_exits()); a store not up yet is asked again.
+    elastic::KeyCheck answer = formed_answer_.value_or(elastic::KeyCheck::kNoStore);
+    formed_answer_.reset();
+    if (answer == elastic::KeyCheck::kNoStore) answer = ask_whether_group_formed(round, signal_fd);
     in_place_group = answer == elastic::KeyCheck::kPresent;
     known = answer != elastic::KeyCheck::kNoAnswer;
   }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "launcher/cli/run_options.h"
 #include "launcher/cli/static_rendezvous.h"
@@ -35,9 +36,10 @@ class InPlaceRecovery {
   bool group_formed() const;
 
   // Tells the workers on every host, through their store, that each worker of `ended` has failed
-  // and is dead. A store out of reach costs at most one second, and one line.
-  void announce_exits(const elastic::WorkerGroupRound& round,
-                      const elastic::WaitResult& ended) const;
+  // and is dead; on another node than 0, in the same exchange, asks whether the workers formed
+  // their in-place group (restart_alone() uses the answer). A store out of reach costs at most one
+  // second, and one line.
+  void announce_exits(const elastic::WorkerGroupRound& round, const elastic::WaitResult& ended);
 
   // Restarts each worker of `failed` alone, as a newcomer the survivors admit into their group, and
   // returns true; the other workers keep running. Returns false, restarting nothing, where the
@@ -54,6 +56,9 @@ class InPlaceRecovery {
   bool one_node_job_;
   // Node 0's: the workers' store of the current start of the whole group.
   std::unique_ptr<elastic::WorkerStore> store_;
+  // Elsewhere: node 0's store's answer, asked with the last exit notice, until restart_alone()
+  // takes it.
+  std::optional<elastic::KeyCheck> formed_answer_;
 };
 
 }  // namespace dtrain::cli

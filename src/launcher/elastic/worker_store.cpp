@@ -887,7 +887,19 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
 
 KeyCheck check_in_worker_store(const std::string& host, int port, const std::string& key,
                                std::chrono::milliseconds timeout, std::string* why) {
+  return set_and_check_in_worker_store(host, port, {}, key, timeout, why);
+}
+
+KeyCheck set_and_check_in_worker_store(
+    const std::string& host, int port,
+    const std::vector<std::pair<std::string, std::string>>& entries, const std::string& key,
+    std::chrono::milliseconds timeout, std::string* why) {
   std::string request;
+  for (const auto& [set_key, value] : entries) {
+    put<uint8_t>(request, static_cast<uint8_t>(Command::kSet));
+    put_bytes(request, set_key);
+    put_bytes(request, value);
+  }
   put<uint8_t>(request, static_cast<uint8_t>(Command::kCheck));
   put<uint64_t>(request, 1);
   put_bytes(request, key);

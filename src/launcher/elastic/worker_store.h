@@ -15,6 +15,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace dtrain::elastic {
 
@@ -68,5 +70,14 @@ std::string set_in_worker_store(const std::string& host, int port, const std::st
 enum class KeyCheck { kPresent, kAbsent, kNoStore, kNoAnswer };
 KeyCheck check_in_worker_store(const std::string& host, int port, const std::string& key,
                                std::chrono::milliseconds timeout, std::string* why = nullptr);
+
+// Both in one exchange, within `timeout` all told: a SET of each of `entries` (key, value), then
+// the CHECK of `check_key`, whose answer also says that the SETs were served (the store serves a
+// connection's requests in order). Another node's launcher tells of a worker's exit and asks
+// whether to restart it alone at once, and on a cut link waits for one timeout, not two.
+KeyCheck set_and_check_in_worker_store(
+    const std::string& host, int port,
+    const std::vector<std::pair<std::string, std::string>>& entries, const std::string& check_key,
+    std::chrono::milliseconds timeout, std::string* why = nullptr);
 
 }  // namespace dtrain::elastic
