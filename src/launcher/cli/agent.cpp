@@ -8,10 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <csignal>
 #include <memory>
 #include <optional>
-#include <vector>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -153,10 +151,13 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
         Clock::time_point stop_start = Clock::now();
         const int running = group.running();
         std::optional<std::chrono::milliseconds> grace;
-        if (verdict.participant_lost) grace = kGraceAfterALoss;
-        const std::vector<elastic::WorkerExit> exits = group.stop(signals.fd(), grace);
-        const bool killed = std::any_of(exits.begin(), exits.end(),
-                                        [](const auto& exit) { return exit.signal == SIGKILL; });
+        if (verdict.participant_lost) {
+          grace = std::min(
+              kGraceAfterALoss,
+              std::chrono::milliseconds(static_cast<long long>(options.grace_period_s * 1000.0)));
+        }
+        group.stop(signals.fd(), grace);
+        const bool killed = group.last_stop_killed();
         const std::string stopped =
             "; stopped " + std::to_string(running) + " worker(s) of this node in " +
             detail::seconds_text(Clock::now() - stop_start) +

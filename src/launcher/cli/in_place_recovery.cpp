@@ -7,6 +7,7 @@
 #include <chrono>
 #include <csignal>
 #include <thread>
+#include <utility>
 
 #include "common/process_identity.h"
 #include "launcher/cli/run_command.h"
@@ -124,6 +125,8 @@ elastic::KeyCheck InPlaceRecovery::ask_whether_group_formed(const elastic::Worke
 bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                                     const elastic::WorkerGroupRound& round,
                                     const WaitResult& failed, int signal_fd) {
+  // The answer announce_exits() got with the exit notices: this call's, whichever way it returns.
+  const std::optional<elastic::KeyCheck> asked = std::exchange(formed_answer_, std::nullopt);
   if (readable(signal_fd)) return false;
   const std::vector<WorkerExit>& failures = failed.failures;
   if (std::any_of(failures.begin(), failures.end(),
@@ -136,9 +139,8 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
   if (store_ != nullptr) {
     in_place_group = store_->contains(kInPlaceGroupFormed);
   } else {
-    // Asked already with the exit notice (announce_exits()); a store not up yet is asked again.
-    elastic::KeyCheck answer = formed_answer_.value_or(elastic::KeyCheck::kNoStore);
-    formed_answer_.reset();
+    // Asked already with the exit notice; a store not up yet (or gone) is asked again.
+    elastic::KeyCheck answer = asked.value_or(elastic::KeyCheck::kNoStore);
     if (answer == elastic::KeyCheck::kNoStore) answer = ask_whether_group_formed(round, signal_fd);
     in_place_group = answer == elastic::KeyCheck::kPresent;
     known = answer != elastic::KeyCheck::kNoAnswer;

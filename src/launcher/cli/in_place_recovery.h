@@ -36,9 +36,9 @@ class InPlaceRecovery {
   bool group_formed() const;
 
   // Tells the workers on every host, through their store, that each worker of `ended` has failed
-  // and is dead; on another node than 0, in the same exchange, asks whether the workers formed
-  // their in-place group (restart_alone() uses the answer). A store out of reach costs at most one
-  // second, and one line.
+  // and is dead, and in the same exchange asks whether the workers formed their in-place group
+  // (restart_alone() uses the answer on another node than 0; node 0 reads its own store). A store
+  // out of reach costs at most one second, and one line.
   void announce_exits(const elastic::WorkerGroupRound& round, const elastic::WaitResult& ended);
 
   // Restarts each worker of `failed` alone, as a newcomer the survivors admit into their group, and

@@ -319,7 +319,8 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5;
-                         0.5 when a peer node was lost: they cannot stop together with it)
+                         elastic: at most 0.5 when a peer node was lost, as they cannot stop
+                         together with it)
   --no-python            run a .py program directly instead of through python
   --standalone           single node with a free port (torchrun compatibility)
   -h, --help             this text

@@ -306,17 +306,19 @@ bool Rendezvous::sweep(RendezvousState& state) {
     const int left = static_cast<int>(state.participants.size());
     // Nodes waiting to join fill the gap in the same change (where MIN == MAX they must, or the job
     // would end for want of a node that is there).
-    if (left + static_cast<int>(state.waiting.size()) < settings_.min_nodes) {
+    const std::size_t first_change = state.changes_in_place.size();
+    state.changes_in_place.push_back(what + "; the running round goes on in place with " +
+                                     std::to_string(left) +
+                                     " node(s), whose workers carry on without the lost ones");
+    admit_in_place(state);
+    const int now = static_cast<int>(state.participants.size());
+    if (now < settings_.min_nodes) {
+      state.changes_in_place.resize(first_change);
       state.shutdown =
-          what + "; " + std::to_string(left) + " node(s) left, fewer than the minimum of " +
+          what + "; " + std::to_string(now) + " node(s) left, fewer than the minimum of " +
           std::to_string(settings_.min_nodes) + " (--nnodes " +
           std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes) + ")";
       state.ended_by_loss = true;
-    } else {
-      state.changes_in_place.push_back(what + "; the running round goes on in place with " +
-                                       std::to_string(left) +
-                                       " node(s), whose workers carry on without the lost ones");
-      admit_in_place(state);
     }
   }
   return true;

@@ -46,6 +46,8 @@
 //     lowest free node rank and the lowest free block of global ranks (a lost node's, when its
 //     nproc fits), and its workers start as newcomers (RoundAssignment::join_running) that the
 //     others admit at their next step boundary.
+//   A waiting node fills a lost one's place in the same change, so a job at MAX (or at MIN == MAX)
+//     goes on at its size; a loss that leaves fewer than MIN, with nobody waiting, ends the job.
 //   Each participant keeps its slot (node rank, first global rank) for the whole round, so that the
 //     ranks of running workers never move. Every other change (a worker failure the agents cannot
 //     repair alone, a node leaving on SIGTERM, node 0 lost) opens a new round, as without in place.

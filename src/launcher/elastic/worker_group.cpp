@@ -637,6 +637,7 @@ std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd,
     reap(&exits);
   }
   for (Worker& worker : workers_) close_worker(worker);
+  last_stop_killed_ = killed;
   return exits;
 }
 

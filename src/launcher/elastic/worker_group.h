@@ -176,6 +176,8 @@ class WorkerGroup {
   // stop. Returns how each worker that was still running ended.
   std::vector<WorkerExit> stop(int interrupt_fd = -1,
                                std::optional<std::chrono::milliseconds> grace = std::nullopt);
+  // Whether the last stop() had to send SIGKILL (a worker outlived its grace).
+  bool last_stop_killed() const { return last_stop_killed_; }
 
   // In-place recovery: spawns local rank `local_rank` again, its previous process reaped (wait()
   // reported it), while the other workers keep running. The newcomer gets the current round's
@@ -228,6 +230,7 @@ class WorkerGroup {
   std::string executable_;
   std::vector<std::string> shared_env_;
   int dev_null_ = -1;
+  bool last_stop_killed_ = false;
   // A private temporary folder holding the workers' TORCHELASTIC_ERROR_FILEs; removed with the
   // group (a SIGKILLed launcher leaves it behind, as torchrun leaves its folders every time). Empty
   // until the first start().

@@ -797,8 +797,9 @@ int connect_before(const addrinfo& address, std::chrono::steady_clock::time_poin
 
 // One client's requests to the workers' store at host:port: VALIDATE, then `request`, then reads
 // `reply_size` bytes of answer into *reply, within `timeout` all told. Returns "" when it has them,
-// else why not. One connection per call: these are rare (a worker's exit), and a connection kept
-// open would outlive the store it was made for.
+// else why not; *refused (when given) then says whether nothing listens there (the connection was
+// refused, or closed before the answer). One connection per call: these are rare (a worker's
+// exit), and a connection kept open would outlive the store it was made for.
 std::string exchange_with_worker_store(const std::string& host, int port,
                                        const std::string& request, std::size_t reply_size,
                                        std::string* reply, std::chrono::milliseconds timeout,
@@ -854,8 +855,11 @@ std::string exchange_with_worker_store(const std::string& host, int port,
         recv(fd, buffer, std::min(sizeof(buffer), reply_size - reply->size()), MSG_DONTWAIT);
     if (n > 0) {
       reply->append(buffer, static_cast<std::size_t>(n));
-    } else if (n == 0) {
-      why = "the store closed the connection";
+    } else if (n == 0 || errno == ECONNRESET) {
+      // Gone between our connect and its answer (a launcher dropping the last round's store):
+      // for the caller, as a refused connection.
+      why = n == 0 ? "the store closed the connection" : std::strerror(errno);
+      if (refused != nullptr) *refused = true;
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       why = std::strerror(errno);
     }
@@ -865,25 +869,6 @@ std::string exchange_with_worker_store(const std::string& host, int port,
 }
 
 }  // namespace
-
-std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
-                                const std::string& value, std::chrono::milliseconds timeout) {
-  // SET has no reply; PING's, after it, says that both were served.
-  const uint32_t nonce = static_cast<uint32_t>(getpid());
-  std::string request;
-  put<uint8_t>(request, static_cast<uint8_t>(Command::kSet));
-  put_bytes(request, key);
-  put_bytes(request, value);
-  put<uint8_t>(request, static_cast<uint8_t>(Command::kPing));
-  put<uint32_t>(request, nonce);
-  std::string answer;
-  const std::string why =
-      exchange_with_worker_store(host, port, request, sizeof(nonce), &answer, timeout);
-  if (!why.empty()) return why;
-  uint32_t echoed = 0;
-  std::memcpy(&echoed, answer.data(), sizeof(echoed));
-  return echoed == nonce ? "" : "a wrong answer to PING (not a TCPStore?)";
-}
 
 KeyCheck check_in_worker_store(const std::string& host, int port, const std::string& key,
                                std::chrono::milliseconds timeout, std::string* why) {

@@ -53,18 +53,10 @@ class WorkerStore {
   std::thread thread_;
 };
 
-// A client's SET into the workers' store at host:port, as c10d's TCPStore client sends it
-// (VALIDATE, SET; then PING, whose answer says both were served), within `timeout` all told. Each
-// launcher of a `--recovery in-place` job writes through it what the workers read from it (a
-// worker's exit, in_place_recovery.cpp), node 0's into its own store like the others. Returns ""
-// once the store has the key, else why not ("connection refused", "no answer within 1 s"). Never
-// throws.
-std::string set_in_worker_store(const std::string& host, int port, const std::string& key,
-                                const std::string& value, std::chrono::milliseconds timeout);
-
-// A client's CHECK of one key in the workers' store at host:port, within `timeout`. A launcher on
-// another node than the store's reads through it what node 0's reads with contains(). kNoStore:
-// the host refused the connection (nothing listens there: the store is not up yet, or gone);
+// A client's CHECK of one key in the workers' store at host:port, within `timeout`, as c10d's
+// TCPStore client sends it (VALIDATE, CHECK). A launcher on another node than the store's reads
+// through it what node 0's reads with contains(). kNoStore: the host refused the connection, or
+// the store closed it before it answered (nothing listens there: the store is not up yet, or gone);
 // kNoAnswer: no answer in time (a host lost, a link cut) or not a TCPStore's; for both, *why (when
 // given) says what happened. Never throws.
 enum class KeyCheck { kPresent, kAbsent, kNoStore, kNoAnswer };
@@ -72,9 +64,11 @@ KeyCheck check_in_worker_store(const std::string& host, int port, const std::str
                                std::chrono::milliseconds timeout, std::string* why = nullptr);
 
 // Both in one exchange, within `timeout` all told: a SET of each of `entries` (key, value), then
-// the CHECK of `check_key`, whose answer also says that the SETs were served (the store serves a
-// connection's requests in order). Another node's launcher tells of a worker's exit and asks
-// whether to restart it alone at once, and on a cut link waits for one timeout, not two.
+// the CHECK of `check_key`, whose answer also says that the SETs were served (SET has no reply,
+// and the store serves a connection's requests in order). Each launcher of a `--recovery
+// in-place` job writes through it what the workers read from it (a worker's exit,
+// in_place_recovery.cpp) and asks at once whether to restart it alone: on a cut link one timeout,
+// not two.
 KeyCheck set_and_check_in_worker_store(
     const std::string& host, int port,
     const std::vector<std::pair<std::string, std::string>>& entries, const std::string& check_key,

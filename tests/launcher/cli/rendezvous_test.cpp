@@ -585,6 +585,26 @@ TEST_F(RendezvousTest, InPlaceRoundStillRestartsWhenNodeZeroIsLost) {
   EXPECT_FALSE(stored().in_place) << "the next round starts without it";
 }
 
+// In place or not, a loss that leaves fewer than MIN nodes, with nobody waiting, ends the job, and
+// the workers get the short stop (Note [Stopping after a loss]).
+TEST_F(RendezvousTest, InPlaceRoundBelowMinEndsTheJob) {
+  RendezvousSettings s = settings(2, 2);
+  auto a = node("a", s);
+  auto b = node("b", s);  // silent once the round runs: lost
+  auto ja = join(*a, 1001);
+  wait_until_joined(*a);
+  auto jb = join(*b, 1002);
+  get(ja);
+  get(jb);
+  a->mark_in_place();
+  pass(kHeartbeatTimeout + 1ms, {a.get()});
+  Verdict verdict = a->check();
+  EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
+  EXPECT_TRUE(verdict.participant_lost);
+  EXPECT_NE(verdict.message.find("1 node(s) left, fewer than the minimum of 2"), std::string::npos)
+      << verdict.message;
+}
+
 // With MIN == MAX a lost node leaves the job below MIN, but a node already waiting takes its place
 // in the same change: the job goes on in place instead of ending for want of a node that is there.
 TEST_F(RendezvousTest, InPlaceRoundAtMinAdmitsAWaitingNodeForALostOne) {
