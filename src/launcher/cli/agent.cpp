@@ -22,13 +22,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using elastic::Verdict;
+using elastic::WaitResult;
 
 // Note [Stopping after a loss] (launcher/elastic/rendezvous.h): the grace the workers get when a
 // round ends because a participant was lost. A moment for a program to flush its output; a stop
 // they agree on cannot happen without the lost peer, and waiting --grace-period for it gains
 // nothing.
 constexpr std::chrono::milliseconds kGraceAfterALoss{500};
-using elastic::WaitResult;
 
 // One descriptor that is readable when a signal is pending or the monitor timer fired. A zero
 // period leaves the timer disarmed: only signals wake it.
