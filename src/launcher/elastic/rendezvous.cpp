@@ -426,10 +426,11 @@ RoundAssignment Rendezvous::assignment(const RendezvousState& state) const {
   return out;
 }
 
-void Rendezvous::admit_in_place(RendezvousState& state) {
+bool Rendezvous::admit_in_place(RendezvousState& state) {
   if (!state.in_place || !state.complete || !state.finished.empty() || !state.shutdown.empty()) {
-    return;
+    return false;
   }
+  bool admitted = false;
   while (!state.waiting.empty() &&
          static_cast<int>(state.participants.size()) < settings_.max_nodes) {
     const std::string id = state.waiting.front();
@@ -465,7 +466,9 @@ void Rendezvous::admit_in_place(RendezvousState& state) {
         std::to_string(slot.node_rank) + " (ranks " + std::to_string(slot.first_rank) + ".." +
         std::to_string(slot.first_rank + nproc - 1) +
         "): its workers start as newcomers that the others admit");
+    admitted = true;
   }
+  return admitted;
 }
 
 // Note [Reusing a run id]: an etcd key outlives the job that wrote it (a c10d store dies with its
@@ -541,9 +544,7 @@ std::optional<RoundAssignment> Rendezvous::next_round(int port, int interrupt_fd
           changed |= try_close(s);
         } else if (s.in_place && contains(s.waiting, self_.id)) {
           // Note [Rounds in place]: no need to wait for a running agent's next look.
-          const std::size_t before = s.changes_in_place.size();
-          admit_in_place(s);
-          changed |= s.changes_in_place.size() != before;
+          changed |= admit_in_place(s);
         }
         return changed;
       });
@@ -590,9 +591,7 @@ Verdict Rendezvous::check() {
       if (!s.shutdown.empty()) return false;
       bool changed = sweep(s);
       if (s.in_place && s.round == round_) {
-        const std::size_t before = s.changes_in_place.size();
-        admit_in_place(s);
-        changed |= s.changes_in_place.size() != before;
+        changed |= admit_in_place(s);
       } else if (s.shutdown.empty() && s.round == round_ && s.complete && !s.waiting.empty() &&
                  static_cast<int>(s.participants.size()) < settings_.max_nodes &&
                  s.finished.empty()) {

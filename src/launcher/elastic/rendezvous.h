@@ -277,8 +277,9 @@ class Rendezvous {
   // MIN nodes remain (`lost` names who was lost, for that message).
   void open_round(RendezvousState& state, const std::string& reason, const std::string& lost);
   bool try_close(RendezvousState& state);
-  // Note [Rounds in place]: admits waiting nodes into the running round while it is below MAX.
-  void admit_in_place(RendezvousState& state);
+  // Note [Rounds in place]: admits waiting nodes into the running round while it is below MAX;
+  // true when it admitted any.
+  bool admit_in_place(RendezvousState& state);
   RoundAssignment assignment(const RendezvousState& state) const;
   std::string describe_node(const RendezvousState& state, const std::string& id) const;
   void keep_alive_loop(std::chrono::steady_clock::time_point first);

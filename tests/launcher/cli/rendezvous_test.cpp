@@ -213,6 +213,17 @@ class RendezvousTest : public testing::Test {
         rendezvous.self().id + " joined");
   }
 
+  // Round 0 of `first` (node 0, MASTER_PORT 1001) and `second` (1002), MAX 2, whose workers then
+  // formed an in-place group: node 0 says so (Note [Rounds in place]).
+  void run_in_place(Rendezvous& first, Rendezvous& second) {
+    auto joined_first = join(first, 1001);
+    wait_until_joined(first);
+    auto joined_second = join(second, 1002);
+    EXPECT_EQ(get(joined_first).group_rank, 0);
+    EXPECT_EQ(get(joined_second).group_rank, 1);
+    first.mark_in_place();
+  }
+
   std::shared_ptr<MemoryStore> store_ = std::make_shared<MemoryStore>();
   FakeClock clock_;
   std::map<std::string, std::shared_ptr<std::atomic<int>>> reads_;  // per node id
@@ -572,12 +583,7 @@ TEST_F(RendezvousTest, InPlaceRoundStillRestartsWhenNodeZeroIsLost) {
   RendezvousSettings s = settings(1, 2);
   auto a = node("a", s);  // node 0, silent: lost
   auto b = node("b", s);
-  auto ja = join(*a, 1001);
-  wait_until_joined(*a);
-  auto jb = join(*b, 1002);
-  get(ja);
-  EXPECT_EQ(get(jb).group_rank, 1);
-  a->mark_in_place();
+  run_in_place(*a, *b);
   pass(kHeartbeatTimeout + 1ms, {b.get()});
   Verdict verdict = b->check();
   EXPECT_EQ(verdict.kind, Verdict::Kind::kNewRound) << verdict.message;
@@ -591,12 +597,7 @@ TEST_F(RendezvousTest, InPlaceRoundBelowMinEndsTheJob) {
   RendezvousSettings s = settings(2, 2);
   auto a = node("a", s);
   auto b = node("b", s);  // silent once the round runs: lost
-  auto ja = join(*a, 1001);
-  wait_until_joined(*a);
-  auto jb = join(*b, 1002);
-  get(ja);
-  get(jb);
-  a->mark_in_place();
+  run_in_place(*a, *b);
   pass(kHeartbeatTimeout + 1ms, {a.get()});
   Verdict verdict = a->check();
   EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
@@ -612,12 +613,7 @@ TEST_F(RendezvousTest, InPlaceRoundAtMinAdmitsAWaitingNodeForALostOne) {
   auto a = node("a", s);
   auto b = node("b", s);  // silent once the round runs: lost
   auto c = node("c", s);
-  auto ja = join(*a, 1001);
-  wait_until_joined(*a);
-  auto jb = join(*b, 1002);
-  get(ja);
-  get(jb);
-  a->mark_in_place();
+  run_in_place(*a, *b);
   auto jc = join(*c, 1003);
   wait_until_stored([](const RendezvousState& state) { return state.waiting.size() == 1; },
                     "c on the waiting list");
