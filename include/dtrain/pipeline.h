@@ -167,6 +167,11 @@ struct PipelineOptions {
   // Bound on every wait for a neighbour stage: 0 means the group's timeout (distributed) or
   // kDefaultTimeout.
   std::chrono::milliseconds timeout{0};
+  // DistributedPipeline only: how a stage's data-parallel replicas (the mesh's data group) share
+  // its training state. 0: each holds all of it and their gradients are averaged as DDP averages
+  // them; 1-3: ZeRO's stages over them (Note [ZeRO in a pipeline]: the optimizer state, the
+  // gradients too, the parameters too).
+  int zero_stage = 0;
 };
 
 // The loss of one micro-batch: must return the mean over its rows (like cross_entropy's default).
@@ -174,6 +179,8 @@ struct PipelineOptions {
 // batch's mean.
 using PipelineLossFn =
     std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+class ShardedDataParallelBase;  // dtrain/sharded.h
 
 namespace detail {
 class SingleProcessPipeline;
@@ -220,6 +227,19 @@ class Pipeline {
 // data-parallel replicas through DDP's reducer (the buckets' all-reduces start during the step's
 // last backward of each chunk; with ZB-H1 during its last W, where the gradients become ready).
 //
+// Note [ZeRO in a pipeline]
+// With options.zero_stage 1-3, each of this rank's chunks is wrapped in ShardedDataParallel over
+// the data group instead (Note [Sharded data parallelism] in dtrain/sharded.h), and the optimizer
+// steps the shards (parameters()). A chunk runs forward and backward once per micro-batch, so the
+// step is bracketed rather than driven by the wrapper's forward: the gradients of every micro-batch
+// but the last accumulate locally, and the chunk's last backward (its last W under ZB-H1) reduces
+// them, overlapped with what is left of that backward, as DDP's buckets are. Stage 3 gathers each
+// unit's parameters once per step, before the first forward, and frees them after the last
+// backward, as torchtitan runs FSDP2 under a pipeline (reshard_after_forward off): gathering them
+// again for each of M micro-batches would cost 2M all-gathers per step for no saving in memory at
+// the step's peak, where every micro-batch's gradient is being accumulated anyway. Between steps a
+// rank holds 1/D of its stage's parameters, gradients and optimizer state (D: the data degree).
+//
 // Before the first step (and whenever the batch's shape changes) a pre-flight runs on every rank
 // and throws the same UsageError everywhere instead of hanging: stage counts and options that
 // differ between ranks, parameters off the stage's device, fewer rows than micro-batches, and each
@@ -243,10 +263,31 @@ class DistributedPipeline {
   at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target,
                               const PipelineLossFn& loss_fn);
 
+  // While the returned guard lives, forward_backward leaves the gradients on this rank (gradient
+  // accumulation over several batches): neither DDP's average nor ZeRO's reduction runs, and the
+  // first forward_backward after the guard ends reduces everything accumulated.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedPipeline& pipe);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedPipeline& pipe_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
   int stage() const;
   int stages() const;
   const PipelineSchedule& schedule() const;
-  std::vector<at::Tensor> parameters() const;  // this stage's
+  // This stage's: its chunks' parameters, or with options.zero_stage > 0 their shards (build the
+  // optimizer over these).
+  std::vector<at::Tensor> parameters() const;
+  // With options.zero_stage > 0: ShardedDataParallel around each of this rank's chunks that has
+  // trainable parameters, in chunk order (flat_shards() for checkpoints, gather_full_parameters()
+  // to evaluate the chunks outside a step); empty otherwise.
+  const std::vector<std::shared_ptr<ShardedDataParallelBase>>& sharded_chunks() const;
 
  private:
   std::unique_ptr<detail::DistributedPipelineImpl> impl_;

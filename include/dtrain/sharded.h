@@ -124,7 +124,8 @@ struct ShardedCommStats {
 
 namespace detail {
 class ShardedState;
-}
+struct ShardedPipelineSteps;  // src/sharded/pipeline_steps.h: DistributedPipeline's ZeRO
+}  // namespace detail
 
 // The type-independent part of ShardedDataParallelImpl<M>: a module whose parameters are this
 // rank's shards (Note [Sharded parameter names]).
@@ -196,6 +197,9 @@ class ShardedDataParallelBase : public torch::nn::Module {
 
  protected:
   std::unique_ptr<detail::ShardedState> state_;
+
+ private:
+  friend struct detail::ShardedPipelineSteps;
 };
 
 // ShardedDataParallel around a module of type ModuleType; held by

@@ -12,7 +12,9 @@
 
 #include "common/format.h"
 #include "common/reducer.h"
+#include "dtrain/sharded.h"
 #include "pipeline/stage_runner.h"
+#include "sharded/pipeline_steps.h"
 
 namespace dtrain {
 namespace detail {
@@ -160,10 +162,21 @@ class DistributedPipelineImpl {
     } catch (const UsageError& e) {
       problem = e.what();
     }
+    if (problem.empty() && (options_.zero_stage < 0 || options_.zero_stage > 3)) {
+      problem = "zero_stage=" + std::to_string(options_.zero_stage) +
+                ": expected 0 (DDP over the data replicas) or a ZeRO stage 1-3";
+    }
+    if (problem.empty() && options_.zero_stage > 0 && !data_group_) {
+      problem = "zero_stage=" + std::to_string(options_.zero_stage) +
+                " shards over the mesh's data group, and this mesh has none; build it with "
+                "make_rank_mesh";
+    }
     agree_on_options();
     raise_if_any(problem);
 
-    if (data_group_ && data_group_->size() > 1) {
+    if (options_.zero_stage > 0) {
+      shard_over_data_group();
+    } else if (data_group_ && data_group_->size() > 1) {
       // A chunk without trainable parameters (an activation alone) has nothing to average.
       for (const auto& chunk : runner_->chunks()) {
         bool trainable = false;
@@ -179,7 +192,7 @@ class DistributedPipelineImpl {
       // Only the pass that completes a chunk's gradients averages them: its last backward, or with
       // ZB-H1 its last W (a B accumulates no parameter gradient; Note [Split backward]).
       runner_->before_backward = [this](size_t local, bool last) {
-        if (reducers_[local]) reducers_[local]->set_sync_next_backward(last);
+        if (reducers_[local]) reducers_[local]->set_sync_next_backward(last && no_sync_depth == 0);
       };
     }
   }
@@ -239,6 +252,19 @@ class DistributedPipelineImpl {
       for (int64_t r : data.rows)
         data.targets.push_back(on_device.narrow(0, offset, r)), offset += r;
     }
+    // ZeRO's full parameters, for the pre-flight's dry run too (Note [ZeRO in a pipeline]).
+    for (auto& sharded : sharded_) {
+      if (sharded) ShardedPipelineSteps::begin_step(*sharded);
+    }
+    struct HeldForStep {
+      std::vector<std::shared_ptr<ShardedDataParallelBase>>* sharded;
+      ~HeldForStep() { release(); }
+      void release() {
+        for (auto& s : *sharded) {
+          if (s) ShardedPipelineSteps::end_step(*s);
+        }
+      }
+    } held{&sharded_};
     if (!(batch == preflight_batch_)) {
       preflight(batch, data);
       preflight_batch_ = batch;
@@ -253,6 +279,7 @@ class DistributedPipelineImpl {
     GroupLink link(*group_, timeout_);
     link.set_device(device_);
     double loss = runner_->run(link, data);
+    held.release();
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
@@ -270,11 +297,18 @@ class DistributedPipelineImpl {
   const PipelineSchedule& schedule() const { return schedule_; }
   std::vector<at::Tensor> parameters() const {
     std::vector<at::Tensor> result;
-    for (const auto& chunk : runner_->chunks()) {
-      for (auto& p : chunk->parameters()) result.push_back(p);
+    for (size_t i = 0; i < runner_->chunks().size(); ++i) {
+      const bool sharded = i < sharded_.size() && sharded_[i];
+      for (auto& p : sharded ? sharded_[i]->parameters() : runner_->chunks()[i]->parameters())
+        result.push_back(p);
     }
     return result;
   }
+  const std::vector<std::shared_ptr<ShardedDataParallelBase>>& sharded_chunks() const {
+    return sharded_nonnull_;
+  }
+
+  int no_sync_depth = 0;  // DistributedPipeline::NoSyncGuards alive
 
  private:
   std::string who() const { return rank_text(*group_); }
@@ -287,16 +321,38 @@ class DistributedPipelineImpl {
     throw UsageError(who() + ": pipeline: " + what);
   }
 
+  // Note [ZeRO in a pipeline]: ShardedDataParallel around each local chunk that has something to
+  // train, over the data group (also of one rank: the layout is then the same at every degree).
+  void shard_over_data_group() {
+    ShardedDataParallelOptions sharded;
+    sharded.stage = options_.zero_stage;
+    for (const auto& chunk : runner_->chunks()) {
+      bool trainable = false;
+      for (const auto& p : chunk->parameters()) trainable = trainable || p.requires_grad();
+      sharded_.push_back(
+          trainable ? std::make_shared<ShardedDataParallelBase>(chunk.ptr(), data_group_, sharded)
+                    : nullptr);
+      if (sharded_.back()) sharded_nonnull_.push_back(sharded_.back());
+    }
+    runner_->before_backward = [this](size_t local, bool last) {
+      if (sharded_[local]) {
+        ShardedPipelineSteps::sync_next_backward(*sharded_[local], last && no_sync_depth == 0);
+      }
+    };
+  }
+
   // Every rank must run the same schedule over the same number of stages.
   void agree_on_options() {
     at::Tensor mine = at::tensor(
         {static_cast<int64_t>(options_.schedule), static_cast<int64_t>(options_.micro_batches),
-         static_cast<int64_t>(options_.virtual_stages), static_cast<int64_t>(options_.recompute)},
+         static_cast<int64_t>(options_.virtual_stages), static_cast<int64_t>(options_.recompute),
+         static_cast<int64_t>(options_.zero_stage)},
         at::kLong);
     std::vector<at::Tensor> all(group_->size());
     for (auto& t : all) t = at::empty_like(mine);
     group_->all_gather(all, mine);
-    const char* names[] = {"schedule", "micro_batches", "virtual_stages", "recompute"};
+    const char* names[] = {"schedule", "micro_batches", "virtual_stages", "recompute",
+                           "zero_stage"};
     for (int r = 1; r < group_->size(); ++r) {
       for (int64_t f = 0; f < mine.numel(); ++f) {
         if (all[r][f].item<int64_t>() != all[0][f].item<int64_t>()) {
@@ -443,6 +499,8 @@ class DistributedPipelineImpl {
   PipelineSchedule schedule_;
   std::unique_ptr<StageRunner> runner_;
   std::vector<std::unique_ptr<Reducer>> reducers_;
+  // ZeRO (options.zero_stage > 0): per local chunk, null for one without trainable parameters.
+  std::vector<std::shared_ptr<ShardedDataParallelBase>> sharded_, sharded_nonnull_;
   TensorMeta preflight_batch_;  // the batch shape the output metas below are for
   std::map<std::pair<int, int64_t>, TensorMeta>
       output_meta_;  // (chunk, micro-batch rows) -> its output
@@ -464,5 +522,13 @@ int DistributedPipeline::stage() const { return impl_->stage(); }
 int DistributedPipeline::stages() const { return impl_->stages(); }
 const PipelineSchedule& DistributedPipeline::schedule() const { return impl_->schedule(); }
 std::vector<at::Tensor> DistributedPipeline::parameters() const { return impl_->parameters(); }
+const std::vector<std::shared_ptr<ShardedDataParallelBase>>& DistributedPipeline::sharded_chunks()
+    const {
+  return impl_->sharded_chunks();
+}
+DistributedPipeline::NoSyncGuard::NoSyncGuard(DistributedPipeline& pipe) : pipe_(pipe) {
+  ++pipe_.impl_->no_sync_depth;
+}
+DistributedPipeline::NoSyncGuard::~NoSyncGuard() { --pipe_.impl_->no_sync_depth; }
 
 }  // namespace dtrain

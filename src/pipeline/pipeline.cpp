@@ -124,6 +124,11 @@ class SingleProcessPipeline {
       throw UsageError("Pipeline: intra_op_threads=" + std::to_string(options_.intra_op_threads) +
                        ": expected at least 1");
     }
+    if (options_.zero_stage != 0) {
+      throw UsageError("Pipeline: zero_stage=" + std::to_string(options_.zero_stage) +
+                       ": one process holds every stage once, with no replicas to shard over; "
+                       "ZeRO is DistributedPipeline's (over the mesh's data group)");
+    }
     if (stages <= 0)
       stages = devices.empty() ? static_cast<int>(chunks.size()) / options_.virtual_stages
                                : static_cast<int>(devices.size());

@@ -23,6 +23,7 @@
 #include "common/gradient_sync.h"
 #include "dtrain/sharded.h"
 #include "sharded/flat_storage.h"
+#include "sharded/pipeline_steps.h"
 
 namespace dtrain {
 namespace detail {
@@ -117,6 +118,9 @@ class ShardedState {
   void gather_full_parameters();
   void release_full_parameters();
   void shards_changed();
+  void begin_pipeline_step();
+  void set_sync_next_backward(bool sync);
+  void end_pipeline_step() noexcept;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::SequentialImpl>
@@ -160,6 +164,8 @@ class ShardedState {
   bool backward_started_ = false;
   size_t next_to_launch_ = 0;  // stages 1-2 launch reductions in unit order, as DDP does buckets
   bool full_params_stale_ = false;  // stages 1-2: the shards changed since the last all-gather
+  // Stage 3 inside a pipeline step: every unit stays gathered until the step ends.
+  bool held_for_step_ = false;
 };
 
 ShardedState::ShardedState(std::shared_ptr<torch::nn::Module> module,
@@ -592,6 +598,34 @@ void ShardedState::shards_changed() {
   }
 }
 
+// ---- inside a pipeline (pipeline_steps.h) ----
+
+void ShardedState::begin_pipeline_step() {
+  prepare_forward();
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (options_.stage < 3) return;
+  for (size_t u = 0; u < units_.size(); ++u) start_gather(u);  // all in flight at once
+  for (size_t u = 0; u < units_.size(); ++u) materialize(u);
+  held_for_step_ = true;
+}
+
+void ShardedState::set_sync_next_backward(bool sync) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  sync_this_backward_ = sync && no_sync_depth_.load() == 0;
+}
+
+void ShardedState::end_pipeline_step() noexcept {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!held_for_step_) return;
+  held_for_step_ = false;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    try {
+      park(u);  // waits for a gather still in flight after a failed step
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 // ---- backward ----
 
 void ShardedState::start_backward() {
@@ -656,7 +690,7 @@ void ShardedState::on_unit_complete(size_t u) {
       }
     }
   }
-  if (options_.stage == 3) park(u);
+  if (options_.stage == 3 && !held_for_step_) park(u);
 }
 
 void ShardedState::launch_reduction(size_t u) {
@@ -728,7 +762,7 @@ void ShardedState::reset_iteration() {
     unit.launched = false;
     unit.reduction = Work();
   }
-  if (options_.stage == 3) {
+  if (options_.stage == 3 && !held_for_step_) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].gathered || units_[u].gathering) park(u);
     }
@@ -738,6 +772,16 @@ void ShardedState::reset_iteration() {
 }
 
 }  // namespace detail
+
+void detail::ShardedPipelineSteps::begin_step(ShardedDataParallelBase& sdp) {
+  sdp.state_->begin_pipeline_step();
+}
+void detail::ShardedPipelineSteps::sync_next_backward(ShardedDataParallelBase& sdp, bool sync) {
+  sdp.state_->set_sync_next_backward(sync);
+}
+void detail::ShardedPipelineSteps::end_step(ShardedDataParallelBase& sdp) noexcept {
+  sdp.state_->end_pipeline_step();
+}
 
 // ---- the public face ----
 

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "dtrain/sharded.h"
 #include "pipeline/split_backward.h"
 #include "support/equivalence.h"
 #include "support/thread_ranks.h"
@@ -289,6 +290,7 @@ struct DistributedRun {
   int micro_batches = 4;
   int virtual_stages = 1;
   bool shared_memory = true;
+  int zero_stage = 0;  // with data > 1: ZeRO over each stage's replicas instead of DDP
 };
 
 // Each data replica takes its own contiguous half of every batch, so the replicas' mean losses
@@ -327,8 +329,9 @@ std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& 
         options.schedule = run.kind;
         options.micro_batches = run.micro_batches;
         options.virtual_stages = run.virtual_stages;
-        DistributedPipeline pipe(split_sequential(model, even_cut(run.stages * run.virtual_stages)),
-                                 mesh, options);
+        options.zero_stage = run.zero_stage;
+        auto chunks = split_sequential(model, even_cut(run.stages * run.virtual_stages));
+        DistributedPipeline pipe(chunks, mesh, options);
         torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
         for (int step = 0; step < kSteps; ++step) {
           Batch b = make_batch(step, rows);
@@ -340,7 +343,12 @@ std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& 
           EXPECT_TRUE(std::isfinite(loss.item<double>()));
           opt.step();
         }
-        auto mine = pipe.parameters();
+        // The chunks' own parameters (with ZeRO, gathered from the shards the optimizer stepped).
+        for (const auto& sharded : pipe.sharded_chunks()) sharded->gather_full_parameters();
+        std::vector<torch::Tensor> mine;
+        for (size_t c = mesh.pipeline_index; c < chunks.size(); c += run.stages) {
+          for (const auto& p : chunks[c]->parameters()) mine.push_back(p);
+        }
         std::lock_guard<std::mutex> lock(mutex);
         for (size_t i = 0; i < all_params.size(); ++i) {
           for (auto& p : mine) {
@@ -422,6 +430,30 @@ TEST(DistributedPipeline, TwoDataReplicasTimesTwoStagesEqualSingleProcess) {
     auto replicas = train_distributed(run);
     EXPECT_LT(relative_error(replicas[0], want), kTolerance);
     EXPECT_LT(relative_error(replicas[1], want), kTolerance);
+  }
+}
+
+// ZeRO over each stage's replicas (Note [ZeRO in a pipeline]): the micro-batches' gradients
+// accumulate and the chunk's last backward reduces them (its last W under ZB-H1), stage 3's
+// parameters gathered for the step; SGD with momentum steps the shards. Interleaved: two sharded
+// chunks per rank.
+TEST(DistributedPipeline, ZeroOverTheDataReplicasEqualsSingleProcess) {
+  const auto want = train_single_on(kBatchDp);
+  for (int zero : {1, 2, 3}) {
+    for (auto kind :
+         {ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1, ScheduleKind::kInterleaved1F1B}) {
+      SCOPED_TRACE("zero " + std::to_string(zero) + ", " + to_string(kind));
+      DistributedRun run;
+      run.kind = kind;
+      run.stages = 2;
+      run.data = 2;
+      run.micro_batches = 3;
+      run.virtual_stages = kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
+      run.zero_stage = zero;
+      auto replicas = train_distributed(run);
+      EXPECT_LT(relative_error(replicas[0], want), kTolerance);
+      EXPECT_LT(relative_error(replicas[1], want), kTolerance);
+    }
   }
 }
 

@@ -51,6 +51,7 @@ std::vector<int64_t> stage_starts(const std::vector<int64_t>& weights, int parts
 // What one pipeline stage (the whole model when pp = 1) holds.
 struct Stage {
   int64_t parameters = 0;  // on tensor rank 0
+  int64_t zero_shard = 0;  // ZeRO's flat shards of them: every child a unit, padded to dp
   int64_t blocks = 0;
   bool first = false, last = false;
   int64_t largest_child = 0;
@@ -65,6 +66,7 @@ std::vector<Stage> stages(const GptConfig& c, const Layout& layout) {
     Stage stage;
     for (int64_t i = starts[s]; i < starts[s + 1]; ++i) {
       stage.parameters += counts[i];
+      stage.zero_shard += ceil_div(counts[i], layout.dp);
       stage.largest_child = std::max(stage.largest_child, counts[i]);
       if (i >= 1 && i <= c.layers) ++stage.blocks;
       if (i == 0) stage.first = true;
@@ -75,11 +77,11 @@ std::vector<Stage> stages(const GptConfig& c, const Layout& layout) {
   return result;
 }
 
-// ZeRO's flat shards: every child a unit (of tensor rank 0's shards with tp > 1), padded to a
-// multiple of dp.
+// ZeRO's flat shards on the fullest stage: every child a unit (of tensor rank 0's shards with
+// tp > 1), padded to a multiple of dp.
 int64_t zero_shard(const GptConfig& c, const Layout& layout) {
   int64_t shard = 0;
-  for (int64_t count : children(c, layout.tp)) shard += ceil_div(count, layout.dp);
+  for (const Stage& stage : stages(c, layout)) shard = std::max(shard, stage.zero_shard);
   return shard;
 }
 
@@ -155,27 +157,36 @@ Memory memory_per_rank(const GptConfig& config, const Layout& layout, int64_t ro
     const Stage& stage = all[s];
     Memory m;
     const double held = static_cast<double>(stage.parameters) * kFloat;
-    const double shard = static_cast<double>(zero_shard(config, layout)) * kFloat;
+    const double shard = static_cast<double>(stage.zero_shard) * kFloat;
     const double largest = static_cast<double>(stage.largest_child) * kFloat;
-    switch (layout.zero) {
-      case 0:
-        m.parameters = m.gradients = held;
-        m.optimizer = 2 * held;
-        break;
-      case 1:  // 4 + 4 + 8/N bytes per parameter (dtrain/sharded.h)
-        m.parameters = m.gradients = held;
-        m.optimizer = 2 * shard;
-        break;
-      case 2:  // 4 + 12/N, and one unit's full gradient before it is reduce-scattered
-        m.parameters = held;
-        m.gradients = shard;
-        m.optimizer = 2 * shard;
-        m.gathered = largest;
-        break;
-      default:  // 16/N, and two units' full parameters (one prefetched) and one's gradient
-        m.parameters = m.gradients = shard;
-        m.optimizer = 2 * shard;
-        m.gathered = 3 * largest;
+    if (layout.pp > 1 && layout.zero > 0) {
+      // A pipeline holds its stage's parameters and gradients through the step (Note [ZeRO in a
+      // pipeline]): ZeRO saves the optimizer's state at the peak, stage 3 the parameters between
+      // steps only.
+      m.parameters = held + (layout.zero == 3 ? shard : 0);
+      m.gradients = held;
+      m.optimizer = 2 * shard;
+    } else {
+      switch (layout.zero) {
+        case 0:
+          m.parameters = m.gradients = held;
+          m.optimizer = 2 * held;
+          break;
+        case 1:  // 4 + 4 + 8/N bytes per parameter (dtrain/sharded.h)
+          m.parameters = m.gradients = held;
+          m.optimizer = 2 * shard;
+          break;
+        case 2:  // 4 + 12/N, and one unit's full gradient before it is reduce-scattered
+          m.parameters = held;
+          m.gradients = shard;
+          m.optimizer = 2 * shard;
+          m.gathered = largest;
+          break;
+        default:  // 16/N, and two units' full parameters (one prefetched) and one's gradient
+          m.parameters = m.gradients = shard;
+          m.optimizer = 2 * shard;
+          m.gathered = 3 * largest;
+      }
     }
     const double micro = static_cast<double>(in_flight(layout, s));
     double activations = 0;
@@ -231,11 +242,14 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
   p.terms.emplace_back("pipeline sends", m * sends);
   p.terms.emplace_back("pipeline bubble", (layout.pp - 1) * slowest);
   const double gradient_bytes = static_cast<double>(parameters_per_rank(config, layout)) * kFloat;
-  // What ZeRO reduces and gathers over the data group: a tensor rank's shards of the whole model.
+  // What ZeRO reduces and gathers over the data group: a tensor rank's shards of its stage (of the
+  // whole model without a pipeline), a unit per child; the stages' data groups work side by side.
   double whole_bytes = 0;
-  for (int64_t count : children(config, layout.tp))
-    whole_bytes += static_cast<double>(count) * kFloat;
-  const int64_t units = config.layers + 3;
+  int64_t units = 0;
+  for (const Stage& stage : stages(config, layout)) {
+    whole_bytes = std::max(whole_bytes, static_cast<double>(stage.parameters) * kFloat);
+    units = std::max(units, stage.blocks + stage.first + 2 * stage.last);
+  }
   switch (layout.zero) {
     case 0:
       p.terms.emplace_back(
@@ -252,9 +266,9 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
       p.terms.emplace_back("ZeRO-2 reduce-scatter + all-gather",
                            ring_s(whole_bytes, layout.dp, 2, machine, units));
       break;
-    default:
+    default:  // under a pipeline one gather per step, not one per pass (Note [ZeRO in a pipeline])
       p.terms.emplace_back("ZeRO-3 gathers + reduce-scatter",
-                           ring_s(whole_bytes, layout.dp, 3, machine, units));
+                           ring_s(whole_bytes, layout.dp, layout.pp > 1 ? 2 : 3, machine, units));
   }
   const int64_t stepped =
       layout.zero > 0 ? zero_shard(config, layout) : parameters_per_rank(config, layout);
@@ -295,7 +309,7 @@ std::vector<Layout> candidate_layouts(const GptConfig& config, int devices, int6
         }
       }
       std::vector<int> zeros{0};
-      if (pp == 1 && dp > 1) zeros = {0, 1, 2, 3};
+      if (dp > 1) zeros = {0, 1, 2, 3};
       std::vector<bool> sps{false};
       if (tp > 1 && config.seq_len % tp == 0) sps.push_back(true);
       for (int zero : zeros) {

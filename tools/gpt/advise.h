@@ -22,8 +22,9 @@
 // that). Every collective is exposed: DDP's overlap of the gradient all-reduce with backward and
 // ZeRO-3's prefetch are not credited (as `dtrain scale` found at 2 workers here: "no overlap").
 // Only the 1F1B schedule is listed (GPipe has the same bubble and more activations in flight; the
-// interleaved and zero-bubble schedules are not modelled yet). ZeRO only with pp = 1, as train_gpt
-// runs it today (with tp > 1, over each tensor rank's shards).
+// interleaved and zero-bubble schedules are not modelled yet). ZeRO with tp > 1 shards each tensor
+// rank's shards, with pp > 1 each stage's; a pipeline keeps its stage's full parameters and
+// gradients through the step (Note [ZeRO in a pipeline] in dtrain/pipeline.h).
 #pragma once
 
 #include <cstdint>
@@ -48,7 +49,7 @@ struct Machine {
 // One layout, as train_gpt's flags name it.
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
-  int zero = 0;           // ZeRO stage over dp (pp = 1)
+  int zero = 0;           // ZeRO stage over dp
   int micro_batches = 1;  // with pp > 1
   bool sp = false;        // sequence parallelism (tp > 1)
   bool recompute = false;
@@ -103,7 +104,7 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
                    const Machine& machine, const Costs& costs);
 
 // Every layout train_gpt can run on machine.devices ranks for this config: degrees multiplying to
-// the devices (tp dividing kv_heads, pp at most layers), ZeRO 1-3 with pp = 1, sp with tp > 1
+// the devices (tp dividing kv_heads, pp at most layers), ZeRO 1-3 with dp > 1, sp with tp > 1
 // where seq_len divides, micro-batches pp, 2pp, 4pp .. up to the rows, recomputation off and on.
 std::vector<Layout> candidate_layouts(const GptConfig& config, int devices, int64_t rows);
 

@@ -94,6 +94,7 @@ TEST(GptAdvise, ParametersPerRankEqualTheRealLayouts) {
   expect_counts_match_the_real_layout(make(1, 1, 3), 3);     // a stage per block
   expect_counts_match_the_real_layout(make(1, 2, 2), 4);     // both
   expect_counts_match_the_real_layout(make(2, 2, 1, 3), 4);  // ZeRO-3 of tensor shards
+  expect_counts_match_the_real_layout(make(2, 1, 2, 3), 4);  // ZeRO-3 of each stage's
 }
 
 TEST(GptAdvise, MemoryFallsWithShardingAndRecomputation) {

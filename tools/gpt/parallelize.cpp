@@ -57,12 +57,6 @@ int check_degrees(const LayoutOptions& options, int world_size) {
         " ranks, but the world size is " + world +
         "; their product must equal it (leave --dp out for " + world + " / (tp x pp))");
   }
-  if (options.zero > 0 && options.pp > 1) {
-    throw dtrain::UsageError("--zero " + std::to_string(options.zero) + " with --pp " +
-                             std::to_string(options.pp) +
-                             ": ZeRO over the data dimension of a pipeline layout is not "
-                             "implemented; use --zero 0 (DDP over the replicas) with --pp");
-  }
   return dp;
 }
 
@@ -98,6 +92,7 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
     pipeline.micro_batches = options_.micro_batches;
     pipeline.schedule = options_.schedule;
     pipeline.virtual_stages = options_.schedule == dtrain::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+    pipeline.zero_stage = options_.zero;  // over the replicas of each stage (and tensor rank)
     torch::nn::Sequential whole = model->sequential();
     std::vector<int64_t> cuts =
         dtrain::balance_by_parameters(whole, options_.pp * pipeline.virtual_stages);
@@ -109,8 +104,12 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
       cuts.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
     }
     chunks_ = dtrain::split_sequential(whole, cuts);
+    for (size_t c = mesh_.pipeline_index; c < chunks_.size(); c += options_.pp) {
+      for (const auto& p : chunks_[c]->parameters())
+        stage_parameters_.insert(p.unsafeGetTensorImpl());
+    }
     pipe = std::make_unique<dtrain::DistributedPipeline>(chunks_, mesh_, pipeline, device);
-    parameters_ = pipe->parameters();  // this stage's
+    parameters_ = pipe->parameters();  // this stage's, or with --zero their shards
   } else if (options_.zero > 0) {
     // ZeRO over the mesh's data group (the world when tp = 1): the replicas that hold the same
     // tensor shards split those once more, each rank keeping 1/D of its tensor rank's units.
@@ -124,17 +123,36 @@ Parallel::Parallel(Gpt model_in, const LayoutOptions& options, dtrain::RankMesh 
   }
 }
 
-at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor& targets) {
+at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor& targets,
+                                      double loss_scale, bool sync) {
+  // Accumulating: the data dimension's reductions wait for the call with sync.
+  std::optional<dtrain::DistributedDataParallelBase::NoSyncGuard> ddp_guard;
+  std::optional<dtrain::ShardedDataParallelBase::NoSyncGuard> sdp_guard;
+  std::optional<dtrain::DistributedPipeline::NoSyncGuard> pipe_guard;
+  if (!sync) {
+    if (pipe) {
+      pipe_guard.emplace(*pipe);
+    } else if (ddp) {
+      ddp_guard.emplace(*ddp);
+    } else {
+      sdp_guard.emplace(*sdp);
+    }
+  }
   at::Tensor loss;
   {
     // The forward under autocast; the pipeline's backward runs inside forward_backward, where
     // autocast leaves it alone (backward ops take the dtypes their forward ops had).
     std::optional<dtrain::amp::Autocast> autocast;
     if (options_.bf16) autocast.emplace(device_.type(), torch::kBFloat16);
-    if (pipe) return pipe->forward_backward(inputs, targets, next_token_loss);
+    if (pipe) {
+      auto scaled = [loss_scale](const at::Tensor& logits, const at::Tensor& next) {
+        return next_token_loss(logits, next) * loss_scale;
+      };
+      return pipe->forward_backward(inputs, targets, scaled) / loss_scale;
+    }
     loss = next_token_loss(ddp ? ddp(inputs) : sdp(inputs), targets);
   }
-  loss.backward();
+  (loss * loss_scale).backward();
   return loss.detach();
 }
 
@@ -155,8 +173,8 @@ double Parallel::clip_grad_norm(double max_norm) {
   auto add = [&](const at::Tensor& grad) {
     squares.push_back(grad.to(at::kDouble).square().sum());
   };
-  if (sdp) {
-    for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+  if (options_.zero > 0) {
+    for (const dtrain::FlatShard& unit : zero_shards()) {
       const at::Tensor& grad = unit.shard.grad();
       if (!grad.defined()) continue;
       grads.push_back(grad);
@@ -188,14 +206,38 @@ double Parallel::clip_grad_norm(double max_norm) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Parallel::named_parameters() const {
-  std::set<const c10::TensorImpl*> mine;
-  for (const auto& p : parameters_) mine.insert(p.unsafeGetTensorImpl());
   std::vector<std::pair<std::string, at::Tensor>> result;
   for (const auto& item : model->named_parameters()) {
-    if (pipe && mine.count(item.value().unsafeGetTensorImpl()) == 0) continue;  // another stage's
+    if (pipe && stage_parameters_.count(item.value().unsafeGetTensorImpl()) == 0)
+      continue;  // another stage's
     result.emplace_back(item.key(), item.value());
   }
   return result;
+}
+
+std::vector<dtrain::ShardedDataParallelBase*> Parallel::zero_wrappers() const {
+  if (sdp) return {sdp.ptr().get()};
+  std::vector<dtrain::ShardedDataParallelBase*> result;
+  if (pipe) {
+    for (const auto& wrapper : pipe->sharded_chunks()) result.push_back(wrapper.get());
+  }
+  return result;
+}
+
+std::vector<dtrain::FlatShard> Parallel::zero_shards() const {
+  std::vector<dtrain::FlatShard> result;
+  for (auto* wrapper : zero_wrappers()) {
+    for (dtrain::FlatShard& unit : wrapper->flat_shards()) result.push_back(std::move(unit));
+  }
+  return result;
+}
+
+void Parallel::gather_full_parameters() {
+  for (auto* wrapper : zero_wrappers()) wrapper->gather_full_parameters();
+}
+
+void Parallel::release_full_parameters() {
+  for (auto* wrapper : zero_wrappers()) wrapper->release_full_parameters();
 }
 
 bool Parallel::tensor_split(const at::Tensor& parameter) const {
@@ -521,13 +563,16 @@ void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer
 // Note [ZeRO over a tensor layout's state]
 // ZeRO saves its flat shards as they are, keyed by unit and by the names of the parameters in them;
 // under tensor parallelism every tensor rank's units would go under the same names (its own rows or
-// columns as the whole tensor). So ZeRO over a tensor layout saves the ranges of Note
-// [Layout-neutral checkpoints] instead, as DDP over it would: the data group gathers its tensor
-// rank's parameters (gather_full_parameters) and AdamW's moments (all-gathered unit by unit, cut by
-// the units' parameter extents), the ranges are cut from those, and a load fills the gathered
+// columns as the whole tensor), and a pipeline's stages each have units of their own under the
+// same keys. So ZeRO over a tensor or pipeline layout saves the ranges of Note [Layout-neutral
+// checkpoints] instead, as DDP over it would: the data group gathers its tensor rank's (and
+// stage's) parameters (gather_full_parameters) and AdamW's moments (all-gathered unit by unit, cut
+// by the units' parameter extents), the ranges are cut from those, and a load fills the gathered
 // parameters and moments, from which each rank copies its ZeRO slice back into its shards. While a
-// save or load runs, a rank holds its tensor rank's whole training state, as DDP would.
-bool Parallel::zero_over_tensor_ranks() const { return sdp && options_.tp > 1; }
+// save or load runs, a rank holds its tensor rank's and stage's whole training state, as DDP would.
+bool Parallel::zero_saves_ranges() const {
+  return options_.zero > 0 && (options_.tp > 1 || options_.pp > 1);
+}
 
 std::unique_ptr<torch::optim::AdamW> Parallel::gathered_moments(torch::optim::AdamW& optimizer) {
   torch::NoGradGuard no_grad;
@@ -541,7 +586,7 @@ std::unique_ptr<torch::optim::AdamW> Parallel::gathered_moments(torch::optim::Ad
     data_group_->all_gather(parts, shard.contiguous());
     return at::cat(parts);
   };
-  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+  for (const dtrain::FlatShard& unit : zero_shards()) {
     // AdamW steps every shard of the data group together: all of them have a state, or none.
     auto* s = adamw_state(optimizer, unit.shard);
     if (!s) continue;
@@ -560,7 +605,7 @@ std::unique_ptr<torch::optim::AdamW> Parallel::gathered_moments(torch::optim::Ad
 void Parallel::scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
                                  torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer) {
   torch::NoGradGuard no_grad;
-  for (const dtrain::FlatShard& unit : sdp->flat_shards()) {
+  for (const dtrain::FlatShard& unit : zero_shards()) {
     at::Tensor shard = unit.shard.detach();
     const int64_t begin = unit.offset, end = unit.offset + shard.numel();
     at::Tensor exp_avg = at::zeros_like(shard), exp_avg_sq = at::zeros_like(shard);
@@ -590,30 +635,32 @@ void Parallel::scatter_to_shards(const std::map<std::string, at::Tensor>& by_nam
       optimizer.state()[unit.shard.unsafeGetTensorImpl()] = std::move(state);
     }
   }
-  sdp->shards_changed();
+  for (auto* wrapper : zero_wrappers()) wrapper->shards_changed();
 }
 
 Parallel::Ranges Parallel::ranges_to_save(torch::optim::AdamW& optimizer) {
-  if (!zero_over_tensor_ranks()) return saved_ranges(optimizer);
-  sdp->gather_full_parameters();
+  if (!zero_saves_ranges()) return saved_ranges(optimizer);
+  gather_full_parameters();
   Ranges saved = saved_ranges(*gathered_moments(optimizer));
-  sdp->release_full_parameters();
+  release_full_parameters();
   return saved;
 }
 
 // With ZeRO the pieces read into copies of the gathered parameters: ZeRO refuses full parameters
 // changed in place (they only mirror its shards).
 Parallel::Ranges Parallel::ranges_to_read(bool every) {
-  if (!zero_over_tensor_ranks()) return ranges_to_load(every);
-  sdp->gather_full_parameters();  // their shapes, and where to read
+  if (!zero_saves_ranges()) return ranges_to_load(every);
+  gather_full_parameters();  // their shapes, and where to read
   Ranges result = ranges_to_load(every);
-  for (Piece& piece : result.pieces) piece.param = piece.param.detach().clone();
-  sdp->release_full_parameters();
+  for (Piece& piece : result.pieces) {
+    if (piece.param.defined()) piece.param = piece.param.detach().clone();
+  }
+  release_full_parameters();
   return result;
 }
 
 void Parallel::apply_read(const Ranges& loaded, torch::optim::AdamW& optimizer) {
-  if (!zero_over_tensor_ranks()) return apply_loaded(loaded, optimizer);
+  if (!zero_saves_ranges()) return apply_loaded(loaded, optimizer);
   std::map<std::string, at::Tensor> values;
   std::vector<at::Tensor> tensors;
   for (const Piece& piece : loaded.pieces) {
@@ -630,7 +677,7 @@ void Parallel::save(dtrain::ShardedCheckpointer& checkpointer, torch::optim::Ada
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
   state.step = step;
-  if (sdp && !zero_over_tensor_ranks()) {
+  if (sdp && !zero_saves_ranges()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
@@ -648,7 +695,7 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
                                       dtrain::DistributedSampler& sampler) {
   dtrain::ShardedTrainingState state;
   state.sampler = &sampler;
-  if (sdp && !zero_over_tensor_ranks()) {
+  if (sdp && !zero_saves_ranges()) {
     state.shards = sdp->flat_shards();
     state.stage = options_.zero;
     state.optimizer = &optimizer;
@@ -679,7 +726,7 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // Loading reads by name and range as a checkpoint's load does, into units for every parameter
 // (empty for another stage's), so that the folder's every tensor is one of the model's.
 void Parallel::export_dcp(const std::string& dir, torch::optim::AdamW& optimizer) {
-  if (sdp && !zero_over_tensor_ranks()) {
+  if (sdp && !zero_saves_ranges()) {
     dtrain::save_dcp_safetensors(
         dir, dtrain::DcpShards{sdp->flat_shards(), &optimizer, dtrain::TensorTable()}, world_);
     return;
@@ -712,7 +759,7 @@ void Parallel::load_dcp(const std::string& dir, torch::optim::AdamW& optimizer) 
     moments = dtrain::dcp_has_optimizer_state(dir);
   } catch (const dtrain::UsageError&) {
   }
-  if (sdp && !zero_over_tensor_ranks()) {
+  if (sdp && !zero_saves_ranges()) {
     dtrain::DcpShards state{sdp->flat_shards(), moments ? &optimizer : nullptr,
                             dtrain::TensorTable()};
     dtrain::load_dcp_safetensors(dir, state, world_);

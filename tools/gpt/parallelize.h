@@ -42,7 +42,7 @@ struct LayoutOptions {
   int dp = 0;              // data-parallel replicas; 0: the world size / (tp x pp)
   int tp = 1;              // tensor-parallel ranks that split every block
   int pp = 1;              // pipeline stages (the blocks cut between them)
-  int zero = 0;            // ZeRO stage over the data replicas (0: DDP); not with pp > 1 yet
+  int zero = 0;            // ZeRO stage over the data replicas (0: DDP)
   bool recompute = false;  // every block recomputes its activations in backward
   bool sp = false;         // sequence parallelism over the tensor group (with tp > 1)
   bool bf16 = false;       // the forward under bfloat16 autocast (parameters stay float32)
@@ -66,8 +66,9 @@ Gpt make_model(const GptConfig& config, const LayoutOptions& options, const dtra
 
 // The model of make_model in the layout: this rank's pipeline stage (pp > 1) and the data
 // dimension around it, DDP or ZeRO over the mesh's data group (with tp > 1, ZeRO shards each tensor
-// rank's shards over the replicas that hold the same ones). Blocks on DDP's or ZeRO's set-up (rank
-// 0 of each data group broadcasts its parameters).
+// rank's shards over the replicas that hold the same ones; with pp > 1 each stage's, Note [ZeRO in
+// a pipeline] in dtrain/pipeline.h). Blocks on DDP's or ZeRO's set-up (rank 0 of each data group
+// broadcasts its parameters).
 // The whole model's parameters, by name and shape, in the model's order (whatever layout holds
 // them).
 std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(const GptConfig& config);
@@ -82,7 +83,11 @@ class Parallel {
   // One step's forward and backward on this replica's windows (inputs and targets [batch, seq];
   // every rank of a replica passes the same ones): the gradients averaged over the replicas.
   // Returns the loss: this replica's mean (the pipeline's: averaged over the replicas already).
-  at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets);
+  // Gradient accumulation over K calls before one optimizer step: pass loss_scale 1/K to each (the
+  // gradients add up to those of the K batches' mean) and sync false to all but the last (DDP's,
+  // ZeRO's and the pipeline's reductions wait for it). The loss returned is not scaled.
+  at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets,
+                              double loss_scale = 1.0, bool sync = true);
 
   // After forward_backward: scales every gradient by max_norm / (norm + 1e-6) when that is below 1,
   // norm being the global 2-norm of the whole model's gradient (Note [Global gradient norm]), and
@@ -92,9 +97,14 @@ class Parallel {
   // What the optimizer steps: this rank's (its stage's, its tensor shards, or its ZeRO shards).
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
   // The model's parameters of the full model that this rank trains, by name (every one but a
-  // pipeline's other stages'); with tp > 1 the split ones are this rank's shards. Not with ZeRO
-  // (its parameters are flat shards; gather_full_parameters on sdp for the whole model).
+  // pipeline's other stages'); with tp > 1 the split ones are this rank's shards. With ZeRO these
+  // mirror its flat shards: call gather_full_parameters() first.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // ZeRO: makes the model's parameters that this rank trains hold the current shards (all-gathers
+  // over the data group; collective), to evaluate, compare or export; release_full_parameters()
+  // frees them again (stage 3). No-ops without ZeRO.
+  void gather_full_parameters();
+  void release_full_parameters();
   // True for a parameter split over the tensor group (the blocks' projections with tp > 1).
   bool tensor_split(const at::Tensor& parameter) const;
 
@@ -103,7 +113,7 @@ class Parallel {
   // loss. With a pipeline the stages run their chunks in the model's order, each sending its
   // output to the next over the pipeline group (Note [Pipelined evaluation]), the last stage
   // computes the loss and broadcasts it over the pipeline group. Collective over the replica (its
-  // tensor and pipeline groups). With ZeRO, call sdp->gather_full_parameters() first.
+  // tensor and pipeline groups). With ZeRO, call gather_full_parameters() first.
   double evaluate(const at::Tensor& inputs, const at::Tensor& targets);
 
   // After training: makes `model` the whole trained model on every rank, for export_hf and the
@@ -152,8 +162,12 @@ class Parallel {
   Ranges saved_ranges(torch::optim::AdamW& optimizer);
   Ranges ranges_to_load(bool every);
   void apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer);
-  // ZeRO with tp > 1 saves and loads through the ranges (Note [ZeRO over a tensor layout's state]).
-  bool zero_over_tensor_ranks() const;
+  // ZeRO with tp or pp > 1 saves and loads through the ranges (Note [ZeRO over a tensor layout's
+  // state]).
+  bool zero_saves_ranges() const;
+  // ZeRO's wrappers on this rank (sdp, or the pipeline's around its chunks) and their flat shards.
+  std::vector<dtrain::ShardedDataParallelBase*> zero_wrappers() const;
+  std::vector<dtrain::FlatShard> zero_shards() const;
   std::unique_ptr<torch::optim::AdamW> gathered_moments(torch::optim::AdamW& optimizer);
   void scatter_to_shards(const std::map<std::string, at::Tensor>& by_name,
                          torch::optim::AdamW& gathered, torch::optim::AdamW& optimizer);
@@ -167,7 +181,8 @@ class Parallel {
   std::shared_ptr<dtrain::ProcessGroup> world_, data_group_;
   std::vector<at::Tensor> parameters_;
   c10::Device device_;
-  std::set<const c10::TensorImpl*> split_;  // tensor_split's
+  std::set<const c10::TensorImpl*> split_;             // tensor_split's
+  std::set<const c10::TensorImpl*> stage_parameters_;  // with a pipeline: this stage's
 };
 
 }  // namespace gpt

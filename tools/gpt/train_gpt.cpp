@@ -1,14 +1,14 @@
 // train_gpt: the transformer of gpt.h on real text (Debian's GCIDE, bytes as tokens), in the layout
 // the flags ask for (tools/gpt/parallelize.h): --dp D x --tp T x --pp P ranks on one mesh (D
-// defaults to world / (T x P)): D data-parallel replicas (DDP, or ZeRO stage 1-3 with --zero when
-// P = 1; with --tp, each tensor rank's shards sharded again over its D replicas), each of P
-// pipeline stages (one block range per stage, --schedule, --micro-batches), each stage's blocks
+// defaults to world / (T x P)): D data-parallel replicas (DDP, or ZeRO stage 1-3 with --zero; with
+// --tp or --pp, each tensor rank's shards of each stage sharded again over its D replicas), each of
+// P pipeline stages (one block range per stage, --schedule, --micro-batches), each stage's blocks
 // split over T tensor ranks (heads and hidden features); --sp adds sequence parallelism, the norms
 // and residuals on a slice of the sequence (Note [Sequence-parallel blocks] in gpt.h). --recompute
 // makes every block recompute its activations in backward; --clip-grad N clips the gradient to the
-// global norm N (over every shard, tensor rank and stage). ZeRO with --pp is not here yet (issue
-// 20). Prints rank 0's progress and one JSON line at the end, with tokens/s over the timed steps
-// (after --warmup-steps) and the model FLOP/s they amount to.
+// global norm N (over every shard, tensor rank and stage). Prints rank 0's progress and one JSON
+// line at the end, with tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s
+// they amount to.
 //
 // --export-hf DIR writes the trained model as Hugging Face's LlamaForCausalLM (config.json and
 // safetensors, tools/gpt/hf_export.h) for Python's transformers to load; --init-hf DIR starts from
@@ -69,7 +69,7 @@ struct Flags {
   int dp = 0;              // data-parallel replicas; 0: world / (pp x tp)
   int pp = 1;              // pipeline stages
   int tp = 1;              // tensor-parallel ranks per block
-  int zero = 0;            // 0: DDP; 1-3: ZeRO stage (with --pp 1)
+  int zero = 0;            // 0: DDP; 1-3: ZeRO stage
   bool sp = false;         // sequence parallelism over the tensor group (with --tp > 1)
   bool recompute = false;  // every block recomputes its activations in backward
   double clip_grad = 0;    // the global gradient norm's bound (0: no clipping)
@@ -82,7 +82,8 @@ struct Flags {
   int64_t export_hf_max_shard = 0;  // bytes per safetensors file (0: one file)
   std::string logits_out;           // where to write logits before and after training
   std::string logits_tokens;        // a safetensors file whose "tokens" they are computed on
-  int64_t batch_size = 8;           // windows per data-parallel rank and step
+  int64_t batch_size = 8;           // windows per data-parallel rank and forward-backward pass
+  int grad_accum = 1;               // passes whose gradients add up to one optimizer step
   int64_t steps = 100;              // timed steps
   int64_t warmup_steps = 0;  // untimed steps before them (CUDA's first steps pay for its set-up)
   std::string device = "auto";
@@ -111,8 +112,8 @@ Flags parse(int argc, char** argv) {
   app.add_flag("--sp", flags.sp,
                "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
   app.add_option("--zero", flags.zero,
-                 "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; 1-3 with --pp 1; with --tp, "
-                 "each tensor rank's shards over its replicas)")
+                 "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; with --tp or --pp, each "
+                 "tensor rank's shards of each stage over its replicas)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--recompute", flags.recompute,
                "recompute every block's activations in backward (less memory, one more forward)");
@@ -166,8 +167,12 @@ Flags parse(int argc, char** argv) {
                  "a safetensors file whose int64 \"tokens\" [batch, seq] --logits-out uses "
                  "(default: the first two held-out windows)");
   app.add_option("--batch-size", flags.batch_size,
-                 "windows per data-parallel replica and step (default 8)")
+                 "windows per data-parallel replica and forward-backward pass (default 8)")
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--grad-accum", flags.grad_accum,
+                 "gradient accumulation: passes of --batch-size windows per optimizer step, their "
+                 "gradients reduced once (default 1)")
+      ->check(CLI::Range(1, 1 << 16));
   app.add_option("--steps", flags.steps, "timed steps (default 100)")
       ->check(CLI::Range(1, 1 << 30));
   app.add_option("--warmup-steps", flags.warmup_steps,
@@ -210,12 +215,6 @@ Flags parse(int argc, char** argv) {
     dtrain::parse_schedule_kind(flags.schedule);
   } catch (const dtrain::UsageError& e) {
     throw dtrain::UsageError(std::string("train_gpt: --schedule: ") + e.what());
-  }
-  if (flags.pp > 1 && flags.zero > 0) {
-    throw dtrain::UsageError("train_gpt: --zero " + std::to_string(flags.zero) + " with --pp " +
-                             std::to_string(flags.pp) +
-                             ": ZeRO over a pipeline's data dimension is not implemented; drop "
-                             "one of the two");
   }
   flags.window = flags.model.seq_len;
   if (!flags.init_hf.empty()) {
@@ -408,7 +407,6 @@ int train(const Flags& flags) {
   // holds the data replicas.
   gpt::Parallel layout(model, layout_options, mesh, pg, device);
   const std::shared_ptr<dtrain::ProcessGroup>& data_group = layout.data_group();
-  auto& sdp = layout.sdp;
   const bool pipe = layout.pipe != nullptr;
   torch::optim::AdamW optimizer(layout.parameters(), torch::optim::AdamWOptions(flags.lr));
 
@@ -446,20 +444,31 @@ int train(const Flags& flags) {
   const int64_t first_timed_step = std::max(flags.warmup_steps, resumed_step);
   int64_t step = resumed_step;
   double first_loss = 0, last_loss = 0;
+  int pass = 0;     // of the step's --grad-accum passes, those done
+  at::Tensor loss;  // their losses' sum so far
   auto start = std::chrono::steady_clock::now();
-  // From the resumed epoch on: set_epoch of the epoch the sampler loaded keeps its place in it.
+  // From the resumed epoch on: set_epoch of the epoch the sampler loaded keeps its place in it. A
+  // step's passes may span two epochs.
   for (int64_t epoch = sampler.state().epoch; step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
     for (auto& batch : *loader) {
       if (step == total_steps) break;
-      if (step == first_timed_step) {
+      if (step == first_timed_step && pass == 0) {
         synchronize();
         start = std::chrono::steady_clock::now();
       }
       at::Tensor inputs = batch.data.to(device, /*non_blocking=*/true);
       at::Tensor targets = batch.target.to(device, /*non_blocking=*/true);
-      optimizer.zero_grad();
-      at::Tensor loss = layout.forward_backward(inputs, targets);
+      // --grad-accum K: K passes add their gradients of a K-th of the loss each, and only the
+      // last one reduces them over the data replicas.
+      if (pass == 0) optimizer.zero_grad();
+      const bool last_pass = ++pass == flags.grad_accum;
+      at::Tensor pass_loss =
+          layout.forward_backward(inputs, targets, 1.0 / flags.grad_accum, last_pass);
+      loss = loss.defined() ? loss + pass_loss : pass_loss;
+      if (!last_pass) continue;
+      loss = flags.grad_accum > 1 ? loss / flags.grad_accum : loss;
+      pass = 0;
       if (flags.clip_grad > 0) layout.clip_grad_norm(flags.clip_grad);
       optimizer.step();
       ++step;
@@ -476,6 +485,7 @@ int train(const Flags& flags) {
         last_loss = value;
         if (leader && logged) std::cout << "step " << step << ": loss " << value << std::endl;
       }
+      loss = at::Tensor();
     }
   }
   const double seconds =
@@ -492,6 +502,7 @@ int train(const Flags& flags) {
                                    {"zero", flags.zero},
                                    {"recompute", flags.recompute},
                                    {"clip_grad", flags.clip_grad},
+                                   {"grad_accum", flags.grad_accum},
                                    {"device", device.str()},
                                    {"amp", flags.amp},
                                    {"first_loss", first_loss},
@@ -503,7 +514,7 @@ int train(const Flags& flags) {
   // Validation on the held-out tail, one window at a time: by the whole model on every rank, or
   // through the pipeline's stages, the last one computing the loss (Note [Pipelined evaluation] in
   // parallelize.cpp); every rank gets it.
-  if (sdp) sdp->gather_full_parameters();
+  layout.gather_full_parameters();
   const int64_t windows =
       std::min<int64_t>(flags.eval_windows, static_cast<int64_t>(heldout->size().value()));
   double total = 0;
@@ -532,8 +543,8 @@ int train(const Flags& flags) {
     result["export_hf"] = flags.export_hf;
   }
   if (resumed_step > 0) result["resumed_step"] = resumed_step;
-  const double tokens =
-      static_cast<double>(timed_steps * flags.batch_size * flags.window * data_group->size());
+  const double tokens = static_cast<double>(timed_steps * flags.grad_accum * flags.batch_size *
+                                            flags.window * data_group->size());
   const double tokens_per_s = timed_steps > 0 ? tokens / seconds : 0;
   gpt::GptConfig trained = flags.model;  // FLOPs as the windows trained, not the model's limit
   trained.seq_len = flags.window;

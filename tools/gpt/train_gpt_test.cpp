@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <tuple>
 
 #include "datasets/text_corpus.h"
 #include "dtrain/safetensors.h"
@@ -70,21 +71,24 @@ TEST(TrainGpt, EveryLayoutLearnsTheTextOnTheGpu) {
 }
 
 // A run stopped after 3 of 6 steps and resumed from its checkpoint ends where an uninterrupted
-// run of 6 ends, to the last bit of the losses: in DDP, ZeRO-3 (resumed at another stage, 2) and
-// data x tensor. A resume that lost any part of the state (AdamW's moments, the sampler's place)
-// would train on other numbers or other windows and end elsewhere.
+// run of 6 ends, to the last bit of the losses: in DDP, ZeRO-3 (resumed at another stage, 2),
+// tensor, pipeline, and ZeRO-3 over 2 pipelines' data dimension (resumed at stage 1). A resume
+// that lost any part of the state (AdamW's moments, the sampler's place) would train on other
+// numbers or other windows and end elsewhere.
 TEST(TrainGpt, ResumedRunEndsWhereAnUninterruptedOneEnds) {
   skip_without_corpus();
   const std::string small =
       " --layers 2 --width 64 --heads 4 --kv-heads 2 --seq-len 32 "
       "--batch-size 4 --max-bytes 200000 --eval-windows 8 --log-every 0";
-  const std::string launch = bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt");
-  for (const auto& [layout, resumed_layout] :
-       {std::pair<std::string, std::string>{"", ""},
-        {" --zero 3", " --zero 2"},
-        {" --tp 2", " --tp 2"},
-        {" --pp 2 --micro-batches 2", " --pp 2 --micro-batches 2"}}) {
+  for (const auto& [ranks, layout, resumed_layout] :
+       {std::tuple<int, std::string, std::string>{2, "", ""},
+        {2, " --zero 3", " --zero 2"},
+        {2, " --tp 2", " --tp 2"},
+        {2, " --pp 2 --micro-batches 2", " --pp 2 --micro-batches 2"},
+        {4, " --pp 2 --micro-batches 2 --zero 3", " --pp 2 --micro-batches 2 --zero 1"}}) {
     SCOPED_TRACE("layout:" + layout);
+    const std::string launch = bin("dtrain") + " run --nproc-per-node " + std::to_string(ranks) +
+                               " -- " + bin("train_gpt");
     const std::string dir = "/tmp/dtrain-gpt-resume-" + std::to_string(::getpid());
     std::filesystem::remove_all(dir);
     auto whole = run_command(launch + small + layout + " --steps 6");
@@ -112,8 +116,8 @@ TEST(TrainGpt, ResumedRunEndsWhereAnUninterruptedOneEnds) {
 // A checkpoint saved by 2 tensor ranks x 2 stages resumes in other layouts (Note [Layout-neutral
 // checkpoints] in parallelize.cpp): as one process, with the same global batch, it ends where the
 // uninterrupted tensor x pipeline run ends (within float32's reduction-order noise); as DDP at 3
-// ranks and ZeRO-3 at 2 (other global batches) the loss goes on from where it was, far below a
-// fresh model's ~5.5.
+// ranks, ZeRO-3 at 2 and ZeRO-2 over 2 pipelines of 2 stages (other global batches) the loss goes
+// on from where it was, far below a fresh model's ~5.5.
 TEST(TrainGpt, ATensorPipelineCheckpointResumesInOtherLayouts) {
   skip_without_corpus();
   const std::string small =
@@ -131,7 +135,7 @@ TEST(TrainGpt, ATensorPipelineCheckpointResumesInOtherLayouts) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   const double before = json_number(first.output, "train_loss");
   for (const auto& [ranks, layout] :
-       {std::pair<int, std::string>{1, ""}, {3, ""}, {2, " --zero 3"}}) {
+       {std::pair<int, std::string>{1, ""}, {3, ""}, {2, " --zero 3"}, {4, " --pp 2 --zero 2"}}) {
     SCOPED_TRACE(std::to_string(ranks) + " ranks" + layout);
     // Each resumes from the same step-3 checkpoint (and saves its own step 6 into a copy).
     const std::string copy = dir + "-" + std::to_string(ranks);
@@ -190,6 +194,33 @@ TEST(TrainGpt, ZeroBubblePipelinesEndAtOneProcesssLoss) {
   }
 }
 
+// --grad-accum 2 with half the windows per pass trains as one pass of them all: the same windows
+// per optimizer step (the sampler dealt twice as often), one step per two passes, the gradients
+// reduced once over the replicas (parallelize_test.cpp holds the gradients themselves against one
+// process). A step per pass, or a pass that read no new windows, ends elsewhere.
+TEST(TrainGpt, GradientAccumulationTrainsAsTheWholeBatch) {
+  skip_without_corpus();
+  std::string tiny = kTiny;  // without its batch size and micro-batches
+  const std::string batch = " --batch-size 4 --micro-batches 4";
+  ASSERT_NE(tiny.find(batch), std::string::npos) << tiny;
+  tiny.erase(tiny.find(batch), batch.size());
+  for (const auto& [ranks, layout] : {std::pair<int, std::string>{2, ""},
+                                      {4, " --pp 2 --zero 2 --micro-batches 2"}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks" + layout);
+    auto whole = run_command(launch_gpt(ranks) + tiny + layout + " --steps 6 --batch-size 4");
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    auto halves = run_command(launch_gpt(ranks) + tiny + layout +
+                              " --steps 6 --batch-size 2 --grad-accum 2");
+    ASSERT_EQ(halves.exit_code, 0) << halves.output;
+    EXPECT_EQ(json_int(halves.output, "grad_accum"), 2) << halves.output;
+    for (const char* key : {"first_loss", "train_loss", "val_loss"}) {
+      EXPECT_LT(relative(json_number(halves.output, key), json_number(whole.output, key)), 1e-5)
+          << key << "\n"
+          << whole.output << halves.output;
+    }
+  }
+}
+
 // --export-hf of a pipeline (its stages' blocks gathered; with --tp, the tensor ranks' shards too)
 // writes what one process writes for the same weights: each layout trains 3 steps, saves a
 // checkpoint and exports; one process resumes that checkpoint without training (--steps 3 from
@@ -228,7 +259,7 @@ TEST(TrainGpt, APipelineExportsWhatOneProcessExports) {
 
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
   for (const std::string& flags :
-       {std::string(" --pp 3"), std::string(" --zero 2 --pp 2"), std::string(" --width 30"),
+       {std::string(" --pp 3"), std::string(" --zero 4"), std::string(" --width 30"),
         std::string(" --steps x"), std::string(" --amp fp16"), std::string(" --device tpu"),
         std::string(" --clip-grad -1"), std::string(" --dp 3"), std::string(" --tp 2 --pp 2"),
         std::string(" --resume")}) {
