@@ -204,13 +204,13 @@ TEST(TrainGpt, GradientAccumulationTrainsAsTheWholeBatch) {
   const std::string batch = " --batch-size 4 --micro-batches 4";
   ASSERT_NE(tiny.find(batch), std::string::npos) << tiny;
   tiny.erase(tiny.find(batch), batch.size());
-  for (const auto& [ranks, layout] : {std::pair<int, std::string>{2, ""},
-                                      {4, " --pp 2 --zero 2 --micro-batches 2"}}) {
+  for (const auto& [ranks, layout] :
+       {std::pair<int, std::string>{2, ""}, {4, " --pp 2 --zero 2 --micro-batches 2"}}) {
     SCOPED_TRACE(std::to_string(ranks) + " ranks" + layout);
     auto whole = run_command(launch_gpt(ranks) + tiny + layout + " --steps 6 --batch-size 4");
     ASSERT_EQ(whole.exit_code, 0) << whole.output;
-    auto halves = run_command(launch_gpt(ranks) + tiny + layout +
-                              " --steps 6 --batch-size 2 --grad-accum 2");
+    auto halves =
+        run_command(launch_gpt(ranks) + tiny + layout + " --steps 6 --batch-size 2 --grad-accum 2");
     ASSERT_EQ(halves.exit_code, 0) << halves.output;
     EXPECT_EQ(json_int(halves.output, "grad_accum"), 2) << halves.output;
     for (const char* key : {"first_loss", "train_loss", "val_loss"}) {
