@@ -8,6 +8,9 @@
 #   bench/gpt_layouts.sh [build dir]
 # Environment: BUILD, PYTHON, REPEATS (3), NPROC (2), LAYOUTS (';'-separated flags, default the four below),
 # SIZES (';'-separated model flags, default a small model and one whose matrix products take most of the step).
+# A layout may combine them on one mesh, --dp x --tp x --pp = NPROC on both sides (the peer's mesh in
+# gpt_peer.py's docstring); the combined rows of doc/benchmarks.md:
+#   NPROC=4 LAYOUTS="--tp 2 --pp 2 --micro-batches 4;--dp 2 --pp 2 --micro-batches 4;--dp 2 --tp 2;--dp 2 --tp 2 --zero 3" bench/gpt_layouts.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-${BUILD:-$here/build}}

@@ -5,14 +5,18 @@ convention, grouped key/value heads, SwiGLU), with the same parameter names ("bl
 PyTorch's default initialisation (as LibTorch's, not bit for bit). The data is train_gpt's: the corpus bytes as
 tokens, non-overlapping windows of --seq-len + 1 bytes from the first 95%, dealt by DistributedSampler. The
 optimizer is AdamW with LibTorch's defaults. Under a launcher that sets WORLD_SIZE (dtrain run, torchrun) the
-ranks train with DistributedDataParallel (NCCL on cuda, Gloo on cpu); without one, a single process.
+ranks train in the layout the flags ask for (below; DistributedDataParallel without any), NCCL on cuda, Gloo on
+cpu; without one, a single process.
     .venv/bin/python bench/gpt_peer.py --device cpu --steps 20 --max-bytes 200000
     build/bin/dtrain run --nproc-per-node 1 -- .venv/bin/python bench/gpt_peer.py --device cuda --amp bf16
+    build/bin/dtrain run --nproc-per-node 4 -- .venv/bin/python bench/gpt_peer.py --device cpu --dp 2 --tp 2
 Rank 0 prints one JSON line, with train_gpt's field names.
 
-The layouts, each alone, with train_gpt's flags and PyTorch's own implementation of each (bench/gpt_layouts.sh):
-  (none)        DistributedDataParallel over every rank
-  --zero 3      FSDP2: fully_shard on each block, then on the whole model (embedding, norm and head)
+The layouts, with train_gpt's flags and PyTorch's own implementation of each (bench/gpt_layouts.sh), combined as
+torchtitan combines them: --dp D x --pp P x --tp T ranks on one init_device_mesh (dp, pp, tp), tensor ranks
+neighbours as in train_gpt's mesh (rank = (d * P + p) * T + t); --dp defaults to the world size / (T x P).
+  (none)        DistributedDataParallel over the data dimension (over every rank when alone)
+  --zero 3      FSDP2 over the data dimension: fully_shard on each block, then on the whole model (or stage)
   --tp T        DTensor's parallelize_module: wq, wk, wv, w1, w3 ColwiseParallel, wo and w2 RowwiseParallel (Megatron's
                 split, as train_gpt's --tp); the embedding, the norms and the head replicated
   --tp T --sp   and DTensor's sequence parallelism, as torchtitan's Llama plan: the norms (SequenceParallel) and
@@ -21,6 +25,10 @@ The layouts, each alone, with train_gpt's flags and PyTorch's own implementation
                 Shard(1)); the embedding by rows to a sequence slice, the head by columns back to whole logits
   --pp P        torch.distributed.pipelining: the blocks cut into P stages as train_gpt cuts them (the embedding on
                 the first, the norm and the head on the last), --schedule gpipe or 1f1b, --micro-batches M
+With --tp > 1 and more than one replica, --zero 0 uses PyTorch's replicate() (torch.distributed._composable.
+replicate_with_fsdp: DDP's all-reduce of the gradients on FSDP2's machinery, each block and the whole model, as
+torchtitan's apply_replicate_to_model), since DistributedDataParallel does not take DTensor parameters. With --pp,
+FSDP2 keeps the parameters gathered between the micro-batches (reshard_after_forward=False, as torchtitan).
 """
 import argparse
 import contextlib
@@ -206,18 +214,22 @@ def parse():
                    help="text file, gzip'd or plain (default: $DTRAIN_TEXT_CORPUS, else GCIDE)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints the loss every N steps (0: never)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (give it --warmup-steps)")
-    p.add_argument("--zero", type=int, choices=(0, 3), default=0, help="3: FSDP2 over the ranks (0: DDP)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (DTensor), every rank")
+    p.add_argument("--zero", type=int, choices=(0, 3), default=0,
+                   help="3: FSDP2 over the data dimension (0: DDP)")
+    p.add_argument("--dp", type=int, default=0,
+                   help="data-parallel replicas (default: world size / (tp x pp); dp x tp x pp = world size)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that split every block (DTensor)")
     p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (DTensor's SequenceParallel)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining), every rank")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (torch.distributed.pipelining)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="with --pp")
     p.add_argument("--micro-batches", type=int, default=4, help="with --pp")
     args = p.parse_args()
-    for name in ("layers", "width", "heads", "kv_heads", "seq_len", "batch_size", "steps"):
+    for name in ("layers", "width", "heads", "kv_heads", "seq_len", "batch_size", "steps", "tp", "pp",
+                 "micro_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least 1")
-    if min(args.warmup_steps, args.max_bytes, args.log_every) < 0:
-        p.error("--warmup-steps, --max-bytes and --log-every: expected 0 or more")
+    if min(args.warmup_steps, args.max_bytes, args.log_every, args.dp) < 0:
+        p.error("--warmup-steps, --max-bytes, --log-every and --dp: expected 0 or more")
     # GptConfig::check()'s rules, so that a config train_gpt refuses is refused here too.
     if args.width % args.heads != 0 or (args.width // args.heads) % 2 != 0:
         p.error(f"--width {args.width} / --heads {args.heads}: expected a whole, even head dimension "
@@ -253,20 +265,38 @@ def tensor_parallel(model, mesh, degree, sequence_parallel):
             child.attention.kv_heads //= degree
 
 
-def pipeline_stage(model, stages, rank, device):
-    """This rank's stage: the blocks dealt as train_gpt deals them (as evenly as they go, the first stages taking
-    one more), the embedding on the first stage, the norm and the head on the last."""
-    from torch.distributed.pipelining import PipelineStage
+def stage_module(model, stages, index):
+    """Stage `index`'s part of the model: the blocks dealt as train_gpt deals them (as evenly as they go, the first
+    stages taking one more), the embedding on the first stage, the norm and the head on the last."""
     children = list(model.named_children())
     blocks = [c for c in children if c[0].startswith("block")]
     per, extra = divmod(len(blocks), stages)
-    begin = rank * per + min(rank, extra)
-    mine = blocks[begin:begin + per + (1 if rank < extra else 0)]
-    if rank == 0:
+    begin = index * per + min(index, extra)
+    mine = blocks[begin:begin + per + (1 if index < extra else 0)]
+    if index == 0:
         mine = [children[0]] + mine
-    if rank == stages - 1:
+    if index == stages - 1:
         mine = mine + children[-2:]
-    return PipelineStage(nn.Sequential(OrderedDict(mine)), rank, stages, device)
+    return nn.Sequential(OrderedDict(mine))
+
+
+def data_parallel(module, args, mesh, device):
+    """`module` (the model, or this rank's pipeline stage) over the mesh's data dimension, as torchtitan applies
+    it: FSDP2 (--zero 3) or replicate (--zero 0 with --tp) on each block, then on the whole; DDP otherwise.
+    FSDP2 under a pipeline keeps the parameters gathered between micro-batches (torchtitan's default there)."""
+    if args.zero == 3 or args.tp > 1:
+        from torch.distributed.fsdp import fully_shard
+        if args.zero == 3:
+            wrap = lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=args.pp == 1)  # noqa: E731
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+            wrap = lambda m: replicate(m, mesh=mesh)  # noqa: E731
+        for name, child in module.named_children():
+            if name.startswith("block"):
+                wrap(child)
+        return wrap(module)
+    return nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                               process_group=mesh.get_group())
 
 
 def main():
@@ -283,48 +313,52 @@ def main():
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    layouts = (args.zero == 3) + (args.tp > 1) + (args.pp > 1)
-    if layouts > 1:
-        fail("--zero 3, --tp and --pp: one at a time here (train_gpt combines them; this peer does not)")
-    if (args.tp > 1 or args.pp > 1) and max(args.tp, args.pp) != world:
-        fail(f"--tp {args.tp} --pp {args.pp} on {world} ranks: the degree must be the world size here")
+    # train_gpt's gpt::check_degrees
+    if world % (args.tp * args.pp):
+        fail(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the world size {world}; run a"
+             " multiple of their product, or change the degrees")
+    dp = args.dp or world // (args.tp * args.pp)
+    if dp * args.tp * args.pp != world:
+        fail(f"--dp {dp} x --tp {args.tp} x --pp {args.pp} = {dp * args.tp * args.pp} ranks, but the world size is"
+             f" {world}; their product must equal it (leave --dp out for {world} / (tp x pp))")
     if args.sp and (args.tp < 2 or args.seq_len % args.tp):
         fail(f"--sp needs --tp 2 or more dividing --seq-len {args.seq_len} (got --tp {args.tp})")
     if args.tp > 1 and (args.heads % args.tp or args.kv_heads % args.tp):
         fail(f"--tp {args.tp} does not divide --heads {args.heads} and --kv-heads {args.kv_heads}")
     if args.pp > 1 and args.batch_size % args.micro_batches:
         fail(f"--micro-batches {args.micro_batches} does not divide --batch-size {args.batch_size}")
-    data_ranks = world // max(args.tp, args.pp)  # the replicas that read their own windows
+    # This rank's place on the mesh, train_gpt's order (dtrain::make_rank_mesh): tensor ranks neighbours, then the
+    # stages, then the replicas. init_device_mesh lays (dp, pp, tp) out row-major, the same order.
+    replica, stage_index = rank // (args.pp * args.tp), rank // args.tp % args.pp
+    mesh = None
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (dp, args.pp, args.tp), mesh_dim_names=("dp", "pp", "tp"))
 
-    torch.manual_seed(0)  # the same start on every rank (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(0)  # the same start on every rank (DDP broadcasts rank 0's; FSDP2 keeps each rank's own)
     with device:  # on the device from the start: the rotary tables are not buffers, which .to() would move
         model = gpt(args)
     params = sum(p.numel() for p in model.parameters())
-    schedule, stage = None, None
+    # In torchtitan's order: the tensor split (of the whole model: the --sp plan names the embedding, the norm and
+    # the head), the pipeline's cut, the data dimension around this rank's part, then the pipeline stage.
     if args.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        tensor_parallel(model, init_device_mesh(device.type, (world,)), args.tp, args.sp)
-    elif args.pp > 1:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-        stage = pipeline_stage(model, args.pp, rank, device)
-        model = stage.submod
+        tensor_parallel(model, mesh["tp"], args.tp, args.sp)
+    if args.pp > 1:
+        model = stage_module(model, args.pp, stage_index)
+    # No data dimension for a single replica, but for --zero 3 or one rank under a launcher (DDP over that one
+    # rank, as before the mesh, so that a one-GPU comparison keeps its layout).
+    if distributed and (dp > 1 or args.zero == 3 or world == 1):
+        model = data_parallel(model, args, mesh["dp"], device)
+    schedule = None
+    if args.pp > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         def flat_loss(logits, targets):
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
+        stage = PipelineStage(model, stage_index, args.pp, device, group=mesh["pp"].get_group())
         cls = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
         schedule = cls(stage, n_microbatches=args.micro_batches, loss_fn=flat_loss)
-    elif args.zero == 3:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (world,))
-        for name, child in model.named_children():
-            if name.startswith("block"):
-                fully_shard(child, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                                    else None)
     if args.compile:  # after DDP, as PyTorch's docs do it: DDPOptimizer then cuts the graph at bucket edges
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
@@ -333,17 +367,18 @@ def main():
     windows = ByteWindows(load_corpus(args.corpus, args.max_bytes), args.seq_len)
     # A shuffled sampler with one replica when not distributed: the same order as rank 0 of one.
     # Tensor and pipeline ranks read the same windows: one replica of the data per data-parallel rank.
-    sampler = DistributedSampler(windows, num_replicas=data_ranks, rank=rank % data_ranks, shuffle=True, seed=0)
+    sampler = DistributedSampler(windows, num_replicas=dp, rank=replica, shuffle=True, seed=0)
     loader = DataLoader(windows, batch_size=args.batch_size, sampler=sampler)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.amp == "bf16" \
         else contextlib.nullcontext
 
-    def rank_mean(loss):  # SUM then divide: Gloo has no AVG
+    def rank_mean(loss):  # the replicas' mean over the world, SUM then divide: Gloo has no AVG
         loss = loss.detach().float().clone()
         if distributed:
             dist.all_reduce(loss)
-            # tensor ranks all hold the same loss; of the pipeline's stages only the last holds one
-            loss /= world if args.pp == 1 else 1
+            # Each replica's tp ranks hold the same loss, on its last stage only (the other stages hold 0):
+            # dp x tp copies of the losses summed.
+            loss /= dp * args.tp
         return loss.item()
 
     def sync():
@@ -366,9 +401,9 @@ def main():
             optimizer.zero_grad()
             if schedule is not None:
                 losses = []
-                last = rank == args.pp - 1
+                last = stage_index == args.pp - 1
                 with autocast():
-                    schedule.step(*([inputs] if rank == 0 else []), target=targets if last else None,
+                    schedule.step(*([inputs] if stage_index == 0 else []), target=targets if last else None,
                                   losses=losses if last else None)
                 loss = torch.stack(losses).mean() if last else torch.zeros(())
             else:
@@ -390,11 +425,12 @@ def main():
     sync()
     seconds = time.perf_counter() - start
 
-    tokens_per_s = args.steps * args.batch_size * args.seq_len * data_ranks / seconds
+    tokens_per_s = args.steps * args.batch_size * args.seq_len * dp / seconds  # each replica's windows
     flops = model_flops_per_token(params, args.layers, args.width, args.seq_len)
     if rank == 0:
         print(json.dumps({
-            "steps": args.steps, "warmup_steps": args.warmup_steps, "world_size": world, "device": device.type,
+            "steps": args.steps, "warmup_steps": args.warmup_steps, "world_size": world, "pp": args.pp, "dp": dp,
+            "tp": args.tp, "sp": args.sp, "zero": args.zero, "device": device.type,
             "amp": args.amp, "first_loss": round(first_loss, 6), "train_loss": round(last_loss, 6),
             "tokens_per_s": round(tokens_per_s, 3), "model_flops_per_token": flops,
             "model_tflops": float(f"{tokens_per_s * flops / 1e12:.6g}"), "params": params}), flush=True)
