@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 
 #include "datasets/text_corpus.h"
 #include "dtrain/checkpoint.h"
@@ -116,11 +117,12 @@ void expect_tables(const dtrain::TensorTable& expected, const dtrain::TensorTabl
   }
 }
 
-// Runs `body` on `world` thread-ranks, each with the tiny model (drawn under `seed`) in `options`
-// and an AdamW over what it holds.
+// Runs `body` on `world` thread-ranks, each with the model of `config` (drawn under `seed`) in
+// `options` and an AdamW over what it holds.
 void run_layout(const LayoutOptions& options, int world, uint64_t seed,
                 const std::function<void(Parallel&, torch::optim::AdamW&,
-                                         const std::shared_ptr<dtrain::ProcessGroup>&)>& body) {
+                                         const std::shared_ptr<dtrain::ProcessGroup>&)>& body,
+                const GptConfig& config = tiny()) {
   std::mutex seed_mutex;  // the thread-ranks share one generator
   dtrain::testing::run_group(world, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
     dtrain::RankMesh mesh = make_mesh(options, pg);
@@ -128,7 +130,7 @@ void run_layout(const LayoutOptions& options, int world, uint64_t seed,
     {
       std::lock_guard<std::mutex> lock(seed_mutex);
       torch::manual_seed(seed);
-      model = make_model(tiny(), options, mesh);
+      model = make_model(config, options, mesh);
     }
     Parallel parallel(model, options, mesh, pg, c10::Device(c10::kCPU));
     torch::optim::AdamW adamw(parallel.parameters(), torch::optim::AdamWOptions(kLr));
@@ -162,23 +164,52 @@ void save_checkpoint(Parallel& parallel, torch::optim::AdamW& adamw,
   parallel.save(checkpointer, adamw, sampler, 2);
 }
 
+// Also with a hidden width that does not divide by the tensor ranks (91: 46 and 45 features; the
+// row-parallel w2's columns gathered unevenly), and ZeRO-3 over 2 pipelines' replicas. A
+// checkpoint saved the same way, read back by one process, gives the layout's own parameters.
 TEST(GptDcp, EveryLayoutExportsExactlyWhatItsCheckpointHolds) {
   const std::string dir = dtrain::testing::temp_dir("dtrain-gpt-dcp-export");
   const at::Tensor data = fixed_data();
-  for (const auto& [options, world] :
-       {std::pair{layout(2, 1, 1), 2}, std::pair{layout(2, 1, 1, 3), 2},
-        std::pair{layout(1, 2, 1), 2}, std::pair{layout(1, 1, 2), 2}, std::pair{layout(1, 2, 2), 4},
-        std::pair{layout(2, 2, 1, 3), 4}}) {
-    SCOPED_TRACE(name_of(options));
-    const std::string exported = dir + "/" + name_of(options), checkpoint = exported + "-ckpt";
-    run_layout(options, world, 3, [&](Parallel& parallel, torch::optim::AdamW& adamw, auto& pg) {
-      train(parallel, adamw, data, 0, 2);
-      save_checkpoint(parallel, adamw, pg, checkpoint);
-      parallel.export_dcp(exported, adamw);
-    });
-    const dtrain::TensorTable expected = checkpoint_table(tiny(), checkpoint);
+  GptConfig uneven = tiny();
+  uneven.mlp_width = 91;
+  for (const auto& [options, world, config] :
+       {std::tuple{layout(2, 1, 1), 2, tiny()}, std::tuple{layout(2, 1, 1, 3), 2, tiny()},
+        std::tuple{layout(1, 2, 1), 2, tiny()}, std::tuple{layout(1, 1, 2), 2, tiny()},
+        std::tuple{layout(1, 2, 2), 4, tiny()}, std::tuple{layout(2, 2, 1, 3), 4, tiny()},
+        std::tuple{layout(2, 1, 2, 3), 4, tiny()}, std::tuple{layout(1, 2, 1), 2, uneven},
+        std::tuple{layout(1, 2, 2), 4, uneven}, std::tuple{layout(2, 2, 1, 3), 4, uneven}}) {
+    const std::string name = name_of(options) + (config.mlp_width ? "-hidden91" : "");
+    SCOPED_TRACE(name);
+    const std::string exported = dir + "/" + name, checkpoint = exported + "-ckpt";
+    std::map<std::string, at::Tensor> trained;  // the parameters of tensor rank 0, replica 0
+    std::mutex mutex;
+    run_layout(
+        options, world, 3,
+        [&](Parallel& parallel, torch::optim::AdamW& adamw, auto& pg) {
+          train(parallel, adamw, data, 0, 2);
+          save_checkpoint(parallel, adamw, pg, checkpoint);
+          parallel.export_dcp(exported, adamw);
+          parallel.gather_full_parameters();
+          std::lock_guard<std::mutex> lock(mutex);
+          if (parallel.mesh().tensor_index != 0 || parallel.mesh().data_index != 0) return;
+          for (const auto& [key, p] : parallel.named_parameters()) {
+            trained[key] = p.detach().clone();
+          }
+        },
+        config);
+    const dtrain::TensorTable expected = checkpoint_table(config, checkpoint);
     EXPECT_EQ(expected.size(), (3 + 9 * 2) * 4u);  // 21 parameters and 3 AdamW tensors each
     expect_tables(expected, dtrain::load_dcp_safetensors(exported), "the export");
+    ASSERT_EQ(trained.size(), 21u);
+    for (const auto& [key, p] : trained) {
+      // Tensor rank 0 holds the first rows (or columns) of a split projection.
+      at::Tensor whole = *expected.find(key);
+      if (!whole.sizes().equals(p.sizes())) {
+        const int64_t dim = p.size(0) != whole.size(0) ? 0 : 1;
+        whole = whole.narrow(dim, 0, p.size(dim));
+      }
+      EXPECT_TRUE(torch::equal(whole, p)) << key;
+    }
   }
   fs::remove_all(dir);
 }

@@ -28,6 +28,13 @@ bool split_over_tensor_ranks(const std::string& name) {
   return name.find(".attention.w") != std::string::npos || name.find(".mlp.w") != std::string::npos;
 }
 
+// The features of `size` that tensor rank t of T holds, {first, count}: as the tensor-parallel
+// layers cut (Note [Tensor-parallel blocks] in gpt.h), the first size % T ranks one more.
+std::pair<int64_t, int64_t> tensor_share(int64_t size, int64_t tp, int64_t t) {
+  const int64_t base = size / tp, extra = size % tp;
+  return {t * base + std::min(t, extra), base + (t < extra ? 1 : 0)};
+}
+
 std::string degrees_text(const LayoutOptions& options, int dp) {
   return "--dp " + std::to_string(dp) + " x --tp " + std::to_string(options.tp) + " x --pp " +
          std::to_string(options.pp);
@@ -359,8 +366,10 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> parameter_shapes(
 // replica 0's tensor rank 0 of its stage; a column-parallel shard (rows of the whole tensor) is a
 // contiguous range already and saved by replica 0's tensor ranks; a row-parallel shard (columns)
 // is not, so the tensor group gathers the whole tensor and each tensor rank of replica 0 saves a
-// 1/T block of it. Loading reads by name and range, whatever layout saved: a rank reads its whole
-// tensors, its rows, and the whole of a row-parallel tensor whose columns it keeps. ZeRO saves
+// 1/T of its elements. A width that does not divide by T is split as the layers split it (the
+// first ranks one feature more), so the ranges stay contiguous. Loading reads by name and range,
+// whatever layout saved: a rank reads its whole tensors, its rows, and the whole of a row-parallel
+// tensor whose columns it keeps. ZeRO saves
 // its flat shards as they are (units of several parameters, read by name too), so every layout
 // loads every other's checkpoints, at any world size and degrees. The sampler's position counts
 // the windows of all replicas, so a run resumed with another number of replicas goes on with the
@@ -371,6 +380,7 @@ struct Parallel::Piece {
   std::vector<int64_t> shape;  // the whole parameter's
   at::Tensor param;            // this rank's; undefined: another stage's
   Split split = Split::kWhole;
+  int64_t first = 0;              // a shard's first row (kRows) or column (kColumns) of the whole
   int64_t offset = 0, numel = 0;  // the range of the flattened whole tensor saved or loaded
 };
 
@@ -391,13 +401,15 @@ std::vector<Parallel::Piece> Parallel::pieces(bool saving) {
       if (!p.sizes().equals(shape)) {
         piece.split = p.size(0) != shape[0] ? Piece::Split::kRows : Piece::Split::kColumns;
         const int64_t d = piece.split == Piece::Split::kRows ? 0 : 1;
-        if (p.size(d) * tp != shape[d]) {
+        const auto [first, count] = tensor_share(shape[d], tp, t);
+        if (p.size(d) != count) {
           throw dtrain::UsageError("gpt checkpoint: '" + name + "' is " + c10::str(p.sizes()) +
                                    " on tensor rank " + std::to_string(t) + " of " +
-                                   std::to_string(tp) + ", not 1/" + std::to_string(tp) +
-                                   " of the whole " + c10::str(c10::IntArrayRef(shape)) +
-                                   "; checkpoints need widths that divide by --tp");
+                                   std::to_string(tp) + ", not its share (" +
+                                   std::to_string(count) + ") of dimension " + std::to_string(d) +
+                                   " of the whole " + c10::str(c10::IntArrayRef(shape)));
         }
+        piece.first = first;
       }
       const bool owner =
           !saving || (mesh_.data_index == 0 && (piece.split != Piece::Split::kWhole || t == 0));
@@ -406,14 +418,17 @@ std::vector<Parallel::Piece> Parallel::pieces(bool saving) {
           case Piece::Split::kWhole:
             piece.numel = whole;
             break;
-          case Piece::Split::kRows:
-            piece.offset = t * p.numel();
+          case Piece::Split::kRows:  // a block of whole rows: a range already
+            piece.offset = piece.first * shape[1];
             piece.numel = p.numel();
             break;
-          case Piece::Split::kColumns:  // saved as a block of rows, read whole
-            piece.offset = saving ? t * (whole / tp) : 0;
-            piece.numel = saving ? whole / tp : whole;
+          case Piece::Split::kColumns: {
+            // Saved as the rank's 1/T of the gathered whole's elements, read whole.
+            const auto [offset, numel] = tensor_share(whole, tp, t);
+            piece.offset = saving ? offset : 0;
+            piece.numel = saving ? numel : whole;
             break;
+          }
         }
       }
     }
@@ -424,11 +439,19 @@ std::vector<Parallel::Piece> Parallel::pieces(bool saving) {
 
 namespace {
 
-// The whole tensor of a row-parallel shard: its columns gathered from the tensor group.
-at::Tensor gather_columns(const at::Tensor& shard, const std::shared_ptr<dtrain::ProcessGroup>& g) {
+// The whole tensor of `columns` columns from a row-parallel shard: every tensor rank's columns
+// gathered (padded to the largest share for the all-gather, where they do not divide).
+at::Tensor gather_columns(const at::Tensor& shard, int64_t columns,
+                          const std::shared_ptr<dtrain::ProcessGroup>& g) {
+  const int64_t tp = g->size(), widest = tensor_share(columns, tp, 0).second;
+  at::Tensor padded = shard.size(1) == widest
+                          ? shard.contiguous()
+                          : at::constant_pad_nd(shard, {0, widest - shard.size(1)});
   std::vector<at::Tensor> parts;
-  for (int r = 0; r < g->size(); ++r) parts.push_back(at::empty_like(shard));
-  g->all_gather(parts, shard.contiguous());
+  for (int64_t r = 0; r < tp; ++r) parts.push_back(at::empty_like(padded));
+  g->all_gather(parts, padded);
+  for (int64_t r = 0; r < tp; ++r)
+    parts[r] = parts[r].narrow(1, 0, tensor_share(columns, tp, r).second);
   return at::cat(parts, 1);
 }
 
@@ -486,10 +509,11 @@ Parallel::Ranges Parallel::saved_ranges(torch::optim::AdamW& optimizer) {
         saved = Moments{s->exp_avg(), s->exp_avg_sq(), s->step()};
       }
       if (piece.split == Piece::Split::kColumns) {  // every tensor rank of every replica gathers
-        value = gather_columns(value, mesh_.tensor_group);
+        const int64_t columns = piece.shape[1];
+        value = gather_columns(value, columns, mesh_.tensor_group);
         if (saved) {
-          saved->exp_avg = gather_columns(saved->exp_avg, mesh_.tensor_group);
-          saved->exp_avg_sq = gather_columns(saved->exp_avg_sq, mesh_.tensor_group);
+          saved->exp_avg = gather_columns(saved->exp_avg, columns, mesh_.tensor_group);
+          saved->exp_avg_sq = gather_columns(saved->exp_avg_sq, columns, mesh_.tensor_group);
         }
       }
     }
@@ -537,14 +561,13 @@ Parallel::Ranges Parallel::ranges_to_load(bool every) {
 // state (cleared where the ranges have none).
 void Parallel::apply_loaded(const Ranges& loaded, torch::optim::AdamW& optimizer) {
   torch::NoGradGuard no_grad;
-  const int64_t t = mesh_.tensor_index;
   for (size_t i = 0; i < loaded.pieces.size(); ++i) {
     const Piece& piece = loaded.pieces[i];
     const at::Tensor& p = piece.param;
     if (!p.defined()) continue;  // another stage's
     auto mine = [&](const at::Tensor& range) {
       if (piece.split == Piece::Split::kColumns) {
-        return range.view(piece.shape).narrow(1, t * p.size(1), p.size(1)).to(p.device());
+        return range.view(piece.shape).narrow(1, piece.first, p.size(1)).to(p.device());
       }
       return range.view(p.sizes()).to(p.device());
     };
@@ -715,7 +738,8 @@ std::optional<int64_t> Parallel::load(dtrain::ShardedCheckpointer& checkpointer,
 // A DCP export writes what a checkpoint would (Note [Layout-neutral checkpoints]): every rank its
 // range of each parameter and of AdamW's moments over it, cut into DCP chunks by
 // save_dcp_safetensors (a column-parallel shard is one chunk of rows; a row-parallel tensor's 1/T
-// block of rows of the gathered whole is one, or three where its rows do not divide by T). ZeRO
+// of the gathered whole's elements is one, or up to three where it does not start and end on a
+// row: a part row, whole rows, a part row). ZeRO
 // exports its flat shards, as ShardedDataParallel's export does. Two things differ from a
 // checkpoint: rank 0 writes each parameter's AdamW step (a 0-dim tensor, as PyTorch keeps it) and
 // lists every tensor in the folder's index, so it needs a state for every parameter, where a
