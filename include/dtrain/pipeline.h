@@ -233,12 +233,17 @@ class Pipeline {
 // steps the shards (parameters()). A chunk runs forward and backward once per micro-batch, so the
 // step is bracketed rather than driven by the wrapper's forward: the gradients of every micro-batch
 // but the last accumulate locally, and the chunk's last backward (its last W under ZB-H1) reduces
-// them, overlapped with what is left of that backward, as DDP's buckets are. Stage 3 gathers each
-// unit's parameters once per step, before the first forward, and frees them after the last
-// backward, as torchtitan runs FSDP2 under a pipeline (reshard_after_forward off): gathering them
-// again for each of M micro-batches would cost 2M all-gathers per step for no saving in memory at
-// the step's peak, where every micro-batch's gradient is being accumulated anyway. Between steps a
-// rank holds 1/D of its stage's parameters, gradients and optimizer state (D: the data degree).
+// them, overlapped with the rest of that backward and of the step, as DDP's buckets are. Stage 3
+// gathers each unit's parameters once per step, before the first forward, and frees them after
+// the last backward, as torchtitan runs FSDP2 under a pipeline (reshard_after_forward off):
+// gathering them again for each of M micro-batches would cost 2M all-gathers per step for no
+// saving in memory at the step's peak, where every micro-batch's gradient is being accumulated
+// anyway. The reductions
+// of a chunk's last backward are waited for after the step's last action, not when that backward
+// returns, so the input gradient it sends upstream does not wait for them. Between steps a rank
+// holds 1/D (D: the data degree) of its stage's optimizer state (stage 1), and of its gradients
+// (stage 2), and of its parameters (stage 3); within a step the stage's parameters and gradients
+// whole, and stage 1 also its flat gradient buffer (a second copy of the gradients).
 //
 // Before the first step (and whenever the batch's shape changes) a pre-flight runs on every rank
 // and throws the same UsageError everywhere instead of hanging: stage counts and options that

@@ -94,6 +94,13 @@ class GroupLink : public StageLink {
   std::deque<Pending> pending_;
 };
 
+bool has_trainable_parameters(const torch::nn::Module& chunk) {
+  for (const auto& p : chunk.parameters()) {
+    if (p.requires_grad()) return true;
+  }
+  return false;
+}
+
 // Runs `fn` with every submodule in eval mode, restoring each one's own mode afterwards (modules()
 // is pre-order, so restoring in that order lets a child keep a mode that differs from its
 // parent's).
@@ -179,9 +186,7 @@ class DistributedPipelineImpl {
     } else if (data_group_ && data_group_->size() > 1) {
       // A chunk without trainable parameters (an activation alone) has nothing to average.
       for (const auto& chunk : runner_->chunks()) {
-        bool trainable = false;
-        for (const auto& p : chunk->parameters()) trainable = trainable || p.requires_grad();
-        if (!trainable) {
+        if (!has_trainable_parameters(*chunk)) {
           reducers_.push_back(nullptr);
           continue;
         }
@@ -252,19 +257,21 @@ class DistributedPipelineImpl {
       for (int64_t r : data.rows)
         data.targets.push_back(on_device.narrow(0, offset, r)), offset += r;
     }
-    // ZeRO's full parameters, for the pre-flight's dry run too (Note [ZeRO in a pipeline]).
+    // ZeRO's full parameters, for the pre-flight's dry run too (Note [ZeRO in a pipeline]). A step
+    // that throws ends every wrapper's step as not completed (end_step is a no-op for one that
+    // did not begin).
+    struct ShardedStep {
+      std::vector<std::shared_ptr<ShardedDataParallelBase>>* sharded;
+      bool completed = false;
+      ~ShardedStep() {
+        for (auto& s : *sharded) {
+          if (s) ShardedPipelineSteps::end_step(*s, completed);
+        }
+      }
+    } sharded_step{&sharded_};
     for (auto& sharded : sharded_) {
       if (sharded) ShardedPipelineSteps::begin_step(*sharded);
     }
-    struct HeldForStep {
-      std::vector<std::shared_ptr<ShardedDataParallelBase>>* sharded;
-      ~HeldForStep() { release(); }
-      void release() {
-        for (auto& s : *sharded) {
-          if (s) ShardedPipelineSteps::end_step(*s);
-        }
-      }
-    } held{&sharded_};
     if (!(batch == preflight_batch_)) {
       preflight(batch, data);
       preflight_batch_ = batch;
@@ -279,7 +286,10 @@ class DistributedPipelineImpl {
     GroupLink link(*group_, timeout_);
     link.set_device(device_);
     double loss = runner_->run(link, data);
-    held.release();
+    for (auto& sharded : sharded_) {
+      if (sharded) ShardedPipelineSteps::finish_step(*sharded);
+    }
+    sharded_step.completed = true;
     for (auto& reducer : reducers_) {
       if (reducer) reducer->finalize();
     }
@@ -327,8 +337,7 @@ class DistributedPipelineImpl {
     ShardedDataParallelOptions sharded;
     sharded.stage = options_.zero_stage;
     for (const auto& chunk : runner_->chunks()) {
-      bool trainable = false;
-      for (const auto& p : chunk->parameters()) trainable = trainable || p.requires_grad();
+      const bool trainable = has_trainable_parameters(*chunk);
       sharded_.push_back(
           trainable ? std::make_shared<ShardedDataParallelBase>(chunk.ptr(), data_group_, sharded)
                     : nullptr);

@@ -120,7 +120,8 @@ class ShardedState {
   void shards_changed();
   void begin_pipeline_step();
   void set_sync_next_backward(bool sync);
-  void end_pipeline_step() noexcept;
+  void finish_pipeline_step();
+  void end_pipeline_step(bool completed) noexcept;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<torch::nn::SequentialImpl>
@@ -150,6 +151,7 @@ class ShardedState {
   void on_unit_complete(size_t unit);
   void launch_reduction(size_t unit);
   void finalize_backward();
+  void complete_reductions();
   void reset_iteration();
 
   int rank_ = 0;
@@ -164,8 +166,11 @@ class ShardedState {
   bool backward_started_ = false;
   size_t next_to_launch_ = 0;  // stages 1-2 launch reductions in unit order, as DDP does buckets
   bool full_params_stale_ = false;  // stages 1-2: the shards changed since the last all-gather
-  // Stage 3 inside a pipeline step: every unit stays gathered until the step ends.
-  bool held_for_step_ = false;
+  // Inside a pipeline step (pipeline_steps.h): stage 3's units stay gathered until it ends, and the
+  // reductions its last backward launched are waited for by finish_pipeline_step, not by that
+  // backward's end (reductions_to_finish_).
+  bool in_pipeline_step_ = false;
+  bool reductions_to_finish_ = false;
 };
 
 ShardedState::ShardedState(std::shared_ptr<torch::nn::Module> module,
@@ -603,10 +608,10 @@ void ShardedState::shards_changed() {
 void ShardedState::begin_pipeline_step() {
   prepare_forward();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  in_pipeline_step_ = true;
   if (options_.stage < 3) return;
   for (size_t u = 0; u < units_.size(); ++u) start_gather(u);  // all in flight at once
   for (size_t u = 0; u < units_.size(); ++u) materialize(u);
-  held_for_step_ = true;
 }
 
 void ShardedState::set_sync_next_backward(bool sync) {
@@ -614,10 +619,44 @@ void ShardedState::set_sync_next_backward(bool sync) {
   sync_this_backward_ = sync && no_sync_depth_.load() == 0;
 }
 
-void ShardedState::end_pipeline_step() noexcept {
+void ShardedState::finish_pipeline_step() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!held_for_step_) return;
-  held_for_step_ = false;
+  if (!reductions_to_finish_) return;
+  reductions_to_finish_ = false;
+  struct ForgetOnExit {
+    ShardedState* state;
+    ~ForgetOnExit() {
+      for (auto& unit : state->units_) {
+        unit.launched = false;
+        unit.reduction = Work();
+      }
+    }
+  } forget{this};
+  complete_reductions();
+}
+
+void ShardedState::end_pipeline_step(bool completed) noexcept {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!in_pipeline_step_) return;
+  in_pipeline_step_ = false;
+  if (!completed) {
+    // A failed step: its reductions may still write into their buffers, and the gradients its
+    // passes left on the full parameters (which the optimizer over the shards never zeroes) must
+    // not be added to the next step's.
+    for (auto& unit : units_) {
+      try {
+        if (unit.launched) unit.reduction.wait();
+      } catch (const std::exception&) {
+      }
+      unit.launched = false;
+      unit.reduction = Work();
+    }
+    reductions_to_finish_ = false;
+    for (auto& p : params_) {
+      if (!p.placeholder) p.tensor.mutable_grad() = at::Tensor();
+    }
+  }
+  if (options_.stage < 3) return;
   for (size_t u = 0; u < units_.size(); ++u) {
     try {
       park(u);  // waits for a gather still in flight after a failed step
@@ -690,7 +729,7 @@ void ShardedState::on_unit_complete(size_t u) {
       }
     }
   }
-  if (options_.stage == 3 && !held_for_step_) park(u);
+  if (options_.stage == 3 && !in_pipeline_step_) park(u);
 }
 
 void ShardedState::launch_reduction(size_t u) {
@@ -734,6 +773,17 @@ void ShardedState::finalize_backward() {
         "never complete. Remove the unused parameters (or set requires_grad(false) on them).");
   }
   if (!sync_this_backward_) return;
+  if (in_pipeline_step_) {
+    // The pipeline sends this chunk's input gradient upstream when this backward returns: waiting
+    // here would hold the stages before it back. finish_pipeline_step waits after the step.
+    reductions_to_finish_ = true;
+    return;
+  }
+  complete_reductions();
+}
+
+// After a synchronizing backward: each unit's reduced gradient onto its shard.
+void ShardedState::complete_reductions() {
   torch::autograd::AutoGradMode no_grad(false);
   for (auto& unit : units_) {
     unit.reduction.wait();
@@ -759,10 +809,11 @@ void ShardedState::reset_iteration() {
   for (auto& p : params_) p.ready = false;
   for (auto& unit : units_) {
     unit.pending = unit.params.size();
+    if (reductions_to_finish_) continue;  // finish_pipeline_step waits for them
     unit.launched = false;
     unit.reduction = Work();
   }
-  if (options_.stage == 3 && !held_for_step_) {
+  if (options_.stage == 3 && !in_pipeline_step_) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].gathered || units_[u].gathering) park(u);
     }
@@ -779,8 +830,11 @@ void detail::ShardedPipelineSteps::begin_step(ShardedDataParallelBase& sdp) {
 void detail::ShardedPipelineSteps::sync_next_backward(ShardedDataParallelBase& sdp, bool sync) {
   sdp.state_->set_sync_next_backward(sync);
 }
-void detail::ShardedPipelineSteps::end_step(ShardedDataParallelBase& sdp) noexcept {
-  sdp.state_->end_pipeline_step();
+void detail::ShardedPipelineSteps::finish_step(ShardedDataParallelBase& sdp) {
+  sdp.state_->finish_pipeline_step();
+}
+void detail::ShardedPipelineSteps::end_step(ShardedDataParallelBase& sdp, bool completed) noexcept {
+  sdp.state_->end_pipeline_step(completed);
 }
 
 // ---- the public face ----

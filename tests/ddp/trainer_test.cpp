@@ -172,6 +172,38 @@ TEST(Trainer, DataTimesPipelineTrains) {
       << result.output;
 }
 
+// --grad-accum 2 with half the rows per pass trains as one pass of them all (the same rows a
+// step, each pass adding its half of the mean loss's gradient, the ranks' reduction once), in
+// every strategy that reduces across ranks: DDP in place (dtrain run's default), ZeRO-2, 2
+// data-parallel pipelines of 2 stages, and DataParallel in one process. After 5 SGD steps the loss
+// and the test accuracy are the whole batch's (printed to 6 digits; float sums in another order
+// may move the last one). A pass whose loss is not weighted by its share doubles the step, and a
+// pass that reads no new rows trains on others: either ends elsewhere.
+TEST(Trainer, GradientAccumulationTrainsAsTheWholeBatch) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  for (const auto& [ranks, strategy] : {std::pair<int, std::string>{2, ""},
+                                        {2, " --strategy zero --zero-stage 2"},
+                                        {4, " --strategy pipeline --stages 2"},
+                                        {1, " --strategy dp"}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks" + strategy);
+    const std::string run = bin("dtrain") + " run --nproc-per-node " + std::to_string(ranks) +
+                            " -- " + bin("train_fashion_mnist") + " --max-steps 5 --device cpu" +
+                            strategy;
+    auto whole = run_command(run + " --batch-size 32");
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    auto halves = run_command(run + " --batch-size 16 --grad-accum 2");
+    ASSERT_EQ(halves.exit_code, 0) << halves.output;
+    EXPECT_EQ(json_int(halves.output, "global_batch"), json_int(whole.output, "global_batch"))
+        << halves.output;
+    EXPECT_NEAR(json_number(halves.output, "final_loss"), json_number(whole.output, "final_loss"),
+                2e-5)
+        << whole.output << halves.output;
+    EXPECT_EQ(json_number(halves.output, "test_accuracy"),
+              json_number(whole.output, "test_accuracy"))
+        << whole.output << halves.output;
+  }
+}
+
 TEST(Trainer, BadPipelineCombinationIsOneLineOnEveryRank) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   auto uneven = run_command(bin("dtrain") + " run --nproc-per-node 3 -- " +

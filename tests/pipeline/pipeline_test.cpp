@@ -269,6 +269,9 @@ TEST(Pipeline, BadInputIsAUsageErrorNamingTheStage) {
   options.micro_batches = 2;
   EXPECT_THROW(Pipeline(split_sequential(model, even_cut(3)), {}, options, 2),
                UsageError);  // 3 chunks, 2 stages
+  options.zero_stage = 3;    // one process has no replicas to shard over
+  EXPECT_THROW(Pipeline(split_sequential(model, even_cut(2)), {}, options), UsageError);
+  options.zero_stage = 0;
 
   // A chunk that cannot take its predecessor's output: the error names the stage, the others stop.
   torch::nn::Sequential a(torch::nn::Linear(kInputs, 6)), b2(torch::nn::Linear(7, kClasses));
@@ -457,6 +460,53 @@ TEST(DistributedPipeline, ZeroOverTheDataReplicasEqualsSingleProcess) {
   }
 }
 
+// What makes ZeRO in a pipeline cheap, counted by the bytes each wrapper's collectives carried
+// (comm_stats): one reduce-scatter of a chunk's units per step whatever the micro-batches, one
+// all-gather per step at stage 3, and none for a forward_backward under no_sync (gradient
+// accumulation: the next one reduces both). Reducing every micro-batch trains the same numbers
+// (the average is linear), which only this count tells apart.
+TEST(DistributedPipeline, ZeroReducesAndGathersOncePerStep) {
+  constexpr int kAccumulatedSteps = 2;  // each: a pass under no_sync, then one that reduces
+  for (int zero : {2, 3}) {
+    for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1}) {
+      SCOPED_TRACE("zero " + std::to_string(zero) + ", " + to_string(kind));
+      run_group(4, [&](int, const std::shared_ptr<ProcessGroup>& group) {
+        auto mesh = make_rank_mesh(group, 2);
+        PipelineOptions options;
+        options.schedule = kind;
+        options.micro_batches = 3;
+        options.zero_stage = zero;
+        DistributedPipeline pipe(split_sequential(make_model(), even_cut(2)), mesh, options);
+        torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1));
+        const int64_t share = kBatchDp / 2;
+        auto pass = [&](int step) {
+          Batch b = make_batch(step, kBatchDp);
+          pipe.forward_backward(b.x.narrow(0, mesh.data_index * share, share),
+                                b.y.narrow(0, mesh.data_index * share, share), mean_loss);
+        };
+        for (int step = 0; step < kAccumulatedSteps; ++step) {
+          opt.zero_grad();
+          {
+            auto accumulating = pipe.no_sync();
+            pass(step);
+          }
+          pass(step);
+          opt.step();
+        }
+        for (const auto& sharded : pipe.sharded_chunks()) {
+          int64_t padded_bytes = 0;
+          for (const auto& unit : sharded->flat_shards())
+            padded_bytes += unit.shard.numel() * sharded->group()->size() * 4;
+          const ShardedCommStats stats = sharded->comm_stats();
+          EXPECT_EQ(stats.reduce_scatter_bytes, kAccumulatedSteps * padded_bytes);
+          // Stage 3 gathers at each forward_backward, accumulating or not.
+          if (zero == 3) EXPECT_EQ(stats.all_gather_bytes, 2 * kAccumulatedSteps * padded_bytes);
+        }
+      });
+    }
+  }
+}
+
 // Runs `body` on `world` thread-ranks and expects every rank to throw a UsageError containing
 // `expected`.
 void expect_error_on_every_rank(
@@ -581,6 +631,16 @@ TEST(DistributedPipeline, WrongChunkCountOrDeviceFailsOnEveryRank) {
         DistributedPipeline pipe(split_sequential(model, even_cut(2)), mesh, PipelineOptions{},
                                  c10::Device(c10::kCUDA, 0));
       });
+  expect_error_on_every_rank(2,
+                             "zero_stage=4: expected 0 (DDP over the data replicas) or a ZeRO "
+                             "stage 1-3",
+                             [](int, const std::shared_ptr<ProcessGroup>& group) {
+                               auto mesh = make_rank_mesh(group, 2);
+                               PipelineOptions options;
+                               options.zero_stage = 4;
+                               DistributedPipeline pipe(split_sequential(make_model(), even_cut(2)),
+                                                        mesh, options);
+                             });
 }
 
 }  // namespace

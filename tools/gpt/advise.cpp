@@ -162,9 +162,9 @@ Memory memory_per_rank(const GptConfig& config, const Layout& layout, int64_t ro
     if (layout.pp > 1 && layout.zero > 0) {
       // A pipeline holds its stage's parameters and gradients through the step (Note [ZeRO in a
       // pipeline]): ZeRO saves the optimizer's state at the peak, stage 3 the parameters between
-      // steps only.
+      // steps only. Stage 1 keeps its flat all-reduce buffer beside the accumulated gradients.
       m.parameters = held + (layout.zero == 3 ? shard : 0);
-      m.gradients = held;
+      m.gradients = layout.zero == 1 ? 2 * held : held;
       m.optimizer = 2 * shard;
     } else {
       switch (layout.zero) {

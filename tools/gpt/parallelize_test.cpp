@@ -1,10 +1,9 @@
-// The layouts of parallelize.h against one process: data x tensor x pipeline meshes of 2 and 4
+// The layouts of parallelize.h against one process: data x tensor x pipeline meshes of 2, 4 and 8
 // thread-ranks, ZeRO (alone and over a tensor or pipeline layout's data dimension), recomputed
-// blocks, the
-// clipped global norm and a hidden width that does not divide by the tensor ranks each end k SGD
-// steps with the parameters of one process trained on the whole batch (every whole tensor and every
-// tensor shard within a relative 1e-5, float32), and the degrees that do not fit the world are one
-// error naming them.
+// blocks, gradient accumulation, the clipped global norm and a hidden width that does not divide by
+// the tensor ranks each end k SGD steps with the parameters of one process trained on the whole
+// batch (every whole tensor and every tensor shard within a relative 1e-5, float32), and the
+// degrees that do not fit the world are one error naming them.
 #include "gpt/parallelize.h"
 
 #include <gtest/gtest.h>

@@ -6,7 +6,8 @@
 // split over T tensor ranks (heads and hidden features); --sp adds sequence parallelism, the norms
 // and residuals on a slice of the sequence (Note [Sequence-parallel blocks] in gpt.h). --recompute
 // makes every block recompute its activations in backward; --clip-grad N clips the gradient to the
-// global norm N (over every shard, tensor rank and stage). Prints rank 0's progress and one JSON
+// global norm N (over every shard, tensor rank and stage); --grad-accum K runs K passes of
+// --batch-size windows per optimizer step, reducing once. Prints rank 0's progress and one JSON
 // line at the end, with tokens/s over the timed steps (after --warmup-steps) and the model FLOP/s
 // they amount to.
 //

@@ -155,7 +155,10 @@ Flags parse_flags(int argc, char** argv) {
   integer("--virtual-stages", flags.virtual_stages, "chunks per stage (--schedule interleaved)", 1,
           64);
   integer("--epochs", flags.epochs, "passes over the training split", 1);
-  integer("--batch-size", flags.batch_size, "rows per step of each data-parallel rank", 1);
+  integer("--batch-size", flags.batch_size, "rows per pass of each data-parallel rank", 1);
+  integer("--grad-accum", flags.grad_accum,
+          "passes per step: their gradients add up, and are reduced over the ranks once", 1,
+          1 << 16);
   app.add_option("--lr", flags.lr, "SGD's learning rate (momentum 0.9)")
       ->transform(positive_number("--lr"))
       ->capture_default_str();

@@ -21,6 +21,9 @@ struct Flags {
   // Rows one data-parallel rank reads per step, as a PyTorch DataLoader's batch_size: the global
   // batch is batch_size x data-parallel ranks (Note [Batch size per data-parallel rank]).
   int64_t batch_size = 32;
+  // Gradient accumulation: a step reads grad_accum x batch_size rows per rank and runs them in
+  // grad_accum passes whose gradients add up, reduced over the ranks only in the last pass.
+  int64_t grad_accum = 1;
   double lr = 0.02;
   int64_t seed = 0;
   // Fashion-MNIST's folder; empty: datasets::default_fashion_mnist_dir()

@@ -209,7 +209,21 @@ void Strategy::recover_in_place(torch::optim::Optimizer& optimizer,
 }
 
 torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Tensor& y,
-                                         dtrain::amp::GradScaler& scaler) {
+                                         dtrain::amp::GradScaler& scaler, double weight,
+                                         bool sync) {
+  // Accumulating: the reduction over the ranks waits for the pass with sync. (dp and mp run in one
+  // process: their gradients add up on the module as any backward's do.)
+  std::optional<dtrain::DistributedDataParallelBase::NoSyncGuard> ddp_guard;
+  std::optional<dtrain::ShardedDataParallelBase::NoSyncGuard> sdp_guard;
+  std::optional<dtrain::DistributedPipeline::NoSyncGuard> pipeline_guard;
+  if (!sync) {
+    if (ddp || rdp) ddp_guard.emplace(rdp ? *rdp->ddp() : *ddp);
+    if (sdp) sdp_guard.emplace(*sdp);
+    if (pipeline) pipeline_guard.emplace(*pipeline);
+  }
+  auto weighted_loss = [weight](const torch::Tensor& logits, const torch::Tensor& target) {
+    return weight == 1.0 ? mean_loss(logits, target) : mean_loss(logits, target) * weight;
+  };
   torch::Tensor loss;
   std::optional<dtrain::amp::Autocast> autocast;  // --amp: around the forward only
   if (!flags.amp.empty()) {
@@ -219,18 +233,18 @@ torch::Tensor Strategy::forward_backward(const torch::Tensor& x, const torch::Te
     const double scale = scaler.get_scale();
     loss = dp->forward_backward(x, y,
                                 [&](const torch::Tensor& logits, const torch::Tensor& target) {
-                                  return scaler.scale(mean_loss(logits, target));
+                                  return scaler.scale(weighted_loss(logits, target));
                                 }) /
-           scale;
+           (scale * weight);
     autocast.reset();
   } else if (mp) {
-    loss = mp->forward_backward(x, y, mean_loss);
+    loss = mp->forward_backward(x, y, weighted_loss) / weight;
   } else if (pipeline) {
-    loss = pipeline->forward_backward(x, y, mean_loss);
+    loss = pipeline->forward_backward(x, y, weighted_loss) / weight;
   } else {
     loss = mean_loss(sdp ? sdp->forward(x) : rdp ? rdp->ddp()->forward(x) : ddp->forward(x), y);
     autocast.reset();
-    scaler.scale(loss).backward();
+    scaler.scale(weight == 1.0 ? loss : loss * weight).backward();
   }
   return loss;
 }

@@ -75,9 +75,12 @@ struct Strategy {
   std::shared_ptr<dtrain::ProcessGroup> group() const { return rdp ? rdp->group() : pg; }
   // One step's forward and backward on a batch, the forward under --amp's autocast and the loss
   // scaled by `scaler`: the gradients of `trained` are then ready for scaler.step(). Returns the
-  // batch's mean loss, unscaled.
+  // batch's mean loss, unscaled. Gradient accumulation (--grad-accum): a pass over a part of the
+  // step's rows adds the gradient of its mean loss times `weight` (its share of the rows), and
+  // only the pass with `sync` reduces what the passes added over the data-parallel ranks.
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y,
-                                 dtrain::amp::GradScaler& scaler);
+                                 dtrain::amp::GradScaler& scaler, double weight = 1.0,
+                                 bool sync = true);
   // The whole model's accuracy on the test split, the same on every rank. In place: on the group's
   // rank 0 alone, without a collective, so that an evaluation never meets a failure; NaN elsewhere.
   double test_accuracy(const datasets::MnistSplit& test);

@@ -157,6 +157,7 @@ std::string cuda_graph_unsupported_reason(const Flags& flags, const c10::Device&
   if (in_place) return "in-place recovery (its steps are redone at a new size)";
   if (world != 1) return std::to_string(world) + " ranks (one only: DDP's all-reduce waits)";
   if (!flags.amp.empty()) return "--amp " + flags.amp;
+  if (flags.grad_accum > 1) return "--grad-accum " + std::to_string(flags.grad_accum);
   return "";
 }
 
@@ -190,7 +191,7 @@ int train(const Flags& flags) {
     if (!why.empty()) {
       throw dtrain::UsageError(
           "train_fashion_mnist: --cuda-graph captures the step of --strategy ddp on one rank on "
-          "a GPU without --amp; this run has " +
+          "a GPU without --amp or --grad-accum; this run has " +
           why + "; drop --cuda-graph");
     }
   }
@@ -233,7 +234,8 @@ int train(const Flags& flags) {
 
   // The sampler deals the data over the data-parallel replicas (every stage of a pipeline reads the
   // same); in place the recovery deals it over each generation.
-  const int64_t local_batch = flags.batch_size;
+  // This rank's rows per step: --batch-size per pass, --grad-accum passes.
+  const int64_t step_rows = flags.batch_size * flags.grad_accum;
   dtrain::DistributedSamplerOptions sampler_options;
   sampler_options.seed = static_cast<uint64_t>(flags.seed);
   dtrain::DistributedSampler sampler(train_set.labels.size(0), replicas,
@@ -319,24 +321,43 @@ int train(const Flags& flags) {
       stop_agreed = true;
       return false;
     }
-    auto batch = sampler.next(static_cast<size_t>(local_batch));
+    auto batch = sampler.next(static_cast<size_t>(step_rows));
     if (!batch) return false;  // the epoch is over (on every rank at once)
     at::Tensor rows = torch::tensor(std::vector<int64_t>(batch->begin(), batch->end()));
     if (data_on_device) rows = rows.pin_memory();  // its copy to the GPU does not wait
     if (graphed) {
       loss = (*graphed)({rows});
     } else {
-      at::Tensor x, y;
-      if (data_on_device) {
-        const at::Tensor on_device = rows.to(device, /*non_blocking=*/true);
-        x = train_images.index_select(0, on_device);
-        y = train_labels.index_select(0, on_device);
-      } else {
-        x = batch_rows(train_images, rows, device, /*stay_on_host=*/on_host);
-        y = batch_rows(train_labels, rows, device, /*stay_on_host=*/on_host);
-      }
       optimizer.zero_grad();
-      loss = strategy.forward_backward(x, y, scaler);
+      // --grad-accum K: the step's rows in K passes, each adding the gradient of its share of the
+      // mean loss; the last one reduces over the ranks. (An epoch's short last step may have fewer
+      // rows than passes: only the non-empty ones run.)
+      const std::vector<at::Tensor> passes = rows.tensor_split(flags.grad_accum);
+      const int64_t total = rows.size(0);
+      int64_t last_pass = 0;
+      for (size_t p = 0; p < passes.size(); ++p) {
+        if (passes[p].size(0) > 0) last_pass = static_cast<int64_t>(p);
+      }
+      loss = at::Tensor();
+      for (int64_t p = 0; p <= last_pass; ++p) {
+        const at::Tensor& part = passes[static_cast<size_t>(p)];
+        if (part.size(0) == 0) continue;
+        at::Tensor x, y;
+        if (data_on_device) {
+          const at::Tensor on_device = part.to(device, /*non_blocking=*/true);
+          x = train_images.index_select(0, on_device);
+          y = train_labels.index_select(0, on_device);
+        } else {
+          x = batch_rows(train_images, part, device, /*stay_on_host=*/on_host);
+          y = batch_rows(train_labels, part, device, /*stay_on_host=*/on_host);
+        }
+        const double weight = static_cast<double>(part.size(0)) / static_cast<double>(total);
+        at::Tensor pass_loss =
+            strategy.forward_backward(x, y, scaler, weight, /*sync=*/p == last_pass);
+        loss = passes.size() == 1 ? pass_loss
+               : loss.defined()   ? loss + pass_loss * weight
+                                  : pass_loss * weight;
+      }
       if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
       scaler.update();
     }
@@ -353,7 +374,7 @@ int train(const Flags& flags) {
     read_counters(counters, at.steps, epoch_samples);
     return stepped;
   };
-  auto steps_left = [&] { return (sampler.num_samples() + local_batch - 1) / local_batch; };
+  auto steps_left = [&] { return (sampler.num_samples() + step_rows - 1) / step_rows; };
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
@@ -449,8 +470,9 @@ int train(const Flags& flags) {
         {"strategy", flags.strategy},
         {"replicas", strategy.dp ? flags.devices : replicas_now},
         {"model", flags.model},
-        {"global_batch", local_batch * replicas_now},
-        {"per_rank_batch", local_batch},
+        {"global_batch", step_rows * replicas_now},
+        {"per_rank_batch", step_rows},
+        {"grad_accum", flags.grad_accum},
         {"train_samples", samples_processed},
         {"train_time_s", six_digits(train_seconds)},
         {"samples_per_s", six_digits(train_seconds > 0 ? samples_processed / train_seconds : 0.0)},
