@@ -40,6 +40,7 @@
 //   build/bin/dtrain run --nproc-per-node 8 -- build/bin/train_gpt --dp 2 --tp 2 --pp 2
 //   build/bin/dtrain run --nproc-per-node 4 -- build/bin/train_gpt --dp 2 --tp 2 --zero 3
 //   build/bin/dtrain run --nproc-per-node 2 -- build/bin/train_gpt --init-hf in --export-hf out
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -508,6 +509,14 @@ int train(const Flags& flags) {
                                    {"amp", flags.amp},
                                    {"first_loss", first_loss},
                                    {"train_loss", last_loss}};
+  // Peak resident set (ru_maxrss, KiB) through training, before validation gathers the model:
+  // rank 0's, and the largest over the ranks; host memory, LibTorch's own baseline included.
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  at::Tensor peak_rss_mb = torch::full({1}, usage.ru_maxrss / 1024.0, at::device(device));
+  result["peak_rss_mb"] = peak_rss_mb.item<double>();
+  pg->all_reduce(peak_rss_mb, dtrain::ReduceOp::kMax);
+  result["peak_rss_mb_max"] = peak_rss_mb.item<double>();
   if (!flags.export_dcp.empty()) {  // every rank writes its part (parallelize.h)
     layout.export_dcp(flags.export_dcp, optimizer);
     result["export_dcp"] = flags.export_dcp;
