@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "console/progress.h"
 #include "datasets/text_corpus.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
@@ -446,6 +447,10 @@ int train(const Flags& flags) {
   const int64_t first_timed_step = std::max(flags.warmup_steps, resumed_step);
   int64_t step = resumed_step;
   double first_loss = 0, last_loss = 0;
+  // Rank 0's progress over the steps this run takes, its own loss when drawn.
+  console::Progress progress("train", "tokens", total_steps - resumed_step);
+  const int64_t tokens_per_step =
+      flags.grad_accum * flags.batch_size * flags.window * data_group->size();
   int pass = 0;     // of the step's --grad-accum passes, those done
   at::Tensor loss;  // their losses' sum so far
   auto start = std::chrono::steady_clock::now();
@@ -487,11 +492,16 @@ int train(const Flags& flags) {
         last_loss = value;
         if (leader && logged) std::cout << "step " << step << ": loss " << value << std::endl;
       }
+      if (leader) {
+        progress.update(step - resumed_step, (step - resumed_step) * tokens_per_step,
+                        [&] { return loss.detach().item<double>(); });
+      }
       loss = at::Tensor();
     }
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (leader) progress.done();
 
   const int64_t timed_steps = std::max<int64_t>(0, total_steps - first_timed_step);
   nlohmann::ordered_json result = {{"steps", flags.steps},

@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "checkpoints.h"
+#include "console/progress.h"
 #include "datasets/fashion_mnist.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
@@ -41,60 +42,6 @@ double six_digits(double x) {
 }
 
 using Clock = std::chrono::steady_clock;
-
-// Progress on rank 0: a redrawn bar on a terminal, a plain line every 10% otherwise (logs, pipes).
-class Progress {
- public:
-  Progress(int64_t epoch, int64_t epochs, int64_t total_steps)
-      : epoch_(epoch),
-        epochs_(epochs),
-        total_(total_steps),
-        tty_(isatty(STDOUT_FILENO)),
-        start_(Clock::now()) {}
-
-  // loss() is called only when a line is drawn: reading a loss off a GPU waits for the step to
-  // finish, and a wait every step would keep the host from queueing the next one meanwhile.
-  template <typename LossFn>
-  void update(int64_t step, int64_t samples, LossFn&& loss_fn) {
-    double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
-    double rate = samples / std::max(elapsed, 1e-9);
-    double eta = step > 0 ? elapsed / step * (total_ - step) : 0.0;
-    int percent = static_cast<int>(100 * step / std::max<int64_t>(total_, 1));
-    char line[200];
-    if (tty_) {
-      // Redraw at most ten times a second: a step can take well under a millisecond.
-      auto now = Clock::now();
-      if (step != total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-      last_draw_ = now;
-      int filled = percent / 4;
-      std::snprintf(line, sizeof line,
-                    "\repoch %lld/%lld [%-25s] %3d%% %8.0f samples/s loss %.4f ETA %5.1fs",
-                    static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_),
-                    std::string(filled, '#').c_str(), percent, rate, loss_fn(), eta);
-      std::cout << line << std::flush;
-    } else if (percent >= next_percent_ || step == total_) {
-      std::snprintf(line, sizeof line,
-                    "epoch %lld/%lld %3d%% step %lld/%lld %.0f samples/s loss %.4f ETA %.1fs",
-                    static_cast<long long>(epoch_ + 1), static_cast<long long>(epochs_), percent,
-                    static_cast<long long>(step), static_cast<long long>(total_), rate, loss_fn(),
-                    eta);
-      std::cout << line << std::endl;
-      next_percent_ = percent / 10 * 10 + 10;
-    }
-  }
-  // In place the group's size, and so the steps left in the epoch, change with a re-formation.
-  void set_total(int64_t total_steps) { total_ = total_steps; }
-  void done() {
-    if (tty_) std::cout << std::endl;
-  }
-
- private:
-  int64_t epoch_, epochs_, total_;
-  bool tty_;
-  Clock::time_point start_;
-  Clock::time_point last_draw_{};
-  int next_percent_ = 10;
-};
 
 // Note [The trainer in place]
 // Under DTRAIN_RECOVERY=in-place (`dtrain run --recovery in-place`) --strategy ddp trains through
@@ -378,10 +325,12 @@ int train(const Flags& flags) {
 
   int64_t samples_processed = 0;  // this run, over all ranks
   double train_seconds = 0, accuracy = 0, last_loss = 0;
-  at::Tensor last_loss_tensor;  // read only when shown (Progress::update) and at the end
+  at::Tensor last_loss_tensor;  // read only when shown (console::Progress) and at the end
   bool stopped_early = false, preempted = false;
   while (!stopped_early && sampler.epoch() < flags.epochs) {
-    Progress progress(sampler.epoch(), flags.epochs, steps_left());
+    console::Progress progress(
+        "epoch " + std::to_string(sampler.epoch() + 1) + "/" + std::to_string(flags.epochs),
+        "samples", steps_left());
     int64_t epoch_steps = 0, epoch_run_samples = 0;  // of this epoch in this run
     auto start = Clock::now();
     while (run_step()) {
