@@ -240,9 +240,10 @@ class Pipeline {
 // saving in memory at the step's peak, where every micro-batch's gradient is being accumulated
 // anyway. The reductions
 // of a chunk's last backward are waited for after the step's last action, not when that backward
-// returns, so the input gradient it sends upstream does not wait for them. Between steps a rank
-// holds 1/D (D: the data degree) of its stage's optimizer state (stage 1), and of its gradients
-// (stage 2), and of its parameters (stage 3); within a step the stage's parameters and gradients
+// returns, so the input gradient it sends upstream does not wait for them. Between steps (not
+// accumulating under no_sync, which keeps the gradients whole) a rank holds 1/D (D: the data
+// degree) of its stage's optimizer state (stage 1), and of its gradients (stage 2), and of its
+// parameters (stage 3); within a step the stage's parameters and gradients
 // whole, and stage 1 also its flat gradient buffer (a second copy of the gradients).
 //
 // Before the first step (and whenever the batch's shape changes) a pre-flight runs on every rank

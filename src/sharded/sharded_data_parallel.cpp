@@ -171,6 +171,9 @@ class ShardedState {
   // backward's end (reductions_to_finish_).
   bool in_pipeline_step_ = false;
   bool reductions_to_finish_ = false;
+  // A pipeline step failed after launching reductions: the ranks are out of step, which the next
+  // forward reports (as prepare_forward does for a backward that stopped partway).
+  bool out_of_step_ = false;
 };
 
 ShardedState::ShardedState(std::shared_ptr<torch::nn::Module> module,
@@ -454,6 +457,13 @@ void ShardedState::check_full_parameters() {
 
 void ShardedState::prepare_forward() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (out_of_step_) {
+    out_of_step_ = false;
+    throw CommError(
+        who() +
+        ": the previous pipeline step failed after starting some gradient reductions, "
+        "so the ranks are out of step. Restart the job (an elastic restart does this).");
+  }
   if (backward_started_) {
     // The previous backward stopped (an exception) before its end-of-backward callback.
     bool launched = false;
@@ -623,10 +633,14 @@ void ShardedState::finish_pipeline_step() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!reductions_to_finish_) return;
   reductions_to_finish_ = false;
-  struct ForgetOnExit {
+  struct ForgetOnExit {  // also when a reduction threw: the others are waited out first
     ShardedState* state;
     ~ForgetOnExit() {
       for (auto& unit : state->units_) {
+        try {
+          if (unit.launched) unit.reduction.wait();
+        } catch (const std::exception&) {
+        }
         unit.launched = false;
         unit.reduction = Work();
       }
@@ -643,6 +657,8 @@ void ShardedState::end_pipeline_step(bool completed) noexcept {
     // A failed step: its reductions may still write into their buffers, and the gradients its
     // passes left on the full parameters (which the optimizer over the shards never zeroes) must
     // not be added to the next step's.
+    for (auto& unit : units_) out_of_step_ = out_of_step_ || unit.launched;
+    out_of_step_ = out_of_step_ || reductions_to_finish_;
     for (auto& unit : units_) {
       try {
         if (unit.launched) unit.reduction.wait();

@@ -8,9 +8,10 @@
 source "$(dirname "$0")/lib.sh"
 start_cluster
 
-# The undisturbed run, the reference. Batches of 4 per rank (7500 steps, seconds of training): with
-# the default 32 an idle machine finished the epoch (1.4 s) before the requeue's SIGTERM arrived.
-args=(--epochs 1 --log-every 20 --batch-size 4)
+# The undisturbed run, the reference. Batches of 2 per rank (15000 steps, about 8 s of training): with
+# the default 32 an idle machine finished the epoch (1.4 s) before the requeue's SIGTERM arrived, and
+# with 4 (3.9 s) a loaded one did once, its slurmctld slow to requeue.
+args=(--epochs 1 --log-every 20 --batch-size 2)
 timeout 120 srun -n2 --kill-on-bad-exit=1 "$trainer" "${args[@]}" >"$work/reference.out" 2>&1 ||
   fail "the reference run exited with $?: $(tail -n 5 "$work/reference.out")"
 
@@ -52,7 +53,7 @@ step=${step%%:*}
   fail "unexpected stop line: $stop_line"
 # Rank 0 exits 143 once the checkpoint is on disk (rank 1 too, unless --kill-on-bad-exit ended it first).
 grep -qE "tasks? 0(-1)?: Exited with exit code 143" "$out" || fail "rank 0 did not exit with 143 (stopped)"
-samples=$((step * 8))  # 2 ranks x 4
+samples=$((step * 4))  # 2 ranks x 2
 grep -qF "restart 1: resumed from $work/ckpt/checkpoint-$step.ckpt at epoch 1, $samples samples into it, step $step" \
   "$out" || fail "the requeued job did not resume from step $step: $(grep -v '^step\|^epoch' "$out")"
 grep -qx "srun exited with 0" "$out" || fail "the requeued job's srun did not succeed"

@@ -165,8 +165,10 @@ void save_checkpoint(Parallel& parallel, torch::optim::AdamW& adamw,
 }
 
 // Also with a hidden width that does not divide by the tensor ranks (91: 46 and 45 features; the
-// row-parallel w2's columns gathered unevenly), and ZeRO-3 over 2 pipelines' replicas. A
-// checkpoint saved the same way, read back by one process, gives the layout's own parameters.
+// row-parallel w2's columns gathered unevenly), and ZeRO-3 over 2 pipelines' replicas. The
+// checkpoint, read back whole by one process, holds every tensor rank's trained parameters in its
+// place; an uneven export loads into tensor 2 x pipeline 2 of the same width and exports again as
+// the same folder (every rank reading its rows, or its columns of the whole).
 TEST(GptDcp, EveryLayoutExportsExactlyWhatItsCheckpointHolds) {
   const std::string dir = dtrain::testing::temp_dir("dtrain-gpt-dcp-export");
   const at::Tensor data = fixed_data();
@@ -181,7 +183,8 @@ TEST(GptDcp, EveryLayoutExportsExactlyWhatItsCheckpointHolds) {
     const std::string name = name_of(options) + (config.mlp_width ? "-hidden91" : "");
     SCOPED_TRACE(name);
     const std::string exported = dir + "/" + name, checkpoint = exported + "-ckpt";
-    std::map<std::string, at::Tensor> trained;  // the parameters of tensor rank 0, replica 0
+    // Replica 0's parameters, by tensor rank and name.
+    std::map<std::pair<int, std::string>, at::Tensor> trained;
     std::mutex mutex;
     run_layout(
         options, world, 3,
@@ -191,24 +194,38 @@ TEST(GptDcp, EveryLayoutExportsExactlyWhatItsCheckpointHolds) {
           parallel.export_dcp(exported, adamw);
           parallel.gather_full_parameters();
           std::lock_guard<std::mutex> lock(mutex);
-          if (parallel.mesh().tensor_index != 0 || parallel.mesh().data_index != 0) return;
+          if (parallel.mesh().data_index != 0) return;
           for (const auto& [key, p] : parallel.named_parameters()) {
-            trained[key] = p.detach().clone();
+            trained[{parallel.mesh().tensor_index, key}] = p.detach().clone();
           }
         },
         config);
     const dtrain::TensorTable expected = checkpoint_table(config, checkpoint);
     EXPECT_EQ(expected.size(), (3 + 9 * 2) * 4u);  // 21 parameters and 3 AdamW tensors each
     expect_tables(expected, dtrain::load_dcp_safetensors(exported), "the export");
-    ASSERT_EQ(trained.size(), 21u);
-    for (const auto& [key, p] : trained) {
-      // Tensor rank 0 holds the first rows (or columns) of a split projection.
+    ASSERT_EQ(trained.size(), 21u * options.tp);
+    for (const auto& [where, p] : trained) {
+      const auto& [t, key] = where;
+      // A split projection's share: as the layers cut it, the first size % T ranks one more.
       at::Tensor whole = *expected.find(key);
       if (!whole.sizes().equals(p.sizes())) {
-        const int64_t dim = p.size(0) != whole.size(0) ? 0 : 1;
-        whole = whole.narrow(dim, 0, p.size(dim));
+        const int64_t dim = p.size(0) != whole.size(0) ? 0 : 1, size = whole.size(dim);
+        const int64_t base = size / options.tp, extra = size % options.tp;
+        whole = whole.narrow(dim, t * base + std::min<int64_t>(t, extra), p.size(dim));
       }
-      EXPECT_TRUE(torch::equal(whole, p)) << key;
+      EXPECT_TRUE(torch::equal(whole, p)) << key << " on tensor rank " << t;
+    }
+    if (config.mlp_width != 0 && options.pp == 1 && options.zero == 0) {
+      const std::string again = exported + "-again";
+      run_layout(
+          layout(1, 2, 2), 4, 99,
+          [&](Parallel& parallel, torch::optim::AdamW& adamw, auto&) {
+            parallel.load_dcp(exported, adamw);
+            parallel.export_dcp(again, adamw);
+          },
+          config);
+      expect_tables(dtrain::load_dcp_safetensors(exported), dtrain::load_dcp_safetensors(again),
+                    "loaded into tp 2 x pp 2 and exported again");
     }
   }
   fs::remove_all(dir);

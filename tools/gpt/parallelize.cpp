@@ -419,7 +419,7 @@ std::vector<Parallel::Piece> Parallel::pieces(bool saving) {
             piece.numel = whole;
             break;
           case Piece::Split::kRows:  // a block of whole rows: a range already
-            piece.offset = piece.first * shape[1];
+            piece.offset = piece.first * (whole / shape[0]);
             piece.numel = p.numel();
             break;
           case Piece::Split::kColumns: {

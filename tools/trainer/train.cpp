@@ -277,10 +277,15 @@ int train(const Flags& flags) {
     } else {
       optimizer.zero_grad();
       // --grad-accum K: the step's rows in K passes, each adding the gradient of its share of the
-      // mean loss; the last one reduces over the ranks. (An epoch's short last step may have fewer
-      // rows than passes: only the non-empty ones run.)
-      const std::vector<at::Tensor> passes = rows.tensor_split(flags.grad_accum);
+      // mean loss; the last one reduces over the ranks. An epoch's short last step may have fewer
+      // rows than passes (only the non-empty ones run), and a pipeline's pass needs a row per
+      // micro-batch: it takes fewer, larger passes then.
       const int64_t total = rows.size(0);
+      int64_t pass_count = flags.grad_accum;
+      if (flags.strategy == "mp" || flags.strategy == "pipeline") {
+        pass_count = std::min(pass_count, std::max<int64_t>(1, total / flags.micro_batches));
+      }
+      const std::vector<at::Tensor> passes = rows.tensor_split(pass_count);
       int64_t last_pass = 0;
       for (size_t p = 0; p < passes.size(); ++p) {
         if (passes[p].size(0) > 0) last_pass = static_cast<int64_t>(p);
