@@ -293,7 +293,7 @@ class DistributedPipeline {
   // With options.zero_stage > 0: ShardedDataParallel around each of this rank's chunks that has
   // trainable parameters, in chunk order (flat_shards() for checkpoints, gather_full_parameters()
   // to evaluate the chunks outside a step); empty otherwise.
-  const std::vector<std::shared_ptr<ShardedDataParallelBase>>& sharded_chunks() const;
+  std::vector<std::shared_ptr<ShardedDataParallelBase>> sharded_chunks() const;
 
  private:
   std::unique_ptr<detail::DistributedPipelineImpl> impl_;

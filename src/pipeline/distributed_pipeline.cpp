@@ -314,8 +314,12 @@ class DistributedPipelineImpl {
     }
     return result;
   }
-  const std::vector<std::shared_ptr<ShardedDataParallelBase>>& sharded_chunks() const {
-    return sharded_nonnull_;
+  std::vector<std::shared_ptr<ShardedDataParallelBase>> sharded_chunks() const {
+    std::vector<std::shared_ptr<ShardedDataParallelBase>> result;
+    for (const auto& sharded : sharded_) {
+      if (sharded) result.push_back(sharded);
+    }
+    return result;
   }
 
   int no_sync_depth = 0;  // DistributedPipeline::NoSyncGuards alive
@@ -341,7 +345,6 @@ class DistributedPipelineImpl {
       sharded_.push_back(
           trainable ? std::make_shared<ShardedDataParallelBase>(chunk.ptr(), data_group_, sharded)
                     : nullptr);
-      if (sharded_.back()) sharded_nonnull_.push_back(sharded_.back());
     }
     runner_->before_backward = [this](size_t local, bool last) {
       if (sharded_[local]) {
@@ -509,7 +512,7 @@ class DistributedPipelineImpl {
   std::unique_ptr<StageRunner> runner_;
   std::vector<std::unique_ptr<Reducer>> reducers_;
   // ZeRO (options.zero_stage > 0): per local chunk, null for one without trainable parameters.
-  std::vector<std::shared_ptr<ShardedDataParallelBase>> sharded_, sharded_nonnull_;
+  std::vector<std::shared_ptr<ShardedDataParallelBase>> sharded_;
   TensorMeta preflight_batch_;  // the batch shape the output metas below are for
   std::map<std::pair<int, int64_t>, TensorMeta>
       output_meta_;  // (chunk, micro-batch rows) -> its output
@@ -531,8 +534,7 @@ int DistributedPipeline::stage() const { return impl_->stage(); }
 int DistributedPipeline::stages() const { return impl_->stages(); }
 const PipelineSchedule& DistributedPipeline::schedule() const { return impl_->schedule(); }
 std::vector<at::Tensor> DistributedPipeline::parameters() const { return impl_->parameters(); }
-const std::vector<std::shared_ptr<ShardedDataParallelBase>>& DistributedPipeline::sharded_chunks()
-    const {
+std::vector<std::shared_ptr<ShardedDataParallelBase>> DistributedPipeline::sharded_chunks() const {
   return impl_->sharded_chunks();
 }
 DistributedPipeline::NoSyncGuard::NoSyncGuard(DistributedPipeline& pipe) : pipe_(pipe) {

@@ -152,6 +152,7 @@ at::Tensor Parallel::forward_backward(const at::Tensor& inputs, const at::Tensor
     std::optional<dtrain::amp::Autocast> autocast;
     if (options_.bf16) autocast.emplace(device_.type(), torch::kBFloat16);
     if (pipe) {
+      if (loss_scale == 1.0) return pipe->forward_backward(inputs, targets, next_token_loss);
       auto scaled = [loss_scale](const at::Tensor& logits, const at::Tensor& next) {
         return next_token_loss(logits, next) * loss_scale;
       };

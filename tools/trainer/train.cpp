@@ -277,23 +277,16 @@ int train(const Flags& flags) {
     } else {
       optimizer.zero_grad();
       // --grad-accum K: the step's rows in K passes, each adding the gradient of its share of the
-      // mean loss; the last one reduces over the ranks. An epoch's short last step may have fewer
-      // rows than passes (only the non-empty ones run), and a pipeline's pass needs a row per
-      // micro-batch: it takes fewer, larger passes then.
+      // mean loss; the last one reduces over the ranks. An epoch's short last step takes fewer
+      // passes: a row each at least, and a row per micro-batch in a pipeline.
       const int64_t total = rows.size(0);
-      int64_t pass_count = flags.grad_accum;
-      if (flags.strategy == "mp" || flags.strategy == "pipeline") {
-        pass_count = std::min(pass_count, std::max<int64_t>(1, total / flags.micro_batches));
-      }
+      const bool pipelined = flags.strategy == "mp" || flags.strategy == "pipeline";
+      const int64_t pass_count = std::min<int64_t>(
+          flags.grad_accum, std::max<int64_t>(1, pipelined ? total / flags.micro_batches : total));
       const std::vector<at::Tensor> passes = rows.tensor_split(pass_count);
-      int64_t last_pass = 0;
-      for (size_t p = 0; p < passes.size(); ++p) {
-        if (passes[p].size(0) > 0) last_pass = static_cast<int64_t>(p);
-      }
       loss = at::Tensor();
-      for (int64_t p = 0; p <= last_pass; ++p) {
+      for (int64_t p = 0; p < pass_count; ++p) {
         const at::Tensor& part = passes[static_cast<size_t>(p)];
-        if (part.size(0) == 0) continue;
         at::Tensor x, y;
         if (data_on_device) {
           const at::Tensor on_device = part.to(device, /*non_blocking=*/true);
@@ -305,10 +298,13 @@ int train(const Flags& flags) {
         }
         const double weight = static_cast<double>(part.size(0)) / static_cast<double>(total);
         at::Tensor pass_loss =
-            strategy.forward_backward(x, y, scaler, weight, /*sync=*/p == last_pass);
-        loss = passes.size() == 1 ? pass_loss
-               : loss.defined()   ? loss + pass_loss * weight
-                                  : pass_loss * weight;
+            strategy.forward_backward(x, y, scaler, weight, /*sync=*/p + 1 == pass_count);
+        // The step's mean loss: the passes' means weighted by their rows (one pass: its own).
+        if (pass_count == 1) {
+          loss = pass_loss;
+        } else {
+          loss = p == 0 ? pass_loss * weight : loss + pass_loss * weight;
+        }
       }
       if (!scaler.step(optimizer)) ++skipped_steps;  // fp16: an inf/NaN gradient on any rank
       scaler.update();
