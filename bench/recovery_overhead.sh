@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The cost of being ready to recover in place (issue 21) when nothing fails: the example trainer's
 # DDP job (--model mlp, 2 workers on this host, one epoch of Fashion-MNIST) under `dtrain run`
-# with --recovery in-place (dtrain::ResilientDataParallel: an admission all-reduce of one number
-# every 10 steps, a store poll every 100 ms on another thread, the step as a function, batches
-# taken from the sampler one at a time) against the same job under --recovery restart (plain
+# with --recovery in-place (dtrain::ResilientDataParallel: the admission count riding on the
+# gradients' all-reduce, a store poll every 100 ms on another thread, the step as a function,
+# batches taken from the sampler one at a time) against the same job under --recovery restart (plain
 # DDP). The two sides alternate; reported: samples/s of each, and the median of the paired ratios.
 #
 #   bench/recovery_overhead.sh [rounds]     (default 5)

@@ -28,6 +28,8 @@
 //   After re-forming, the survivors compare their committed step counts (at most one apart: no rank
 //   finishes a step's all-reduce before every rank has contributed to it) and the most advanced one
 //   sends its state to all; a step that finished anywhere used every rank's gradient and stands.
+//   A newcomer also takes the sender's default CPU generator (dropout and the like continue one
+//   stream); a laggard keeps its own.
 // - The sampler follows committed steps: step() notes its position before the body runs, and a
 //   failed step puts it back. The survivors then deal what is left of the epoch over the new size
 //   (DistributedSampler::reshard), so every sample is used exactly once.
@@ -52,9 +54,12 @@
 //   heartbeats the store has answered none of for `lost_after` is cut off and stops with a
 //   CommError naming the store: the side of a partition without the store must not go on as a
 //   second job.
-// - Admission is checked every `admit_every` steps with one all-reduce of one number, so that every
-//   member sees the same answer at the same step; the store is polled for newcomers on a background
-//   thread, never on the training thread.
+// - Admission is checked at every step boundary, and every member sees the same answer at the
+//   same step: rank 0's count of the newcomers rides as one number on the step's gradient
+//   all-reduce (no collective of its own; Note [A number riding on the gradients],
+//   src/comm/group_state.h). Where the gradients cannot carry it (a comm hook, half-precision or
+//   CUDA gradients), one all-reduce of one number every `admit_every` steps agrees on it instead.
+//   The store is polled for newcomers on a background thread, never on the training thread.
 // - The store must outlive every worker: under `dtrain run --recovery in-place` node 0's launcher
 //   hosts it (TORCHELASTIC_USE_AGENT_STORE=True) and rank 0 dies like any rank; started otherwise,
 //   rank 0 hosts it and its death ends the job.
@@ -94,7 +99,8 @@ struct RecoveryOptions {
   // (by its pid on this host, or its stale heartbeat: see lost_after) before they re-form without
   // it.
   std::chrono::milliseconds settle = std::chrono::seconds(2);
-  // Steps between two admission checks; each costs one all-reduce of one number.
+  // Steps between two admission checks where the check cannot ride on the gradients' all-reduce
+  // (see Note [In-place recovery] above); each then costs one all-reduce of one number.
   int64_t admit_every = 10;
   // Re-formations (failures and admissions) after which a failure is final: a job that loses a rank
   // on every step is broken, not unlucky.
@@ -133,8 +139,9 @@ struct RecoveryStats {
 // of the heartbeat thread (on a machine whose cores all train, taken from training). Not the same
 // on every member; the recoveries themselves are not in it.
 struct ReadinessCost {
-  int64_t admission_checks = 0;
-  double admission_s = 0;
+  int64_t admission_checks = 0;   // all-reduces of their own
+  double admission_s = 0;         // their time
+  int64_t admission_carried = 0;  // checks that rode on a gradient all-reduce, at no time of theirs
   double heartbeat_cpu_s = 0;
 };
 

@@ -30,6 +30,24 @@ class ShmTransport;
 class ShmPointToPoint;
 struct ShmMessage;
 
+// Note [A number riding on the gradients]
+// One number that DDP's gradient all-reduce carries for the group's owner, so that the ranks agree
+// on it at no collective of its own: in-place recovery's admission check (src/recovery), which
+// would otherwise cost an all-reduce at its step boundaries. A DDP built on a group that has one
+// (GroupState::riding_number) reserves one element after the gradients of the bucket it launches
+// last, when that bucket holds float or double gradients and no comm hook replaces the all-reduce
+// (a hook owns the bucket's contents; a half-precision number is exact only up to 256). Each rank
+// writes its contribution there as the bucket starts; once the backward's all-reduces are waited
+// for, the sum over the ranks is read back and `carried` counts one more. Every rank carries it in
+// the same backwards, so an owner that compares `carried` with what it last read takes the same
+// branch on every rank. Where nothing carries it, `carried` stays 0 and the owner agrees by a
+// collective of its own.
+struct RidingNumber {
+  std::atomic<double> contribution{0};  // this rank's part in the next synchronised backward
+  std::atomic<double> sum{0};           // the sum over the ranks in the last one that carried it
+  std::atomic<int64_t> carried{0};      // synchronised backwards that carried it
+};
+
 struct GroupState {
   std::string name;
   int rank = 0;
@@ -40,6 +58,9 @@ struct GroupState {
   std::chrono::milliseconds timeout{kDefaultTimeout};
   c10::intrusive_ptr<c10d::Store> root_store;  // unprefixed; sub-groups prefix it again
   c10::intrusive_ptr<c10d::Store> store;       // this group's keys
+  // Set by the group's owner before it builds a DDP on the group; null: DDP carries nothing.
+  // (Above the CUDA members: tests, built without DTRAIN_WITH_CUDA, set it too.)
+  std::shared_ptr<RidingNumber> riding_number;
   c10::intrusive_ptr<c10d::Backend> gloo;
 #ifdef DTRAIN_WITH_CUDA
   std::once_flag nccl_once;

@@ -104,12 +104,24 @@ class ShmCollectiveInFlight : public InFlight {
   explicit ShmCollectiveInFlight(std::shared_future<void> done) : done_(std::move(done)) {}
 
   void wait(Clock::time_point started, std::chrono::milliseconds timeout,
-            const std::function<std::string()>&) override {
+            const std::function<std::string()>& abandon) override {
     // The transport's thread enforces the timeout itself; this bound only guards against a stuck
-    // thread.
-    if (done_.wait_for(2 * timeout + std::chrono::seconds(10)) != std::future_status::ready) {
-      throw TransportFailure{TransportFailure::Kind::kTimeout,
-                             "the shared-memory transport's thread did not finish"};
+    // thread. With `abandon`, in slices asking it between them: a peer whose process hangs, or one
+    // that gave up on this group, never comes to the operation, and its own death would have been
+    // seen by the transport. The operation is left to the transport's thread, and the group is
+    // not used again.
+    const auto deadline = Clock::now() + 2 * timeout + std::chrono::seconds(10);
+    for (;;) {
+      const auto left = deadline - Clock::now();
+      const auto slice = abandon ? std::min<Clock::duration>(left, kAbandonSlice) : left;
+      if (done_.wait_for(slice) == std::future_status::ready) break;
+      if (Clock::now() >= deadline) {
+        throw TransportFailure{TransportFailure::Kind::kTimeout,
+                               "the shared-memory transport's thread did not finish"};
+      }
+      if (!abandon) continue;
+      std::string reason = abandon();
+      if (!reason.empty()) throw TransportFailure{TransportFailure::Kind::kAbandoned, reason};
     }
     try {
       done_.get();

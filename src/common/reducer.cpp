@@ -9,6 +9,7 @@
 
 #include <map>
 
+#include "comm/group_state.h"
 #include "common/format.h"
 
 namespace dtrain::detail {
@@ -87,21 +88,32 @@ void Reducer::build_buckets() {
     for (size_t k : indices) params_[k].bucket = buckets_.size() - 1;
     buckets_.back().params = std::move(indices);
   }
+  auto full_precision_cpu = [](const at::Tensor& t) {
+    return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+  };
+  // Note [A number riding on the gradients]: one element after the last-launched bucket's
+  // gradients. Only a CPU bucket: reading it back from a device would wait for the all-reduce.
+  riding_ = GroupInternals::state(*group_)->riding_number;
+  if (riding_ && (options_.comm_hook || buckets_.empty() ||
+                  !full_precision_cpu(params_[buckets_.back().params.front()].tensor))) {
+    riding_.reset();
+  }
   // Ranks on one host keep the buckets in shared memory, each at a 64-byte (cache-line) boundary.
   std::vector<int64_t> numels;
   int64_t shared_bytes = 0;
   bool shareable = !options_.comm_hook && group_->uses_shared_memory();
   for (auto& bucket : buckets_) {
     const at::Tensor& first = params_[bucket.params.front()].tensor;
-    shareable = shareable && first.device().is_cpu() &&
-                (first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble);
-    int64_t numel = 0;
+    shareable = shareable && full_precision_cpu(first);
+    int64_t numel = riding_ && &bucket == &buckets_.back() ? 1 : 0;
     for (size_t k : bucket.params) numel += params_[k].tensor.numel();
     numels.push_back(numel);
     bucket.offset = shared_bytes;
     shared_bytes += (numel * static_cast<int64_t>(first.element_size()) + 63) / 64 * 64;
   }
   if (shareable) shared_ = SharedBuckets::create(*group_, shared_bytes);
+  // Shared buckets under gradient_as_bucket_view are divided by the reduction itself (launch()).
+  if (shared_ && options_.gradient_as_bucket_view) riding_scale_ = 1.0 / group_->size();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const int64_t numel = numels[b];
@@ -245,7 +257,15 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
+  // The riding number goes in after any division of the gradients below (riding_scale_ undoes the
+  // division that shared buckets apply in the reduction).
+  auto load_riding_number = [&] {
+    if (riding_ && bucket_index + 1 == buckets_.size()) {
+      bucket.buffer.narrow(0, bucket.buffer.numel() - 1, 1).fill_(riding_->contribution.load());
+    }
+  };
   if (shared_) {
+    load_riding_number();
     // mark_ready() already divided copied gradients; gradients that are the bucket get divided by
     // the reduction itself, in the same pass.
     const double scale = options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
@@ -255,6 +275,7 @@ void Reducer::launch(size_t bucket_index) {
     return;
   }
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
+  load_riding_number();
   // Starting is meant not to block, but a hook or a full transport queue may: whatever it takes
   // here, backward is not computing.
   StepRecorder::Blocked blocked(recorder_.get());
@@ -328,6 +349,15 @@ void Reducer::finalize_backward() {
         buckets_[b].work.wait();
       }
     }
+  }
+  if (riding_) {
+    const at::Tensor& buffer = buckets_.back().buffer;
+    const int64_t last = buffer.numel() - 1;
+    const double reduced = buffer.scalar_type() == at::kFloat
+                               ? static_cast<double>(buffer.data_ptr<float>()[last])
+                               : buffer.data_ptr<double>()[last];
+    riding_->sum.store(reduced / riding_scale_);
+    riding_->carried.fetch_add(1);
   }
   torch::autograd::AutoGradMode no_grad(false);
   const int* used_anywhere = used.defined() ? used.data_ptr<int>() : nullptr;

@@ -21,6 +21,8 @@
 
 namespace dtrain::detail {
 
+struct RidingNumber;  // comm/group_state.h
+
 class Reducer {
  public:
   enum class Finalize {
@@ -91,6 +93,10 @@ class Reducer {
   // parameters got a gradient (for the unused-parameter error); no buckets, no copies, no
   // collectives.
   bool local_only_ = false;
+  // Note [A number riding on the gradients] (comm/group_state.h): the group's, when the bucket
+  // launched last can carry it (as the last element of its buffer); null otherwise.
+  std::shared_ptr<RidingNumber> riding_;
+  double riding_scale_ = 1.0;  // what the reduction multiplies the riding element by
 
   std::mutex mutex_;  // hooks of a CUDA backward may run on several device threads
   std::atomic<int> no_sync_depth_{0};

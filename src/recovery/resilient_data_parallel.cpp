@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstdlib>
@@ -89,6 +90,7 @@ class RecoveryCore {
  private:
   enum class Reason { kFailure, kAdmission };
   void reform(Reason reason, int newcomers, const std::string& cause);
+  void admit_newcomers();
   void connect(int64_t generation);
   void transfer_state();
   void release_group();
@@ -110,9 +112,15 @@ class RecoveryCore {
   int64_t generation_ = 0;
   bool newcomer_ = false;           // holds no state until the first transfer
   int64_t newcomers_admitted_ = 0;  // newcomer numbers 1..this are admitted (or gone)
-  int64_t checked_at_step_ = -1;    // the last step count whose admission check ran
-  SamplerState committed_;          // the sampler at the last committed step
-  ReadinessCost readiness_;         // the admission checks' part; the heartbeats' is below
+  // The step count at the members' last agreement on the newcomers (admit_newcomers), or at the
+  // formation of this generation: the same on every member.
+  int64_t agreed_at_step_ = 0;
+  // Note [A number riding on the gradients] (comm/group_state.h): this generation's, and its
+  // `carried` count when admit_newcomers() last read it.
+  std::shared_ptr<RidingNumber> riding_;
+  int64_t riding_read_ = 0;
+  SamplerState committed_;   // the sampler at the last committed step
+  ReadinessCost readiness_;  // the admission checks' part; the heartbeats' is below
   // The heartbeat thread's CPU time so far, which it writes after every round.
   std::shared_ptr<std::atomic<int64_t>> heartbeat_cpu_ns_ =
       std::make_shared<std::atomic<int64_t>>(0);
@@ -210,7 +218,7 @@ void RecoveryCore::start() {
       reform(Reason::kFailure, 0, e.what());
     }
     newcomer_ = false;
-    checked_at_step_ = stats_.steps;  // the members checked this step already
+    agreed_at_step_ = stats_.steps;  // as the members who admitted it
   } else {
     members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
     watch(0);
@@ -247,6 +255,10 @@ void RecoveryCore::connect(int64_t generation) {
   };
   // A failure re-forms the group at once: no pause for a fuller message (GroupState).
   state->wait_for_peer_posts = false;
+  // The admission check's number rides on the DDP's gradient all-reduce (step()).
+  riding_ = std::make_shared<RidingNumber>();
+  riding_read_ = 0;
+  state->riding_number = riding_;
   group_ = GroupInternals::group(connect_group(std::move(state)));
 }
 
@@ -311,6 +323,7 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
       marks.push_back(Clock::now());
       owner_.wrap(group_);
       marks.push_back(Clock::now());
+      agreed_at_step_ = stats_.steps;  // equal on every member once the state is
     } catch (const StateLost&) {
       throw;
     } catch (const CommError& e) {
@@ -364,6 +377,15 @@ void RecoveryCore::transfer_state() {
   group_->all_reduce(source_tensor, ReduceOp::kMin);
   const int source = static_cast<int>(source_tensor.item<int64_t>());
   const bool sending = group_->rank() == source;
+  if (sending && least >= 0 && least < most) {
+    // Note [In-place recovery]: the last step finished its all-reduce on some members and failed
+    // on others; it stands, and the members that did not step take this one's state.
+    DTRAIN_LOG(kWarn, "in-place recovery: generation "
+                          << generation_ << ": members stand at steps " << least << " and " << most
+                          << " (step " << most
+                          << " committed on some members only); this member, at step " << most
+                          << ", sends its state to the others");
+  }
 
   // Received into copies, applied only once all arrived: a transfer cut short by another failure
   // must not leave a half-updated replica (the next formation then sends again).
@@ -373,6 +395,15 @@ void RecoveryCore::transfer_state() {
     tensors.push_back(sending ? p.detach() : p.detach().clone());
   for (auto& b : module_->buffers()) tensors.push_back(sending ? b.detach() : b.detach().clone());
   for (auto& t : options_.state) tensors.push_back(sending ? t.detach() : t.detach().clone());
+  // The default CPU generator (dropout, random augmentation): a newcomer continues the source's
+  // stream instead of its own fresh one. (Fixed size for a given LibTorch.)
+  at::Tensor random_state;
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    random_state = generator.get_state();
+  }
+  tensors.push_back(random_state);
   for (auto& t : tensors) group_->broadcast(t, source);
   // Fault injection for tests/recovery/recovery_test.cpp, the only user: the member sending the
   // state to a newcomer, or the newcomer, dies (SIGKILL) halfway through the transfer, once per job
@@ -405,6 +436,12 @@ void RecoveryCore::transfer_state() {
     for (auto& p : module_->parameters()) p.detach().copy_(tensors[i++]);
     for (auto& b : module_->buffers()) b.detach().copy_(tensors[i++]);
     for (auto& t : options_.state) t.detach().copy_(tensors[i++]);
+    if (newcomer_) {
+      // A laggard keeps its own stream: it was already drawing from it.
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(tensors[i]);
+    }
     std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
                                       static_cast<size_t>(bytes.numel())));
     torch::serialize::InputArchive archive;
@@ -428,30 +465,11 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
   // Where the sampler stands after the last committed step: what a transfer sends, and where a
   // failed step puts it back.
   committed_ = sampler_.state();
-  // Admission, at agreed steps only: every member runs this all-reduce at the same step count.
-  if (stats_.steps > 0 && stats_.steps % options_.admit_every == 0 &&
-      checked_at_step_ != stats_.steps) {
-    checked_at_step_ = stats_.steps;
-    const auto check_start = std::chrono::steady_clock::now();
-    auto seen = torch::tensor({heartbeats_->newcomers_seen()}, torch::kInt64);
-    try {
-      group_->all_reduce(seen, ReduceOp::kMax);
-      const int64_t requested = seen.item<int64_t>();
-      ++readiness_.admission_checks;
-      readiness_.admission_s +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
-      if (requested > newcomers_admitted_) {
-        const int64_t first = newcomers_admitted_ + 1;
-        const int count = static_cast<int>(requested - newcomers_admitted_);
-        if (group_->rank() == 0) membership_->admit(first, requested, generation_ + 1);
-        newcomers_admitted_ = requested;
-        stats_.admitted += count;
-        reform(Reason::kAdmission, count, "");
-      }
-    } catch (const CommError& e) {
-      reform(Reason::kFailure, 0, e.what());
-    }
-  }
+  admit_newcomers();
+  // Rank 0's count of the newcomers that asked rides on this step's gradients; the next step's
+  // admit_newcomers() reads the same sum on every member.
+  riding_->contribution.store(
+      group_->rank() == 0 ? static_cast<double>(heartbeats_->newcomers_seen()) : 0.0);
   for (;;) {
     try {
       const bool stepped = body();
@@ -464,6 +482,53 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
       ++stats_.steps_redone;
       reform(Reason::kFailure, 0, e.what());
     }
+  }
+}
+
+// Admission happens where every member has the same count of newcomers to admit, at the same
+// step. The count comes, in order of preference:
+// - riding on the last step's gradient all-reduce (Note [A number riding on the gradients]): rank
+//   0's count, no collective of its own; every member sees `carried` move in the same backward;
+// - alone in the group, from the watcher directly: there is nobody to agree with;
+// - otherwise, once admit_every steps have passed without either (their gradients could not carry
+//   it: a comm hook, half-precision or CUDA gradients; or the body ran no synchronised backward),
+//   from an all-reduce of its own.
+// Each branch is taken on every member alike: `carried` moves in the same backwards everywhere, and
+// agreed_at_step_ is the same everywhere.
+void RecoveryCore::admit_newcomers() {
+  int64_t requested = -1;
+  if (const int64_t carried = riding_->carried.load(); carried != riding_read_) {
+    riding_read_ = carried;
+    agreed_at_step_ = stats_.steps;
+    requested = std::llround(riding_->sum.load());
+    ++readiness_.admission_carried;
+  } else if (group_->size() == 1) {
+    requested = heartbeats_->newcomers_seen();
+  } else if (stats_.steps >= agreed_at_step_ + options_.admit_every) {
+    agreed_at_step_ = stats_.steps;
+    const auto check_start = std::chrono::steady_clock::now();
+    auto seen = torch::tensor({heartbeats_->newcomers_seen()}, torch::kInt64);
+    try {
+      group_->all_reduce(seen, ReduceOp::kMax);
+    } catch (const CommError& e) {
+      reform(Reason::kFailure, 0, e.what());
+      return;
+    }
+    requested = seen.item<int64_t>();
+    ++readiness_.admission_checks;
+    readiness_.admission_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
+  }
+  if (requested <= newcomers_admitted_) return;
+  const int64_t first = newcomers_admitted_ + 1;
+  const int count = static_cast<int>(requested - newcomers_admitted_);
+  if (group_->rank() == 0) membership_->admit(first, requested, generation_ + 1);
+  newcomers_admitted_ = requested;
+  stats_.admitted += count;
+  try {
+    reform(Reason::kAdmission, count, "");
+  } catch (const CommError& e) {
+    reform(Reason::kFailure, 0, e.what());
   }
 }
 

@@ -1,9 +1,10 @@
 // DistributedDataParallel's features beyond the plain step: gradient accumulation with no_sync(),
 // unused parameters (the error and find_unused_parameters), the parameter check across ranks,
-// compression hooks, and buffer broadcasting.
+// compression hooks, buffer broadcasting, and the number that rides on the gradients' all-reduce.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "comm/group_state.h"
 #include "dtrain/ddp.h"
 #include "support/equivalence.h"
 #include "support/thread_ranks.h"
@@ -241,6 +242,86 @@ TEST_F(DdpFeatures, BuffersFollowRankZero) {
     for (auto& t : all) t = torch::empty({4});
     group->all_gather(all, bn->running_mean);
     EXPECT_TRUE(torch::equal(all[rank], all[0]));
+  });
+}
+
+// Note [A number riding on the gradients] (src/comm/group_state.h): a DDP on a group that has a
+// riding number sums the ranks' contributions with each synchronised backward's gradients, in
+// every bucket layout and transport, and leaves the gradients what they would be without it.
+TEST_F(DdpFeatures, ANumberRidesOnTheGradientsAndChangesNone) {
+  const int world = 3;
+  const int64_t per_rank = 4;
+  torch::manual_seed(8);
+  auto x = torch::randn({world * per_rank, 10});
+  auto y = torch::randint(3, {world * per_rank});
+  auto initial = make_mlp();  // not in the rank threads: the global generator is shared
+  auto single = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+  torch::nn::functional::cross_entropy(single->forward(x), y).backward();
+  std::vector<torch::Tensor> want;
+  for (auto& p : single->parameters()) want.push_back(p.grad().clone());
+
+  for (bool shared_memory : {true, false}) {
+    for (bool bucket_view : {true, false}) {
+      SCOPED_TRACE("shared_memory " + std::to_string(shared_memory) + ", gradient_as_bucket_view " +
+                   std::to_string(bucket_view));
+      run_group(
+          world,
+          [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+            auto rider = std::make_shared<detail::RidingNumber>();
+            detail::GroupInternals::state(*group)->riding_number = rider;
+            auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+            DistributedDataParallelOptions options;
+            options.gradient_as_bucket_view = bucket_view;
+            options.first_bucket_cap_bytes = 64;  // several buckets: it rides on the last
+            options.bucket_cap_bytes = 256;
+            DistributedDataParallel ddp(net, group, options);
+            ASSERT_GT(ddp->bucket_layout().size(), 2u);
+            auto xs = x.narrow(0, rank * per_rank, per_rank);
+            auto ys = y.narrow(0, rank * per_rank, per_rank);
+            auto backward = [&] {
+              for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+              torch::nn::functional::cross_entropy(ddp->forward(xs), ys).backward();
+            };
+
+            rider->contribution = rank + 1;
+            backward();
+            EXPECT_EQ(rider->carried.load(), 1);
+            // Shared buckets divide the sum by the world size in the reduction, and the reducer
+            // multiplies it back: exact to float's rounding, not to the bit.
+            EXPECT_NEAR(rider->sum.load(), 1 + 2 + 3, 1e-5);
+            std::vector<torch::Tensor> got;
+            for (auto& p : net->parameters()) got.push_back(p.grad().clone());
+            EXPECT_LT(relative_error(got, want), 1e-5);
+
+            {
+              auto guard = ddp->no_sync();  // nothing is all-reduced, nothing rides
+              rider->contribution = 100;
+              backward();
+            }
+            EXPECT_EQ(rider->carried.load(), 1);
+
+            rider->contribution = rank == 0 ? 7 : 0;  // in-place recovery's use: rank 0's count
+            backward();
+            EXPECT_EQ(rider->carried.load(), 2);
+            EXPECT_NEAR(rider->sum.load(), 7, 1e-5);
+          },
+          std::chrono::seconds(60), shared_memory);
+    }
+  }
+
+  // A comm hook owns the bucket's contents: nothing rides, and the owner agrees by other means.
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    auto rider = std::make_shared<detail::RidingNumber>();
+    detail::GroupInternals::state(*group)->riding_number = rider;
+    auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+    DistributedDataParallelOptions options;
+    options.comm_hook = fp16_compress_hook();
+    DistributedDataParallel ddp(net, group, options);
+    rider->contribution = 1;
+    torch::nn::functional::cross_entropy(ddp->forward(x.narrow(0, rank * 4, 4)),
+                                         y.narrow(0, rank * 4, 4))
+        .backward();
+    EXPECT_EQ(rider->carried.load(), 0);
   });
 }
 

@@ -137,6 +137,25 @@ void expect_counts_travelled(const std::string& dir, int processes) {
   EXPECT_EQ(seen, processes);
 }
 
+// After every committed step every process drew from its default generator (OUT/random-<pid>.txt):
+// the draws of a step are the same in every process, a newcomer's too, whose generator came with
+// the model.
+void expect_one_random_stream(const std::string& dir) {
+  std::map<int64_t, std::set<std::string>> draws;  // step -> the distinct draws
+  int files = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("random-", 0) != 0) continue;
+    ++files;
+    std::ifstream in(entry.path());
+    int64_t step;
+    for (std::string draw; in >> step >> draw;) draws[step].insert(draw);
+  }
+  EXPECT_GT(files, 1);
+  for (const auto& [step, distinct] : draws) {
+    EXPECT_EQ(distinct.size(), 1u) << "step " << step << ": the processes drew different numbers";
+  }
+}
+
 enum class Launch {
   kSurvivorsOnly,   // three workers started by the test; rank 2 dies and is not replaced
   kNewcomer,        // ...and the test starts a replacement with DTRAIN_RECOVERY_JOIN=1
@@ -245,6 +264,9 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   EXPECT_EQ(json_int(result.output, "steps_redone"), 1);
   EXPECT_EQ(json_int(result.output, "admitted"), newcomer ? lost : 0);
   EXPECT_EQ(json_int(result.output, "world_size"), newcomer ? full : full - lost);
+  // Note [A number riding on the gradients]: admission agreed at no all-reduce of its own.
+  EXPECT_GT(json_int(result.output, "admission_carried"), 0);
+  EXPECT_EQ(json_int(result.output, "admission_checks"), 0);
 
   auto steps = read_steps(dir);
   ASSERT_FALSE(steps.empty());
@@ -255,6 +277,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
 
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, newcomer ? full : full - lost);
+  expect_one_random_stream(dir);
   fs::remove_all(dir);
 }
 
@@ -279,6 +302,63 @@ INSTANTIATE_TEST_SUITE_P(Launches, InPlaceRecovery,
                                return std::string("RankZeroKilledUnderDtrainRun");
                            }
                          });
+
+TEST(InPlaceRecoveryAdmission, WhereNothingRidesOnTheGradientsAnAllReduceOfItsOwnAdmits) {
+  // A comm hook owns the buckets, so the admission count cannot ride on them: the members agree
+  // through an all-reduce of one number every admit_every (2) steps, and the newcomer is admitted
+  // all the same.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command(bin("dtrain") +
+                                " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
+                                bin("recovery_worker") + " " + dir +
+                                " --kill-rank 2 --kill-after 5 --slow-until-admitted "
+                                "--plain-comm-hook",
+                            120);
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_EQ(json_int(result.output, "admitted"), 1);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  EXPECT_EQ(json_int(result.output, "admission_carried"), 0);
+  EXPECT_GT(json_int(result.output, "admission_checks"), 0);
+  auto steps = read_steps(dir);
+  expect_exactly_once(steps);
+  expect_no_step_missing(steps);
+  expect_final_equals_replay(dir, steps);
+  expect_counts_travelled(dir, 3);
+  expect_one_random_stream(dir);
+  fs::remove_all(dir);
+}
+
+TEST(InPlaceRecoveryLaggard, AStepCommittedOnSomeMembersOnlyStandsAndTheOthersAreHealed) {
+  // Note [In-place recovery]: rank 2's step 6 fails after its all-reduce finished everywhere, so
+  // ranks 0 and 1 commit step 6 with rank 2's gradient in it and rank 2 does not. The step must
+  // stand: after re-forming, rank 2 takes the model, the momentum and the sampler's position of
+  // step 6 from rank 0, and nobody trains step 6 again. Were rank 2 not healed, it would train on
+  // from step 5's model and the job would no longer equal one process.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command(bin("dtrain") +
+                                " run --nproc-per-node 3 --recovery in-place --max-restarts 0 -- " +
+                                bin("recovery_worker") + " " + dir + " --fail-rank 2 --fail-step 6",
+                            120);
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.output.find("members stand at steps 5 and 6 (step 6 committed on some members "
+                               "only); this member, at step 6, sends its state to the others"),
+            std::string::npos);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 1);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  auto steps = read_steps(dir);
+  EXPECT_EQ(steps.at(6).world, 3);
+  EXPECT_EQ(steps.at(6).indices.size(), 3u * recovery_model::kBatch);  // step 6 once, all shares
+  EXPECT_EQ(steps.at(7).world, 3);
+  expect_exactly_once(steps);
+  expect_no_step_missing(steps);
+  expect_final_equals_replay(dir, steps);
+  expect_counts_travelled(dir, 3);
+  fs::remove_all(dir);
+}
 
 TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   // Four workers; rank 3 dies after step 5 and rank 1 after step 9, with no restarts allowed: the

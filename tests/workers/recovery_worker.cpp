@@ -7,7 +7,7 @@
 // end: a newcomer's must come out as the job's.
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--kill-launcher-too]
 //                   [--slow-until-admitted [--newcomers N]] [--step-ms MS] [--settle-ms MS]
-//                   [--lost-after-ms MS]
+//                   [--lost-after-ms MS] [--fail-rank R --fail-step S] [--plain-comm-hook]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --kill-launcher-too: it kills
 // its parent first, the `dtrain run` agent, whose other workers die with it (PR_SET_PDEATHSIG): the
@@ -18,6 +18,14 @@
 // --step-ms: MS ms more per step, so that a fault from outside
 // (tests/recovery/host_faults_test.cpp) lands mid-training. --settle-ms, --lost-after-ms:
 // RecoveryOptions::settle and lost_after, so that a test can tell a wait for them from none.
+// --fail-rank R --fail-step S: the process of job rank R throws a CommError in step S after its
+// backward (whose all-reduce finished on every rank) and before its optimizer step, as when an
+// all-reduce fails on one rank after finishing on the others: the step commits on the others only,
+// and this process must be healed from them. It records the step's indices first: the others'
+// step used its gradient. --plain-comm-hook: DDP all-reduces through a comm hook of its own (exact,
+// as the plain path), on which no number rides: admission then agrees by an all-reduce of its own.
+// Every process also appends "<step> <draw>" to <out>/random-<pid>.txt, a draw from the default
+// generator after each committed step: a newcomer's must continue the others' stream.
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -52,6 +60,22 @@ bool everyone_recorded(const std::string& out, int64_t step, int world) {
   return lines >= world;
 }
 
+// A comm hook that does what DDP's own path does (the buckets arrive divided by the world size;
+// their sum over the ranks is the average), so that results stay exact.
+class PlainAllReduce : public dtrain::CommHook {
+ public:
+  void start(dtrain::ProcessGroup& group, dtrain::GradBucket& bucket) override {
+    if (works_.size() <= static_cast<size_t>(bucket.index)) works_.resize(bucket.index + 1);
+    works_[bucket.index] = group.all_reduce_async(*bucket.buffer);
+  }
+  void finish(dtrain::ProcessGroup&, dtrain::GradBucket& bucket) override {
+    works_[bucket.index].wait();
+  }
+
+ private:
+  std::vector<dtrain::Work> works_;
+};
+
 int run(int argc, char** argv) {
   if (argc < 2)
     throw dtrain::UsageError("usage: recovery_worker OUT [--kill-rank R --kill-after S]");
@@ -61,6 +85,8 @@ int run(int argc, char** argv) {
   bool kill_launcher = false;
   int64_t newcomers = 1;
   int step_ms = 0;
+  int fail_rank = -1;
+  int64_t fail_step = -1;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
@@ -78,6 +104,9 @@ int run(int argc, char** argv) {
     if (arg == "--lost-after-ms" && i + 1 < argc) {
       options.lost_after = std::chrono::milliseconds(std::atoll(argv[++i]));
     }
+    if (arg == "--fail-rank" && i + 1 < argc) fail_rank = std::atoi(argv[++i]);
+    if (arg == "--fail-step" && i + 1 < argc) fail_step = std::atoll(argv[++i]);
+    if (arg == "--plain-comm-hook") options.ddp.comm_hook = std::make_shared<PlainAllReduce>();
   }
   const int job_rank = std::atoi(std::getenv("RANK"));
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
@@ -95,6 +124,8 @@ int run(int argc, char** argv) {
   if (rdp.job_finished()) return 0;
 
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
+  std::ofstream draws(out + "/random-" + std::to_string(::getpid()) + ".txt");
+  bool failed_once = false;
   for (int64_t epoch = sampler.epoch(); epoch < kEpochs; ++epoch) {
     sampler.set_epoch(epoch);
     std::vector<size_t> used;
@@ -106,11 +137,22 @@ int run(int argc, char** argv) {
       optimizer.zero_grad();
       torch::nn::functional::cross_entropy(ddp(x.index_select(0, rows)), y.index_select(0, rows))
           .backward();
+      const int64_t step = rdp.stats().steps + 1;
+      if (job_rank == fail_rank && step == fail_step && !failed_once && !newcomer) {
+        failed_once = true;
+        steps << step << " " << rdp.group()->size();
+        for (size_t i : used) steps << " " << i;
+        steps << std::endl;
+        throw dtrain::CommError("recovery_worker: --fail-rank " + std::to_string(fail_rank) +
+                                ": this rank's all-reduce of step " + std::to_string(step) +
+                                " fails after finishing on the others");
+      }
       optimizer.step();
       return true;
     })) {
       counted.add_(1);
       const auto stats = rdp.stats();
+      draws << stats.steps << " " << torch::rand({1}).item<double>() << std::endl;
       steps << stats.steps << " " << rdp.group()->size();
       for (size_t i : used) steps << " " << i;
       steps << std::endl;  // flushed: the line must survive a SIGKILL right after
@@ -150,7 +192,10 @@ int run(int argc, char** argv) {
     std::cout << "{\"world_size\": " << group->size() << ", \"steps\": " << stats.steps
               << ", \"recoveries\": " << stats.recoveries << ", \"admitted\": " << stats.admitted
               << ", \"steps_redone\": " << stats.steps_redone
-              << ", \"generation\": " << stats.generation << "}" << std::endl;
+              << ", \"generation\": " << stats.generation
+              << ", \"admission_carried\": " << rdp.readiness_cost().admission_carried
+              << ", \"admission_checks\": " << rdp.readiness_cost().admission_checks << "}"
+              << std::endl;
   }
   group->barrier();  // where rank 0 hosts the store, nobody may still need it when it exits
   return 0;

@@ -442,6 +442,7 @@ int train(const Flags& flags) {
       const dtrain::ReadinessCost cost = strategy.rdp->readiness_cost();
       result["readiness"] = {{"admission_checks", cost.admission_checks},
                              {"admission_s", cost.admission_s},
+                             {"admission_carried", cost.admission_carried},
                              {"heartbeat_cpu_s", cost.heartbeat_cpu_s}};
     }
     result["epoch_samples"] = epoch_samples;
