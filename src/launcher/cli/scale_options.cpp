@@ -70,6 +70,20 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
                   {number(0, 3600, "a number of seconds in (0, 3600]")});
   add_switch(app, "--json", options.json);
   add_switch(app, "--no-python", options.no_python);
+  // Several hosts: torchrun's names and spellings, as `dtrain run` takes them (run_options.h).
+  auto node_flag = [&app](std::string_view name, auto& target, CLI::Validator check) {
+    return add_valued_flag(app, with_underscores(name), target, {std::move(check)});
+  };
+  node_flag("--nnodes", options.nnodes, integer_range(1, 1 << 16));
+  CLI::Option* master_port =
+      node_flag("--master-port", options.master_port, integer_range(1, 65535));
+  const std::vector<std::pair<const char*, CLI::Option*>> node_flags = {
+      {"--node-rank", node_flag("--node-rank", options.node_rank, integer_range(0, 1 << 16))},
+      {"--master-addr",
+       node_flag("--master-addr", options.master_addr, non_empty("a host name or address"))},
+      {"--master-port", master_port},
+      {"--nproc-per-node",
+       node_flag("--nproc-per-node", options.nproc_per_node, integer_range(1, kMaxWorkers))}};
 
   std::optional<std::vector<std::string>> command = parse_command_line(app, args);
   if (!command) {
@@ -99,6 +113,36 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
   }
   if (options.command.empty()) {
     fail("no program given; expected `dtrain scale [flags] [--] program [args...]`");
+  }
+  if (options.nnodes == 1) {
+    for (const auto& [name, flag] : node_flags) {
+      if (flag->count() > 0) {
+        fail(std::string(name) + ": for several hosts, with --nnodes N above 1; give --nnodes " +
+             "too (or leave it out to measure this host alone)");
+      }
+    }
+    return options;
+  }
+  if (options.node_rank >= options.nnodes) {
+    fail("--node-rank: expected an integer in 0.." + std::to_string(options.nnodes - 1) +
+         " (below --nnodes " + std::to_string(options.nnodes) + "), got '" +
+         std::to_string(options.node_rank) + "'");
+  }
+  const int most = options.nnodes * options.nproc_per_node;
+  if (!options.nproc_given) options.nproc = node_counts(options.nnodes, options.nproc_per_node);
+  if (options.nproc.back() > most) {
+    fail("--nproc: " + std::to_string(options.nproc.back()) + " workers, but --nnodes " +
+         std::to_string(options.nnodes) + " x --nproc-per-node " +
+         std::to_string(options.nproc_per_node) + " hold " + std::to_string(most) +
+         "; lower the count or raise --nproc-per-node");
+  }
+  // Count i's workers meet at master_port + 1 + i.
+  if (master_port->count() == 0 ||
+      options.master_port + static_cast<int>(options.nproc.size()) > 65535) {
+    fail("--master-port: required with --nnodes " + std::to_string(options.nnodes) +
+         " (the same on every host), with the " + std::to_string(options.nproc.size()) +
+         " port(s) above it free on node 0 (one per count), got " +
+         (master_port->count() == 0 ? "none" : "'" + std::to_string(options.master_port) + "'"));
   }
   return options;
 }
@@ -142,7 +186,19 @@ std::vector<int> allocation_counts(int tasks) {
   return counts;
 }
 
+std::vector<int> node_counts(int nnodes, int per_node) {
+  std::vector<int> counts = {1};
+  for (int nodes = 1; nodes <= nnodes; ++nodes) {
+    if (nodes * per_node > 1) counts.push_back(nodes * per_node);
+  }
+  return counts;
+}
+
 void fit_to_allocation(ScaleOptions& options, const SlurmAllocation& allocation) {
+  if (options.nnodes > 1) {
+    fail("--nnodes: inside Slurm allocation " + allocation.job_id +
+         " the hosts are the allocation's nodes; drop --nnodes, --node-rank and the master flags");
+  }
   if (!options.nproc_given) {
     options.nproc = allocation_counts(allocation.tasks);
     return;
