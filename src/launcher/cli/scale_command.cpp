@@ -474,9 +474,13 @@ int run_as_member(Session& session, const std::string& root) {
     std::string failure;
     if (!session.member->wait_for_start(static_cast<int>(index), count_wait, session.signals,
                                         &failure)) {
-      if (failure.empty()) return exit_code;  // node 0 ended early (interrupted)
-      tell(me + failure);
-      return 1;
+      if (!failure.empty()) {
+        tell(me + failure);
+        return 1;
+      }
+      tell(me + "node 0 ended the measurement before " + std::to_string(workers) +
+           " worker(s); see its report");
+      return exit_code;
     }
     if (options.node_rank >= options.nodes_for(workers)) {
       tell(me + std::to_string(workers) +
@@ -585,12 +589,17 @@ int scale_main(const std::vector<std::string>& args) {
     elastic::SignalPipe signals(elastic::kLauncherSignals);
     Session session{options, plan, signals, dev_null, slurm, coordinator.get(), member.get()};
     if (options.nnodes > 1) {
-      std::string failed = coordinator
-                               ? coordinator->wait_for_nodes(to_ms(options.time_limit_s), signals)
-                               : member->join(to_ms(options.time_limit_s), signals);
+      std::string failed;
+      try {
+        failed = coordinator ? coordinator->wait_for_nodes(to_ms(options.time_limit_s), signals)
+                             : member->join(to_ms(options.time_limit_s), signals);
+      } catch (const UsageError& error) {
+        failed = without_prefix(error.what());
+        exit_code = 2;
+      }
       if (!failed.empty()) {
         tell(failed);
-        exit_code = 1;
+        if (exit_code == 0) exit_code = 1;
       } else if (member) {
         exit_code = run_as_member(session, root);
       } else {

@@ -37,10 +37,10 @@ std::string seconds_of(milliseconds timeout) { return detail::seconds_text(timeo
 }  // namespace
 
 std::string plan_of(const ScaleOptions& options) {
-  std::vector<std::string> counts;
-  for (int count : options.nproc) counts.push_back(std::to_string(count));
-  std::string plan = "--nproc " + detail::list_text(counts, counts.size()) + " --nproc-per-node " +
-                     std::to_string(options.nproc_per_node);
+  std::string plan = "--nproc ";
+  for (int count : options.nproc) plan += std::to_string(count) + ",";
+  plan.back() = ' ';
+  plan += "--nproc-per-node " + std::to_string(options.nproc_per_node);
   if (options.seconds) {
     plan += " --seconds " + detail::seconds_text(*options.seconds);
   } else {
@@ -68,8 +68,9 @@ std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPip
         elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port,
                                                {{"scale/refused/" + std::to_string(node), "1"}},
                                                "scale/end", kCallTimeout);
-        return "node " + std::to_string(node) + " runs other flags: '" + *plan +
-               "', node 0 runs '" + plan_ + "'; give every host the same flags but --node-rank";
+        throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
+                         *plan + "', node 0 runs '" + plan_ +
+                         "'; give every host the same flags but --node-rank");
       }
     }
     if (missing.empty()) return "";
@@ -150,6 +151,7 @@ void Coordinator::finish(milliseconds timeout) {
                                          "scale/end", kCallTimeout);
   const Clock::time_point deadline = Clock::now() + timeout;
   for (int node = 1; node < options_.nnodes; ++node) {
+    if (!store_.contains("scale/joined/" + std::to_string(node))) continue;
     while (!store_.contains("scale/bye/" + std::to_string(node)) && Clock::now() < deadline) {
       std::this_thread::sleep_for(kPoll);
     }
@@ -228,7 +230,14 @@ bool Member::wait_for_start(int count, milliseconds timeout, elastic::SignalPipe
   if (poll_for(key(count, "start"), what, timeout, signals, failure, "scale/end", &ended)) {
     return true;
   }
-  if (ended) failure->clear();
+  if (ended) {
+    const std::string me = std::to_string(options_.node_rank);
+    *failure = exchange({}, "scale/refused/" + me, nullptr) == KeyCheck::kPresent
+                   ? where_ +
+                         " refused this node: its flags differ from node 0's (see node 0's "
+                         "message); give every host the same flags but --node-rank"
+                   : "";
+  }
   return false;
 }
 

@@ -44,8 +44,9 @@ class Coordinator {
   // Binds the store on every interface at --master-port. Throws UsageError when the port is taken.
   explicit Coordinator(const ScaleOptions& options);
 
-  // Waits until every other node joined with node 0's plan, at most `timeout`. Returns "" or the
-  // one line to print (which nodes did not arrive, or whose plan differs); `signals` ends the wait.
+  // Waits until every other node joined, at most `timeout`. Returns "" or the one line to print
+  // (which nodes did not arrive); `signals` ends the wait. Throws UsageError when a node's plan
+  // differs from node 0's (refusing it).
   std::string wait_for_nodes(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
   void start(int count);
@@ -57,7 +58,8 @@ class Coordinator {
   // Waits until nodes 1..nodes-1 reported the end of their share of `count`, at most `timeout`.
   // Returns "" or one line naming the nodes that did not.
   std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout) const;
-  // Tells every node that the measurement is over and waits up to `timeout` for them to see it.
+  // Tells every node that the measurement is over and waits up to `timeout` for those that joined
+  // to see it.
   void finish(std::chrono::milliseconds timeout);
 
  private:
@@ -74,8 +76,9 @@ class Member {
 
   // Joins node 0's store, retrying while it is not up, at most `timeout`. Returns "" or one line.
   std::string join(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
-  // Waits until node 0 starts `count` (true) or ends the measurement (false). *failure is set
-  // (and false returned) when node 0 is gone or the wait ran past `timeout`, or a signal came.
+  // Waits until node 0 starts `count` (true) or ends the measurement (false, *failure empty).
+  // *failure is set (and false returned) when node 0 is gone, refused this node, the wait ran past
+  // `timeout`, or a signal came.
   bool wait_for_start(int count, std::chrono::milliseconds timeout, elastic::SignalPipe& signals,
                       std::string* failure);
   // Sends `records` (whole lines; may be empty) and asks whether node 0 said stop. *failure is set
