@@ -86,7 +86,22 @@ INSTANTIATE_TEST_SUITE_P(
                     BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
                     BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
                     BadFlags{{"--steps"}, "--steps: missing value"},
-                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"}));
+                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"},
+                    // Several hosts.
+                    BadFlags{{"--node-rank", "1", "p"},
+                             "--node-rank: for several hosts, with --nnodes N above 1"},
+                    BadFlags{{"--nnodes", "1", "--master-port", "29500", "p"},
+                             "--master-port: for several hosts"},
+                    BadFlags{
+                        {"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
+                        "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
+                    BadFlags{{"--nnodes", "2", "p"}, "--master-port: required with --nnodes 2"},
+                    BadFlags{{"--nnodes", "2", "--master-port", "65535", "p"},
+                             "the 2 port(s) above it free on node 0 (one per count), got '65535'"},
+                    BadFlags{{"--nnodes", "2:4", "p"}, "--nnodes: expected an integer in 1.."},
+                    BadFlags{{"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "1,5",
+                              "--master-port", "29500", "p"},
+                             "--nproc: 5 workers, but --nnodes 2 x --nproc-per-node 2 hold 4"}));
 
 // Inside a Slurm allocation: the counts it gives, and where srun puts them.
 std::optional<SlurmAllocation> allocation(std::map<std::string, std::string> env) {
@@ -145,6 +160,32 @@ TEST(ScaleOptions, InsideASlurmAllocationTheCountsAreItsOwn) {
       UsageError);
 }
 
+TEST(ScaleOptions, SeveralHostsMeasureOneWorkerThenEachWholeNumberOfHosts) {
+  ScaleOptions options =
+      parse_scale_options({"--nnodes", "2", "--node_rank", "1", "--master-addr=10.0.0.1",
+                           "--master-port", "29500", "--nproc-per-node", "2", "prog"});
+  EXPECT_EQ(options.nnodes, 2);
+  EXPECT_EQ(options.node_rank, 1);
+  EXPECT_EQ(options.master_addr, "10.0.0.1");
+  EXPECT_EQ(options.master_port, 29500);
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2, 4}));  // the jump from one host to two: 2 -> 4
+  EXPECT_EQ(options.nodes_for(2), 1);
+  EXPECT_EQ(options.nodes_for(3), 2);
+  EXPECT_EQ(node_counts(2, 1), (std::vector<int>{1, 2}));
+  EXPECT_EQ(node_counts(3, 4), (std::vector<int>{1, 4, 8, 12}));
+  // Counts given are totals; 3 on hosts of 2 runs 2 on node 0 and 1 on node 1.
+  options = parse_scale_options(
+      {"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "3", "--master-port", "29500", "prog"});
+  EXPECT_EQ(options.nproc, (std::vector<int>{3}));
+  // One host: the flags of several are refused, the counts stay 1,2.
+  EXPECT_EQ(parse_scale_options({"--nnodes", "1", "prog"}).nproc, (std::vector<int>{1, 2}));
+  // Inside a Slurm allocation the hosts are its nodes.
+  options = parse_scale_options({"--nnodes", "2", "--master-port", "29500", "prog"});
+  std::optional<SlurmAllocation> slurm =
+      allocation({{"SLURM_JOB_ID", "7"}, {"SLURM_JOB_NUM_NODES", "2"}, {"SLURM_NTASKS", "2"}});
+  ASSERT_TRUE(slurm);
+  EXPECT_THROW(fit_to_allocation(options, *slurm), UsageError);
+}
 // ---------------------------------------------------------------------------------------------
 // Records and printed throughput.
 
