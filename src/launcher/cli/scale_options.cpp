@@ -237,6 +237,18 @@ flags:
   --no-python           run a .py program directly, not through python3
   -h, --help            this text
 
+several hosts (outside Slurm; every host runs the same command with its own --node-rank):
+  --nnodes N            hosts in the job; counts are totals over them (default 1: this host)
+  --node-rank R         this host's rank, 0 <= R < N; node 0 coordinates and reports
+  --master-addr HOST    node 0, as the other hosts reach it (default 127.0.0.1)
+  --master-port P       node 0's coordination store; the workers of the i-th count (from 0) meet
+                        at P + 1 + i on node 0 (required with --nnodes above 1)
+  --nproc-per-node K    workers per host (default 1); count W runs on the fewest hosts that hold
+                        it. Default counts: 1, then K, 2K, ... N x K (the jump from one host to
+                        two). The other hosts send their records to node 0 through its store; the
+                        report notes the counts that crossed hosts, and once one did, the fitted
+                        bandwidth is the link's between them.
+
 Inside a Slurm allocation (sbatch, salloc: SLURM_JOB_ID and SLURM_JOB_NUM_NODES set), each
 count runs as one step, `srun --ntasks=N --nodes=M --kill-on-bad-exit=1 program`, on the fewest
 of the allocation's nodes that hold N tasks; the ranks take their places from Slurm's variables.
