@@ -425,6 +425,23 @@ RunResult run_count(Session& session, int index, int workers, const std::string&
   return result;
 }
 
+// run_count, with a failure to start (a program gone meanwhile, no socket) as the count's result,
+// which the other hosts learn too.
+RunResult run_or_fail(Session& session, int index, int workers, const std::string& root) {
+  try {
+    return run_count(session, index, workers, root + "/workers" + std::to_string(workers));
+  } catch (const std::exception& failure) {
+    RunResult result;
+    result.workers = workers;
+    result.ok = false;
+    result.exit_code = 1;
+    result.ending = "could not start: " + without_prefix(failure.what());
+    if (session.coordinator) session.coordinator->stop(index);
+    if (session.member) session.member->report_end(index, {1, result.ending});
+    return result;
+  }
+}
+
 std::string join(const std::vector<std::string>& words) {
   std::string text;
   for (const std::string& word : words) text += (text.empty() ? "" : " ") + word;
@@ -487,16 +504,7 @@ int run_as_member(Session& session, const std::string& root) {
            " worker(s) run on fewer hosts; waiting for the next count");
       continue;
     }
-    RunResult result;
-    try {
-      result = run_count(session, static_cast<int>(index), workers,
-                         root + "/workers" + std::to_string(workers));
-    } catch (const std::exception& failed) {
-      result.ok = false;
-      result.exit_code = 1;
-      result.ending = "could not start: " + without_prefix(failed.what());
-      session.member->report_end(static_cast<int>(index), {1, result.ending});
-    }
+    RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
     tell(me + std::to_string(workers) + " worker(s): " + result.ending);
     if (!result.ok) exit_code = 1;
     if (session.interrupted_by != 0) return 128 + session.interrupted_by;
@@ -617,16 +625,7 @@ int scale_main(const std::vector<std::string>& args) {
       const int workers = options.nproc[index];
       tell("running " + std::to_string(workers) + " worker(s)" + on_nodes(options, workers) + ": " +
            join(slurm ? srun_command(*slurm, workers, plan.command) : plan.command));
-      RunResult result;
-      try {
-        result = run_count(session, static_cast<int>(index), workers,
-                           root + "/workers" + std::to_string(workers));
-      } catch (const std::exception& failure) {
-        result.workers = workers;
-        result.ok = false;
-        result.exit_code = 1;
-        result.ending = "could not start: " + without_prefix(failure.what());
-      }
+      RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
       tell(std::to_string(workers) + " worker(s): " + result.ending + " (" +
            detail::seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
            " records)");

@@ -9,6 +9,7 @@
 #include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/flags.h"
+#include "launcher/cli/run_options.h"
 
 namespace dtrain::cli {
 namespace {
@@ -123,10 +124,9 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
     }
     return options;
   }
-  if (options.node_rank >= options.nnodes) {
-    fail("--node-rank: expected an integer in 0.." + std::to_string(options.nnodes - 1) +
-         " (below --nnodes " + std::to_string(options.nnodes) + "), got '" +
-         std::to_string(options.node_rank) + "'");
+  if (std::string problem = node_rank_problem(options.node_rank, options.nnodes);
+      !problem.empty()) {
+    fail(problem);
   }
   const int most = options.nnodes * options.nproc_per_node;
   if (!options.nproc_given) options.nproc = node_counts(options.nnodes, options.nproc_per_node);
