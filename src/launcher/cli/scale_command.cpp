@@ -338,8 +338,11 @@ RunResult run_count(Session& session, int index, int workers, const std::string&
     if (session.member) {
       std::string lost;
       if (session.member->send_and_check_stop(index, file.new_lines(), &lost)) {
-        if (!lost.empty()) fail(lost, 1);
-        if (lost.empty()) stop("stopped by node 0");
+        if (lost.empty()) {
+          stop("stopped by node 0");
+        } else {
+          fail(lost, 1);
+        }
         break;
       }
     } else {
@@ -551,7 +554,7 @@ int scale_main(const std::vector<std::string>& args) {
       for (std::size_t i = 0; i < options.nproc.size(); ++i) {
         const int port = options.master_port + 1 + static_cast<int>(i);
         if (elastic::probe_port(options.master_addr, port) == elastic::PortProbe::kInUse) {
-          throw UsageError("dtrain scale: --master-port: the workers of " +
+          throw UsageError("dtrain scale: --master-port: the workers of count " +
                            std::to_string(options.nproc[i]) + " meet at port " +
                            std::to_string(port) + " (--master-port + " + std::to_string(i + 1) +
                            "), which is in use on this host; pick another --master-port");
