@@ -65,9 +65,7 @@ std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPip
       if (!plan) {
         missing.push_back(std::to_string(node));
       } else if (*plan != plan_) {
-        elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port,
-                                               {{"scale/refused/" + std::to_string(node), "1"}},
-                                               "scale/end", kCallTimeout);
+        set("scale/refused/" + std::to_string(node));
         throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
                          *plan + "', node 0 runs '" + plan_ +
                          "'; give every host the same flags but --node-rank");
@@ -88,17 +86,16 @@ std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPip
   }
 }
 
-void Coordinator::start(int count) {
-  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port,
-                                         {{key(count, "start"), ""}}, key(count, "start"),
+// Node 0 sets its keys as a client of its own store, over loopback: WorkerStore serves its clients
+// on a thread of its own, which alone may wake a waiting client, so it offers no set() beside them.
+void Coordinator::set(const std::string& name) {
+  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{name, ""}}, name,
                                          kCallTimeout);
 }
 
-void Coordinator::stop(int count) {
-  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port,
-                                         {{key(count, "stop"), ""}}, key(count, "stop"),
-                                         kCallTimeout);
-}
+void Coordinator::start(int count) { set(key(count, "start")); }
+
+void Coordinator::stop(int count) { set(key(count, "stop")); }
 
 std::string Coordinator::new_records(int count, int nodes) {
   std::string lines;
@@ -147,8 +144,7 @@ std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeou
 }
 
 void Coordinator::finish(milliseconds timeout) {
-  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{"scale/end", ""}},
-                                         "scale/end", kCallTimeout);
+  set("scale/end");
   const Clock::time_point deadline = Clock::now() + timeout;
   for (int node = 1; node < options_.nnodes; ++node) {
     if (!store_.contains("scale/joined/" + std::to_string(node))) continue;

@@ -63,6 +63,8 @@ class Coordinator {
   void finish(std::chrono::milliseconds timeout);
 
  private:
+  void set(const std::string& name);  // to "": only its presence counts
+
   const ScaleOptions& options_;
   std::string plan_;
   elastic::WorkerStore store_;
