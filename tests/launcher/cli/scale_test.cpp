@@ -218,7 +218,8 @@ TEST(ScaleRecords, FindsPrintedThroughput) {
 // Analysis with records built here.
 
 // Records of one run as scale_worker writes them (its model, in code), `steps` per rank.
-RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary_bytes = false) {
+RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary_bytes = false,
+                        double link_bytes_per_s = 1e9) {
   RunResult run;
   run.workers = workers;
   run.ending = "stopped";
@@ -233,7 +234,9 @@ RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary
       double compute = 1e-4 * samples * (1 + contention * (n - 1));
       r.comm_bytes = workers > 1 ? 1e6 * (vary_bytes ? 1 + step % 3 : 1) : 0;
       r.comm_ops = workers > 1 ? 2 : 0;
-      r.comm_s = workers > 1 ? 2 * (n - 1) * 2 * 20e-6 + 2 * (n - 1) / n * r.comm_bytes / 1e9 : 0;
+      r.comm_s = workers > 1
+                     ? 2 * (n - 1) * 2 * 20e-6 + 2 * (n - 1) / n * r.comm_bytes / link_bytes_per_s
+                     : 0;
       r.exposed_comm_s = r.comm_s;
       r.forward_s = compute / 3;
       r.backward_s = compute * 2 / 3;
@@ -270,6 +273,30 @@ TEST(ScaleAnalysis, TableNumbersVerdictAndReason) {
   EXPECT_NEAR(two.lost_s, two.lost_contention_s + two.lost_comm_s + two.lost_fixed_s, 1e-12);
   EXPECT_NEAR(two.lost_comm_s, 1.08e-3, 1e-9);
   EXPECT_NEAR(two.lost_fixed_s, 0.25e-3, 1e-9);  // the optimizer did not halve with the batch
+}
+
+TEST(ScaleAnalysis, OnceACountCrossedHostsTheFitIsTheLinkBetweenThem) {
+  // 2 workers on one host over an 8 Gbit/s path, 4 on two hosts over a 1 Gbit/s link.
+  RunResult across = synthetic_run(4, 13, 0, /*vary_bytes=*/true, /*link_bytes_per_s=*/1.25e8);
+  across.nodes = 2;
+  scale::AnalysisSettings settings;
+  settings.host_cpus = 4;  // two hosts of 2, as dtrain scale --nnodes 2 --nproc-per-node 2 sets it
+  scale::Report report =
+      scale::analyze({synthetic_run(1, 13), synthetic_run(2, 13, 0, true), across}, settings);
+  ASSERT_TRUE(report.model.fitted) << report.model.how;
+  EXPECT_NEAR(report.model.bytes_per_s, 1.25e8, 1e3);
+  EXPECT_NEAR(report.model.alpha_s, 20e-6, 1e-9);
+  EXPECT_EQ(report.rows[2].nodes, 2);
+  ASSERT_TRUE(report.prediction.available) << report.prediction.why_not;
+  EXPECT_EQ(report.prediction.fitted_on_workers, 4);
+  EXPECT_NE(std::string(scale::render_text(report, "t")).find("the link's between hosts"),
+            std::string::npos);
+  EXPECT_NE(scale::render_text(report, "t").find("4 workers ran on 2 hosts"), std::string::npos);
+  EXPECT_NE(scale::render_json(report, {"p"}).find("\"nodes\": 2"), std::string::npos);
+  // The same runs on one host: both counts are fitted, and the bandwidth lies between.
+  across.nodes = 1;
+  report = scale::analyze({synthetic_run(1, 13), synthetic_run(2, 13, 0, true), across}, settings);
+  EXPECT_GT(report.model.bytes_per_s, 1.5e8);
 }
 
 TEST(ScaleAnalysis, ComputeSlowingWithWorkersIsContention) {
