@@ -397,7 +397,9 @@ RunResult run_count(Session& session, int index, int workers, const std::string&
     // This node's last records, then how its workers ended: node 0 reads both.
     std::string ignored_loss;
     session.member->send_and_check_stop(index, file.new_lines(/*at_end=*/true), &ignored_loss);
-    session.member->report_end(index, {result.ok ? 0 : result.exit_code, result.ending});
+    int exit_code = result.ok ? 0 : result.exit_code;
+    if (result.ok && session.interrupted_by != 0) exit_code = 128 + session.interrupted_by;
+    session.member->report_end(index, {exit_code, result.ending});
     return result;
   }
   reader.add(file.new_lines(/*at_end=*/true));
@@ -488,16 +490,19 @@ int run_as_member(Session& session, const std::string& root) {
   const ScaleOptions& options = session.options;
   const std::string me = "node " + std::to_string(options.node_rank) + ": ";
   const auto count_wait = to_ms(options.time_limit_s + 2 * options.grace_period_s) + 2 * kNodeSlack;
+  // Leaving early: node 0 learns why (a count it starts without this node fails at once).
+  auto quit = [&](const std::string& why, int exit_code) {
+    tell(me + why);
+    session.member->quit(why);
+    return exit_code;
+  };
   int exit_code = 0;
   for (std::size_t index = 0; index < options.nproc.size(); ++index) {
     const int workers = options.nproc[index];
     std::string failure;
     if (!session.member->wait_for_start(static_cast<int>(index), count_wait, session.signals,
                                         &failure)) {
-      if (!failure.empty()) {
-        tell(me + failure);
-        return 1;
-      }
+      if (!failure.empty()) return quit(failure, 1);
       tell(me + "node 0 ended the measurement before " + std::to_string(workers) +
            " worker(s); see its report");
       return exit_code;
@@ -510,13 +515,13 @@ int run_as_member(Session& session, const std::string& root) {
     RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
     tell(me + std::to_string(workers) + " worker(s): " + result.ending);
     if (!result.ok) exit_code = 1;
-    if (session.interrupted_by != 0) return 128 + session.interrupted_by;
+    if (session.interrupted_by != 0) {
+      return quit("received " + elastic::signal_name(session.interrupted_by),
+                  128 + session.interrupted_by);
+    }
   }
   std::string failure = session.member->leave(count_wait, session.signals);
-  if (!failure.empty()) {
-    tell(me + failure);
-    return 1;
-  }
+  if (!failure.empty()) return quit(failure, 1);
   tell(me + "done; node 0 reports");
   return exit_code;
 }

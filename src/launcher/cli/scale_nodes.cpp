@@ -112,6 +112,9 @@ std::string Coordinator::new_records(int count, int nodes) {
 
 std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
   for (int node = 1; node < nodes; ++node) {
+    if (std::optional<std::string> why = store_.value_of("scale/quit/" + std::to_string(node))) {
+      return NodeEnding{1, "node " + std::to_string(node) + " quit: " + *why};
+    }
     std::optional<std::string> end = store_.value_of(key(count, "end/" + std::to_string(node)));
     if (!end) continue;
     std::size_t newline = end->find('\n');
@@ -129,7 +132,8 @@ std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeou
   for (;;) {
     std::vector<std::string> missing;
     for (int node = 1; node < nodes; ++node) {
-      if (!store_.contains(key(count, "end/" + std::to_string(node)))) {
+      if (!store_.contains(key(count, "end/" + std::to_string(node))) &&
+          !store_.contains("scale/quit/" + std::to_string(node))) {
         missing.push_back(std::to_string(node));
       }
     }
@@ -180,7 +184,7 @@ bool Member::poll_for(const std::string& wanted, const std::string& what, millis
       return false;
     }
     if (found == KeyCheck::kNoStore) {
-      *failure = where_ + " is gone (" + why + ") while waiting for " + what;
+      *failure = where_ + " is gone (" + why + ") while waiting for it to " + what;
       return false;
     }
     if (Clock::now() >= deadline) {
@@ -189,7 +193,7 @@ bool Member::poll_for(const std::string& wanted, const std::string& what, millis
       return false;
     }
     if (int signo = pause_for_signal(signals); signo != 0) {
-      *failure = "received " + elastic::signal_name(signo) + " while waiting for " + what;
+      *failure = "received " + elastic::signal_name(signo) + " while waiting for node 0 to " + what;
       return false;
     }
   }
@@ -259,6 +263,10 @@ void Member::report_end(int count, const NodeEnding& ending) {
   exchange({{key(count, "end/" + std::to_string(options_.node_rank)),
              std::to_string(ending.exit_code) + "\n" + ending.ending}},
            key(count, "stop"), nullptr);
+}
+
+void Member::quit(const std::string& why) {
+  exchange({{"scale/quit/" + std::to_string(options_.node_rank), why}}, "scale/end", nullptr);
 }
 
 std::string Member::leave(milliseconds timeout, elastic::SignalPipe& signals) {

@@ -11,6 +11,7 @@
 //   I/records/R/S      the S-th batch (from 0) of whole record lines node R's ranks wrote
 //   I/stop             node 0 has measured enough (or a rank failed): every node stops its workers
 //   I/end/R            node R's workers are gone: "<exit code>\n<how they ended>"
+//   quit/R             node R left early: why (node 0 fails the counts that need it)
 //   end                node 0 measured every count; the others leave
 //   bye/R              node R saw the end (node 0 waits for it before closing the store)
 //
@@ -53,10 +54,10 @@ class Coordinator {
   void stop(int count);
   // The record lines nodes 1..nodes-1 sent for `count` since the last call.
   std::string new_records(int count, int nodes);
-  // The first of nodes 1..nodes-1 whose share of `count` failed, as "node R: <how>", if any.
+  // The first of nodes 1..nodes-1 whose share of `count` failed, or that quit, as "node R: <how>".
   std::optional<NodeEnding> failed_node(int count, int nodes) const;
-  // Waits until nodes 1..nodes-1 reported the end of their share of `count`, at most `timeout`.
-  // Returns "" or one line naming the nodes that did not.
+  // Waits until nodes 1..nodes-1 reported the end of their share of `count` (or quit), at most
+  // `timeout`. Returns "" or one line naming the nodes that did not.
   std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout) const;
   // Tells every node that the measurement is over and waits up to `timeout` for those that joined
   // to see it.
@@ -87,6 +88,8 @@ class Member {
   // when node 0 cannot be reached (then stop: true).
   bool send_and_check_stop(int count, const std::string& records, std::string* failure);
   void report_end(int count, const NodeEnding& ending);
+  // Tells node 0 that this node leaves early, and why (one try: node 0 may be gone).
+  void quit(const std::string& why);
   // Waits (at most `timeout`) for node 0's end and says goodbye; "" or why not.
   std::string leave(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
