@@ -17,6 +17,7 @@
 #include "dtrain/errors.h"
 #include "launcher/cli/scale_options.h"
 #include "launcher/cli/scale_report.h"
+#include "launcher/elastic/ports.h"
 #include "test_support.h"
 
 namespace dtrain::cli {
@@ -664,6 +665,18 @@ TEST_F(ScaleCommand, RanksThatNeverRecordDoNotHoldTheRunUntilTheTimeLimit) {
   EXPECT_NE(run.err.find("measured steps of the 1 rank(s) that write records"), std::string::npos)
       << run.err;
   EXPECT_NE(run.out.find("only 1 of 2 ranks wrote measured records"), std::string::npos) << run.out;
+}
+
+TEST_F(ScaleCommand, AHostThatNeverJoinsIsNamedInOneLineAtTheTimeLimit) {
+  // Node 0 of two, alone: it waits --time-limit for node 1, then names it.
+  Outcome run = scale({"--nnodes", "2", "--master-port", std::to_string(elastic::pick_free_port()),
+                       "--time-limit", "1"});
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_NE(run.err.find("dtrain scale: node(s) 1 did not join within 1 s (--time-limit)"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(count(run.err, "\n"), 1) << run.err;
+  EXPECT_TRUE(run.out.empty());
 }
 
 TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
