@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # DDP across two hosts over TCP, side by side with PyTorch's DDP on the same two hosts, on a free link and on
 # a link capped with tbf; and, on the capped link, what `dtrain scale --link-gbps` predicts for two workers
-# against what the trainer measures there (issue 21).
+# against what the trainer measures there, and what `dtrain scale --nnodes 2` measures across the two
+# hosts itself (issue 21).
 #
 # The hosts are two network namespaces joined by one veth pair, each with its own hostname (resolving
 # nowhere, as on a cluster whose nodes know each other only by address) and address, 10.79.0.1 and
@@ -151,3 +152,26 @@ echo "The trainer (DDP, 64 samples per rank) over the $cap Gbit/s link: 1 worker
   "2 workers on the two hosts $(list_median "$twos") samples/s: measured speed-up $(ratio_summary "$twos" "$ones");" \
   "dtrain scale --link-gbps $cap predicted ${predicted}x"
 echo "rounds (samples/s): 1 worker ${ones% }; 2 hosts ${twos% }"
+
+# `dtrain scale` across the two capped hosts (--nnodes 2, one worker each): the 1-worker count on host 0,
+# the 2-worker count over the link, whose all-reduces the fit then takes its bandwidth from; and the
+# prediction at 2 workers with --link-gbps CAP, the rate tbf is set to, against that measured point.
+echo
+echo "dtrain scale --nnodes 2 across the $cap Gbit/s link (trainer as above, --steps 50):"
+for ((i = 0; i < repeats; i++)); do
+  port=$((port + 10))
+  scale="$build/bin/dtrain scale --nnodes 2 --nproc-per-node 1 --master-addr 10.79.0.1 --master-port $port"
+  scale+=" --steps 50 --link-gbps $cap --json"
+  on 1 env OMP_NUM_THREADS=1 $scale --node-rank 1 -- $trainer >/dev/null 2>&1 &
+  on 0 env OMP_NUM_THREADS=1 $scale --node-rank 0 -- $trainer 2>/dev/null | "$python" -c '
+import json, sys
+report = json.load(sys.stdin)
+two = next(r for r in report["runs"] if r["workers"] == 2)
+point = next(p for p in report["prediction"]["points"] if p["workers"] == 2)
+print("  round %d: 2 workers on %d hosts, %d ranks recorded: measured speed-up %.3f, ring bus %.2f Gbit/s;"
+      " fitted %.2f Gbit/s (%s); predicted at --link-gbps %s: %.3fx" % (
+      int(sys.argv[1]) + 1, two["nodes"], two["ranks_recorded"], two["speedup"], two["bus_gbps"],
+      report["comm_model"]["bandwidth_gbps"], report["comm_model"]["how"].split(":")[0],
+      sys.argv[2], point["speedup_at_link"]))' "$i" "$cap"
+  wait $! || true
+done

@@ -218,10 +218,9 @@ void check_combinations(RunOptions& options, bool port_given, bool node_rank_giv
            std::to_string(options.master_port) + "'");
     }
   }
-  if (options.node_rank >= options.nnodes) {
-    fail("--node-rank: expected an integer in 0.." + std::to_string(options.nnodes - 1) +
-         " (below --nnodes " + std::to_string(options.nnodes) + "), got '" +
-         std::to_string(options.node_rank) + "'");
+  if (std::string problem = node_rank_problem(options.node_rank, options.nnodes);
+      !problem.empty()) {
+    fail(problem);
   }
   if (options.nnodes > 1 && options.master_port == 0) {
     fail("--master-port: required with --nnodes " + std::to_string(options.nnodes) +
@@ -287,6 +286,13 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
   check_combinations(options, master_port->count() > 0, node_rank->count() > 0,
                      master_addr->count() > 0);
   return options;
+}
+
+std::string node_rank_problem(int node_rank, int nnodes) {
+  if (node_rank < nnodes) return "";
+  return "--node-rank: expected an integer in 0.." + std::to_string(nnodes - 1) +
+         " (below --nnodes " + std::to_string(nnodes) + "), got '" + std::to_string(node_rank) +
+         "'";
 }
 
 int usable_cpus() {

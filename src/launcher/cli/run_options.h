@@ -81,6 +81,10 @@ struct RunOptions {
 // '0'".
 RunOptions parse_run_options(const std::vector<std::string>& args);
 
+// "--node-rank: expected an integer in 0..N-1 (below --nnodes N), got 'R'" when R >= N, else "":
+// the rule `dtrain run` and `dtrain scale` share.
+std::string node_rank_problem(int node_rank, int nnodes);
+
 // Whether the options ask for the elastic rendezvous (c10d or etcd) rather than the static one.
 inline bool is_elastic(const RunOptions& options) { return options.rdzv_backend != "static"; }
 

@@ -145,16 +145,17 @@ void explain(Row& row, const Row& base, unsigned host_cpus) {
 }
 
 // Least squares comm_s = alpha * x1 + beta * x2, x1 = 2(N-1) ops, x2 = 2(N-1)/N bytes, both
-// coefficients kept >= 0.
+// coefficients kept >= 0, over the steps of counts up to `max_workers` that ran on `min_nodes`
+// hosts or more.
 CommModel fit_model(const std::vector<RunResult>& runs, const std::vector<Row>& rows,
-                    int warmup_steps, int max_workers) {
+                    int warmup_steps, int max_workers, int min_nodes) {
   struct Point {
     double x1, x2, y;
   };
   std::vector<Point> points;
   for (std::size_t i = 0; i < runs.size(); ++i) {
     if (!rows[i].ok || rows[i].source != "profile" || runs[i].workers < 2) continue;
-    if (runs[i].workers > max_workers) continue;
+    if (runs[i].workers > max_workers || runs[i].nodes < min_nodes) continue;
     // The same warm-up as the table's (fill_from_records): none when no rank got past it.
     std::map<int, int> per_rank;
     for (const StepRecord& r : runs[i].records) ++per_rank[r.rank];
@@ -280,6 +281,7 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
   for (const RunResult& run : runs) {
     Row row;
     row.workers = run.workers;
+    row.nodes = run.nodes;
     row.ok = run.ok;
     row.status = run.ok ? (run.time_limit ? "time limit" : "ok") : run.ending;
     row.exit_code = run.ok ? 0 : run.exit_code;
@@ -370,14 +372,24 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
       fitting = static_cast<int>(host_cpus);
     }
   }
-  report.model = fit_model(runs, report.rows, settings.warmup_steps, fitting);
+  // A ring is as slow as its slowest link: once a count crossed between hosts, the fit and the
+  // prediction take only such counts, so the bandwidth is the link's between the hosts.
+  int crossing = 1;
+  for (const Row& row : report.rows) {
+    if (row.ok && row.source == "profile" && row.comm_s > 0 && row.nodes > 1) crossing = 2;
+    if (row.nodes > 1) {
+      report.notes.push_back(workers_text(row.workers) + " ran on " + std::to_string(row.nodes) +
+                             " hosts: their all-reduces crossed between hosts");
+    }
+  }
+  report.model = fit_model(runs, report.rows, settings.warmup_steps, fitting, crossing);
 
   // Note [Prediction].
   Prediction& prediction = report.prediction;
   const Row* fitted = nullptr;
   for (const Row& row : report.rows) {
     if (row.ok && row.source == "profile" && row.workers >= 2 && row.workers <= fitting &&
-        row.comm_s > 0 && row.samples_per_rank_step > 0) {
+        row.nodes >= crossing && row.comm_s > 0 && row.samples_per_rank_step > 0) {
       fitted = &row;
     }
   }
@@ -484,6 +496,13 @@ Report analyze(const std::vector<RunResult>& runs_in, const AnalysisSettings& se
     prediction.assumptions.push_back(
         "the rest of the step (optimizer, data, gaps between steps) stays " +
         ms(prediction.fixed_s) + " ms at every count");
+    if (crossing > 1) {
+      prediction.assumptions.push_back(
+          "the fitted bandwidth is the link's between hosts: fitted only on counts that ran on "
+          "several hosts (" +
+          workers_text(fitted->workers) + " on " + std::to_string(fitted->nodes) +
+          "), whose ring is as slow as that link; every added host joins over the same link");
+    }
     prediction.assumptions.push_back(
         "every link as fast as the fitted (or --link-gbps) bandwidth: no topology, no slower "
         "links between hosts, no congestion");

@@ -20,11 +20,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/run_command.h"
+#include "launcher/cli/scale_nodes.h"
 #include "launcher/cli/scale_options.h"
 #include "launcher/cli/scale_report.h"
 #include "launcher/elastic/ports.h"
@@ -76,14 +78,14 @@ class Fd {
   int fd_;
 };
 
-// Reads the records the ranks append to one DTRAIN_PROFILE file, as the file grows.
-class ProfileReader {
+// The whole record lines appended to one DTRAIN_PROFILE file since the last look, as it grows.
+class ProfileFile {
  public:
-  explicit ProfileReader(std::string path) : path_(std::move(path)) {}
+  explicit ProfileFile(std::string path) : path_(std::move(path)) {}
 
-  // Parses the complete lines added since the last call; at_end also takes an unterminated last
-  // line (the workers are gone, nothing will complete it).
-  void poll(bool at_end = false) {
+  // The complete lines added since the last call; at_end also takes an unterminated last line
+  // (the workers are gone, nothing will complete it).
+  std::string new_lines(bool at_end = false) {
     int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
       Fd file(fd);
@@ -98,15 +100,29 @@ class ProfileReader {
         }
       }
     }
+    std::size_t whole = at_end ? partial_.size() : partial_.rfind('\n') + 1;  // npos + 1 == 0
+    std::string lines = partial_.substr(0, whole);
+    partial_.erase(0, whole);
+    if (at_end && !lines.empty() && lines.back() != '\n') lines += '\n';
+    return lines;
+  }
+
+ private:
+  std::string path_;
+  off_t offset_ = 0;
+  std::string partial_;
+};
+
+// The records of one run: this node's ranks' (a ProfileFile's lines) and, on node 0 of several
+// hosts, the other nodes' (scale_nodes.h).
+class ProfileReader {
+ public:
+  // Parses whole lines.
+  void add(const std::string& lines) {
     std::size_t start = 0;
-    for (std::size_t newline; (newline = partial_.find('\n', start)) != std::string::npos;
+    for (std::size_t newline; (newline = lines.find('\n', start)) != std::string::npos;
          start = newline + 1) {
-      take(partial_.substr(start, newline - start));
-    }
-    partial_.erase(0, start);
-    if (at_end && !partial_.empty()) {
-      take(partial_);
-      partial_.clear();
+      take(lines.substr(start, newline - start));
     }
   }
 
@@ -139,9 +155,6 @@ class ProfileReader {
     }
   }
 
-  std::string path_;
-  off_t offset_ = 0;
-  std::string partial_;
   std::vector<StepRecord> records_;
   std::map<int, int> per_rank_;
   int malformed_ = 0;
@@ -171,6 +184,9 @@ struct Session {
   int dev_null;
   // Inside a Slurm allocation: each count is one srun step (the group's one worker is srun).
   std::optional<SlurmAllocation> slurm;
+  // On several hosts: node 0's store (on node 0) or the client of it (on the others).
+  scale::Coordinator* coordinator = nullptr;
+  scale::Member* member = nullptr;
   int interrupted_by = 0;  // set when the user stopped `dtrain scale`
 };
 
@@ -192,10 +208,24 @@ std::vector<std::string> srun_command(const SlurmAllocation& allocation, int wor
 // before the run is stopped anyway (a program where only rank 0 records).
 constexpr auto kSilentRanksGrace = std::chrono::seconds(5);
 
-RunResult run_count(Session& session, int workers, const std::string& dir) {
+// Node 0 of several hosts waits this long beyond the grace period for the others to report
+// that their workers are gone; the others wait this long beyond the time limit for node 0's stop.
+constexpr auto kNodeSlack = std::chrono::seconds(10);
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+}
+
+// Runs this node's share of the `index`-th count, `workers` over all nodes.
+RunResult run_count(Session& session, int index, int workers, const std::string& dir) {
   const ScaleOptions& options = session.options;
   RunResult result;
   result.workers = workers;
+  // On several hosts this node runs ranks base_rank.. of the count's nodes_for(workers) nodes.
+  const bool hosts = options.nnodes > 1;
+  result.nodes = hosts ? options.nodes_for(workers) : 1;
+  const int base_rank = options.node_rank * options.nproc_per_node;
+  const int local = hosts ? std::min(options.nproc_per_node, workers - base_rank) : workers;
   const std::string profile_path = dir + "/profile.jsonl";
   std::error_code ignored;
   fs::remove(profile_path, ignored);  // a kept --log-dir from an earlier scale run: start afresh
@@ -209,7 +239,9 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
   // A measurement recovers nothing: the plain DDP step, without the in-place path's admission
   // all-reduce in its bytes.
   run_options.recovery = "restart";
-  run_options.nproc_per_node = session.slurm ? 1 : workers;
+  run_options.nproc_per_node = session.slurm ? 1 : local;
+  run_options.nnodes = result.nodes;
+  run_options.master_port = hosts ? options.master_port + 1 + index : 0;
   run_options.log_dir = dir;
   run_options.grace_period_s = options.grace_period_s;
   run_options.no_python = options.no_python;
@@ -245,26 +277,43 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
 
   elastic::WorkerGroupRound round;
   round.world_size = workers;
-  round.master_port = elastic::pick_free_port();
-  ProfileReader reader(profile_path);
+  round.master_port = hosts ? run_options.master_port : elastic::pick_free_port();
+  if (hosts) {
+    round.group_rank = options.node_rank;
+    round.group_world_size = result.nodes;
+    round.base_rank = base_rank;
+    round.master_addr = options.master_addr;
+  }
+  ProfileFile file(profile_path);
+  ProfileReader reader;
+  // Node 0 decides when to stop; the others stop when it says so, or (node 0 lost) at the time
+  // limit plus the slack.
+  const bool decides = session.member == nullptr;
+  const double time_limit_s =
+      options.time_limit_s + (decides ? 0 : options.grace_period_s + kNodeSlack.count());
   const int target = options.warmup_steps + options.steps;
   const Clock::time_point start = Clock::now();
   Clock::time_point next_progress = start + std::chrono::seconds(10);
   Clock::time_point writers_done_since{};  // epoch: not all writers are done
+  if (session.coordinator) session.coordinator->start(index);
   group.start(round);
 
   auto stop = [&](const std::string& ending) {
     group.stop(session.signals.fd());
+    if (session.coordinator) session.coordinator->stop(index);
     result.ending = ending;
+  };
+  auto fail = [&](const std::string& ending, int exit_code) {
+    stop(ending);
+    result.ok = false;
+    result.exit_code = exit_code;
   };
   for (;;) {
     elastic::WaitResult waited = group.wait(wakeups.get());
     if (!waited.failures.empty()) {
       const elastic::WorkerExit& root = waited.failures.front();
-      group.stop(session.signals.fd());
-      result.ok = false;
-      result.ending = "rank " + std::to_string(root.global_rank) + " " + root.describe();
-      result.exit_code = root.launcher_exit_code();
+      fail("rank " + std::to_string(root.global_rank) + " " + root.describe(),
+           root.launcher_exit_code());
       if (!root.stderr_tail.empty()) result.failure_line = root.stderr_tail.back();
       break;
     }
@@ -275,7 +324,7 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
       break;
     }
     if (int signo = session.signals.take(); signo != 0) {
-      tell("received " + elastic::signal_name(signo) + "; stopping the " + std::to_string(workers) +
+      tell("received " + elastic::signal_name(signo) + "; stopping the " + std::to_string(local) +
            " worker(s)");
       session.interrupted_by = signo;
       stop("interrupted");
@@ -284,47 +333,87 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
     std::uint64_t expirations = 0;
     ssize_t drained = read(timer.get(), &expirations, sizeof expirations);
     (void)drained;
-    reader.poll();
-    Clock::time_point now = Clock::now();
-    double elapsed = std::chrono::duration<double>(now - start).count();
-    if (options.seconds) {
-      if (elapsed >= *options.seconds) {
-        stop("stopped after " + detail::seconds_text(*options.seconds));
+    const Clock::time_point now = Clock::now();
+    const double elapsed = std::chrono::duration<double>(now - start).count();
+    if (session.member) {
+      std::string lost;
+      if (session.member->send_and_check_stop(index, file.new_lines(), &lost)) {
+        if (lost.empty()) {
+          stop("stopped by node 0");
+        } else {
+          fail(lost, 1);
+        }
         break;
       }
     } else {
-      int done = reader.ranks_with(workers, target);
-      int writers = reader.ranks_with(workers, 1);
-      if (done == workers) {
-        stop("stopped after " + std::to_string(options.steps) + " measured steps");
-        break;
+      reader.add(file.new_lines());
+      if (session.coordinator) {
+        reader.add(session.coordinator->new_records(index, result.nodes));
+        if (std::optional<scale::NodeEnding> failed =
+                session.coordinator->failed_node(index, result.nodes)) {
+          fail(failed->ending, failed->exit_code);
+          break;
+        }
       }
-      if (writers > 0 && done == writers) {
-        if (writers_done_since == Clock::time_point{}) writers_done_since = now;
-        if (now - writers_done_since >= kSilentRanksGrace) {
-          stop("stopped after " + std::to_string(options.steps) + " measured steps of the " +
-               std::to_string(writers) + " rank(s) that write records");
+      if (options.seconds) {
+        if (elapsed >= *options.seconds) {
+          stop("stopped after " + detail::seconds_text(*options.seconds));
           break;
         }
       } else {
-        writers_done_since = Clock::time_point{};
+        int done = reader.ranks_with(workers, target);
+        int writers = reader.ranks_with(workers, 1);
+        if (done == workers) {
+          stop("stopped after " + std::to_string(options.steps) + " measured steps");
+          break;
+        }
+        if (writers > 0 && done == writers) {
+          if (writers_done_since == Clock::time_point{}) writers_done_since = now;
+          if (now - writers_done_since >= kSilentRanksGrace) {
+            stop("stopped after " + std::to_string(options.steps) + " measured steps of the " +
+                 std::to_string(writers) + " rank(s) that write records");
+            break;
+          }
+        } else {
+          writers_done_since = Clock::time_point{};
+        }
       }
     }
-    if (elapsed >= options.time_limit_s) {
+    if (elapsed >= time_limit_s) {
       result.time_limit = true;
       stop("over --time-limit " + detail::seconds_text(options.time_limit_s) + " with " +
            std::to_string(reader.fewest(workers)) + " of " + std::to_string(target) +
            " steps on the slowest rank");
       break;
     }
-    if (now >= next_progress) {
+    if (decides && now >= next_progress) {
       next_progress = now + std::chrono::seconds(10);
       tell(std::to_string(workers) + " worker(s): " + detail::seconds_text(elapsed) + ", " +
            std::to_string(reader.fewest(workers)) + " step(s) recorded by the slowest rank");
     }
   }
   result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
-  reader.poll(/*at_end=*/true);
+  if (session.member) {
+    // This node's last records, then how its workers ended: node 0 reads both.
+    std::string ignored_loss;
+    session.member->send_and_check_stop(index, file.new_lines(/*at_end=*/true), &ignored_loss);
+    int exit_code = result.ok ? 0 : result.exit_code;
+    if (result.ok && session.interrupted_by != 0) exit_code = 128 + session.interrupted_by;
+    session.member->report_end(index, {exit_code, result.ending});
+    return result;
+  }
+  reader.add(file.new_lines(/*at_end=*/true));
+  if (session.coordinator) {
+    std::string missing = session.coordinator->wait_for_ends(
+        index, result.nodes, to_ms(options.grace_period_s) + kNodeSlack);
+    reader.add(session.coordinator->new_records(index, result.nodes));
+    std::optional<scale::NodeEnding> failed = session.coordinator->failed_node(index, result.nodes);
+    if (result.ok && (failed || !missing.empty())) {
+      result.ok = false;
+      result.exit_code = failed ? failed->exit_code : 1;
+      result.ending = failed ? failed->ending : missing;
+    }
+  }
   result.records = std::move(reader.records());
   if (!options.seconds) {
     // Measure the same steps on every rank: the first warm-up + K of each (ranks that ran ahead
@@ -339,6 +428,23 @@ RunResult run_count(Session& session, int workers, const std::string& dir) {
   result.malformed_records = reader.malformed();
   result.printed_samples_per_s = printed_throughput(dir, workers, log_offsets);
   return result;
+}
+
+// run_count, with a failure to start (a program gone meanwhile, no socket) as the count's result,
+// which the other hosts learn too.
+RunResult run_or_fail(Session& session, int index, int workers, const std::string& root) {
+  try {
+    return run_count(session, index, workers, root + "/workers" + std::to_string(workers));
+  } catch (const std::exception& failure) {
+    RunResult result;
+    result.workers = workers;
+    result.ok = false;
+    result.exit_code = 1;
+    result.ending = "could not start: " + without_prefix(failure.what());
+    if (session.coordinator) session.coordinator->stop(index);
+    if (session.member) session.member->report_end(index, {1, result.ending});
+    return result;
+  }
 }
 
 std::string join(const std::vector<std::string>& words) {
@@ -372,12 +478,62 @@ void check_plot_path(const std::string& path) {
   }
 }
 
+// " on 2 hosts" for a count that spans several, else "".
+std::string on_nodes(const ScaleOptions& options, int workers) {
+  int nodes = options.nnodes > 1 ? options.nodes_for(workers) : 1;
+  return nodes > 1 ? " on " + std::to_string(nodes) + " hosts" : "";
+}
+
+// A node other than 0: runs its share of each count node 0 starts, sends its records there, and
+// leaves when node 0 ends. Returns the exit code: 1 when node 0 was lost or a share failed.
+int run_as_member(Session& session, const std::string& root) {
+  const ScaleOptions& options = session.options;
+  const std::string me = "node " + std::to_string(options.node_rank) + ": ";
+  const auto count_wait = to_ms(options.time_limit_s + 2 * options.grace_period_s) + 2 * kNodeSlack;
+  // Leaving early: node 0 learns why (a count it starts without this node fails at once).
+  auto quit = [&](const std::string& why, int exit_code) {
+    tell(me + why);
+    session.member->quit(why);
+    return exit_code;
+  };
+  int exit_code = 0;
+  for (std::size_t index = 0; index < options.nproc.size(); ++index) {
+    const int workers = options.nproc[index];
+    std::string failure;
+    if (!session.member->wait_for_start(static_cast<int>(index), count_wait, session.signals,
+                                        &failure)) {
+      if (!failure.empty()) return quit(failure, 1);
+      tell(me + "node 0 ended the measurement before " + std::to_string(workers) +
+           " worker(s); see its report");
+      return exit_code;
+    }
+    if (options.node_rank >= options.nodes_for(workers)) {
+      tell(me + std::to_string(workers) +
+           " worker(s) run on fewer hosts; waiting for the next count");
+      continue;
+    }
+    RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
+    tell(me + std::to_string(workers) + " worker(s): " + result.ending);
+    if (!result.ok) exit_code = 1;
+    if (session.interrupted_by != 0) {
+      return quit("received " + elastic::signal_name(session.interrupted_by),
+                  128 + session.interrupted_by);
+    }
+  }
+  std::string failure = session.member->leave(count_wait, session.signals);
+  if (!failure.empty()) return quit(failure, 1);
+  tell(me + "done; node 0 reports");
+  return exit_code;
+}
+
 }  // namespace
 
 int scale_main(const std::vector<std::string>& args) {
   ScaleOptions options;
   LaunchPlan plan;
   std::optional<SlurmAllocation> slurm;
+  std::unique_ptr<scale::Coordinator> coordinator;
+  std::unique_ptr<scale::Member> member;
   try {
     options = parse_scale_options(args);
     if (options.help) {
@@ -398,6 +554,20 @@ int scale_main(const std::vector<std::string>& args) {
                          " (SLURM_JOB_ID) but srun: " + why +
                          "; expected srun on PATH to start each count as a step");
       }
+    }
+    if (options.nnodes > 1 && options.node_rank == 0) {
+      for (std::size_t i = 0; i < options.nproc.size(); ++i) {
+        const int port = options.master_port + 1 + static_cast<int>(i);
+        if (elastic::probe_port(options.master_addr, port) == elastic::PortProbe::kInUse) {
+          throw UsageError("dtrain scale: --master-port: the workers of count " +
+                           std::to_string(options.nproc[i]) + " meet at port " +
+                           std::to_string(port) + " (--master-port + " + std::to_string(i + 1) +
+                           "), which is in use on this host; pick another --master-port");
+        }
+      }
+      coordinator = std::make_unique<scale::Coordinator>(options);
+    } else if (options.nnodes > 1) {
+      member = std::make_unique<scale::Member>(options);
     }
   } catch (const UsageError& error) {
     tell(without_prefix(error.what()));
@@ -433,24 +603,37 @@ int scale_main(const std::vector<std::string>& args) {
   int exit_code = 0;
   {
     elastic::SignalPipe signals(elastic::kLauncherSignals);
-    Session session{options, plan, signals, dev_null, slurm};
+    Session session{options, plan, signals, dev_null, slurm, coordinator.get(), member.get()};
+    if (options.nnodes > 1) {
+      std::string failed;
+      try {
+        failed = coordinator ? coordinator->wait_for_nodes(to_ms(options.time_limit_s), signals)
+                             : member->join(to_ms(options.time_limit_s), signals);
+      } catch (const UsageError& error) {
+        failed = without_prefix(error.what());
+        exit_code = 2;
+      }
+      if (!failed.empty()) {
+        tell(failed);
+        if (exit_code == 0) exit_code = 1;
+      } else if (member) {
+        exit_code = run_as_member(session, root);
+      } else {
+        tell("all " + std::to_string(options.nnodes) + " nodes joined; counts are totals, " +
+             std::to_string(options.nproc_per_node) + " worker(s) per node");
+      }
+    }
     if (slurm) {
       tell("inside Slurm allocation " + slurm->job_id + ": " + std::to_string(slurm->tasks) +
            " task(s) on " + std::to_string(slurm->nodes) + " node(s), " +
            std::to_string(slurm->tasks_per_node) + " per node; each count runs as an srun step");
     }
-    for (int workers : options.nproc) {
-      tell("running " + std::to_string(workers) + " worker(s): " +
+    const std::size_t counts = exit_code == 0 && !member ? options.nproc.size() : 0;
+    for (std::size_t index = 0; index < counts; ++index) {
+      const int workers = options.nproc[index];
+      tell("running " + std::to_string(workers) + " worker(s)" + on_nodes(options, workers) + ": " +
            join(slurm ? srun_command(*slurm, workers, plan.command) : plan.command));
-      RunResult result;
-      try {
-        result = run_count(session, workers, root + "/workers" + std::to_string(workers));
-      } catch (const std::exception& failure) {
-        result.workers = workers;
-        result.ok = false;
-        result.exit_code = 1;
-        result.ending = "could not start: " + without_prefix(failure.what());
-      }
+      RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
       tell(std::to_string(workers) + " worker(s): " + result.ending + " (" +
            detail::seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
            " records)");
@@ -460,9 +643,10 @@ int scale_main(const std::vector<std::string>& args) {
         break;
       }
     }
+    if (coordinator) coordinator->finish(kNodeSlack);
   }
 
-  if (exit_code == 0) {
+  if (exit_code == 0 && !member) {
     scale::AnalysisSettings settings;
     settings.warmup_steps = options.warmup_steps;
     settings.link_gbps = options.link_gbps;
@@ -473,6 +657,14 @@ int scale_main(const std::vector<std::string>& args) {
       settings.notes.push_back("each count ran as an srun step of Slurm allocation " +
                                slurm->job_id + " (" + std::to_string(slurm->tasks) + " tasks on " +
                                std::to_string(slurm->nodes) + " node(s))");
+    }
+    if (options.nnodes > 1) {
+      // Each host runs at most --nproc-per-node: no count oversubscribes one it was told of.
+      settings.host_cpus = options.nnodes * options.nproc_per_node;
+      settings.notes.push_back("counts are totals over " + std::to_string(options.nnodes) +
+                               " hosts, " + std::to_string(options.nproc_per_node) +
+                               " worker(s) per host; node 0 (this host) ran ranks 0.." +
+                               std::to_string(options.nproc_per_node - 1));
     }
     if (std::getenv("OMP_NUM_THREADS") == nullptr && options.nproc.front() == 1 &&
         options.nproc.back() > 1) {

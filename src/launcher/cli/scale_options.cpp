@@ -9,6 +9,7 @@
 #include "common/format.h"
 #include "dtrain/errors.h"
 #include "launcher/cli/flags.h"
+#include "launcher/cli/run_options.h"
 
 namespace dtrain::cli {
 namespace {
@@ -70,6 +71,20 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
                   {number(0, 3600, "a number of seconds in (0, 3600]")});
   add_switch(app, "--json", options.json);
   add_switch(app, "--no-python", options.no_python);
+  // Several hosts: torchrun's names and spellings, as `dtrain run` takes them (run_options.h).
+  auto node_flag = [&app](std::string_view name, auto& target, CLI::Validator check) {
+    return add_valued_flag(app, with_underscores(name), target, {std::move(check)});
+  };
+  node_flag("--nnodes", options.nnodes, integer_range(1, 1 << 16));
+  CLI::Option* master_port =
+      node_flag("--master-port", options.master_port, integer_range(1, 65535));
+  const std::vector<std::pair<const char*, CLI::Option*>> node_flags = {
+      {"--node-rank", node_flag("--node-rank", options.node_rank, integer_range(0, 1 << 16))},
+      {"--master-addr",
+       node_flag("--master-addr", options.master_addr, non_empty("a host name or address"))},
+      {"--master-port", master_port},
+      {"--nproc-per-node",
+       node_flag("--nproc-per-node", options.nproc_per_node, integer_range(1, kMaxWorkers))}};
 
   std::optional<std::vector<std::string>> command = parse_command_line(app, args);
   if (!command) {
@@ -99,6 +114,35 @@ ScaleOptions parse_scale_options(const std::vector<std::string>& args) {
   }
   if (options.command.empty()) {
     fail("no program given; expected `dtrain scale [flags] [--] program [args...]`");
+  }
+  if (options.nnodes == 1) {
+    for (const auto& [name, flag] : node_flags) {
+      if (flag->count() > 0) {
+        fail(std::string(name) + ": for several hosts, with --nnodes N above 1; give --nnodes " +
+             "too (or leave it out to measure this host alone)");
+      }
+    }
+    return options;
+  }
+  if (std::string problem = node_rank_problem(options.node_rank, options.nnodes);
+      !problem.empty()) {
+    fail(problem);
+  }
+  const int most = options.nnodes * options.nproc_per_node;
+  if (!options.nproc_given) options.nproc = node_counts(options.nnodes, options.nproc_per_node);
+  if (options.nproc.back() > most) {
+    fail("--nproc: " + std::to_string(options.nproc.back()) + " workers, but --nnodes " +
+         std::to_string(options.nnodes) + " x --nproc-per-node " +
+         std::to_string(options.nproc_per_node) + " hold " + std::to_string(most) +
+         "; lower the count or raise --nproc-per-node");
+  }
+  // Count i's workers meet at master_port + 1 + i.
+  if (master_port->count() == 0 ||
+      options.master_port + static_cast<int>(options.nproc.size()) > 65535) {
+    fail("--master-port: required with --nnodes " + std::to_string(options.nnodes) +
+         " (the same on every host), with the " + std::to_string(options.nproc.size()) +
+         " port(s) above it free on node 0 (one per count), got " +
+         (master_port->count() == 0 ? "none" : "'" + std::to_string(options.master_port) + "'"));
   }
   return options;
 }
@@ -142,7 +186,19 @@ std::vector<int> allocation_counts(int tasks) {
   return counts;
 }
 
+std::vector<int> node_counts(int nnodes, int per_node) {
+  std::vector<int> counts = {1};
+  for (int nodes = 1; nodes <= nnodes; ++nodes) {
+    if (nodes * per_node > 1) counts.push_back(nodes * per_node);
+  }
+  return counts;
+}
+
 void fit_to_allocation(ScaleOptions& options, const SlurmAllocation& allocation) {
+  if (options.nnodes > 1) {
+    fail("--nnodes: inside Slurm allocation " + allocation.job_id +
+         " the hosts are the allocation's nodes; drop --nnodes, --node-rank and the master flags");
+  }
   if (!options.nproc_given) {
     options.nproc = allocation_counts(allocation.tasks);
     return;
@@ -180,6 +236,18 @@ flags:
   --grace-period S      seconds between SIGTERM and SIGKILL when stopping workers (default 5)
   --no-python           run a .py program directly, not through python3
   -h, --help            this text
+
+several hosts (outside Slurm; every host runs the same command with its own --node-rank):
+  --nnodes N            hosts in the job; counts are totals over them (default 1: this host)
+  --node-rank R         this host's rank, 0 <= R < N; node 0 coordinates and reports
+  --master-addr HOST    node 0, as the other hosts reach it (default 127.0.0.1)
+  --master-port P       node 0's coordination store; the workers of the i-th count (from 0) meet
+                        at P + 1 + i on node 0 (required with --nnodes above 1)
+  --nproc-per-node K    workers per host (default 1); count W runs on the fewest hosts that hold
+                        it. Default counts: 1, then K, 2K, ... N x K (the jump from one host to
+                        two). The other hosts send their records to node 0 through its store; the
+                        report notes the counts that crossed hosts, and once one did, the fitted
+                        bandwidth is the link's between them.
 
 Inside a Slurm allocation (sbatch, salloc: SLURM_JOB_ID and SLURM_JOB_NUM_NODES set), each
 count runs as one step, `srun --ntasks=N --nodes=M --kill-on-bad-exit=1 program`, on the fewest

@@ -109,6 +109,7 @@ std::string render_json(const Report& report, const std::vector<std::string>& co
   for (const Row& row : report.rows) {
     json r;
     r["workers"] = row.workers;
+    r["nodes"] = row.nodes;
     r["ok"] = row.ok;
     r["status"] = row.status;
     r["exit_code"] = row.exit_code;

@@ -39,6 +39,8 @@ std::optional<double> printed_samples_per_s(const std::string& line);
 // What one run (one worker count) produced.
 struct RunResult {
   int workers = 1;
+  // Hosts the workers ran on (dtrain scale --nnodes: a count above --nproc-per-node spans several).
+  int nodes = 1;
   // Whether every worker ended well: exited 0, or was stopped by `dtrain scale` itself.
   bool ok = true;
   // How it ended, for the table: "stopped after 20 steps", "finished", "rank 1 exited with code 3".
@@ -75,6 +77,7 @@ struct AnalysisSettings {
 // How one worker count did.
 struct Row {
   int workers = 1;
+  int nodes = 1;  // hosts it ran on; above 1, its all-reduces crossed between hosts
   bool ok = true;
   std::string status;      // "ok", or how it failed
   int exit_code = 0;       // the run's exit code (0 unless it failed)

@@ -742,6 +742,13 @@ bool WorkerStore::contains(const std::string& key) const {
   return server_->exists(key);
 }
 
+std::optional<std::string> WorkerStore::value_of(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(server_->values_mutex);
+  auto found = server_->values.find(key);
+  if (found == server_->values.end()) return std::nullopt;
+  return found->second;
+}
+
 WorkerStore::~WorkerStore() {
   if (server_ && server_->wake_write >= 0) {
     ssize_t ignored = write(server_->wake_write, "x", 1);

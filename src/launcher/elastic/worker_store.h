@@ -13,6 +13,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -45,6 +46,11 @@ class WorkerStore {
   // Whether a key is set, as the workers would see it now (thread-safe). The launcher reads what
   // the workers declare through it, e.g. that they recover in place (in_place_recovery.cpp).
   bool contains(const std::string& key) const;
+
+  // The value of a key, as the workers would read it now, or nothing when it is not set
+  // (thread-safe). `dtrain scale` on several hosts reads the records the other nodes send through
+  // it (scale_nodes.h).
+  std::optional<std::string> value_of(const std::string& key) const;
 
  private:
   struct Server;

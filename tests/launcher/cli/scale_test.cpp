@@ -17,6 +17,7 @@
 #include "dtrain/errors.h"
 #include "launcher/cli/scale_options.h"
 #include "launcher/cli/scale_report.h"
+#include "launcher/elastic/ports.h"
 #include "test_support.h"
 
 namespace dtrain::cli {
@@ -86,7 +87,22 @@ INSTANTIATE_TEST_SUITE_P(
                     BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
                     BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
                     BadFlags{{"--steps"}, "--steps: missing value"},
-                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"}));
+                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"},
+                    // Several hosts.
+                    BadFlags{{"--node-rank", "1", "p"},
+                             "--node-rank: for several hosts, with --nnodes N above 1"},
+                    BadFlags{{"--nnodes", "1", "--master-port", "29500", "p"},
+                             "--master-port: for several hosts"},
+                    BadFlags{
+                        {"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
+                        "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
+                    BadFlags{{"--nnodes", "2", "p"}, "--master-port: required with --nnodes 2"},
+                    BadFlags{{"--nnodes", "2", "--master-port", "65535", "p"},
+                             "the 2 port(s) above it free on node 0 (one per count), got '65535'"},
+                    BadFlags{{"--nnodes", "2:4", "p"}, "--nnodes: expected an integer in 1.."},
+                    BadFlags{{"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "1,5",
+                              "--master-port", "29500", "p"},
+                             "--nproc: 5 workers, but --nnodes 2 x --nproc-per-node 2 hold 4"}));
 
 // Inside a Slurm allocation: the counts it gives, and where srun puts them.
 std::optional<SlurmAllocation> allocation(std::map<std::string, std::string> env) {
@@ -145,6 +161,32 @@ TEST(ScaleOptions, InsideASlurmAllocationTheCountsAreItsOwn) {
       UsageError);
 }
 
+TEST(ScaleOptions, SeveralHostsMeasureOneWorkerThenEachWholeNumberOfHosts) {
+  ScaleOptions options =
+      parse_scale_options({"--nnodes", "2", "--node_rank", "1", "--master-addr=10.0.0.1",
+                           "--master-port", "29500", "--nproc-per-node", "2", "prog"});
+  EXPECT_EQ(options.nnodes, 2);
+  EXPECT_EQ(options.node_rank, 1);
+  EXPECT_EQ(options.master_addr, "10.0.0.1");
+  EXPECT_EQ(options.master_port, 29500);
+  EXPECT_EQ(options.nproc, (std::vector<int>{1, 2, 4}));  // the jump from one host to two: 2 -> 4
+  EXPECT_EQ(options.nodes_for(2), 1);
+  EXPECT_EQ(options.nodes_for(3), 2);
+  EXPECT_EQ(node_counts(2, 1), (std::vector<int>{1, 2}));
+  EXPECT_EQ(node_counts(3, 4), (std::vector<int>{1, 4, 8, 12}));
+  // Counts given are totals; 3 on hosts of 2 runs 2 on node 0 and 1 on node 1.
+  options = parse_scale_options(
+      {"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "3", "--master-port", "29500", "prog"});
+  EXPECT_EQ(options.nproc, (std::vector<int>{3}));
+  // One host: the flags of several are refused, the counts stay 1,2.
+  EXPECT_EQ(parse_scale_options({"--nnodes", "1", "prog"}).nproc, (std::vector<int>{1, 2}));
+  // Inside a Slurm allocation the hosts are its nodes.
+  options = parse_scale_options({"--nnodes", "2", "--master-port", "29500", "prog"});
+  std::optional<SlurmAllocation> slurm =
+      allocation({{"SLURM_JOB_ID", "7"}, {"SLURM_JOB_NUM_NODES", "2"}, {"SLURM_NTASKS", "2"}});
+  ASSERT_TRUE(slurm);
+  EXPECT_THROW(fit_to_allocation(options, *slurm), UsageError);
+}
 // ---------------------------------------------------------------------------------------------
 // Records and printed throughput.
 
@@ -177,7 +219,8 @@ TEST(ScaleRecords, FindsPrintedThroughput) {
 // Analysis with records built here.
 
 // Records of one run as scale_worker writes them (its model, in code), `steps` per rank.
-RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary_bytes = false) {
+RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary_bytes = false,
+                        double link_bytes_per_s = 1e9) {
   RunResult run;
   run.workers = workers;
   run.ending = "stopped";
@@ -192,7 +235,9 @@ RunResult synthetic_run(int workers, int steps, double contention = 0, bool vary
       double compute = 1e-4 * samples * (1 + contention * (n - 1));
       r.comm_bytes = workers > 1 ? 1e6 * (vary_bytes ? 1 + step % 3 : 1) : 0;
       r.comm_ops = workers > 1 ? 2 : 0;
-      r.comm_s = workers > 1 ? 2 * (n - 1) * 2 * 20e-6 + 2 * (n - 1) / n * r.comm_bytes / 1e9 : 0;
+      r.comm_s = workers > 1
+                     ? 2 * (n - 1) * 2 * 20e-6 + 2 * (n - 1) / n * r.comm_bytes / link_bytes_per_s
+                     : 0;
       r.exposed_comm_s = r.comm_s;
       r.forward_s = compute / 3;
       r.backward_s = compute * 2 / 3;
@@ -229,6 +274,30 @@ TEST(ScaleAnalysis, TableNumbersVerdictAndReason) {
   EXPECT_NEAR(two.lost_s, two.lost_contention_s + two.lost_comm_s + two.lost_fixed_s, 1e-12);
   EXPECT_NEAR(two.lost_comm_s, 1.08e-3, 1e-9);
   EXPECT_NEAR(two.lost_fixed_s, 0.25e-3, 1e-9);  // the optimizer did not halve with the batch
+}
+
+TEST(ScaleAnalysis, OnceACountCrossedHostsTheFitIsTheLinkBetweenThem) {
+  // 2 workers on one host over an 8 Gbit/s path, 4 on two hosts over a 1 Gbit/s link.
+  RunResult across = synthetic_run(4, 13, 0, /*vary_bytes=*/true, /*link_bytes_per_s=*/1.25e8);
+  across.nodes = 2;
+  scale::AnalysisSettings settings;
+  settings.host_cpus = 4;  // two hosts of 2, as dtrain scale --nnodes 2 --nproc-per-node 2 sets it
+  scale::Report report =
+      scale::analyze({synthetic_run(1, 13), synthetic_run(2, 13, 0, true), across}, settings);
+  ASSERT_TRUE(report.model.fitted) << report.model.how;
+  EXPECT_NEAR(report.model.bytes_per_s, 1.25e8, 1e3);
+  EXPECT_NEAR(report.model.alpha_s, 20e-6, 1e-9);
+  EXPECT_EQ(report.rows[2].nodes, 2);
+  ASSERT_TRUE(report.prediction.available) << report.prediction.why_not;
+  EXPECT_EQ(report.prediction.fitted_on_workers, 4);
+  EXPECT_NE(std::string(scale::render_text(report, "t")).find("the link's between hosts"),
+            std::string::npos);
+  EXPECT_NE(scale::render_text(report, "t").find("4 workers ran on 2 hosts"), std::string::npos);
+  EXPECT_NE(scale::render_json(report, {"p"}).find("\"nodes\": 2"), std::string::npos);
+  // The same runs on one host: both counts are fitted, and the bandwidth lies between.
+  across.nodes = 1;
+  report = scale::analyze({synthetic_run(1, 13), synthetic_run(2, 13, 0, true), across}, settings);
+  EXPECT_GT(report.model.bytes_per_s, 1.5e8);
 }
 
 TEST(ScaleAnalysis, ComputeSlowingWithWorkersIsContention) {
@@ -596,6 +665,18 @@ TEST_F(ScaleCommand, RanksThatNeverRecordDoNotHoldTheRunUntilTheTimeLimit) {
   EXPECT_NE(run.err.find("measured steps of the 1 rank(s) that write records"), std::string::npos)
       << run.err;
   EXPECT_NE(run.out.find("only 1 of 2 ranks wrote measured records"), std::string::npos) << run.out;
+}
+
+TEST_F(ScaleCommand, AHostThatNeverJoinsIsNamedInOneLineAtTheTimeLimit) {
+  // Node 0 of two, alone: it waits --time-limit for node 1, then names it.
+  Outcome run = scale({"--nnodes", "2", "--master-port", std::to_string(elastic::pick_free_port()),
+                       "--time-limit", "1"});
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_NE(run.err.find("dtrain scale: node(s) 1 did not join within 1 s (--time-limit)"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(count(run.err, "\n"), 1) << run.err;
+  EXPECT_TRUE(run.out.empty());
 }
 
 TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
