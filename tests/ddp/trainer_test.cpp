@@ -171,6 +171,11 @@ TEST(Trainer, DataTimesPipelineTrains) {
   EXPECT_EQ(json_int(result.output, "train_samples"), 30 * 60) << result.output;
   EXPECT_NE(result.output.find("\"stages\":2,\"data_parallel\":2"), std::string::npos)
       << result.output;
+  // dtrain run recovers in place by default; a pipeline cannot, and rank 0 says so in one line.
+  EXPECT_NE(result.output.find("in-place recovery: not for --strategy pipeline (in place: ddp "
+                               "only); a failure restarts the job from its last checkpoint"),
+            std::string::npos)
+      << result.output;
 }
 
 // --grad-accum 2 with half the rows per pass trains as one pass of them all (the same rows a

@@ -83,8 +83,12 @@ void read_counters(const at::Tensor& counters, int64_t& steps,
 }
 
 // Under DTRAIN_RECOVERY=in-place: why this job cannot recover in place ("" when it can).
-std::string in_place_unsupported_reason(const Flags& flags) {
+std::string in_place_unsupported_reason(const Flags& flags, const c10::Device& device) {
   if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (in place: ddp only)";
+  if (device.is_cuda()) {
+    return "a CUDA device (in place is proven on Gloo groups only: NCCL's communicators are not "
+           "aborted between generations, and its waits do not ask the heartbeats)";
+  }
   if (!flags.amp.empty()) {
     return "--amp (its loss scaler agrees on skipped steps over one fixed group, which in-place "
            "recovery replaces with every generation)";
@@ -118,9 +122,11 @@ int train(const Flags& flags) {
                              "it), or unset");
   }
   const dtrain::LaunchInfo launch = dtrain::launch_info_from_env();
+  const Placement placement = place(flags, launch);
+  const c10::Device device = placement.device;
   bool in_place = false;
   if (recovery == "in-place") {
-    const std::string reason = in_place_unsupported_reason(flags);
+    const std::string reason = in_place_unsupported_reason(flags, device);
     in_place = reason.empty();
     if (!in_place && launch.rank == 0) {
       std::cout << "in-place recovery: not for " << reason
@@ -129,8 +135,6 @@ int train(const Flags& flags) {
   }
   const int64_t restarts = restart_count();
   const auto kill_at = kill_at_step_from_env();
-  const Placement placement = place(flags, launch);
-  const c10::Device device = placement.device;
   // Before the group forms and the data loads: a run that cannot capture says so at once.
   if (flags.cuda_graph) {
     const std::string why =
