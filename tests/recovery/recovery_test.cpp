@@ -5,11 +5,13 @@
 // and receives the state from a live peer. Each test replays the committed global batches the
 // workers recorded in one process, from the same initial model, and requires the same parameters
 // (relative error < 1e-4), and requires every sample of every epoch to be used exactly once (plus
-// the sampler's padding at an epoch's end), and every process's own count of committed steps, which
-// travels with the model (RecoveryOptions::state), to equal the job's.
+// the sampler's padding at an epoch's end), every process's own count of committed steps, which
+// travels with the model (RecoveryOptions::state), to equal the job's, and no worker to outlive the
+// job; a newcomer's random draws must continue the others' stream.
 #include "dtrain/recovery.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -19,6 +21,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "dtrain/errors.h"
 #include "support/equivalence.h"
@@ -135,6 +138,22 @@ void expect_counts_travelled(const std::string& dir, int processes) {
     ++seen;
   }
   EXPECT_EQ(seen, processes);
+}
+
+// No worker outlives its job: every process that recorded steps (OUT/steps-<pid>.txt) is gone once
+// the job's command returned (given a moment for an orphan's reaping).
+void expect_no_worker_left(const std::string& dir) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("steps-", 0) != 0) continue;
+    const pid_t pid = std::stoi(name.substr(6));
+    bool alive = true;
+    for (int i = 0; i < 50 && alive; ++i) {
+      alive = ::kill(pid, 0) == 0;
+      if (alive) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_FALSE(alive) << "worker " << pid << " outlived its job";
+  }
 }
 
 // After every committed step every process drew from its default generator (OUT/random-<pid>.txt):
@@ -277,6 +296,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
 
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, newcomer ? full : full - lost);
+  expect_no_worker_left(dir);
   expect_one_random_stream(dir);
   fs::remove_all(dir);
 }
@@ -326,6 +346,7 @@ TEST(InPlaceRecoveryAdmission, WhereNothingRidesOnTheGradientsAnAllReduceOfItsOw
   expect_no_step_missing(steps);
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, 3);
+  expect_no_worker_left(dir);
   expect_one_random_stream(dir);
   fs::remove_all(dir);
 }
@@ -357,6 +378,7 @@ TEST(InPlaceRecoveryLaggard, AStepCommittedOnSomeMembersOnlyStandsAndTheOthersAr
   expect_no_step_missing(steps);
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, 3);
+  expect_no_worker_left(dir);
   fs::remove_all(dir);
 }
 
@@ -384,6 +406,7 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   EXPECT_EQ(steps.at(10).world, 2);
   expect_exactly_once(steps);
   expect_final_equals_replay(dir, steps);
+  expect_no_worker_left(dir);
   fs::remove_all(dir);
 }
 
@@ -418,6 +441,7 @@ TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
   expect_no_step_missing(steps);
   expect_final_equals_replay(dir, steps);
   expect_counts_travelled(dir, 2);
+  expect_no_worker_left(dir);
   fs::remove_all(dir);
 }
 
@@ -473,6 +497,7 @@ TEST_P(InPlaceRecoveryTransfer, AFailureMidTransferLeavesTheJobGoingOnAtTwoRanks
   // The two that finished: the survivor and the newcomer, whose count came with the state, or the
   // two survivors.
   expect_counts_travelled(dir, 2);
+  expect_no_worker_left(dir);
   fs::remove_all(dir);
 }
 
@@ -505,6 +530,7 @@ TEST(InPlaceRecoveryTransferAlone, WhenTheOnlySenderDiesTheNewcomerStopsSayingSo
   EXPECT_NE(result.output.find("every member that held the job's state died before it was sent"),
             std::string::npos);
   EXPECT_EQ(result.output.find("\"world_size\""), std::string::npos) << "a worker finished";
+  expect_no_worker_left(dir);
   fs::remove_all(dir);
 }
 
