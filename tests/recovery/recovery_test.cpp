@@ -156,6 +156,17 @@ void expect_no_worker_left(const std::string& dir) {
   }
 }
 
+// What every in-place job must come out with: every sample once, no step missing, the parameters of
+// one process replaying the steps, the step count in every one of the `finished` processes, and no
+// worker left over.
+void expect_sound_job(const std::string& dir, const std::map<int64_t, Step>& steps, int finished) {
+  expect_exactly_once(steps);
+  expect_no_step_missing(steps);
+  expect_final_equals_replay(dir, steps);
+  expect_counts_travelled(dir, finished);
+  expect_no_worker_left(dir);
+}
+
 // After every committed step every process drew from its default generator (OUT/random-<pid>.txt):
 // the draws of a step are the same in every process, a newcomer's too, whose generator came with
 // the model.
@@ -291,12 +302,7 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(steps.begin()->second.world, full);
   EXPECT_EQ(steps.at(6).world, full - lost);  // the step after the kill, redone without them
-  expect_exactly_once(steps);
-  expect_no_step_missing(steps);
-
-  expect_final_equals_replay(dir, steps);
-  expect_counts_travelled(dir, newcomer ? full : full - lost);
-  expect_no_worker_left(dir);
+  expect_sound_job(dir, steps, newcomer ? full : full - lost);
   expect_one_random_stream(dir);
   fs::remove_all(dir);
 }
@@ -342,11 +348,7 @@ TEST(InPlaceRecoveryAdmission, WhereNothingRidesOnTheGradientsAnAllReduceOfItsOw
   EXPECT_EQ(json_int(result.output, "admission_carried"), 0);
   EXPECT_GT(json_int(result.output, "admission_checks"), 0);
   auto steps = read_steps(dir);
-  expect_exactly_once(steps);
-  expect_no_step_missing(steps);
-  expect_final_equals_replay(dir, steps);
-  expect_counts_travelled(dir, 3);
-  expect_no_worker_left(dir);
+  expect_sound_job(dir, steps, 3);
   expect_one_random_stream(dir);
   fs::remove_all(dir);
 }
@@ -374,11 +376,7 @@ TEST(InPlaceRecoveryLaggard, AStepCommittedOnSomeMembersOnlyStandsAndTheOthersAr
   EXPECT_EQ(steps.at(6).world, 3);
   EXPECT_EQ(steps.at(6).indices.size(), 3u * recovery_model::kBatch);  // step 6 once, all shares
   EXPECT_EQ(steps.at(7).world, 3);
-  expect_exactly_once(steps);
-  expect_no_step_missing(steps);
-  expect_final_equals_replay(dir, steps);
-  expect_counts_travelled(dir, 3);
-  expect_no_worker_left(dir);
+  expect_sound_job(dir, steps, 3);
   fs::remove_all(dir);
 }
 
@@ -437,11 +435,7 @@ TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
   EXPECT_EQ(steps.at(5).world, 4);
   EXPECT_EQ(steps.at(6).world, 2);  // the failed step, redone once, at 2 ranks
   EXPECT_EQ(steps.rbegin()->second.world, 2);
-  expect_exactly_once(steps);
-  expect_no_step_missing(steps);
-  expect_final_equals_replay(dir, steps);
-  expect_counts_travelled(dir, 2);
-  expect_no_worker_left(dir);
+  expect_sound_job(dir, steps, 2);
   fs::remove_all(dir);
 }
 
