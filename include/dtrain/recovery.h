@@ -73,7 +73,8 @@
 // - Limits (today): a link cut between two workers' hosts while both still reach the store is not
 //   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
 //   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
-//   heartbeat check inside the wait).
+//   heartbeat check inside the wait), and its communicators are not aborted between generations:
+//   in place on GPUs has not run yet (the example trainer restarts instead on a CUDA device).
 #pragma once
 
 #include <chrono>
