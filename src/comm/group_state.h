@@ -77,15 +77,16 @@ struct GroupState {
   std::atomic<uint64_t> stat_ops{0};
   std::atomic<uint64_t> stat_bytes{0};
   std::atomic<int64_t> stat_busy_ns{0};  // operations not on the shared-memory transport's thread
-  // Asked by a wait on a Gloo collective of this group every kAbandonSlice while the collective is
-  // not done (point to point, and every operation of a group that uses NCCL, is waited in one
-  // call: see wait_for()): a non-empty answer abandons the wait with PeerLostError giving it as the
-  // cause (the operation is left to run, and the group is never used again). In-place recovery
-  // sets it to its heartbeats' verdict (src/recovery/membership.h), so that a lost host or a cut
-  // link, which resets no connection, ends the wait in seconds instead of at the timeout. The
-  // meeting that creates the group (connect_group) asks it too, between its looks at the store: a
-  // member that died before it came. Unset (the default), a wait is one call. Set before the
-  // group's first operation; called on the waiting thread: it must be cheap and never block.
+  // Asked by a wait on a collective of this group (Gloo's or the shared-memory transport's) every
+  // kAbandonSlice while the collective is not done (point to point, and every operation of a group
+  // that uses NCCL, is waited in one call: see wait_for()): a non-empty answer abandons the wait
+  // with PeerLostError giving it as the cause (the operation is left to run, and the group is never
+  // used again). In-place recovery sets it to its heartbeats' verdict (src/recovery/membership.h),
+  // so that a lost host or a cut link, which resets no connection, ends the wait in seconds instead
+  // of at the timeout. The meeting that creates the group (connect_group) asks it too, between its
+  // looks at the store: a member that died before it came. Unset (the default), a wait is one call.
+  // Set before the group's first operation; called on the waiting thread: it must be cheap and
+  // never block.
   std::function<std::string()> abandon_check;
   // A collective that fails without the transport naming a dead peer first waits three of the
   // peers' progress posts (0.3 s, ProgressTracker::describe_missing) so that its message can say
@@ -133,8 +134,9 @@ class InFlight {
   // Blocks until the operation finished or `timeout` passed (counted from this call, as c10d's wait
   // counts), or `abandon` (GroupState::abandon_check; may be empty) answered. Throws
   // TransportFailure; `started` (when the operation was issued) tells a timeout from an early
-  // failure. The shared-memory transport ignores `abandon`: its peers are on this host, where a
-  // dead one is seen by its pid at once.
+  // failure. The shared-memory transport's point to point ignores `abandon` (its peers are on this
+  // host, where a dead one is seen by its pid at once); its collectives ask it too, for a peer that
+  // hangs or gave up on the group, which no pid tells.
   virtual void wait(std::chrono::steady_clock::time_point started,
                     std::chrono::milliseconds timeout,
                     const std::function<std::string()>& abandon) = 0;

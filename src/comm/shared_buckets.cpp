@@ -61,7 +61,7 @@ Work SharedBuckets::all_reduce_async(int64_t offset, int64_t numel, at::ScalarTy
         for (int r = 0; r < state->size; ++r)
           regions.push_back(segment_->base() + bytes_per_rank_ * r + offset);
         w.in_flight = shm_collective_in_flight(state->shm->all_reduce_regions_async(
-            std::move(regions), numel, type, scale, w.timeout));
+            std::move(regions), numel, type, scale, w.timeout, segment_));
       });
   return GroupInternals::work(std::move(work));
 }

@@ -456,15 +456,15 @@ std::shared_future<void> ShmTransport::reduce_scatter_async(const at::Tensor& ou
   });
 }
 
-std::shared_future<void> ShmTransport::all_reduce_regions_async(std::vector<char*> regions,
-                                                                int64_t numel, at::ScalarType type,
-                                                                double scale,
-                                                                std::chrono::milliseconds timeout) {
+std::shared_future<void> ShmTransport::all_reduce_regions_async(
+    std::vector<char*> regions, int64_t numel, at::ScalarType type, double scale,
+    std::chrono::milliseconds timeout, std::shared_ptr<const void> regions_owner) {
   if (type != at::kFloat && type != at::kDouble) {
     throw InternalError("shared-memory region all-reduce called for " +
                         std::string(c10::toString(type)));
   }
-  return enqueue([this, regions = std::move(regions), numel, type, scale, timeout] {
+  return enqueue([this, regions = std::move(regions), numel, type, scale, timeout,
+                  owner = std::move(regions_owner)] {
     all_reduce_regions(regions, numel, type, scale, timeout);
   });
 }

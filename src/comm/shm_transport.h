@@ -115,9 +115,12 @@ class ShmTransport {
   // (numel elements of float or double each). Queues the in-place all-reduce: every element becomes
   // scale * (the sum over ranks) in every region. See Note [Gradient buckets in shared memory] in
   // shared_buckets.h.
+  // `regions_owner` keeps the regions mapped until the operation has run: a wait that is abandoned
+  // (GroupState::abandon_check) returns while it may still run, and its owner may be gone by then.
   std::shared_future<void> all_reduce_regions_async(std::vector<char*> regions, int64_t numel,
                                                     at::ScalarType type, double scale,
-                                                    std::chrono::milliseconds timeout);
+                                                    std::chrono::milliseconds timeout,
+                                                    std::shared_ptr<const void> regions_owner);
   // Completes once every operation queued before it has finished (for ProcessGroup::barrier).
   std::shared_future<void> flush();
   // Summed time this transport's thread spent running operations (for CommStats::busy_s).

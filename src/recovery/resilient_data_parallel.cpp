@@ -522,14 +522,15 @@ void RecoveryCore::admit_newcomers() {
   if (requested <= newcomers_admitted_) return;
   const int64_t first = newcomers_admitted_ + 1;
   const int count = static_cast<int>(requested - newcomers_admitted_);
-  if (group_->rank() == 0) membership_->admit(first, requested, generation_ + 1);
+  // Every member writes the admission (the same keys and values everywhere): a step whose
+  // all-reduce finished on some members and failed on others admits on the first and re-forms for
+  // the failure on the second, and the newcomer must not wait on one that never writes it.
+  membership_->admit(first, requested, generation_ + 1);
   newcomers_admitted_ = requested;
   stats_.admitted += count;
-  try {
-    reform(Reason::kAdmission, count, "");
-  } catch (const CommError& e) {
-    reform(Reason::kFailure, 0, e.what());
-  }
+  // What escapes reform() is final (it retries what it can): this process was left out, or too few
+  // are left. Re-forming again would only let it go on alone, as a second job.
+  reform(Reason::kAdmission, count, "");
 }
 
 void RecoveryCore::start_watching() {

@@ -11,7 +11,6 @@
 #include "dtrain/recovery.h"
 
 #include <gtest/gtest.h>
-#include <signal.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -147,9 +146,18 @@ void expect_no_worker_left(const std::string& dir) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("steps-", 0) != 0) continue;
     const pid_t pid = std::stoi(name.substr(6));
+    // A zombie (exited, not yet reaped: an orphan waits for PID 1) is gone too.
+    auto running = [pid] {
+      std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+      std::string line;
+      if (!std::getline(stat, line)) return false;
+      const size_t name_end = line.rfind(')');
+      return name_end != std::string::npos && name_end + 2 < line.size() &&
+             line[name_end + 2] != 'Z';
+    };
     bool alive = true;
     for (int i = 0; i < 50 && alive; ++i) {
-      alive = ::kill(pid, 0) == 0;
+      alive = running();
       if (alive) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     EXPECT_FALSE(alive) << "worker " << pid << " outlived its job";

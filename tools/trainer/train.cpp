@@ -105,6 +105,7 @@ std::string cuda_graph_unsupported_reason(const Flags& flags, const c10::Device&
                                           bool in_place, int world) {
   if (!device.is_cuda()) return "the CPU as its device (pass --device cuda on a GPU)";
   if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (ddp only)";
+  // (In place is CPU-only for now: in_place_unsupported_reason. The rule stands for later.)
   if (in_place) return "in-place recovery (its steps are redone at a new size)";
   if (world != 1) return std::to_string(world) + " ranks (one only: DDP's all-reduce waits)";
   if (!flags.amp.empty()) return "--amp " + flags.amp;
