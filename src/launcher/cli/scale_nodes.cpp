@@ -4,7 +4,7 @@
 
 #include <poll.h>
 
-#include <thread>
+#include <functional>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -32,7 +32,27 @@ int pause_for_signal(elastic::SignalPipe& signals) {
   return signals.take();
 }
 
-std::string seconds_of(milliseconds timeout) { return detail::seconds_text(timeout); }
+// Polls until no node in 1..nodes-1 is `pending`, at most `timeout`; a signal ends the wait and
+// sets *signo. Returns the nodes still pending.
+std::vector<std::string> wait_while_pending(int nodes, const std::function<bool(int)>& pending,
+                                            milliseconds timeout, elastic::SignalPipe& signals,
+                                            int* signo) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  for (;;) {
+    std::vector<std::string> missing;
+    for (int node = 1; node < nodes; ++node) {
+      if (pending(node)) missing.push_back(std::to_string(node));
+    }
+    if (missing.empty() || Clock::now() >= deadline) return missing;
+    if ((*signo = pause_for_signal(signals)) != 0) return missing;
+  }
+}
+
+std::string refused_text(const std::string& where) {
+  return where +
+         " refused this node: its flags differ from node 0's (see node 0's message); give every "
+         "host the same flags but --node-rank";
+}
 
 }  // namespace
 
@@ -57,40 +77,42 @@ Coordinator::Coordinator(const ScaleOptions& options)
     : options_(options), plan_(plan_of(options)), store_("", options.master_port) {}
 
 std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPipe& signals) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (;;) {
-    std::vector<std::string> missing;
-    for (int node = 1; node < options_.nnodes; ++node) {
-      std::optional<std::string> plan = store_.value_of("scale/joined/" + std::to_string(node));
-      if (!plan) {
-        missing.push_back(std::to_string(node));
-      } else if (*plan != plan_) {
-        set("scale/refused/" + std::to_string(node));
-        throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
-                         *plan + "', node 0 runs '" + plan_ +
-                         "'; give every host the same flags but --node-rank");
-      }
+  int signo = 0;
+  auto absent = [&](int node) {
+    std::optional<std::string> plan = store_.value_of("scale/joined/" + std::to_string(node));
+    if (plan && *plan != plan_) {
+      set("scale/refused/" + std::to_string(node));
+      throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
+                       *plan + "', node 0 runs '" + plan_ +
+                       "'; give every host the same flags but --node-rank");
     }
-    if (missing.empty()) return "";
-    if (Clock::now() >= deadline) {
-      return "node(s) " + detail::list_text(missing) + " did not join within " +
-             seconds_of(timeout) + " (--time-limit) at port " +
-             std::to_string(options_.master_port) + "; start `dtrain scale --nnodes " +
-             std::to_string(options_.nnodes) + " --node-rank R --master-addr " +
-             options_.master_addr + " ...` there";
-    }
-    if (int signo = pause_for_signal(signals); signo != 0) {
-      return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
-             detail::list_text(missing);
-    }
+    return !plan;
+  };
+  std::vector<std::string> missing =
+      wait_while_pending(options_.nnodes, absent, timeout, signals, &signo);
+  if (missing.empty()) return "";
+  if (signo != 0) {
+    return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
+           detail::list_text(missing);
   }
+  return "node(s) " + detail::list_text(missing) + " did not join within " +
+         detail::seconds_text(timeout) + " (--time-limit) at port " +
+         std::to_string(options_.master_port) + "; start `dtrain scale --nnodes " +
+         std::to_string(options_.nnodes) + " --node-rank R --master-addr " + options_.master_addr +
+         " ...` there";
 }
 
 // Node 0 sets its keys as a client of its own store, over loopback: WorkerStore serves its clients
 // on a thread of its own, which alone may wake a waiting client, so it offers no set() beside them.
+// The CHECK of the key just set says that the store took it.
 void Coordinator::set(const std::string& name) {
-  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{name, ""}}, name,
-                                         kCallTimeout);
+  std::string why = "the key is missing after it was set";
+  if (elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{name, ""}}, name,
+                                             kCallTimeout, &why) != KeyCheck::kPresent) {
+    throw CommError("dtrain scale: node 0 cannot set '" + name +
+                    "' in its own store at 127.0.0.1:" + std::to_string(options_.master_port) +
+                    ": " + why);
+  }
 }
 
 void Coordinator::start(int count) { set(key(count, "start")); }
@@ -127,35 +149,41 @@ std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
   return std::nullopt;
 }
 
-std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeout) const {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (;;) {
-    std::vector<std::string> missing;
-    for (int node = 1; node < nodes; ++node) {
-      if (!store_.contains(key(count, "end/" + std::to_string(node))) &&
-          !store_.contains("scale/quit/" + std::to_string(node))) {
-        missing.push_back(std::to_string(node));
-      }
-    }
-    if (missing.empty()) return "";
-    if (Clock::now() >= deadline) {
-      return "node(s) " + detail::list_text(missing) +
-             " did not report the end of their workers within " + seconds_of(timeout) +
-             " (their records may be missing)";
-    }
-    std::this_thread::sleep_for(kPoll);
+std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeout,
+                                       elastic::SignalPipe& signals, int* signo) const {
+  auto running = [&](int node) {
+    return !store_.contains(key(count, "end/" + std::to_string(node))) &&
+           !store_.contains("scale/quit/" + std::to_string(node));
+  };
+  std::vector<std::string> missing = wait_while_pending(nodes, running, timeout, signals, signo);
+  if (missing.empty()) return "";
+  if (*signo != 0) {
+    return "received " + elastic::signal_name(*signo) + " while waiting for node(s) " +
+           detail::list_text(missing) + " to report the end of their workers";
   }
+  return "node(s) " + detail::list_text(missing) +
+         " did not report the end of their workers within " + detail::seconds_text(timeout) +
+         " (their records may be missing)";
 }
 
-void Coordinator::finish(milliseconds timeout) {
+std::string Coordinator::finish(milliseconds timeout, elastic::SignalPipe& signals) {
   set("scale/end");
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (int node = 1; node < options_.nnodes; ++node) {
-    if (!store_.contains("scale/joined/" + std::to_string(node))) continue;
-    while (!store_.contains("scale/bye/" + std::to_string(node)) && Clock::now() < deadline) {
-      std::this_thread::sleep_for(kPoll);
-    }
+  // A node that quit or was refused says no goodbye.
+  auto staying = [&](int node) {
+    const std::string r = std::to_string(node);
+    return store_.contains("scale/joined/" + r) && !store_.contains("scale/bye/" + r) &&
+           !store_.contains("scale/quit/" + r) && !store_.contains("scale/refused/" + r);
+  };
+  int signo = 0;
+  std::vector<std::string> missing =
+      wait_while_pending(options_.nnodes, staying, timeout, signals, &signo);
+  if (missing.empty()) return "";
+  if (signo != 0) {
+    return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
+           detail::list_text(missing) + " to see the end";
   }
+  return "node(s) " + detail::list_text(missing) + " did not see the end within " +
+         detail::seconds_text(timeout);
 }
 
 // ---- every other node -------------------------------------------------------------------------
@@ -188,7 +216,7 @@ bool Member::poll_for(const std::string& wanted, const std::string& what, millis
       return false;
     }
     if (Clock::now() >= deadline) {
-      *failure = where_ + " did not " + what + " within " + seconds_of(timeout) +
+      *failure = where_ + " did not " + what + " within " + detail::seconds_text(timeout) +
                  (why.empty() ? "" : " (" + why + ")");
       return false;
     }
@@ -206,14 +234,10 @@ std::string Member::join(milliseconds timeout, elastic::SignalPipe& signals) {
     std::string why;
     KeyCheck refused =
         exchange({{"scale/joined/" + me, plan_of(options_)}}, "scale/refused/" + me, &why);
-    if (refused == KeyCheck::kPresent) {
-      return where_ +
-             " refused this node: its flags differ from node 0's (see node 0's message); "
-             "give every host the same flags but --node-rank";
-    }
+    if (refused == KeyCheck::kPresent) return refused_text(where_);
     if (refused == KeyCheck::kAbsent) return "";
     if (Clock::now() >= deadline) {
-      return "cannot reach " + where_ + " within " + seconds_of(timeout) +
+      return "cannot reach " + where_ + " within " + detail::seconds_text(timeout) +
              " (--time-limit): " + why +
              "; start `dtrain scale --node-rank 0 ...` there, with the same --master-port";
     }
@@ -233,9 +257,7 @@ bool Member::wait_for_start(int count, milliseconds timeout, elastic::SignalPipe
   if (ended) {
     const std::string me = std::to_string(options_.node_rank);
     *failure = exchange({}, "scale/refused/" + me, nullptr) == KeyCheck::kPresent
-                   ? where_ +
-                         " refused this node: its flags differ from node 0's (see node 0's "
-                         "message); give every host the same flags but --node-rank"
+                   ? refused_text(where_)
                    : "";
   }
   return false;
@@ -252,7 +274,7 @@ bool Member::send_and_check_stop(int count, const std::string& records, std::str
   std::string why;
   KeyCheck stop = exchange(entries, key(count, "stop"), &why);
   if (stop == KeyCheck::kNoStore || stop == KeyCheck::kNoAnswer) {
-    *failure = "lost " + where_ + ": " + why;
+    *failure = lost_ = "lost " + where_ + ": " + why;
     return true;
   }
   if (!records.empty()) ++next;

@@ -12,7 +12,7 @@
 //   I/stop             node 0 has measured enough (or a rank failed): every node stops its workers
 //   I/end/R            node R's workers are gone: "<exit code>\n<how they ended>"
 //   quit/R             node R left early: why (node 0 fails the counts that need it)
-//   end                node 0 measured every count; the others leave
+//   end                node 0 measured every count, or ended early; the others leave
 //   bye/R              node R saw the end (node 0 waits for it before closing the store)
 //
 // Every wait polls every 100 ms and has a deadline; a failure is one line that names the node.
@@ -50,6 +50,7 @@ class Coordinator {
   // differs from node 0's (refusing it).
   std::string wait_for_nodes(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
+  // Throw CommError when node 0's own store does not take the key.
   void start(int count);
   void stop(int count);
   // The record lines nodes 1..nodes-1 sent for `count` since the last call.
@@ -57,11 +58,14 @@ class Coordinator {
   // The first of nodes 1..nodes-1 whose share of `count` failed, or that quit, as "node R: <how>".
   std::optional<NodeEnding> failed_node(int count, int nodes) const;
   // Waits until nodes 1..nodes-1 reported the end of their share of `count` (or quit), at most
-  // `timeout`. Returns "" or one line naming the nodes that did not.
-  std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout) const;
-  // Tells every node that the measurement is over and waits up to `timeout` for those that joined
-  // to see it.
-  void finish(std::chrono::milliseconds timeout);
+  // `timeout`. Returns "" or one line naming the nodes that did not; a signal ends the wait and
+  // sets *signo.
+  std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout,
+                            elastic::SignalPipe& signals, int* signo) const;
+  // Tells every node that the measurement is over and waits up to `timeout` (or a signal) for
+  // those that joined, and did not quit and were not refused, to see it. Returns "" or one line
+  // naming the nodes that did not.
+  std::string finish(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
  private:
   void set(const std::string& name);  // to "": only its presence counts
@@ -85,8 +89,10 @@ class Member {
   bool wait_for_start(int count, std::chrono::milliseconds timeout, elastic::SignalPipe& signals,
                       std::string* failure);
   // Sends `records` (whole lines; may be empty) and asks whether node 0 said stop. *failure is set
-  // when node 0 cannot be reached (then stop: true).
+  // when node 0 cannot be reached (then stop: true), and kept as lost().
   bool send_and_check_stop(int count, const std::string& records, std::string* failure);
+  // Why node 0 was lost during a count ("lost node 0 at HOST:PORT: ..."), or "".
+  const std::string& lost() const { return lost_; }
   void report_end(int count, const NodeEnding& ending);
   // Tells node 0 that this node leaves early, and why (one try: node 0 may be gone).
   void quit(const std::string& why);
@@ -105,6 +111,7 @@ class Member {
   const ScaleOptions& options_;
   std::string where_;              // "node 0 at HOST:PORT"
   std::map<int, int> next_batch_;  // count -> next batch to send
+  std::string lost_;
 };
 
 }  // namespace dtrain::cli::scale
