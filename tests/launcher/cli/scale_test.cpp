@@ -754,11 +754,11 @@ TEST_F(ScaleNodes, ASignalEndsNodeZerosWaitsForTheOthers) {
   ASSERT_EQ(node1.join(10s, signals_), "");
   raise(SIGUSR1);
   int signo = 0;
-  EXPECT_EQ(node0.wait_for_ends(0, 2, 60s, signals_, &signo),
+  EXPECT_EQ(node0.wait_for_ends(0, 2, 10s, signals_, &signo),
             "received SIGUSR1 while waiting for node(s) 1 to report the end of their workers");
   EXPECT_EQ(signo, SIGUSR1);
   raise(SIGUSR1);
-  EXPECT_EQ(node0.finish(60s, signals_),
+  EXPECT_EQ(node0.finish(10s, signals_),
             "received SIGUSR1 while waiting for node(s) 1 to see the end");
 }
 
