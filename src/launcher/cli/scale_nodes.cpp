@@ -4,7 +4,9 @@
 
 #include <poll.h>
 
+#include <cstdio>
 #include <functional>
+#include <random>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -48,6 +50,14 @@ std::vector<std::string> wait_while_pending(int nodes, const std::function<bool(
   }
 }
 
+// 64 random bits in hex: a node's token.
+std::string random_token() {
+  std::random_device random;  // /dev/urandom on Linux
+  char text[17];
+  std::snprintf(text, sizeof text, "%08x%08x", random(), random());
+  return text;
+}
+
 std::string refused_text(const std::string& where) {
   return where +
          " refused this node: its flags differ from node 0's (see node 0's message); give every "
@@ -79,14 +89,23 @@ Coordinator::Coordinator(const ScaleOptions& options)
 std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPipe& signals) {
   int signo = 0;
   auto absent = [&](int node) {
-    std::optional<std::string> plan = store_.value_of("scale/joined/" + std::to_string(node));
-    if (plan && *plan != plan_) {
-      set("scale/refused/" + std::to_string(node));
-      throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
-                       *plan + "', node 0 runs '" + plan_ +
+    const std::string r = std::to_string(node);
+    std::optional<std::string> joined = store_.value_of("scale/joined/" + r);
+    if (!joined) return true;
+    const std::size_t newline = joined->find('\n');
+    const std::string id = r + ":" + joined->substr(0, newline), plan = joined->substr(newline + 1);
+    if (plan != plan_) {
+      set({"scale/refused/" + r});
+      throw UsageError("dtrain scale: node " + r + " runs other flags: '" + plan +
+                       "', node 0 runs '" + plan_ +
                        "'; give every host the same flags but --node-rank");
     }
-    return !plan;
+    if (ids_.emplace(node, id).first->second != id) {
+      throw UsageError("dtrain scale: two processes joined as node " + r +
+                       " (one left over from an earlier run on port " +
+                       std::to_string(options_.master_port) + "?); stop them and start one");
+    }
+    return false;
   };
   std::vector<std::string> missing =
       wait_while_pending(options_.nnodes, absent, timeout, signals, &signo);
@@ -104,27 +123,41 @@ std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPip
 
 // Node 0 sets its keys as a client of its own store, over loopback: WorkerStore serves its clients
 // on a thread of its own, which alone may wake a waiting client, so it offers no set() beside them.
-// The CHECK of the key just set says that the store took it.
-void Coordinator::set(const std::string& name) {
+// The CHECK of the last key set says that the store took them all.
+void Coordinator::set(const std::vector<std::string>& names) {
+  std::vector<std::pair<std::string, std::string>> entries;
+  for (const std::string& name : names) entries.emplace_back(name, "");
   std::string why = "the key is missing after it was set";
-  if (elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{name, ""}}, name,
-                                             kCallTimeout, &why) != KeyCheck::kPresent) {
-    throw CommError("dtrain scale: node 0 cannot set '" + name +
+  if (elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, entries,
+                                             names.back(), kCallTimeout,
+                                             &why) != KeyCheck::kPresent) {
+    throw CommError("dtrain scale: node 0 cannot set '" + names.back() +
                     "' in its own store at 127.0.0.1:" + std::to_string(options_.master_port) +
                     ": " + why);
   }
 }
 
-void Coordinator::start(int count) { set(key(count, "start")); }
+std::string Coordinator::id_of(int node) const {
+  auto kept = ids_.find(node);
+  return kept == ids_.end() ? std::to_string(node) : kept->second;
+}
 
-void Coordinator::stop(int count) { set(key(count, "stop")); }
+void Coordinator::start(int count) {
+  std::vector<std::string> names;
+  for (int node = 1; node < options_.nnodes; ++node) {
+    names.push_back(key(count, "start/" + id_of(node)));
+  }
+  set(names);
+}
+
+void Coordinator::stop(int count) { set({key(count, "stop")}); }
 
 std::string Coordinator::new_records(int count, int nodes) {
   std::string lines;
   for (int node = 1; node < nodes; ++node) {
     int& next = next_batch_[{count, node}];
-    while (std::optional<std::string> batch = store_.value_of(
-               key(count, "records/" + std::to_string(node) + "/" + std::to_string(next)))) {
+    while (std::optional<std::string> batch =
+               store_.value_of(key(count, "records/" + id_of(node) + "/" + std::to_string(next)))) {
       lines += *batch;
       ++next;
     }
@@ -134,10 +167,10 @@ std::string Coordinator::new_records(int count, int nodes) {
 
 std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
   for (int node = 1; node < nodes; ++node) {
-    if (std::optional<std::string> why = store_.value_of("scale/quit/" + std::to_string(node))) {
+    if (std::optional<std::string> why = store_.value_of("scale/quit/" + id_of(node))) {
       return NodeEnding{1, "node " + std::to_string(node) + " quit: " + *why};
     }
-    std::optional<std::string> end = store_.value_of(key(count, "end/" + std::to_string(node)));
+    std::optional<std::string> end = store_.value_of(key(count, "end/" + id_of(node)));
     if (!end) continue;
     std::size_t newline = end->find('\n');
     NodeEnding ending{std::atoi(end->c_str()), end->substr(newline + 1)};
@@ -152,8 +185,8 @@ std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
 std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeout,
                                        elastic::SignalPipe& signals, int* signo) const {
   auto running = [&](int node) {
-    return !store_.contains(key(count, "end/" + std::to_string(node))) &&
-           !store_.contains("scale/quit/" + std::to_string(node));
+    return !store_.contains(key(count, "end/" + id_of(node))) &&
+           !store_.contains("scale/quit/" + id_of(node));
   };
   std::vector<std::string> missing = wait_while_pending(nodes, running, timeout, signals, signo);
   if (missing.empty()) return "";
@@ -167,12 +200,11 @@ std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeou
 }
 
 std::string Coordinator::finish(milliseconds timeout, elastic::SignalPipe& signals) {
-  set("scale/end");
-  // A node that quit or was refused says no goodbye.
+  set({"scale/end"});
+  // The nodes node 0 kept (a refused one never is) say goodbye, unless they quit.
   auto staying = [&](int node) {
-    const std::string r = std::to_string(node);
-    return store_.contains("scale/joined/" + r) && !store_.contains("scale/bye/" + r) &&
-           !store_.contains("scale/quit/" + r) && !store_.contains("scale/refused/" + r);
+    return ids_.count(node) != 0 && !store_.contains("scale/bye/" + id_of(node)) &&
+           !store_.contains("scale/quit/" + id_of(node));
   };
   int signo = 0;
   std::vector<std::string> missing =
@@ -190,6 +222,8 @@ std::string Coordinator::finish(milliseconds timeout, elastic::SignalPipe& signa
 
 Member::Member(const ScaleOptions& options)
     : options_(options),
+      token_(random_token()),
+      id_(std::to_string(options.node_rank) + ":" + token_),
       where_("node 0 at " + options.master_addr + ":" + std::to_string(options.master_port)) {}
 
 KeyCheck Member::exchange(const std::vector<std::pair<std::string, std::string>>& entries,
@@ -232,8 +266,8 @@ std::string Member::join(milliseconds timeout, elastic::SignalPipe& signals) {
   const Clock::time_point deadline = Clock::now() + timeout;
   for (;;) {
     std::string why;
-    KeyCheck refused =
-        exchange({{"scale/joined/" + me, plan_of(options_)}}, "scale/refused/" + me, &why);
+    KeyCheck refused = exchange({{"scale/joined/" + me, token_ + "\n" + plan_of(options_)}},
+                                "scale/refused/" + me, &why);
     if (refused == KeyCheck::kPresent) return refused_text(where_);
     if (refused == KeyCheck::kAbsent) return "";
     if (Clock::now() >= deadline) {
@@ -251,7 +285,7 @@ bool Member::wait_for_start(int count, milliseconds timeout, elastic::SignalPipe
                             std::string* failure) {
   bool ended = false;
   std::string what = "start " + std::to_string(options_.nproc.at(count)) + " workers";
-  if (poll_for(key(count, "start"), what, timeout, signals, failure, "scale/end", &ended)) {
+  if (poll_for(key(count, "start/" + id_), what, timeout, signals, failure, "scale/end", &ended)) {
     return true;
   }
   if (ended) {
@@ -267,9 +301,7 @@ bool Member::send_and_check_stop(int count, const std::string& records, std::str
   std::vector<std::pair<std::string, std::string>> entries;
   int& next = next_batch_[count];
   if (!records.empty()) {
-    entries.emplace_back(
-        key(count, "records/" + std::to_string(options_.node_rank) + "/" + std::to_string(next)),
-        records);
+    entries.emplace_back(key(count, "records/" + id_ + "/" + std::to_string(next)), records);
   }
   std::string why;
   KeyCheck stop = exchange(entries, key(count, "stop"), &why);
@@ -282,19 +314,18 @@ bool Member::send_and_check_stop(int count, const std::string& records, std::str
 }
 
 void Member::report_end(int count, const NodeEnding& ending) {
-  exchange({{key(count, "end/" + std::to_string(options_.node_rank)),
-             std::to_string(ending.exit_code) + "\n" + ending.ending}},
+  exchange({{key(count, "end/" + id_), std::to_string(ending.exit_code) + "\n" + ending.ending}},
            key(count, "stop"), nullptr);
 }
 
 void Member::quit(const std::string& why) {
-  exchange({{"scale/quit/" + std::to_string(options_.node_rank), why}}, "scale/end", nullptr);
+  exchange({{"scale/quit/" + id_, why}}, "scale/end", nullptr);
 }
 
 std::string Member::leave(milliseconds timeout, elastic::SignalPipe& signals) {
   std::string failure;
   if (!poll_for("scale/end", "end the measurement", timeout, signals, &failure)) return failure;
-  exchange({{"scale/bye/" + std::to_string(options_.node_rank), ""}}, "scale/end", nullptr);
+  exchange({{"scale/bye/" + id_, ""}}, "scale/end", nullptr);
   return "";
 }
 

@@ -752,6 +752,7 @@ TEST_F(ScaleNodes, ASignalEndsNodeZerosWaitsForTheOthers) {
   scale::Coordinator node0(zero);
   scale::Member node1(one);
   ASSERT_EQ(node1.join(10s, signals_), "");
+  ASSERT_EQ(node0.wait_for_nodes(10s, signals_), "");
   raise(SIGUSR1);
   int signo = 0;
   EXPECT_EQ(node0.wait_for_ends(0, 2, 10s, signals_, &signo),
@@ -760,6 +761,44 @@ TEST_F(ScaleNodes, ASignalEndsNodeZerosWaitsForTheOthers) {
   raise(SIGUSR1);
   EXPECT_EQ(node0.finish(10s, signals_),
             "received SIGUSR1 while waiting for node(s) 1 to see the end");
+}
+
+TEST_F(ScaleNodes, AProcessLeftOverAsTheSameNodeTakesNoPart) {
+  const ScaleOptions zero = parse_scale_options(flags(0)), one = parse_scale_options(flags(1));
+  scale::Coordinator node0(zero);
+  scale::Member node1(one), leftover(one);  // from an earlier run on the same port
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  ASSERT_EQ(node0.wait_for_nodes(10s, signals_), "");
+  ASSERT_EQ(leftover.join(10s, signals_), "");
+  node0.start(0);
+  std::string failure;
+  EXPECT_TRUE(node1.wait_for_start(0, 10s, signals_, &failure)) << failure;
+  EXPECT_FALSE(leftover.wait_for_start(0, 300ms, signals_, &failure));
+  EXPECT_NE(failure.find("did not start 2 workers within"), std::string::npos) << failure;
+  // Nothing it says counts as node 1's.
+  std::string lost;
+  EXPECT_FALSE(leftover.send_and_check_stop(0, "not a record\n", &lost)) << lost;
+  leftover.report_end(0, {3, "rank 1 exited with code 3"});
+  leftover.quit("received SIGTERM");
+  EXPECT_EQ(node0.new_records(0, 2), "");
+  EXPECT_FALSE(node0.failed_node(0, 2));
+}
+
+TEST_F(ScaleNodes, TwoProcessesJoiningAsTheSameNodeAreOneLine) {
+  const ScaleOptions zero = parse_scale_options(flags(0, 3)),
+                     one = parse_scale_options(flags(1, 3));
+  scale::Coordinator node0(zero);
+  scale::Member node1(one), again(one);
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  EXPECT_NE(node0.wait_for_nodes(200ms, signals_), "");  // node 2 is missing; node 1 is kept
+  ASSERT_EQ(again.join(10s, signals_), "");
+  try {
+    node0.wait_for_nodes(10s, signals_);
+    ADD_FAILURE() << "no UsageError";
+  } catch (const UsageError& error) {
+    EXPECT_NE(std::string(error.what()).find("two processes joined as node 1"), std::string::npos)
+        << error.what();
+  }
 }
 
 TEST_F(ScaleNodes, ANodeThatSeesNodeZeroEndEarlySaysGoodbyeAndFails) {
