@@ -2,10 +2,10 @@
 // each worker count together. Node 0's `dtrain scale` hosts a store (a WorkerStore, the launcher's
 // TCPStore server) at --master-addr:--master-port; every other node is a client of it, through the
 // one-connection-per-call helpers of worker_store.h, so nothing but that port crosses between the
-// hosts (no shared file system). Each node's `dtrain scale` draws a random token when it starts; its
-// id, ID below, is "R:<token>", and node 0 keeps the first id it reads for each R: a process left
-// over from an earlier run on the same port (or started twice) takes no part, as nothing it reads
-// or writes carries the id node 0 kept. The keys, all under "scale/":
+// hosts (no shared file system). Each node's `dtrain scale` draws a random token when it starts;
+// its id, ID below, is "R:<token>", and node 0 keeps the first id it reads for each R: a process
+// left over from an earlier run on the same port (or started twice) takes no part, as nothing it
+// reads or writes carries the id node 0 kept. The keys, all under "scale/":
 //
 //   joined/R           node R arrived; its value is "<token>\n<plan>" (counts, steps, program),
 //                      the plan compared with node 0's
