@@ -394,7 +394,9 @@ RunResult run_count(Session& session, int index, int workers, const std::string&
   }
   result.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
   if (session.member) {
-    // This node's last records, then how its workers ended: node 0 reads both.
+    // This node's last records, then how its workers ended: node 0 reads both (unless it is lost:
+    // each call would wait out its timeout).
+    if (!session.member->lost().empty()) return result;
     std::string ignored_loss;
     session.member->send_and_check_stop(index, file.new_lines(/*at_end=*/true), &ignored_loss);
     int exit_code = result.ok ? 0 : result.exit_code;
@@ -404,8 +406,10 @@ RunResult run_count(Session& session, int index, int workers, const std::string&
   }
   reader.add(file.new_lines(/*at_end=*/true));
   if (session.coordinator) {
+    int signo = 0;
     std::string missing = session.coordinator->wait_for_ends(
-        index, result.nodes, to_ms(options.grace_period_s) + kNodeSlack);
+        index, result.nodes, to_ms(options.grace_period_s) + kNodeSlack, session.signals, &signo);
+    if (signo != 0) session.interrupted_by = signo;
     reader.add(session.coordinator->new_records(index, result.nodes));
     std::optional<scale::NodeEnding> failed = session.coordinator->failed_node(index, result.nodes);
     if (result.ok && (failed || !missing.empty())) {
@@ -485,7 +489,8 @@ std::string on_nodes(const ScaleOptions& options, int workers) {
 }
 
 // A node other than 0: runs its share of each count node 0 starts, sends its records there, and
-// leaves when node 0 ends. Returns the exit code: 1 when node 0 was lost or a share failed.
+// leaves when node 0 ends. Returns the exit code: 1 when node 0 was lost or ended early, or a share
+// failed.
 int run_as_member(Session& session, const std::string& root) {
   const ScaleOptions& options = session.options;
   const std::string me = "node " + std::to_string(options.node_rank) + ": ";
@@ -505,7 +510,8 @@ int run_as_member(Session& session, const std::string& root) {
       if (!failure.empty()) return quit(failure, 1);
       tell(me + "node 0 ended the measurement before " + std::to_string(workers) +
            " worker(s); see its report");
-      return exit_code;
+      session.member->leave(count_wait, session.signals);  // the end is there: says goodbye
+      return 1;
     }
     if (options.node_rank >= options.nodes_for(workers)) {
       tell(me + std::to_string(workers) +
@@ -513,6 +519,8 @@ int run_as_member(Session& session, const std::string& root) {
       continue;
     }
     RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
+    // Node 0's host stopped answering: waiting for its next count would only run into the timeout.
+    if (!session.member->lost().empty()) return quit(session.member->lost(), 1);
     tell(me + std::to_string(workers) + " worker(s): " + result.ending);
     if (!result.ok) exit_code = 1;
     if (session.interrupted_by != 0) {
@@ -604,46 +612,55 @@ int scale_main(const std::vector<std::string>& args) {
   {
     elastic::SignalPipe signals(elastic::kLauncherSignals);
     Session session{options, plan, signals, dev_null, slurm, coordinator.get(), member.get()};
-    if (options.nnodes > 1) {
-      std::string failed;
-      try {
-        failed = coordinator ? coordinator->wait_for_nodes(to_ms(options.time_limit_s), signals)
-                             : member->join(to_ms(options.time_limit_s), signals);
-      } catch (const UsageError& error) {
-        failed = without_prefix(error.what());
-        exit_code = 2;
+    // Node 0's own store failing it (scale_nodes.h) ends everything: one line, exit 1.
+    try {
+      if (options.nnodes > 1) {
+        std::string failed;
+        try {
+          failed = coordinator ? coordinator->wait_for_nodes(to_ms(options.time_limit_s), signals)
+                               : member->join(to_ms(options.time_limit_s), signals);
+        } catch (const UsageError& error) {
+          failed = without_prefix(error.what());
+          exit_code = 2;
+        }
+        if (!failed.empty()) {
+          tell(failed);
+          if (exit_code == 0) exit_code = 1;
+        } else if (member) {
+          exit_code = run_as_member(session, root);
+        } else {
+          tell("all " + std::to_string(options.nnodes) + " nodes joined; counts are totals, " +
+               std::to_string(options.nproc_per_node) + " worker(s) per node");
+        }
       }
-      if (!failed.empty()) {
-        tell(failed);
-        if (exit_code == 0) exit_code = 1;
-      } else if (member) {
-        exit_code = run_as_member(session, root);
-      } else {
-        tell("all " + std::to_string(options.nnodes) + " nodes joined; counts are totals, " +
-             std::to_string(options.nproc_per_node) + " worker(s) per node");
+      if (slurm) {
+        tell("inside Slurm allocation " + slurm->job_id + ": " + std::to_string(slurm->tasks) +
+             " task(s) on " + std::to_string(slurm->nodes) + " node(s), " +
+             std::to_string(slurm->tasks_per_node) + " per node; each count runs as an srun step");
       }
-    }
-    if (slurm) {
-      tell("inside Slurm allocation " + slurm->job_id + ": " + std::to_string(slurm->tasks) +
-           " task(s) on " + std::to_string(slurm->nodes) + " node(s), " +
-           std::to_string(slurm->tasks_per_node) + " per node; each count runs as an srun step");
-    }
-    const std::size_t counts = exit_code == 0 && !member ? options.nproc.size() : 0;
-    for (std::size_t index = 0; index < counts; ++index) {
-      const int workers = options.nproc[index];
-      tell("running " + std::to_string(workers) + " worker(s)" + on_nodes(options, workers) + ": " +
-           join(slurm ? srun_command(*slurm, workers, plan.command) : plan.command));
-      RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
-      tell(std::to_string(workers) + " worker(s): " + result.ending + " (" +
-           detail::seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
-           " records)");
-      results.push_back(std::move(result));
-      if (session.interrupted_by != 0) {
-        exit_code = 128 + session.interrupted_by;
-        break;
+      const std::size_t counts = exit_code == 0 && !member ? options.nproc.size() : 0;
+      for (std::size_t index = 0; index < counts; ++index) {
+        const int workers = options.nproc[index];
+        tell("running " + std::to_string(workers) + " worker(s)" + on_nodes(options, workers) +
+             ": " + join(slurm ? srun_command(*slurm, workers, plan.command) : plan.command));
+        RunResult result = run_or_fail(session, static_cast<int>(index), workers, root);
+        tell(std::to_string(workers) + " worker(s): " + result.ending + " (" +
+             detail::seconds_text(result.wall_s) + ", " + std::to_string(result.records.size()) +
+             " records)");
+        results.push_back(std::move(result));
+        if (session.interrupted_by != 0) {
+          exit_code = 128 + session.interrupted_by;
+          break;
+        }
       }
+      if (coordinator) {
+        std::string missing = coordinator->finish(kNodeSlack, signals);
+        if (!missing.empty()) tell(missing);
+      }
+    } catch (const CommError& error) {
+      tell(without_prefix(error.what()));
+      exit_code = 1;
     }
-    if (coordinator) coordinator->finish(kNodeSlack);
   }
 
   if (exit_code == 0 && !member) {

@@ -4,7 +4,9 @@
 
 #include <poll.h>
 
-#include <thread>
+#include <cstdio>
+#include <functional>
+#include <random>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
@@ -32,7 +34,35 @@ int pause_for_signal(elastic::SignalPipe& signals) {
   return signals.take();
 }
 
-std::string seconds_of(milliseconds timeout) { return detail::seconds_text(timeout); }
+// Polls until no node in 1..nodes-1 is `pending`, at most `timeout`; a signal ends the wait and
+// sets *signo. Returns the nodes still pending.
+std::vector<std::string> wait_while_pending(int nodes, const std::function<bool(int)>& pending,
+                                            milliseconds timeout, elastic::SignalPipe& signals,
+                                            int* signo) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  for (;;) {
+    std::vector<std::string> missing;
+    for (int node = 1; node < nodes; ++node) {
+      if (pending(node)) missing.push_back(std::to_string(node));
+    }
+    if (missing.empty() || Clock::now() >= deadline) return missing;
+    if ((*signo = pause_for_signal(signals)) != 0) return missing;
+  }
+}
+
+// 64 random bits in hex: a node's token.
+std::string random_token() {
+  std::random_device random;  // /dev/urandom on Linux
+  char text[17];
+  std::snprintf(text, sizeof text, "%08x%08x", random(), random());
+  return text;
+}
+
+std::string refused_text(const std::string& where) {
+  return where +
+         " refused this node: its flags differ from node 0's (see node 0's message); give every "
+         "host the same flags but --node-rank";
+}
 
 }  // namespace
 
@@ -57,52 +87,77 @@ Coordinator::Coordinator(const ScaleOptions& options)
     : options_(options), plan_(plan_of(options)), store_("", options.master_port) {}
 
 std::string Coordinator::wait_for_nodes(milliseconds timeout, elastic::SignalPipe& signals) {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (;;) {
-    std::vector<std::string> missing;
-    for (int node = 1; node < options_.nnodes; ++node) {
-      std::optional<std::string> plan = store_.value_of("scale/joined/" + std::to_string(node));
-      if (!plan) {
-        missing.push_back(std::to_string(node));
-      } else if (*plan != plan_) {
-        set("scale/refused/" + std::to_string(node));
-        throw UsageError("dtrain scale: node " + std::to_string(node) + " runs other flags: '" +
-                         *plan + "', node 0 runs '" + plan_ +
-                         "'; give every host the same flags but --node-rank");
-      }
+  int signo = 0;
+  auto absent = [&](int node) {
+    const std::string r = std::to_string(node);
+    std::optional<std::string> joined = store_.value_of("scale/joined/" + r);
+    if (!joined) return true;
+    const std::size_t newline = joined->find('\n');
+    const std::string id = r + ":" + joined->substr(0, newline), plan = joined->substr(newline + 1);
+    if (plan != plan_) {
+      set({"scale/refused/" + r});
+      throw UsageError("dtrain scale: node " + r + " runs other flags: '" + plan +
+                       "', node 0 runs '" + plan_ +
+                       "'; give every host the same flags but --node-rank");
     }
-    if (missing.empty()) return "";
-    if (Clock::now() >= deadline) {
-      return "node(s) " + detail::list_text(missing) + " did not join within " +
-             seconds_of(timeout) + " (--time-limit) at port " +
-             std::to_string(options_.master_port) + "; start `dtrain scale --nnodes " +
-             std::to_string(options_.nnodes) + " --node-rank R --master-addr " +
-             options_.master_addr + " ...` there";
+    if (ids_.emplace(node, id).first->second != id) {
+      throw UsageError("dtrain scale: two processes joined as node " + r +
+                       " (one left over from an earlier run on port " +
+                       std::to_string(options_.master_port) + "?); stop them and start one");
     }
-    if (int signo = pause_for_signal(signals); signo != 0) {
-      return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
-             detail::list_text(missing);
-    }
+    return false;
+  };
+  std::vector<std::string> missing =
+      wait_while_pending(options_.nnodes, absent, timeout, signals, &signo);
+  if (missing.empty()) return "";
+  if (signo != 0) {
+    return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
+           detail::list_text(missing);
   }
+  return "node(s) " + detail::list_text(missing) + " did not join within " +
+         detail::seconds_text(timeout) + " (--time-limit) at port " +
+         std::to_string(options_.master_port) + "; start `dtrain scale --nnodes " +
+         std::to_string(options_.nnodes) + " --node-rank R --master-addr " + options_.master_addr +
+         " ...` there";
 }
 
 // Node 0 sets its keys as a client of its own store, over loopback: WorkerStore serves its clients
 // on a thread of its own, which alone may wake a waiting client, so it offers no set() beside them.
-void Coordinator::set(const std::string& name) {
-  elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, {{name, ""}}, name,
-                                         kCallTimeout);
+// The CHECK of the last key set says that the store took them all.
+void Coordinator::set(const std::vector<std::string>& names) {
+  std::vector<std::pair<std::string, std::string>> entries;
+  for (const std::string& name : names) entries.emplace_back(name, "");
+  std::string why = "the key is missing after it was set";
+  if (elastic::set_and_check_in_worker_store("127.0.0.1", options_.master_port, entries,
+                                             names.back(), kCallTimeout,
+                                             &why) != KeyCheck::kPresent) {
+    throw CommError("dtrain scale: node 0 cannot set '" + names.back() +
+                    "' in its own store at 127.0.0.1:" + std::to_string(options_.master_port) +
+                    ": " + why);
+  }
 }
 
-void Coordinator::start(int count) { set(key(count, "start")); }
+std::string Coordinator::id_of(int node) const {
+  auto kept = ids_.find(node);
+  return kept == ids_.end() ? std::to_string(node) : kept->second;
+}
 
-void Coordinator::stop(int count) { set(key(count, "stop")); }
+void Coordinator::start(int count) {
+  std::vector<std::string> names;
+  for (int node = 1; node < options_.nnodes; ++node) {
+    names.push_back(key(count, "start/" + id_of(node)));
+  }
+  set(names);
+}
+
+void Coordinator::stop(int count) { set({key(count, "stop")}); }
 
 std::string Coordinator::new_records(int count, int nodes) {
   std::string lines;
   for (int node = 1; node < nodes; ++node) {
     int& next = next_batch_[{count, node}];
-    while (std::optional<std::string> batch = store_.value_of(
-               key(count, "records/" + std::to_string(node) + "/" + std::to_string(next)))) {
+    while (std::optional<std::string> batch =
+               store_.value_of(key(count, "records/" + id_of(node) + "/" + std::to_string(next)))) {
       lines += *batch;
       ++next;
     }
@@ -112,10 +167,10 @@ std::string Coordinator::new_records(int count, int nodes) {
 
 std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
   for (int node = 1; node < nodes; ++node) {
-    if (std::optional<std::string> why = store_.value_of("scale/quit/" + std::to_string(node))) {
+    if (std::optional<std::string> why = store_.value_of("scale/quit/" + id_of(node))) {
       return NodeEnding{1, "node " + std::to_string(node) + " quit: " + *why};
     }
-    std::optional<std::string> end = store_.value_of(key(count, "end/" + std::to_string(node)));
+    std::optional<std::string> end = store_.value_of(key(count, "end/" + id_of(node)));
     if (!end) continue;
     std::size_t newline = end->find('\n');
     NodeEnding ending{std::atoi(end->c_str()), end->substr(newline + 1)};
@@ -127,41 +182,48 @@ std::optional<NodeEnding> Coordinator::failed_node(int count, int nodes) const {
   return std::nullopt;
 }
 
-std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeout) const {
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (;;) {
-    std::vector<std::string> missing;
-    for (int node = 1; node < nodes; ++node) {
-      if (!store_.contains(key(count, "end/" + std::to_string(node))) &&
-          !store_.contains("scale/quit/" + std::to_string(node))) {
-        missing.push_back(std::to_string(node));
-      }
-    }
-    if (missing.empty()) return "";
-    if (Clock::now() >= deadline) {
-      return "node(s) " + detail::list_text(missing) +
-             " did not report the end of their workers within " + seconds_of(timeout) +
-             " (their records may be missing)";
-    }
-    std::this_thread::sleep_for(kPoll);
+std::string Coordinator::wait_for_ends(int count, int nodes, milliseconds timeout,
+                                       elastic::SignalPipe& signals, int* signo) const {
+  auto running = [&](int node) {
+    return !store_.contains(key(count, "end/" + id_of(node))) &&
+           !store_.contains("scale/quit/" + id_of(node));
+  };
+  std::vector<std::string> missing = wait_while_pending(nodes, running, timeout, signals, signo);
+  if (missing.empty()) return "";
+  if (*signo != 0) {
+    return "received " + elastic::signal_name(*signo) + " while waiting for node(s) " +
+           detail::list_text(missing) + " to report the end of their workers";
   }
+  return "node(s) " + detail::list_text(missing) +
+         " did not report the end of their workers within " + detail::seconds_text(timeout) +
+         " (their records may be missing)";
 }
 
-void Coordinator::finish(milliseconds timeout) {
-  set("scale/end");
-  const Clock::time_point deadline = Clock::now() + timeout;
-  for (int node = 1; node < options_.nnodes; ++node) {
-    if (!store_.contains("scale/joined/" + std::to_string(node))) continue;
-    while (!store_.contains("scale/bye/" + std::to_string(node)) && Clock::now() < deadline) {
-      std::this_thread::sleep_for(kPoll);
-    }
+std::string Coordinator::finish(milliseconds timeout, elastic::SignalPipe& signals) {
+  set({"scale/end"});
+  // The nodes node 0 kept (a refused one never is) say goodbye, unless they quit.
+  auto staying = [&](int node) {
+    return ids_.count(node) != 0 && !store_.contains("scale/bye/" + id_of(node)) &&
+           !store_.contains("scale/quit/" + id_of(node));
+  };
+  int signo = 0;
+  std::vector<std::string> missing =
+      wait_while_pending(options_.nnodes, staying, timeout, signals, &signo);
+  if (missing.empty()) return "";
+  if (signo != 0) {
+    return "received " + elastic::signal_name(signo) + " while waiting for node(s) " +
+           detail::list_text(missing) + " to see the end";
   }
+  return "node(s) " + detail::list_text(missing) + " did not see the end within " +
+         detail::seconds_text(timeout);
 }
 
 // ---- every other node -------------------------------------------------------------------------
 
 Member::Member(const ScaleOptions& options)
     : options_(options),
+      token_(random_token()),
+      id_(std::to_string(options.node_rank) + ":" + token_),
       where_("node 0 at " + options.master_addr + ":" + std::to_string(options.master_port)) {}
 
 KeyCheck Member::exchange(const std::vector<std::pair<std::string, std::string>>& entries,
@@ -188,7 +250,7 @@ bool Member::poll_for(const std::string& wanted, const std::string& what, millis
       return false;
     }
     if (Clock::now() >= deadline) {
-      *failure = where_ + " did not " + what + " within " + seconds_of(timeout) +
+      *failure = where_ + " did not " + what + " within " + detail::seconds_text(timeout) +
                  (why.empty() ? "" : " (" + why + ")");
       return false;
     }
@@ -204,16 +266,12 @@ std::string Member::join(milliseconds timeout, elastic::SignalPipe& signals) {
   const Clock::time_point deadline = Clock::now() + timeout;
   for (;;) {
     std::string why;
-    KeyCheck refused =
-        exchange({{"scale/joined/" + me, plan_of(options_)}}, "scale/refused/" + me, &why);
-    if (refused == KeyCheck::kPresent) {
-      return where_ +
-             " refused this node: its flags differ from node 0's (see node 0's message); "
-             "give every host the same flags but --node-rank";
-    }
+    KeyCheck refused = exchange({{"scale/joined/" + me, token_ + "\n" + plan_of(options_)}},
+                                "scale/refused/" + me, &why);
+    if (refused == KeyCheck::kPresent) return refused_text(where_);
     if (refused == KeyCheck::kAbsent) return "";
     if (Clock::now() >= deadline) {
-      return "cannot reach " + where_ + " within " + seconds_of(timeout) +
+      return "cannot reach " + where_ + " within " + detail::seconds_text(timeout) +
              " (--time-limit): " + why +
              "; start `dtrain scale --node-rank 0 ...` there, with the same --master-port";
     }
@@ -227,15 +285,13 @@ bool Member::wait_for_start(int count, milliseconds timeout, elastic::SignalPipe
                             std::string* failure) {
   bool ended = false;
   std::string what = "start " + std::to_string(options_.nproc.at(count)) + " workers";
-  if (poll_for(key(count, "start"), what, timeout, signals, failure, "scale/end", &ended)) {
+  if (poll_for(key(count, "start/" + id_), what, timeout, signals, failure, "scale/end", &ended)) {
     return true;
   }
   if (ended) {
     const std::string me = std::to_string(options_.node_rank);
     *failure = exchange({}, "scale/refused/" + me, nullptr) == KeyCheck::kPresent
-                   ? where_ +
-                         " refused this node: its flags differ from node 0's (see node 0's "
-                         "message); give every host the same flags but --node-rank"
+                   ? refused_text(where_)
                    : "";
   }
   return false;
@@ -245,14 +301,12 @@ bool Member::send_and_check_stop(int count, const std::string& records, std::str
   std::vector<std::pair<std::string, std::string>> entries;
   int& next = next_batch_[count];
   if (!records.empty()) {
-    entries.emplace_back(
-        key(count, "records/" + std::to_string(options_.node_rank) + "/" + std::to_string(next)),
-        records);
+    entries.emplace_back(key(count, "records/" + id_ + "/" + std::to_string(next)), records);
   }
   std::string why;
   KeyCheck stop = exchange(entries, key(count, "stop"), &why);
   if (stop == KeyCheck::kNoStore || stop == KeyCheck::kNoAnswer) {
-    *failure = "lost " + where_ + ": " + why;
+    *failure = lost_ = "lost " + where_ + ": " + why;
     return true;
   }
   if (!records.empty()) ++next;
@@ -260,19 +314,18 @@ bool Member::send_and_check_stop(int count, const std::string& records, std::str
 }
 
 void Member::report_end(int count, const NodeEnding& ending) {
-  exchange({{key(count, "end/" + std::to_string(options_.node_rank)),
-             std::to_string(ending.exit_code) + "\n" + ending.ending}},
+  exchange({{key(count, "end/" + id_), std::to_string(ending.exit_code) + "\n" + ending.ending}},
            key(count, "stop"), nullptr);
 }
 
 void Member::quit(const std::string& why) {
-  exchange({{"scale/quit/" + std::to_string(options_.node_rank), why}}, "scale/end", nullptr);
+  exchange({{"scale/quit/" + id_, why}}, "scale/end", nullptr);
 }
 
 std::string Member::leave(milliseconds timeout, elastic::SignalPipe& signals) {
   std::string failure;
   if (!poll_for("scale/end", "end the measurement", timeout, signals, &failure)) return failure;
-  exchange({{"scale/bye/" + std::to_string(options_.node_rank), ""}}, "scale/end", nullptr);
+  exchange({{"scale/bye/" + id_, ""}}, "scale/end", nullptr);
   return "";
 }
 

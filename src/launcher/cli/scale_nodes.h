@@ -2,18 +2,21 @@
 // each worker count together. Node 0's `dtrain scale` hosts a store (a WorkerStore, the launcher's
 // TCPStore server) at --master-addr:--master-port; every other node is a client of it, through the
 // one-connection-per-call helpers of worker_store.h, so nothing but that port crosses between the
-// hosts (no shared file system). The keys, all under "scale/":
+// hosts (no shared file system). Each node's `dtrain scale` draws a random token when it starts;
+// its id, ID below, is "R:<token>", and node 0 keeps the first id it reads for each R: a process
+// left over from an earlier run on the same port (or started twice) takes no part, as nothing it
+// reads or writes carries the id node 0 kept. The keys, all under "scale/":
 //
-//   joined/R           node R arrived; its value is its plan (counts, steps, program), which node 0
-//                      compares with its own
+//   joined/R           node R arrived; its value is "<token>\n<plan>" (counts, steps, program),
+//                      the plan compared with node 0's
 //   refused/R          node 0 refused node R (its plan differs)
-//   I/start            node 0 starts the I-th count (from 0): the nodes it needs start their share
-//   I/records/R/S      the S-th batch (from 0) of whole record lines node R's ranks wrote
+//   I/start/ID         node 0 starts the I-th count (from 0): the nodes it needs start their share
+//   I/records/ID/S     the S-th batch (from 0) of whole record lines node R's ranks wrote
 //   I/stop             node 0 has measured enough (or a rank failed): every node stops its workers
-//   I/end/R            node R's workers are gone: "<exit code>\n<how they ended>"
-//   quit/R             node R left early: why (node 0 fails the counts that need it)
-//   end                node 0 measured every count; the others leave
-//   bye/R              node R saw the end (node 0 waits for it before closing the store)
+//   I/end/ID           node R's workers are gone: "<exit code>\n<how they ended>"
+//   quit/ID            node R left early: why (node 0 fails the counts that need it)
+//   end                node 0 measured every count, or ended early; the others leave
+//   bye/ID             node R saw the end (node 0 waits for it before closing the store)
 //
 // Every wait polls every 100 ms and has a deadline; a failure is one line that names the node.
 #pragma once
@@ -47,9 +50,10 @@ class Coordinator {
 
   // Waits until every other node joined, at most `timeout`. Returns "" or the one line to print
   // (which nodes did not arrive); `signals` ends the wait. Throws UsageError when a node's plan
-  // differs from node 0's (refusing it).
+  // differs from node 0's (refusing it), or when a second process joins as the same node.
   std::string wait_for_nodes(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
+  // Throw CommError when node 0's own store does not take the key.
   void start(int count);
   void stop(int count);
   // The record lines nodes 1..nodes-1 sent for `count` since the last call.
@@ -57,18 +61,24 @@ class Coordinator {
   // The first of nodes 1..nodes-1 whose share of `count` failed, or that quit, as "node R: <how>".
   std::optional<NodeEnding> failed_node(int count, int nodes) const;
   // Waits until nodes 1..nodes-1 reported the end of their share of `count` (or quit), at most
-  // `timeout`. Returns "" or one line naming the nodes that did not.
-  std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout) const;
-  // Tells every node that the measurement is over and waits up to `timeout` for those that joined
-  // to see it.
-  void finish(std::chrono::milliseconds timeout);
+  // `timeout`. Returns "" or one line naming the nodes that did not; a signal ends the wait and
+  // sets *signo.
+  std::string wait_for_ends(int count, int nodes, std::chrono::milliseconds timeout,
+                            elastic::SignalPipe& signals, int* signo) const;
+  // Tells every node that the measurement is over and waits up to `timeout` (or a signal) for
+  // those that joined, and did not quit and were not refused, to see it. Returns "" or one line
+  // naming the nodes that did not.
+  std::string finish(std::chrono::milliseconds timeout, elastic::SignalPipe& signals);
 
  private:
-  void set(const std::string& name);  // to "": only its presence counts
+  void set(const std::vector<std::string>& names);  // each to "": only their presence counts
+  // Node R's id as node 0 kept it ("R" until it joined).
+  std::string id_of(int node) const;
 
   const ScaleOptions& options_;
   std::string plan_;
   elastic::WorkerStore store_;
+  std::map<int, std::string> ids_;                 // node -> the first id read
   std::map<std::pair<int, int>, int> next_batch_;  // (count, node) -> next batch to read
 };
 
@@ -85,8 +95,10 @@ class Member {
   bool wait_for_start(int count, std::chrono::milliseconds timeout, elastic::SignalPipe& signals,
                       std::string* failure);
   // Sends `records` (whole lines; may be empty) and asks whether node 0 said stop. *failure is set
-  // when node 0 cannot be reached (then stop: true).
+  // when node 0 cannot be reached (then stop: true), and kept as lost().
   bool send_and_check_stop(int count, const std::string& records, std::string* failure);
+  // Why node 0 was lost during a count ("lost node 0 at HOST:PORT: ..."), or "".
+  const std::string& lost() const { return lost_; }
   void report_end(int count, const NodeEnding& ending);
   // Tells node 0 that this node leaves early, and why (one try: node 0 may be gone).
   void quit(const std::string& why);
@@ -103,8 +115,11 @@ class Member {
                 bool* or_present = nullptr);
 
   const ScaleOptions& options_;
+  std::string token_;              // random, drawn at construction
+  std::string id_;                 // "R:<token>"
   std::string where_;              // "node 0 at HOST:PORT"
   std::map<int, int> next_batch_;  // count -> next batch to send
+  std::string lost_;
 };
 
 }  // namespace dtrain::cli::scale

@@ -15,9 +15,11 @@
 #include <regex>
 
 #include "dtrain/errors.h"
+#include "launcher/cli/scale_nodes.h"
 #include "launcher/cli/scale_options.h"
 #include "launcher/cli/scale_report.h"
 #include "launcher/elastic/ports.h"
+#include "launcher/elastic/signal_pipe.h"
 #include "test_support.h"
 
 namespace dtrain::cli {
@@ -699,6 +701,148 @@ TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
   ASSERT_TRUE(none.wait(10s));
   EXPECT_EQ(none.exit_code(), 2);
   EXPECT_NE(read_file(dir_ / "err").find("no program given"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several hosts on loopback: node 0 in-process (scale_nodes.h), the others in-process too or as
+// `dtrain scale --node-rank R` children.
+
+class ScaleNodes : public testing::Test {
+ protected:
+  // The flags of node `rank` of `nnodes`: one count of 2 workers, one on each of two hosts.
+  Args flags(int rank, int nnodes = 2, const std::string& steps = "1000") const {
+    return {"--nnodes",         std::to_string(nnodes),
+            "--node-rank",      std::to_string(rank),
+            "--master-addr",    "127.0.0.1",
+            "--master-port",    std::to_string(port_),
+            "--nproc",          "2",
+            "--nproc-per-node", "1",
+            "--steps",          steps,
+            "--time-limit",     "30",
+            DTRAIN_SCALE_WORKER};
+  }
+  std::unique_ptr<ChildProcess> start_node(int rank) {
+    Args argv = {DTRAIN_LAUNCHER, "scale"};
+    for (const std::string& flag : flags(rank)) argv.push_back(flag);
+    return std::make_unique<ChildProcess>(argv, dir_ / "out", dir_ / "err");
+  }
+
+  const int port_ = elastic::pick_free_port();
+  static constexpr int kSignals[] = {SIGUSR1};  // raise() stands in for a Ctrl-C
+  elastic::SignalPipe signals_{kSignals};
+  TempDir dir_;
+};
+
+TEST_F(ScaleNodes, NodeZeroWaitsForNoGoodbyeFromANodeThatQuitOrWasRefused) {
+  const ScaleOptions zero = parse_scale_options(flags(0, 3)),
+                     one = parse_scale_options(flags(1, 3)),
+                     two = parse_scale_options(flags(2, 3, "5"));  // other flags than node 0's
+  scale::Coordinator node0(zero);
+  scale::Member node1(one), node2(two);
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  ASSERT_EQ(node2.join(10s, signals_), "");  // node 0 refuses it once it compares the flags
+  EXPECT_THROW(node0.wait_for_nodes(10s, signals_), UsageError);
+  node1.quit("received SIGINT");
+  // Neither says goodbye: node 0 must not wait for them.
+  EXPECT_EQ(node0.finish(1s, signals_), "");
+}
+
+TEST_F(ScaleNodes, ASignalEndsNodeZerosWaitsForTheOthers) {
+  const ScaleOptions zero = parse_scale_options(flags(0)), one = parse_scale_options(flags(1));
+  scale::Coordinator node0(zero);
+  scale::Member node1(one);
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  ASSERT_EQ(node0.wait_for_nodes(10s, signals_), "");
+  raise(SIGUSR1);
+  int signo = 0;
+  EXPECT_EQ(node0.wait_for_ends(0, 2, 10s, signals_, &signo),
+            "received SIGUSR1 while waiting for node(s) 1 to report the end of their workers");
+  EXPECT_EQ(signo, SIGUSR1);
+  raise(SIGUSR1);
+  EXPECT_EQ(node0.finish(10s, signals_),
+            "received SIGUSR1 while waiting for node(s) 1 to see the end");
+}
+
+TEST_F(ScaleNodes, AProcessLeftOverAsTheSameNodeTakesNoPart) {
+  const ScaleOptions zero = parse_scale_options(flags(0)), one = parse_scale_options(flags(1));
+  scale::Coordinator node0(zero);
+  scale::Member node1(one), leftover(one);  // from an earlier run on the same port
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  ASSERT_EQ(node0.wait_for_nodes(10s, signals_), "");
+  ASSERT_EQ(leftover.join(10s, signals_), "");
+  node0.start(0);
+  std::string failure;
+  EXPECT_TRUE(node1.wait_for_start(0, 10s, signals_, &failure)) << failure;
+  EXPECT_FALSE(leftover.wait_for_start(0, 300ms, signals_, &failure));
+  EXPECT_NE(failure.find("did not start 2 workers within"), std::string::npos) << failure;
+  // Nothing it says counts as node 1's.
+  std::string lost;
+  EXPECT_FALSE(leftover.send_and_check_stop(0, "not a record\n", &lost)) << lost;
+  leftover.report_end(0, {3, "rank 1 exited with code 3"});
+  leftover.quit("received SIGTERM");
+  EXPECT_EQ(node0.new_records(0, 2), "");
+  EXPECT_FALSE(node0.failed_node(0, 2));
+}
+
+TEST_F(ScaleNodes, TwoProcessesJoiningAsTheSameNodeAreOneLine) {
+  const ScaleOptions zero = parse_scale_options(flags(0, 3)),
+                     one = parse_scale_options(flags(1, 3));
+  scale::Coordinator node0(zero);
+  scale::Member node1(one), again(one);
+  ASSERT_EQ(node1.join(10s, signals_), "");
+  EXPECT_NE(node0.wait_for_nodes(200ms, signals_), "");  // node 2 is missing; node 1 is kept
+  ASSERT_EQ(again.join(10s, signals_), "");
+  try {
+    node0.wait_for_nodes(10s, signals_);
+    ADD_FAILURE() << "no UsageError";
+  } catch (const UsageError& error) {
+    EXPECT_NE(std::string(error.what()).find("two processes joined as node 1"), std::string::npos)
+        << error.what();
+  }
+}
+
+TEST_F(ScaleNodes, ANodeThatSeesNodeZeroEndEarlySaysGoodbyeAndFails) {
+  const ScaleOptions zero = parse_scale_options(flags(0));
+  scale::Coordinator node0(zero);
+  std::unique_ptr<ChildProcess> node1 = start_node(1);
+  ASSERT_EQ(node0.wait_for_nodes(30s, signals_), "") << read_file(dir_ / "err");
+  // Node 0 ends before its first count (as after a Ctrl-C): node 1 says goodbye at once.
+  EXPECT_EQ(node0.finish(20s, signals_), "") << read_file(dir_ / "err");
+  ASSERT_TRUE(node1->wait(30s));
+  EXPECT_EQ(node1->exit_code(), 1) << read_file(dir_ / "err");
+  EXPECT_NE(read_file(dir_ / "err").find("node 1: node 0 ended the measurement before 2 worker(s)"),
+            std::string::npos)
+      << read_file(dir_ / "err");
+}
+
+TEST_F(ScaleNodes, ANodeThatLosesNodeZeroMidCountQuitsAtOnceNamingTheLoss) {
+  const ScaleOptions zero = parse_scale_options(flags(0));
+  auto node0 = std::make_unique<scale::Coordinator>(zero);
+  std::unique_ptr<ChildProcess> node1 = start_node(1);
+  ASSERT_EQ(node0->wait_for_nodes(30s, signals_), "") << read_file(dir_ / "err");
+  node0->start(0);
+  const Clock::time_point deadline = Clock::now() + 30s;
+  while (node0->new_records(0, 2).empty() && Clock::now() < deadline)
+    std::this_thread::sleep_for(50ms);
+  // Node 0's host stops answering: its port takes connections (the kernel's backlog), nothing more.
+  node0.reset();
+  int silent = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(silent, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(port_));
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(listen(silent, 64), 0);
+  // Not the count timeout (30 s + 2 grace periods + 20 s): it quits after one unanswered call.
+  EXPECT_TRUE(node1->wait(45s));
+  close(silent);
+  const std::string err = read_file(dir_ / "err");
+  EXPECT_EQ(node1->exit_code(), 1) << err;
+  EXPECT_NE(err.find("node 1: lost node 0 at 127.0.0.1:" + std::to_string(port_)),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("did not"), std::string::npos) << err;
 }
 
 }  // namespace
