@@ -393,12 +393,15 @@ TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   // job goes on at 3, then at 2 ranks, each failed step redone, and still equals one process.
   const std::string dir = testing::temp_dir("recovery");
   fs::create_directories(dir);
-  auto result = run_command(bin("dtrain") +
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command("env DTRAIN_TIMEOUT_S=60 " + bin("dtrain") +
                                 " run --nproc-per-node 4 --recovery in-place --max-restarts 0 -- " +
                                 bin("recovery_worker") + " " + dir +
                                 " --kill-rank 3 --kill-after 5 --kill-rank 1 --kill-after 9",
                             120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
   SCOPED_TRACE(result.output);
+  EXPECT_LT(took.count(), 50) << "something waited for the collective timeout (60 s)";
   // --max-restarts 0: the launcher replaces no one; the survivors finish, and the job succeeds.
   EXPECT_EQ(result.exit_code, 0);
   EXPECT_EQ(occurrences(result.output, "go on without it"), 2u);
