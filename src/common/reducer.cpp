@@ -112,8 +112,6 @@ void Reducer::build_buckets() {
     shared_bytes += (numel * static_cast<int64_t>(first.element_size()) + 63) / 64 * 64;
   }
   if (shareable) shared_ = SharedBuckets::create(*group_, shared_bytes);
-  // Shared buckets under gradient_as_bucket_view are divided by the reduction itself (launch()).
-  if (shared_ && options_.gradient_as_bucket_view) riding_scale_ = 1.0 / group_->size();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const int64_t numel = numels[b];
@@ -255,23 +253,40 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+double Reducer::shared_reduction_scale() const {
+  // mark_ready() already divided copied gradients; gradients that are the bucket get divided by the
+  // reduction itself, in the same pass.
+  return options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
+}
+
+namespace {
+// The riding number's element, the last of a float or double CPU bucket (build_buckets): read and
+// written in place, as one scalar, without a tensor operation on the step's path.
+double* riding_double(const at::Tensor& buffer) {
+  return buffer.scalar_type() == at::kDouble ? buffer.data_ptr<double>() + buffer.numel() - 1
+                                             : nullptr;
+}
+float* riding_float(const at::Tensor& buffer) {
+  return buffer.scalar_type() == at::kFloat ? buffer.data_ptr<float>() + buffer.numel() - 1
+                                            : nullptr;
+}
+}  // namespace
+
 void Reducer::launch(size_t bucket_index) {
   Bucket& bucket = buckets_[bucket_index];
-  // The riding number goes in after any division of the gradients below (riding_scale_ undoes the
-  // division that shared buckets apply in the reduction).
+  // The riding number goes in after any division of the gradients below (finalize_backward()
+  // undoes the division that shared buckets apply in the reduction).
   auto load_riding_number = [&] {
-    if (riding_ && bucket_index + 1 == buckets_.size()) {
-      bucket.buffer.narrow(0, bucket.buffer.numel() - 1, 1).fill_(riding_->contribution.load());
-    }
+    if (!riding_ || bucket_index + 1 != buckets_.size()) return;
+    const double contribution = riding_->contribution.load();
+    if (float* element = riding_float(bucket.buffer)) *element = static_cast<float>(contribution);
+    if (double* element = riding_double(bucket.buffer)) *element = contribution;
   };
   if (shared_) {
     load_riding_number();
-    // mark_ready() already divided copied gradients; gradients that are the bucket get divided by
-    // the reduction itself, in the same pass.
-    const double scale = options_.gradient_as_bucket_view ? 1.0 / group_->size() : 1.0;
     StepRecorder::Blocked blocked(recorder_.get());
     bucket.work = shared_->all_reduce_async(bucket.offset, bucket.buffer.numel(),
-                                            bucket.buffer.scalar_type(), scale);
+                                            bucket.buffer.scalar_type(), shared_reduction_scale());
     return;
   }
   if (options_.gradient_as_bucket_view) bucket.buffer.mul_(inverse_world_size_);
@@ -352,11 +367,9 @@ void Reducer::finalize_backward() {
   }
   if (riding_) {
     const at::Tensor& buffer = buckets_.back().buffer;
-    const int64_t last = buffer.numel() - 1;
-    const double reduced = buffer.scalar_type() == at::kFloat
-                               ? static_cast<double>(buffer.data_ptr<float>()[last])
-                               : buffer.data_ptr<double>()[last];
-    riding_->sum.store(reduced / riding_scale_);
+    const float* as_float = riding_float(buffer);
+    const double reduced = as_float ? static_cast<double>(*as_float) : *riding_double(buffer);
+    riding_->sum.store(reduced / (shared_ ? shared_reduction_scale() : 1.0));
     riding_->carried.fetch_add(1);
   }
   torch::autograd::AutoGradMode no_grad(false);

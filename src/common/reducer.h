@@ -76,6 +76,9 @@ class Reducer {
   void mark_ready(size_t index);
   void launch_ready_buckets();
   void launch(size_t bucket_index);
+  // What the shared-memory reduction multiplies its sums by (Note [Gradient buckets in shared
+  // memory]).
+  double shared_reduction_scale() const;
   void finalize_backward();
   void reset_iteration();
   std::string who() const;
@@ -96,7 +99,6 @@ class Reducer {
   // Note [A number riding on the gradients] (comm/group_state.h): the group's, when the bucket
   // launched last can carry it (as the last element of its buffer); null otherwise.
   std::shared_ptr<RidingNumber> riding_;
-  double riding_scale_ = 1.0;  // what the reduction multiplies the riding element by
 
   std::mutex mutex_;  // hooks of a CUDA backward may run on several device threads
   std::atomic<int> no_sync_depth_{0};
