@@ -5,7 +5,6 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -56,13 +55,6 @@ std::string node_id(const std::string& host) {
   return host + "_" + std::to_string(getpid()) + "_" + suffix;
 }
 
-// One call to the store: bounded more tightly than the wait at start, so that a store whose machine
-// vanished (no reset, only silence) ends a join in seconds, not after join_timeout; mid-job, the
-// patience bounds it more tightly still (Note [A store that stops answering]).
-std::chrono::milliseconds store_call_timeout(const RunOptions& options) {
-  return std::min(to_ms(options.rdzv_conf.join_timeout_s), kMaxCallTimeout);
-}
-
 // Where the rendezvous is, as the backend is given it and messages name it: HOST:PORT, or with etcd
 // --rdzv-endpoint as given (every member of its cluster, to fail over between).
 std::string rendezvous_endpoint(const RunOptions& options) {
@@ -82,7 +74,9 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     std::unique_ptr<elastic::C10dStoreServer>* server) {
   const std::string endpoint = rendezvous_endpoint(options);
   std::chrono::milliseconds join_timeout = to_ms(options.rdzv_conf.join_timeout_s);
-  std::chrono::milliseconds call_timeout = store_call_timeout(options);
+  // One call to the store: bounded more tightly than the wait at start, so that a store whose
+  // machine vanished (no reset, only silence) ends the job in seconds, not after join_timeout.
+  std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
     if (!token.empty()) {
@@ -146,90 +140,15 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
   }
 }
 
-// Note [A store that stops answering]
-// Mid-job, a store that stops answering is either gone (the agent that hosts the c10d store, or the
-// etcd cluster) or cut off from this node; from here the two look the same: nothing resets the
-// connection, a call only waits. The others count this node dead once its heartbeats have not
-// landed for the patience (keep_alive_interval x keep_alive_max_attempt, 3 s by default), so this
-// node gives up on the store after the same time without an answer, and no later: a store that
-// answers slowly but within it (an etcd election, a starved host) keeps the job. While the workers
-// run, every call to the store, the heartbeats' included, is therefore bounded by what is left of
-// the patience since the store's last answer, not by the 15 s a call may take while joining. The
-// agent decides within the patience plus one monitor interval of the last answer (about 3.5 s by
-// default, where it took 18 to 30 s), and its thread, which relays the workers' output between
-// looks at the store, is held at most that long, once: the output written meanwhile waits in the
-// pipes and is relayed when the look returns, stop() included. (A look off the agent's thread
-// would relay without that pause but needs a second thread beside the heartbeats'; the pause is
-// bounded by the same patience that ends the job, so it is not worth one.)
-class PatientBackend final : public elastic::RendezvousBackend {
- public:
-  PatientBackend(std::unique_ptr<elastic::RendezvousBackend> backend,
-                 std::chrono::milliseconds call_timeout, std::chrono::milliseconds patience)
-      : backend_(std::move(backend)), call_timeout_(call_timeout), patience_(patience) {}
-
-  std::string name() const override { return backend_->name(); }
-  std::optional<elastic::VersionedState> get_state() override {
-    return answered([&] { return backend_->get_state(); });
-  }
-  SetResult set_state(const std::string& state, std::optional<uint64_t> expected) override {
-    return answered([&] { return backend_->set_state(state, expected); });
-  }
-
-  // On while the workers run (Note [A store that stops answering]); off while joining a round or
-  // waiting at the end, where a slow answer is legitimate. Turning it on counts as an answer: the
-  // round was just agreed through the store.
-  void bound_by_patience(bool on) {
-    if (on) last_answer_ = Clock::now().time_since_epoch().count();
-    bounded_ = on;
-  }
-
-  // How long the store has not answered any call (this node's heartbeats' included).
-  Clock::duration silent_for() const {
-    return Clock::now() - Clock::time_point(Clock::duration(last_answer_.load()));
-  }
-
- private:
-  template <typename Call>
-  auto answered(Call call) -> decltype(call()) {
-    std::chrono::milliseconds timeout = call_timeout_;
-    if (bounded_) {
-      auto left = std::chrono::ceil<std::chrono::milliseconds>(patience_ - silent_for());
-      if (left.count() <= 0) {
-        throw TimeoutError("dtrain run: not tried: the " + name() +
-                           " rendezvous store has been silent for " +
-                           detail::seconds_text(silent_for()));
-      }
-      timeout = std::min(timeout, left);
-    }
-    // Calls come one at a time (elastic::Rendezvous holds its lock around each).
-    backend_->set_timeout(timeout);
-    auto result = call();
-    last_answer_ = Clock::now().time_since_epoch().count();
-    return result;
-  }
-
-  std::unique_ptr<elastic::RendezvousBackend> backend_;
-  const std::chrono::milliseconds call_timeout_;
-  const std::chrono::milliseconds patience_;
-  // Read by the agent's thread, written by whichever thread's call got the answer.
-  std::atomic<bool> bounded_{false};
-  std::atomic<Clock::rep> last_answer_{Clock::now().time_since_epoch().count()};
-};
-
-// The message for a rendezvous store that stopped answering mid-job: what it said last, and the two
-// causes that look the same from here (Note [A store that stops answering]).
-std::string store_lost(const RunOptions& options, const std::string& what) {
-  std::string message = "lost the rendezvous: " + what;
+// The message for a rendezvous store that stopped answering mid-job.
+std::string store_lost(const RunOptions& options, const std::exception& error) {
+  std::string message = "lost the rendezvous: " + strip_prefix(error.what());
   if (options.rdzv_backend == "c10d") {
     message +=
         "; with --rdzv-backend c10d the store lives in the agent that hosted it: either that "
         "agent is gone or this node is cut off from it (from here the two look the same), and "
         "this node cannot continue without it (--rdzv-backend etcd has no such single point of "
         "failure)";
-  } else {
-    message += "; either etcd (tried " + rendezvous_endpoint(options) +
-               ") is down or this node is cut off from it (from here the two look the same), and "
-               "this node cannot continue without it";
   }
   return message;
 }
@@ -254,7 +173,7 @@ Verdict as_line(Verdict verdict) {
 class ElasticRendezvous final : public AgentRendezvous {
  public:
   ElasticRendezvous(const RunOptions& options, std::unique_ptr<elastic::C10dStoreServer> server,
-                    std::unique_ptr<elastic::RendezvousBackend> connected)
+                    std::unique_ptr<elastic::RendezvousBackend> backend)
       : options_(options), server_(std::move(server)) {
     elastic::NodeInfo self;
     self.host = host_name();
@@ -274,9 +193,6 @@ class ElasticRendezvous final : public AgentRendezvous {
     settings.keep_alive_max_attempt = options.rdzv_conf.keep_alive_max_attempt;
     settings.max_restarts = options.max_restarts;
     store_patience_ = settings.keep_alive_interval * settings.keep_alive_max_attempt;
-    auto backend = std::make_unique<PatientBackend>(std::move(connected),
-                                                    store_call_timeout(options), store_patience_);
-    backend_ = backend.get();
     rendezvous_ = std::make_unique<elastic::Rendezvous>(std::move(backend), settings, self);
     rendezvous_->start_keep_alive();
     say(self.describe() + " joins rendezvous '" + options.run_id + "' at " +
@@ -289,7 +205,6 @@ class ElasticRendezvous final : public AgentRendezvous {
     Clock::time_point start = Clock::now();
     std::optional<elastic::RoundAssignment> round;
     *exit_code = 1;
-    backend_->bound_by_patience(false);
     try {
       round = rendezvous_->next_round(elastic::pick_free_port(), signals.fd());
     } catch (const PeerLostError& error) {  // the job was shut down
@@ -302,7 +217,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     } catch (const UsageError&) {
       throw;
     } catch (const CommError& error) {
-      say(store_lost(options_, strip_prefix(error.what())));
+      say(store_lost(options_, error));
       return std::nullopt;
     }
     if (!round) {
@@ -320,7 +235,6 @@ class ElasticRendezvous final : public AgentRendezvous {
         ", WORLD_SIZE " + std::to_string(round->world_size) + ", master " + round->master_addr +
         ":" + std::to_string(round->master_port) + " (rendezvous took " +
         detail::seconds_text(since(start)) + ")");
-    backend_->bound_by_patience(true);
     elastic::WorkerGroupRound workers;
     workers.group_rank = round->group_rank;
     workers.group_world_size = round->group_world_size;
@@ -346,27 +260,22 @@ class ElasticRendezvous final : public AgentRendezvous {
     Verdict verdict;
     try {
       verdict = rendezvous_->check();
-      store_trouble_ = false;
+      store_trouble_since_ = {};
     } catch (const UsageError&) {
       throw;
     } catch (const std::exception& error) {
       // A store that misses a look or two (an etcd leader election, a starved c10d host) is not a
       // lost job: the workers keep running while it stays silent for less than a heartbeat
-      // timeout, the time after which the others would count this node dead anyway (Note [A
-      // store that stops answering]).
-      if (backend_->silent_for() < store_patience_) {
-        if (!store_trouble_) {
-          say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
-              "); the workers keep running while it is retried for up to " +
-              detail::seconds_text(store_patience_) + " since its last answer");
-        }
-        store_trouble_ = true;
-        return {};
+      // timeout, the time after which the others would count this node dead anyway.
+      if (store_trouble_since_ == Clock::time_point{}) {
+        store_trouble_since_ = Clock::now();
+        say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
+            "); the workers keep running while it is retried for up to " +
+            detail::seconds_text(store_patience_));
       }
+      if (Clock::now() - store_trouble_since_ < store_patience_) return {};
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown,
-              store_lost(options_, "no answer for " + detail::seconds_text(backend_->silent_for()) +
-                                       " (" + strip_prefix(error.what()) + ")")};
+      return {Verdict::Kind::kShutdown, store_lost(options_, error)};
     }
     return as_line(verdict);
   }
@@ -401,14 +310,13 @@ class ElasticRendezvous final : public AgentRendezvous {
       throw;
     } catch (const std::exception& error) {
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, strip_prefix(error.what()))};
+      return {Verdict::Kind::kShutdown, store_lost(options_, error)};
     }
   }
 
   void finish(int signal_fd) override {
     say("round " + std::to_string(rendezvous_->current_round()) +
         ": every worker of this node succeeded");
-    backend_->bound_by_patience(false);  // the others may take a while to finish
     try {
       rendezvous_->finish();
       if (server_) {
@@ -471,11 +379,10 @@ class ElasticRendezvous final : public AgentRendezvous {
   RunOptions options_;
   // Declared before the rendezvous, whose keep-alive thread talks to it until destroyed.
   std::unique_ptr<elastic::C10dStoreServer> server_;
-  PatientBackend* backend_ = nullptr;  // owned by rendezvous_
   std::unique_ptr<elastic::Rendezvous> rendezvous_;
-  // How long the store may stay silent while workers run (see check()), and whether it is now.
+  // How long the store may stay silent while workers run (see check()), and since when it has.
   std::chrono::milliseconds store_patience_{};
-  bool store_trouble_ = false;
+  Clock::time_point store_trouble_since_{};
   // The store stopped answering: the job ended without a word to the others.
   bool store_lost_ = false;
 };

@@ -86,7 +86,6 @@ class C10dBackend : public RendezvousBackend {
   ~C10dBackend() override;
 
   std::string name() const override { return "c10d"; }
-  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   std::optional<VersionedState> get_state() override;
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
 

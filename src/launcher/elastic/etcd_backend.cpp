@@ -323,14 +323,10 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
     case CURLE_COULDNT_CONNECT: {
       long os_errno = 0;
       curl_easy_getinfo(curl, CURLINFO_OS_ERRNO, &os_errno);
-      // Refused: the host answered, so nothing listens there. Anything else (no route, a host that
-      // never answers) looks the same whether etcd's host is down or this node is cut off from it.
-      if (os_errno != ECONNREFUSED) {
-        throw CommError(at + " could not be reached (" + detail +
-                        "): either its host is down or this node is cut off from it");
-      }
-      throw CommError(at + " refused the connection; is etcd running there? (apt-get install " +
-                      "etcd-server; or start one: etcd --listen-client-urls " + member.base_url +
+      std::string what = os_errno == ECONNREFUSED ? " refused the connection"
+                                                  : " could not be reached (" + detail + ")";
+      throw CommError(at + what + "; is etcd running there? (apt-get install etcd-server; or " +
+                      "start one: etcd --listen-client-urls " + member.base_url +
                       " --advertise-client-urls " + member.base_url + ")");
     }
     case CURLE_COULDNT_RESOLVE_HOST:

@@ -11,7 +11,6 @@
 // dtrain::CommError naming the endpoint and the cause. Safe to call from one thread at a time.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,11 +28,6 @@ class RendezvousBackend {
 
   // "c10d" or "etcd": for messages.
   virtual std::string name() const = 0;
-
-  // Bounds the calls after this one by `timeout` instead of the one given at construction (the
-  // agent shortens it mid-job: Note [A store that stops answering] in
-  // src/launcher/cli/elastic_rendezvous.cpp). A backend whose calls never block ignores it.
-  virtual void set_timeout(std::chrono::milliseconds timeout) { (void)timeout; }
 
   // The state now stored, or nullopt when none was ever set for this job.
   virtual std::optional<VersionedState> get_state() = 0;
