@@ -15,9 +15,10 @@
 source "$(dirname "$0")/lib.sh"
 start_cluster "${preempt_conf[@]}"
 
-# The undisturbed run, the reference. Batches of 4 per rank (7500 steps, seconds of training): with the
-# default 32, CI's machine finished the epoch (1.2 s) before Slurm's preemption reached the job.
-args=(--epochs 1 --log-every 20 --batch-size 4)
+# The undisturbed run, the reference. Batches of 2 per rank (15000 steps, about 9 s of training): with the
+# default 32, CI's machine finished the epoch (1.2 s) before Slurm's preemption reached the job, and once
+# with 4 (4.6 s) too, under load.
+args=(--epochs 1 --log-every 20 --batch-size 2)
 timeout 120 srun -p low -n2 --kill-on-bad-exit=1 "$trainer" "${args[@]}" >"$work/reference.out" 2>&1 ||
   fail "the reference run exited with $?: $(tail -n 5 "$work/reference.out")"
 write_preemptable_job "$work/job.sh" "${args[@]}"
@@ -39,7 +40,7 @@ check_stop() {
 # check_exactly_once OUT STEP: the run in OUT resumed from STEP's checkpoint, trained only the rest of the
 # epoch, and ended as the reference did.
 check_exactly_once() {
-  local samples=$(($2 * 8)) # 2 ranks x 4
+  local samples=$(($2 * 4)) # 2 ranks x 2
   [ "$(json "$1" epoch_samples)" = "[60000]" ] || fail "epoch_samples is $(json "$1" epoch_samples), not [60000]"
   [ "$(json "$1" train_samples)" = $((60000 - samples)) ] ||
     fail "train_samples is $(json "$1" train_samples), not 60000 - $samples"
@@ -84,7 +85,7 @@ second=$(grep -o "^attempt SLURM_RESTART_COUNT=1 at [0-9.]*" "$out" | grep -o "[
 [ -n "$high_ran" ] && [ -n "$second" ] || fail "no high job output or no second attempt in $out"
 python3 -c "import sys; sys.exit(0 if $saved < $high_ran < $second else 1)" ||
   fail "expected: the stop saved ($saved), then the high job ran ($high_ran), then the job restarted ($second)"
-grep -qF "restart 1: resumed from $CKPT/checkpoint-$step.ckpt at epoch 1, $((step * 8)) samples into it, step $step" \
+grep -qF "restart 1: resumed from $CKPT/checkpoint-$step.ckpt at epoch 1, $((step * 4)) samples into it, step $step" \
   "$out" || fail "the requeued job did not resume from step $step: $(grep -v '^step\|^epoch' "$out")"
 [ "$(json "$out" restarts)" = 1 ] || fail "\"restarts\" is $(json "$out" restarts), not 1"
 check_exactly_once "$out" "$step"
@@ -105,7 +106,7 @@ step=$(check_stop "$out" "$CKPT") || exit 1
 grep -q "^preempted" "$out" && fail "the batch script took scancel --signal=TERM for a preemption"
 timeout 120 srun -p low -n2 --kill-on-bad-exit=1 "$trainer" "${args[@]}" --checkpoint-dir "$CKPT" --resume \
   >"$work/resume.out" 2>&1 || fail "the run with --resume exited with $?: $(tail -n 5 "$work/resume.out")"
-grep -qF "resumed from $CKPT/checkpoint-$step.ckpt at epoch 1, $((step * 8)) samples into it, step $step" \
+grep -qF "resumed from $CKPT/checkpoint-$step.ckpt at epoch 1, $((step * 4)) samples into it, step $step" \
   "$work/resume.out" || fail "--resume did not continue from step $step: $(grep -v '^step\|^epoch' "$work/resume.out")"
 [ "$(json "$work/resume.out" restarts)" = 0 ] || fail "\"restarts\" is $(json "$work/resume.out" restarts), not 0"
 check_exactly_once "$work/resume.out" "$step"
