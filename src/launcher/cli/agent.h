@@ -41,7 +41,9 @@ class AgentRendezvous {
   virtual std::chrono::milliseconds monitor_interval() const { return {}; }
   // One look at the job while the workers run: keep running; a new round (the loop stops the
   // workers and calls next_round()); or the end of the job (the loop stops the workers, calls
-  // leave_ended_job() and exits with code 1).
+  // leave_ended_job() and exits with code 1). It holds up the loop, and with it the relaying of the
+  // workers' output, while it runs: the elastic rendezvous's at most the rest of the keep-alive
+  // patience (Note [A store that stops answering] in elastic_rendezvous.cpp).
   virtual elastic::Verdict check() { return {}; }
   // Node 0's launcher saw this round's workers form an in-place group: from now on a node lost or
   // joining may change the running round instead of restarting every worker (elastic only).

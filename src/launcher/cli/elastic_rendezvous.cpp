@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -55,6 +56,13 @@ std::string node_id(const std::string& host) {
   return host + "_" + std::to_string(getpid()) + "_" + suffix;
 }
 
+// One call to the store: bounded more tightly than the wait at start, so that a store whose machine
+// vanished (no reset, only silence) ends a join in seconds, not after join_timeout; mid-job, the
+// patience bounds it more tightly still (Note [A store that stops answering]).
+std::chrono::milliseconds store_call_timeout(const RunOptions& options) {
+  return std::min(to_ms(options.rdzv_conf.join_timeout_s), kMaxCallTimeout);
+}
+
 // Where the rendezvous is, as the backend is given it and messages name it: HOST:PORT, or with etcd
 // --rdzv-endpoint as given (every member of its cluster, to fail over between).
 std::string rendezvous_endpoint(const RunOptions& options) {
@@ -74,9 +82,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
     std::unique_ptr<elastic::C10dStoreServer>* server) {
   const std::string endpoint = rendezvous_endpoint(options);
   std::chrono::milliseconds join_timeout = to_ms(options.rdzv_conf.join_timeout_s);
-  // One call to the store: bounded more tightly than the wait at start, so that a store whose
-  // machine vanished (no reset, only silence) ends the job in seconds, not after join_timeout.
-  std::chrono::milliseconds call_timeout = std::min(join_timeout, kMaxCallTimeout);
+  std::chrono::milliseconds call_timeout = store_call_timeout(options);
   if (options.rdzv_backend == "etcd") {
 #ifdef DTRAIN_HAVE_ETCD_BACKEND
     if (!token.empty()) {
@@ -140,16 +146,116 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
   }
 }
 
-// The message for a rendezvous store that stopped answering mid-job.
-std::string store_lost(const RunOptions& options, const std::exception& error) {
-  std::string message = "lost the rendezvous: " + strip_prefix(error.what());
-  if (options.rdzv_backend == "c10d") {
-    message +=
-        "; with --rdzv-backend c10d the store lives in the agent that hosted it: either that "
-        "agent is gone or this node is cut off from it (from here the two look the same), and "
-        "this node cannot continue without it (--rdzv-backend etcd has no such single point of "
-        "failure)";
+// Note [A store that stops answering]
+// Mid-job, a store that stops answering is gone (the agent that hosts the c10d store, or the etcd
+// cluster), cut off from this node, or only slow (an etcd leader election, a host starved on a
+// loaded machine: silences of 3.6 s were seen in CI). A store call cannot tell them apart: nothing
+// resets the connection, the call only waits. The others count this node dead once its heartbeats
+// have not landed for the patience (keep_alive_interval x keep_alive_max_attempt, 3 s by default),
+// so while the workers run every call to the store, the heartbeats' included, is bounded by what
+// is left of the patience since the store's last answer, not by the 15 s a call may take while
+// joining. Once the store has been silent for the whole patience, the agent knocks: one TCP
+// connection to the store's machine (each etcd member's), 1 s at most.
+//   - Accepted: the machine is up and the store's program still listens, however busy (the kernel
+//     completes the handshake for it), so the store is slow, not gone. The bound is lifted: calls
+//     wait as long as they may while joining, and the job ends only when one of those fails too
+//     (18 s as before). The first answer brings the bound back.
+//   - Refused: the machine is up and nothing listens: the store is gone. The job ends for this node
+//     now, and the line says so.
+//   - Silent (no route, no answer): the machine is down or this node is cut off from it; from here
+//     the two look the same and the line names both. The job ends for this node now, about the
+//     patience plus a monitor interval after the last answer (about 4 s by default, where it took
+//     18 to 30 s) and about when the others count it lost.
+// The knock is the second signal a 3 s bound alone lacked: on a machine loaded enough to starve
+// the store, the store's machine still answers a connection, so a slow store no longer ends a job.
+// The agent's thread, which relays the workers' output between looks at the store, is held by a
+// look at most the patience, plus the knock; the output written meanwhile waits in the pipes and
+// is relayed when the look returns, stop() included. (A look off the agent's thread would relay
+// without that pause but needs a second thread beside the heartbeats'; the pause is bounded by
+// the same patience that ends the job, so it is not worth one.)
+constexpr std::chrono::milliseconds kKnockTimeout{1000};
+
+class PatientBackend final : public elastic::RendezvousBackend {
+ public:
+  PatientBackend(std::unique_ptr<elastic::RendezvousBackend> backend,
+                 std::chrono::milliseconds call_timeout, std::chrono::milliseconds patience)
+      : backend_(std::move(backend)), call_timeout_(call_timeout), patience_(patience) {}
+
+  std::string name() const override { return backend_->name(); }
+  elastic::Knock knock(std::chrono::milliseconds timeout) override {
+    return backend_->knock(timeout);  // touches nothing a call does: safe beside the heartbeats
   }
+  std::optional<elastic::VersionedState> get_state() override {
+    return answered([&] { return backend_->get_state(); });
+  }
+  SetResult set_state(const std::string& state, std::optional<uint64_t> expected) override {
+    return answered([&] { return backend_->set_state(state, expected); });
+  }
+
+  // On while the workers run (Note [A store that stops answering]); off while joining a round or
+  // waiting at the end, where a slow answer is legitimate. Turning it on counts as an answer: the
+  // round was just agreed through the store.
+  void bound_by_patience(bool on) {
+    if (on) last_answer_ = Clock::now().time_since_epoch().count();
+    bounded_ = on;
+  }
+
+  // How long the store has not answered any call (this node's heartbeats' included).
+  Clock::duration silent_for() const {
+    return Clock::now() - Clock::time_point(Clock::duration(last_answer_.load()));
+  }
+
+ private:
+  template <typename Call>
+  auto answered(Call call) -> decltype(call()) {
+    std::chrono::milliseconds timeout = call_timeout_;
+    if (bounded_) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(patience_ - silent_for());
+      if (left.count() <= 0) {
+        throw TimeoutError("dtrain run: not tried: the " + name() +
+                           " rendezvous store has been silent for " +
+                           detail::seconds_text(silent_for()));
+      }
+      timeout = std::min(timeout, left);
+    }
+    // Calls come one at a time (elastic::Rendezvous holds its lock around each).
+    backend_->set_timeout(timeout);
+    auto result = call();
+    last_answer_ = Clock::now().time_since_epoch().count();
+    return result;
+  }
+
+  std::unique_ptr<elastic::RendezvousBackend> backend_;
+  const std::chrono::milliseconds call_timeout_;
+  const std::chrono::milliseconds patience_;
+  // Read by the agent's thread, written by whichever thread's call got the answer.
+  std::atomic<bool> bounded_{false};
+  std::atomic<Clock::rep> last_answer_{Clock::now().time_since_epoch().count()};
+};
+
+// The message for a rendezvous store that stopped answering mid-job: what it said last, and what
+// the knock at its machine found, if the agent knocked (Note [A store that stops answering]).
+std::string store_lost(const RunOptions& options, const std::string& what,
+                       std::optional<elastic::Knock> knocked = std::nullopt) {
+  const bool c10d = options.rdzv_backend == "c10d";
+  const std::string store = c10d ? "the c10d store's host (" + rendezvous_endpoint(options) + ")"
+                                 : "etcd (tried " + rendezvous_endpoint(options) + ")";
+  std::string message = "lost the rendezvous: " + what + "; ";
+  if (c10d) message += "with --rdzv-backend c10d the store lives in the agent that hosted it: ";
+  if (knocked == elastic::Knock::kRefused) {
+    message += store + " refuses connections, so " +
+               (c10d ? std::string("that agent is gone") : "etcd no longer runs there");
+  } else if (knocked == elastic::Knock::kAccepted) {
+    message += store + " takes connections but " +
+               (c10d ? std::string("the store does not answer: that agent is stalled")
+                     : "does not answer: it has no leader or is overloaded");
+  } else {
+    message += (knocked ? store + " does not answer a connection either: " : std::string()) +
+               "either " + (knocked ? "that machine" : store) +
+               " is down or this node is cut off from it (from here the two look the same)";
+  }
+  message += ", and this node cannot continue without it";
+  if (c10d) message += " (--rdzv-backend etcd has no such single point of failure)";
   return message;
 }
 
@@ -173,7 +279,7 @@ Verdict as_line(Verdict verdict) {
 class ElasticRendezvous final : public AgentRendezvous {
  public:
   ElasticRendezvous(const RunOptions& options, std::unique_ptr<elastic::C10dStoreServer> server,
-                    std::unique_ptr<elastic::RendezvousBackend> backend)
+                    std::unique_ptr<elastic::RendezvousBackend> connected)
       : options_(options), server_(std::move(server)) {
     elastic::NodeInfo self;
     self.host = host_name();
@@ -193,6 +299,9 @@ class ElasticRendezvous final : public AgentRendezvous {
     settings.keep_alive_max_attempt = options.rdzv_conf.keep_alive_max_attempt;
     settings.max_restarts = options.max_restarts;
     store_patience_ = settings.keep_alive_interval * settings.keep_alive_max_attempt;
+    auto backend = std::make_unique<PatientBackend>(std::move(connected),
+                                                    store_call_timeout(options), store_patience_);
+    backend_ = backend.get();
     rendezvous_ = std::make_unique<elastic::Rendezvous>(std::move(backend), settings, self);
     rendezvous_->start_keep_alive();
     say(self.describe() + " joins rendezvous '" + options.run_id + "' at " +
@@ -205,6 +314,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     Clock::time_point start = Clock::now();
     std::optional<elastic::RoundAssignment> round;
     *exit_code = 1;
+    backend_->bound_by_patience(false);
     try {
       round = rendezvous_->next_round(elastic::pick_free_port(), signals.fd());
     } catch (const PeerLostError& error) {  // the job was shut down
@@ -217,7 +327,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     } catch (const UsageError&) {
       throw;
     } catch (const CommError& error) {
-      say(store_lost(options_, error));
+      say(store_lost(options_, strip_prefix(error.what())));
       return std::nullopt;
     }
     if (!round) {
@@ -235,6 +345,7 @@ class ElasticRendezvous final : public AgentRendezvous {
         ", WORLD_SIZE " + std::to_string(round->world_size) + ", master " + round->master_addr +
         ":" + std::to_string(round->master_port) + " (rendezvous took " +
         detail::seconds_text(since(start)) + ")");
+    backend_->bound_by_patience(true);
     elastic::WorkerGroupRound workers;
     workers.group_rank = round->group_rank;
     workers.group_world_size = round->group_world_size;
@@ -260,22 +371,40 @@ class ElasticRendezvous final : public AgentRendezvous {
     Verdict verdict;
     try {
       verdict = rendezvous_->check();
-      store_trouble_since_ = {};
+      store_trouble_ = false;
+      if (knocked_) backend_->bound_by_patience(true);  // the store answered again
+      knocked_.reset();
     } catch (const UsageError&) {
       throw;
     } catch (const std::exception& error) {
       // A store that misses a look or two (an etcd leader election, a starved c10d host) is not a
       // lost job: the workers keep running while it stays silent for less than a heartbeat
-      // timeout, the time after which the others would count this node dead anyway.
-      if (store_trouble_since_ == Clock::time_point{}) {
-        store_trouble_since_ = Clock::now();
-        say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
-            "); the workers keep running while it is retried for up to " +
-            detail::seconds_text(store_patience_));
+      // timeout, the time after which the others would count this node dead anyway (Note [A
+      // store that stops answering]).
+      if (backend_->silent_for() < store_patience_) {
+        if (!store_trouble_) {
+          say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
+              "); the workers keep running while it is retried for up to " +
+              detail::seconds_text(store_patience_) + " since its last answer");
+        }
+        store_trouble_ = true;
+        return {};
       }
-      if (Clock::now() - store_trouble_since_ < store_patience_) return {};
+      const std::string silence = "no answer for " + detail::seconds_text(backend_->silent_for()) +
+                                  " (" + strip_prefix(error.what()) + ")";
+      // Knocked before: the lifted bound's call failed too; knock again for the line.
+      const bool first_knock = !knocked_;
+      knocked_ = backend_->knock(kKnockTimeout);
+      if (first_knock && knocked_ == elastic::Knock::kAccepted) {
+        backend_->bound_by_patience(false);
+        say("the rendezvous store's machine still takes connections, so the store is slow, not "
+            "gone (" +
+            silence + "); the workers keep running while it is given up to " +
+            detail::seconds_text(store_call_timeout(options_)) + " per call");
+        return {};
+      }
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, error)};
+      return {Verdict::Kind::kShutdown, store_lost(options_, silence, knocked_)};
     }
     return as_line(verdict);
   }
@@ -310,13 +439,14 @@ class ElasticRendezvous final : public AgentRendezvous {
       throw;
     } catch (const std::exception& error) {
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, error)};
+      return {Verdict::Kind::kShutdown, store_lost(options_, strip_prefix(error.what()))};
     }
   }
 
   void finish(int signal_fd) override {
     say("round " + std::to_string(rendezvous_->current_round()) +
         ": every worker of this node succeeded");
+    backend_->bound_by_patience(false);  // the others may take a while to finish
     try {
       rendezvous_->finish();
       if (server_) {
@@ -379,10 +509,14 @@ class ElasticRendezvous final : public AgentRendezvous {
   RunOptions options_;
   // Declared before the rendezvous, whose keep-alive thread talks to it until destroyed.
   std::unique_ptr<elastic::C10dStoreServer> server_;
+  PatientBackend* backend_ = nullptr;  // owned by rendezvous_
   std::unique_ptr<elastic::Rendezvous> rendezvous_;
-  // How long the store may stay silent while workers run (see check()), and since when it has.
+  // How long the store may stay silent while workers run (see check()), and whether it is now.
   std::chrono::milliseconds store_patience_{};
-  Clock::time_point store_trouble_since_{};
+  bool store_trouble_ = false;
+  // What the knock at the store's machine found, once it had been silent for the patience; reset
+  // by its next answer (Note [A store that stops answering]).
+  std::optional<elastic::Knock> knocked_;
   // The store stopped answering: the job ended without a word to the others.
   bool store_lost_ = false;
 };

@@ -86,6 +86,10 @@ class C10dBackend : public RendezvousBackend {
   ~C10dBackend() override;
 
   std::string name() const override { return "c10d"; }
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  Knock knock(std::chrono::milliseconds timeout) override {
+    return elastic::knock(host_, port_, timeout);
+  }
   std::optional<VersionedState> get_state() override;
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
 

@@ -323,10 +323,14 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
     case CURLE_COULDNT_CONNECT: {
       long os_errno = 0;
       curl_easy_getinfo(curl, CURLINFO_OS_ERRNO, &os_errno);
-      std::string what = os_errno == ECONNREFUSED ? " refused the connection"
-                                                  : " could not be reached (" + detail + ")";
-      throw CommError(at + what + "; is etcd running there? (apt-get install etcd-server; or " +
-                      "start one: etcd --listen-client-urls " + member.base_url +
+      // Refused: the host answered, so nothing listens there. Anything else (no route, a host that
+      // never answers) looks the same whether etcd's host is down or this node is cut off from it.
+      if (os_errno != ECONNREFUSED) {
+        throw CommError(at + " could not be reached (" + detail +
+                        "): either its host is down or this node is cut off from it");
+      }
+      throw CommError(at + " refused the connection; is etcd running there? (apt-get install " +
+                      "etcd-server; or start one: etcd --listen-client-urls " + member.base_url +
                       " --advertise-client-urls " + member.base_url + ")");
     }
     case CURLE_COULDNT_RESOLVE_HOST:
@@ -355,6 +359,22 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
                     hint);
   }
   return response;
+}
+
+Knock EtcdBackend::knock(std::chrono::milliseconds timeout) {
+  // One member after another: a cluster member that takes the connection is enough to keep
+  // waiting for the cluster (it may be electing a leader).
+  Knock best = Knock::kSilent;
+  for (const Member& member : members_) {
+    const size_t colon = member.endpoint.rfind(':');
+    std::string host = member.endpoint.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    const Knock answer =
+        elastic::knock(host, std::stoi(member.endpoint.substr(colon + 1)), timeout);
+    if (answer == Knock::kAccepted) return answer;
+    if (answer == Knock::kRefused) best = answer;
+  }
+  return best;
 }
 
 std::optional<VersionedState> EtcdBackend::get_state() {

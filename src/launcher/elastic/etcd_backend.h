@@ -58,6 +58,8 @@ class EtcdBackend : public RendezvousBackend {
   EtcdBackend& operator=(const EtcdBackend&) = delete;
 
   std::string name() const override { return "etcd"; }
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  Knock knock(std::chrono::milliseconds timeout) override;
   std::optional<VersionedState> get_state() override;
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
 

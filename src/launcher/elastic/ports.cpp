@@ -2,13 +2,16 @@
 #include "launcher/elastic/ports.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "dtrain/errors.h"
 
@@ -127,6 +130,47 @@ std::string local_address_towards(const std::string& host, int port) {
   if (fd >= 0) close(fd);
   freeaddrinfo(results);
   return address;
+}
+
+Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* results = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0 ||
+      results == nullptr) {
+    return Knock::kSilent;
+  }
+  Knock answer = Knock::kSilent;
+  {
+    Socket socket(results->ai_family);
+    if (socket.fd() >= 0) {
+      fcntl(socket.fd(), F_SETFL, fcntl(socket.fd(), F_GETFL) | O_NONBLOCK);
+      int error = 0;
+      if (connect(socket.fd(), results->ai_addr, results->ai_addrlen) != 0) {
+        error = errno;
+        if (error == EINPROGRESS) {
+          const auto deadline = std::chrono::steady_clock::now() + timeout;
+          pollfd out{socket.fd(), POLLOUT, 0};
+          int ready = -1;
+          for (auto left = timeout; ready < 0 && left.count() > 0;
+               left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   deadline - std::chrono::steady_clock::now())) {
+            ready = poll(&out, 1, static_cast<int>(left.count()));
+            if (ready < 0 && errno != EINTR) break;  // a signal for the launcher: poll again
+          }
+          if (ready == 1) {
+            socklen_t size = sizeof(error);
+            getsockopt(socket.fd(), SOL_SOCKET, SO_ERROR, &error, &size);
+          }  // else still EINPROGRESS: no answer in time
+        }
+      }
+      if (error == 0) answer = Knock::kAccepted;
+      if (error == ECONNREFUSED) answer = Knock::kRefused;
+    }
+  }
+  freeaddrinfo(results);
+  return answer;
 }
 
 }  // namespace dtrain::elastic

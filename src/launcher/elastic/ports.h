@@ -2,6 +2,7 @@
 // explicitly given one can be bound on this machine before any worker starts.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 namespace dtrain::elastic {
@@ -28,5 +29,18 @@ PortProbe probe_port(const std::string& addr, int port);
 // nodes of a job can reach it at (they reach the same rendezvous endpoint). Found with a UDP
 // connect(), which sends nothing. Empty when `host` does not resolve or no route leads there.
 std::string local_address_towards(const std::string& host, int port);
+
+// What a machine said to one TCP connection attempt (Note [A store that stops answering] in
+// src/launcher/cli/elastic_rendezvous.cpp says why a launcher asks).
+enum class Knock {
+  kAccepted,  // the connection was made: the machine is up and something listens on the port,
+              // however busy that program is (the kernel completes the handshake for it)
+  kRefused,   // the machine answered that nothing listens on the port any more
+  kSilent,    // no answer within the timeout, no route, or the name no longer resolves: the
+              // machine is down or this one is cut off from it
+};
+
+// One connection attempt to host:port, closed at once; waits at most `timeout`.
+Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout);
 
 }  // namespace dtrain::elastic

@@ -11,9 +11,12 @@
 // dtrain::CommError naming the endpoint and the cause. Safe to call from one thread at a time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
+
+#include "launcher/elastic/ports.h"
 
 namespace dtrain::elastic {
 
@@ -28,6 +31,21 @@ class RendezvousBackend {
 
   // "c10d" or "etcd": for messages.
   virtual std::string name() const = 0;
+
+  // Bounds the calls after this one by `timeout` instead of the one given at construction (the
+  // agent shortens it mid-job: Note [A store that stops answering] in
+  // src/launcher/cli/elastic_rendezvous.cpp). A backend whose calls never block ignores it.
+  virtual void set_timeout(std::chrono::milliseconds timeout) { (void)timeout; }
+
+  // Whether the store's machine still takes a TCP connection (with several, as etcd's members,
+  // the best answer of any), waiting at most `timeout`: asked when the store has stopped
+  // answering, to tell a store that is only slow from one that is gone or cut off (Note [A store
+  // that stops answering] in src/launcher/cli/elastic_rendezvous.cpp). A backend that cannot tell
+  // says kAccepted, and its store is waited for as long as a call may take.
+  virtual Knock knock(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return Knock::kAccepted;
+  }
 
   // The state now stored, or nullopt when none was ever set for this job.
   virtual std::optional<VersionedState> get_state() = 0;
