@@ -70,11 +70,33 @@
 //   waited min(`settle`, `lost_after`) for it); a lost host or a cut link after
 //   `lost_after` (heartbeats; next step 3.1-3.2 s after the fault, against 32 s before); the
 //   store's host lost ends the job after `lost_after` on every member, each naming the store.
+// - A member asked to stop (SIGTERM after dtrain::install_stop_handler(), dtrain/stop.h) leaves
+//   in place (Note [Leaving in place] below) when the body asks agree_to_stop().
 // - Limits (today): a link cut between two workers' hosts while both still reach the store is not
 //   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
 //   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
 //   heartbeat check inside the wait), and its communicators are not aborted between generations:
 //   in place on GPUs has not run yet (the example trainer restarts instead on a CUDA device).
+//
+// Note [Leaving in place]
+// SIGTERM reaches one node of a job (a scheduler takes it back) or all of them (the job is
+// cancelled), and a process cannot tell which. Stopping every rank for one node's SIGTERM, as
+// dtrain::should_stop does, costs every rank a restart from the checkpoint. So at each step
+// boundary the members count who asked to stop (agree_to_stop(): one all-reduce of one number, as
+// should_stop's):
+//   - nobody: the step goes on;
+//   - some: they leave (kLeave: the caller ends the process, exit code dtrain::kStopExitCode, and
+//     saves nothing) and the others re-form without them at once and go on (the body continues at
+//     the new size; nothing of the step had changed). The ones who stay hold the whole state, so
+//     nothing is lost; a member that gets SIGTERM later leaves at a later boundary, and the last
+//     ones stop together;
+//   - all, or so many that fewer than RecoveryOptions::min_size would stay: every member stops
+//     (kStopAll: rank 0 saves a checkpoint and every rank exits, as with should_stop).
+// A member whose departure would take the job's store with it (the process that hosts it, or
+// every process on node 0 when node 0's launcher hosts it: TORCHELASTIC_USE_AGENT_STORE=True)
+// counts for everyone: its SIGTERM stops the whole job, with a checkpoint, instead of leaving the
+// others without a store. A leaving member writes its own exit notice (Note [Heartbeats],
+// src/recovery/membership.h), so the others do not wait `settle` for it.
 #pragma once
 
 #include <chrono>
@@ -132,6 +154,14 @@ struct RecoveryStats {
   int64_t admitted = 0;      // newcomers admitted
   int64_t steps = 0;         // committed steps
   int64_t steps_redone = 0;  // steps abandoned by a failure and done again at the new size
+  int64_t departed = 0;      // members that left on SIGTERM (Note [Leaving in place])
+};
+
+// What the members agreed about stopping at a step boundary (Note [Leaving in place]).
+enum class StopAgreement {
+  kGoOn,     // nobody asked, or others left and this member goes on without them
+  kLeave,    // this member asked and the others go on: end the process without saving
+  kStopAll,  // every member stops: rank 0 saves, then every rank exits (as dtrain::should_stop)
 };
 
 // What being ready to recover has cost this process so far, nothing failing (the bench's "at most
@@ -164,6 +194,12 @@ class ResilientDataParallelBase {
   // it is admitted before the body runs. Blocks for a recovery up to `settle` plus the timeout.
   // Throws CommError when the failure is final (see RecoveryOptions), or this rank was left out.
   bool step(const std::function<bool()>& body);
+
+  // Collective, inside the body before anything of the step changes, on every member at the same
+  // step: who asked to stop (dtrain::stop_requested()), agreed as Note [Leaving in place] says.
+  // When others leave, this member re-forms without them before it returns kGoOn, and the body goes
+  // on at the new size. A CommError propagates: step() re-forms and runs the body again.
+  StopAgreement agree_to_stop();
 
   // The current generation's group (a new one after every re-formation: do not keep it across
   // steps).

@@ -18,7 +18,9 @@
 // change between any two steps. A rank that stopped on its own flag would leave the others waiting
 // in the next step's gradient all-reduce until their timeout. So after every step the ranks take
 // the maximum of their flags (one all-reduce of one integer, microseconds over shared memory): all
-// see the same answer after the same step, and all stop there together.
+// see the same answer after the same step, and all stop there together. A group that recovers in
+// place does better: ResilientDataParallel::agree_to_stop() (dtrain/recovery.h) lets the ranks
+// whose node got SIGTERM leave while the others go on, and stops everyone only when everyone asked.
 #pragma once
 
 #include <memory>

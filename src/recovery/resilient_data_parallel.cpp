@@ -23,6 +23,7 @@
 #include "common/format.h"
 #include "common/log.h"
 #include "dtrain/recovery.h"
+#include "dtrain/stop.h"
 #include "recovery/membership.h"
 
 namespace dtrain {
@@ -77,6 +78,7 @@ class RecoveryCore {
   void stop_watching();
   void finish();
   bool generation_current() { return !membership_->started(generation_ + 1); }
+  StopAgreement agree_to_stop();
 
   bool job_finished_ = false;
   std::shared_ptr<ProcessGroup> group_;
@@ -88,12 +90,13 @@ class RecoveryCore {
   }
 
  private:
-  enum class Reason { kFailure, kAdmission };
+  enum class Reason { kFailure, kAdmission, kDeparture };
   void reform(Reason reason, int newcomers, const std::string& cause);
   void admit_newcomers();
   void connect(int64_t generation);
   void transfer_state();
   void release_group();
+  void depart();
   void start_watching();
   void watch(int64_t generation);
   std::string who() const { return rank_text(launch_.rank, launch_.world_size); }
@@ -111,6 +114,7 @@ class RecoveryCore {
   std::vector<MemberRecord> members_;
   int64_t generation_ = 0;
   bool newcomer_ = false;           // holds no state until the first transfer
+  bool departed_ = false;           // left on SIGTERM (agree_to_stop): no longer a member
   int64_t newcomers_admitted_ = 0;  // newcomer numbers 1..this are admitted (or gone)
   // The step count at the members' last agreement on the newcomers (admit_newcomers), or at the
   // formation of this generation: the same on every member.
@@ -341,8 +345,9 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
               << ") ready in " << seconds_text(marks.back() - marks.front())
               << " (old group released " << part(1) << ", membership " << part(2) << ", connected "
               << part(3) << ", state " << part(4) << ", DDP " << part(5) << ") after "
-              << (reason == Reason::kFailure
-                      ? "a failure: " + why
+              << (reason == Reason::kFailure ? "a failure: " + why
+                  : reason == Reason::kDeparture
+                      ? why
                       : std::string("admitting ") + std::to_string(newcomers) + " newcomer(s)"));
     }
     return;
@@ -422,12 +427,13 @@ void RecoveryCore::transfer_state() {
     optimizer_bytes = out.str();
   }
   const SamplerState position = committed_;
-  auto counters = torch::tensor(
-      {stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries, stats_.admitted,
-       stats_.steps_redone, newcomers_admitted_, static_cast<int64_t>(optimizer_bytes.size())},
-      torch::kInt64);
+  auto counters =
+      torch::tensor({stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries,
+                     stats_.admitted, stats_.steps_redone, newcomers_admitted_, stats_.departed,
+                     static_cast<int64_t>(optimizer_bytes.size())},
+                    torch::kInt64);
   group_->broadcast(counters, source);
-  auto bytes = torch::empty({counters[7].item<int64_t>()}, torch::kUInt8);
+  auto bytes = torch::empty({counters[8].item<int64_t>()}, torch::kUInt8);
   if (sending) std::memcpy(bytes.data_ptr(), optimizer_bytes.data(), optimizer_bytes.size());
   group_->broadcast(bytes, source);
 
@@ -454,6 +460,7 @@ void RecoveryCore::transfer_state() {
     stats_.admitted = c[4];
     stats_.steps_redone = c[5];
     newcomers_admitted_ = c[6];
+    stats_.departed = c[7];
   }
   stats_.generation = generation_;
   sampler_.load_state(committed_);
@@ -483,6 +490,45 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
       reform(Reason::kFailure, 0, e.what());
     }
   }
+}
+
+// Note [Leaving in place] (dtrain/recovery.h). Each member's vote is 1, or the group's size where
+// its leaving would take the job's store away (so the sum reaches the size: everyone stops).
+StopAgreement RecoveryCore::agree_to_stop() {
+  const bool mine = stop_requested();  // read once: SIGTERM may land during the all-reduce
+  const int size = group_->size();
+  const bool holds_store = launcher_hosts_store() ? launch_.node_rank == 0 : launch_.rank == 0;
+  auto votes = torch::tensor({int64_t{mine ? (holds_store ? size : 1) : 0}}, torch::kInt64);
+  group_->all_reduce(votes, ReduceOp::kSum);
+  const int64_t leaving = votes.item<int64_t>();
+  if (leaving == 0) return StopAgreement::kGoOn;
+  if (size - leaving < options_.min_size) return StopAgreement::kStopAll;
+  if (mine) {
+    depart();
+    return StopAgreement::kLeave;
+  }
+  stats_.departed += leaving;
+  // Nothing of this step has changed yet; the formation re-deals the sampler from where it began.
+  reform(Reason::kDeparture, 0,
+         std::to_string(leaving) + " member(s) leaving on SIGTERM at step " +
+             std::to_string(stats_.steps));
+  return StopAgreement::kGoOn;
+}
+
+// This member leaves the job (agree_to_stop): it tells the others it is gone, so that their next
+// generation closes without waiting for it, and stops watching.
+void RecoveryCore::depart() {
+  departed_ = true;
+  stop_watching();
+  heartbeats_->retire();
+  try {
+    root_store_->set(Heartbeats::exit_key(self_), std::string("left on SIGTERM"));
+  } catch (const std::exception& e) {
+    // The others then wait for its heartbeat to go stale (lost_after) or `settle`.
+    DTRAIN_LOG(kWarn, "in-place recovery: could not tell the others that this member leaves: "
+                          << e.what());
+  }
+  release_group();
 }
 
 // Admission happens where every member has the same count of newcomers to admit, at the same
@@ -564,6 +610,7 @@ void RecoveryCore::start_watching() {
 }
 
 void RecoveryCore::finish() {
+  if (departed_) return;  // nothing to tell: the job goes on without this process
   stop_watching();
   if (heartbeats_) heartbeats_->retire();
   if (group_ && group_->rank() == 0 && !job_finished_) membership_->mark_finished();
@@ -615,6 +662,8 @@ ReadinessCost ResilientDataParallelBase::readiness_cost() const { return core_->
 void ResilientDataParallelBase::finish() { core_->finish(); }
 
 bool ResilientDataParallelBase::generation_current() const { return core_->generation_current(); }
+
+StopAgreement ResilientDataParallelBase::agree_to_stop() { return core_->agree_to_stop(); }
 
 bool ResilientDataParallelBase::job_finished() const { return core_->job_finished_; }
 

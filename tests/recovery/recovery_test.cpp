@@ -208,6 +208,10 @@ enum class Launch {
   // started afterwards is admitted into it, into the lost node's ranks, and its workers join as
   // newcomers: the job ends at full size without any worker restarted.
   kElasticNodeLostAndReplaced,
+  // Note [Leaving in place]: the same two agents; rank 3 sends SIGTERM to its agent, which passes
+  // it on to ranks 2 and 3 and leaves the rendezvous: they leave at a step boundary, and ranks 0
+  // and 1 go on in the same round without a failure, a restart or a checkpoint.
+  kElasticNodeLeavesOnSigterm,
 };
 
 std::string launch_script(const std::string& dir, Launch launch) {
@@ -232,6 +236,18 @@ std::string launch_script(const std::string& dir, Launch launch) {
     return "bash -c '" + agent + "2 -- " + worker + flags + " > " + dir + "/agent0 2>&1 & a=$!; " +
            agent + "1 -- " + worker + flags + " > " + dir + "/agent1 2>&1; b=$?; wait $a; " +
            "echo agents=$?,$b; cat " + dir + "/agent0 " + dir + "/agent1'";
+  }
+  if (launch == Launch::kElasticNodeLeavesOnSigterm) {
+    const std::string agent =
+        bin("dtrain") + " run --nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
+        std::to_string(free_port()) +
+        " --rdzv-conf last_call_timeout=30 --recovery in-place --nproc-per-node 2 -- " + worker +
+        " --term-launcher-rank 3 --term-after 5 --step-ms 50";
+    // The first agent to end is node 1's, the one taken back.
+    return "bash -c '" + agent + " > " + dir + "/agent0 2>&1 & a=$!; " + agent + " > " + dir +
+           "/agent1 2>&1 & b=$!; wait -n -p first $a $b; echo node_left=$?; if [ $first = $a ]; " +
+           "then wait $b; else wait $a; fi; echo survivor=$?; cat " + dir + "/agent0 " + dir +
+           "/agent1'";
   }
   if (launch == Launch::kElasticNodeLostAndReplaced) {
     // MAX 2, so the third agent waits until node 1 is found lost (a heartbeat timeout of 1.5 s)
@@ -311,6 +327,36 @@ TEST_P(InPlaceRecovery, SurvivorsGoOnAndMatchOneProcess) {
   EXPECT_EQ(steps.begin()->second.world, full);
   EXPECT_EQ(steps.at(6).world, full - lost);  // the step after the kill, redone without them
   expect_sound_job(dir, steps, newcomer ? full : full - lost);
+  expect_one_random_stream(dir);
+  fs::remove_all(dir);
+}
+
+// Note [Leaving in place] (dtrain/recovery.h) and [Rounds in place]: a node taken back on SIGTERM
+// costs the others neither a restart nor a checkpoint, only a re-formation; every sample is still
+// used once and the parameters are one process's.
+TEST(InPlaceLeave, ANodeTakenBackOnSigtermLeavesAndTheOthersGoOnWithoutARestart) {
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command(launch_script(dir, Launch::kElasticNodeLeavesOnSigterm), 120);
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.output.find("node_left=143"), std::string::npos);  // 128 + SIGTERM
+  EXPECT_NE(result.output.find("survivor=0"), std::string::npos);
+  EXPECT_NE(result.output.find("rank 2 left on SIGTERM"), std::string::npos);
+  EXPECT_NE(result.output.find("rank 3 left on SIGTERM"), std::string::npos);
+  EXPECT_NE(result.output.find("left the job (received SIGTERM); the running round goes on in "
+                               "place with 1 node(s)"),
+            std::string::npos);
+  EXPECT_EQ(result.output.find("new round"), std::string::npos) << "a worker was restarted";
+  EXPECT_EQ(json_int(result.output, "departed"), 2);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 0);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 0);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.begin()->second.world, 4);
+  EXPECT_EQ(steps.rbegin()->second.world, 2);
+  expect_sound_job(dir, steps, 2);
   expect_one_random_stream(dir);
   fs::remove_all(dir);
 }

@@ -8,6 +8,7 @@
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--kill-launcher-too]
 //                   [--slow-until-admitted [--newcomers N]] [--step-ms MS] [--settle-ms MS]
 //                   [--lost-after-ms MS] [--fail-rank R --fail-step S] [--plain-comm-hook]
+//                   [--term-launcher-rank R --term-after S]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --kill-launcher-too: it kills
 // its parent first, the `dtrain run` agent, whose other workers die with it (PR_SET_PDEATHSIG): the
@@ -24,6 +25,10 @@
 // and this process must be healed from them. It records the step's indices first: the others'
 // step used its gradient. --plain-comm-hook: DDP all-reduces through a comm hook of its own (exact,
 // as the plain path), on which no number rides: admission then agrees by an all-reduce of its own.
+// --term-launcher-rank R --term-after S: every process asks rdp.agree_to_stop() at the start of
+// each step (a SIGTERM stop handler installed), and the process of job rank R sends SIGTERM to its
+// parent, the `dtrain run` agent, right after committing step S: its node is taken back, and its
+// workers leave in place (Note [Leaving in place], dtrain/recovery.h) and exit with code 143.
 // Every process also appends "<step> <draw>" to <out>/random-<pid>.txt, a draw from the default
 // generator after each committed step: a newcomer's must continue the others' stream.
 #include <torch/torch.h>
@@ -41,6 +46,7 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/recovery.h"
+#include "dtrain/stop.h"
 #include "recovery_model.h"
 
 namespace {
@@ -87,6 +93,8 @@ int run(int argc, char** argv) {
   int step_ms = 0;
   int fail_rank = -1;
   int64_t fail_step = -1;
+  int term_rank = -1;
+  int64_t term_after = -1;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
@@ -107,7 +115,10 @@ int run(int argc, char** argv) {
     if (arg == "--fail-rank" && i + 1 < argc) fail_rank = std::atoi(argv[++i]);
     if (arg == "--fail-step" && i + 1 < argc) fail_step = std::atoll(argv[++i]);
     if (arg == "--plain-comm-hook") options.ddp.comm_hook = std::make_shared<PlainAllReduce>();
+    if (arg == "--term-launcher-rank" && i + 1 < argc) term_rank = std::atoi(argv[++i]);
+    if (arg == "--term-after" && i + 1 < argc) term_after = std::atoll(argv[++i]);
   }
+  if (term_rank >= 0) dtrain::install_stop_handler();
   const int job_rank = std::atoi(std::getenv("RANK"));
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
   const bool newcomer = join != nullptr && std::string(join) == "1";
@@ -126,10 +137,15 @@ int run(int argc, char** argv) {
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
   std::ofstream draws(out + "/random-" + std::to_string(::getpid()) + ".txt");
   bool failed_once = false;
-  for (int64_t epoch = sampler.epoch(); epoch < kEpochs; ++epoch) {
+  dtrain::StopAgreement stop = dtrain::StopAgreement::kGoOn;
+  for (int64_t epoch = sampler.epoch(); epoch < kEpochs && stop == dtrain::StopAgreement::kGoOn;
+       ++epoch) {
     sampler.set_epoch(epoch);
     std::vector<size_t> used;
     while (rdp.step([&](auto& ddp) {
+      if (term_rank >= 0 && (stop = rdp.agree_to_stop()) != dtrain::StopAgreement::kGoOn) {
+        return false;
+      }
       auto batch = sampler.next(kBatch);
       if (!batch) return false;
       used = *batch;
@@ -173,11 +189,21 @@ int run(int argc, char** argv) {
           std::raise(SIGKILL);
         }
       }
+      if (job_rank == term_rank && stats.steps == term_after && !newcomer) {
+        ::kill(::getppid(), SIGTERM);
+      }
       if (slow && stats.admitted < newcomers) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
     }
+  }
+  if (stop != dtrain::StopAgreement::kGoOn) {
+    std::cout << "rank " << job_rank
+              << (stop == dtrain::StopAgreement::kLeave ? " left on SIGTERM"
+                                                        : " stopped on SIGTERM")
+              << " after step " << rdp.stats().steps << std::endl;
+    return dtrain::kStopExitCode;
   }
   rdp.finish();
   auto group = rdp.group();
@@ -192,7 +218,7 @@ int run(int argc, char** argv) {
     std::cout << "{\"world_size\": " << group->size() << ", \"steps\": " << stats.steps
               << ", \"recoveries\": " << stats.recoveries << ", \"admitted\": " << stats.admitted
               << ", \"steps_redone\": " << stats.steps_redone
-              << ", \"generation\": " << stats.generation
+              << ", \"departed\": " << stats.departed << ", \"generation\": " << stats.generation
               << ", \"admission_carried\": " << rdp.readiness_cost().admission_carried
               << ", \"admission_checks\": " << rdp.readiness_cost().admission_checks << "}"
               << std::endl;

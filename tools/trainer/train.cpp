@@ -251,6 +251,8 @@ int train(const Flags& flags) {
   // to stop instead (SIGTERM, Note [Agreeing to stop] in dtrain/stop.h).
   int64_t step_samples = 0, step_epoch = 0;
   bool stop_agreed = false;
+  // In place: this rank left on SIGTERM and the others go on (Note [Leaving in place]).
+  bool left = false;
   at::Tensor loss;
   // --cuda-graph: the whole step (the rows' gather, forward, backward, SGD) captured once and
   // replayed (dtrain/cuda_graph.h); its only input is the batch's row numbers.
@@ -269,9 +271,13 @@ int train(const Flags& flags) {
   auto body = [&]() -> bool {
     // In place the agreement is a collective that may fail like the gradient's: inside the body,
     // before anything of the step changes. Otherwise after the step, below.
-    if (strategy.rdp && agree_to_stop()) {
-      stop_agreed = true;
-      return false;
+    // Some ranks' SIGTERM (one node taken back) lets them leave while the others go on, re-formed
+    // (Note [Leaving in place] in dtrain/recovery.h); everyone's stops the job with a checkpoint.
+    if (strategy.rdp && checkpointing) {
+      const dtrain::StopAgreement agreed = strategy.rdp->agree_to_stop();
+      left = agreed == dtrain::StopAgreement::kLeave;
+      stop_agreed = agreed == dtrain::StopAgreement::kStopAll;
+      if (left || stop_agreed) return false;
     }
     auto batch = sampler.next(static_cast<size_t>(step_rows));
     if (!batch) return false;  // the epoch is over (on every rank at once)
@@ -374,6 +380,7 @@ int train(const Flags& flags) {
     }
     if (last_loss_tensor.defined()) last_loss = last_loss_tensor.item<double>();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    if (left) break;
     if (leader()) progress.done();
     if (stop_agreed) {
       preempted = true;
@@ -389,6 +396,12 @@ int train(const Flags& flags) {
     // A finished epoch is saved as the start of the next one.
     if (!stopped_early) sampler.set_epoch(sampler.epoch() + 1);
     if (checkpointing) save();
+  }
+  if (left) {
+    checkpoints.wait();  // a checkpoint this rank was writing is whole before it goes
+    std::cout << "rank " << job_rank << " left on SIGTERM after step " << at.steps
+              << "; the others go on without it and hold the whole state" << std::endl;
+    return dtrain::kStopExitCode;
   }
   if (strategy.rdp) strategy.rdp->finish();  // before the barrier: newcomers still waiting go
   if (preempted) {
@@ -442,6 +455,7 @@ int train(const Flags& flags) {
       result["recoveries"] = stats.recoveries;
       result["steps_redone"] = stats.steps_redone;
       result["admitted"] = stats.admitted;
+      result["departed"] = stats.departed;
       // What being ready cost this rank, nothing failing (dtrain::ReadinessCost); against
       // train_time_s it is bench/recovery_overhead.sh's share.
       const dtrain::ReadinessCost cost = strategy.rdp->readiness_cost();

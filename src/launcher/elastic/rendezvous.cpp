@@ -303,25 +303,30 @@ bool Rendezvous::sweep(RendezvousState& state) {
     }
     state.ended_by_loss = true;
   } else if (lost_in_place && state.shutdown.empty()) {
-    const int left = static_cast<int>(state.participants.size());
-    // Nodes waiting to join fill the gap in the same change (where MIN == MAX they must, or the job
-    // would end for want of a node that is there).
-    const std::size_t first_change = state.changes_in_place.size();
-    state.changes_in_place.push_back(what + "; the running round goes on in place with " +
-                                     std::to_string(left) +
-                                     " node(s), whose workers carry on without the lost ones");
-    admit_in_place(state);
-    const int now = static_cast<int>(state.participants.size());
-    if (now < settings_.min_nodes) {
-      state.changes_in_place.resize(first_change);
-      state.shutdown =
-          what + "; " + std::to_string(now) + " node(s) left, fewer than the minimum of " +
-          std::to_string(settings_.min_nodes) + " (--nnodes " +
-          std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes) + ")";
-      state.ended_by_loss = true;
-    }
+    if (!go_on_in_place(state, what)) state.ended_by_loss = true;
   }
   return true;
+}
+
+// Note [Rounds in place]: the running round goes on without participants already removed from
+// `state` (lost, or left), nodes waiting to join filling the gap in the same change (where MIN ==
+// MAX they must, or the job would end for want of a node that is there). False when fewer than MIN
+// are left: the job ends.
+bool Rendezvous::go_on_in_place(RendezvousState& state, const std::string& what) {
+  const int left = static_cast<int>(state.participants.size());
+  const std::size_t first_change = state.changes_in_place.size();
+  state.changes_in_place.push_back(what + "; the running round goes on in place with " +
+                                   std::to_string(left) +
+                                   " node(s), whose workers carry on without the ones gone");
+  admit_in_place(state);
+  const int now = static_cast<int>(state.participants.size());
+  if (now >= settings_.min_nodes) return true;
+  state.changes_in_place.resize(first_change);
+  state.shutdown = what + "; " + std::to_string(now) + " node(s) left, fewer than the minimum of " +
+                   std::to_string(settings_.min_nodes) + " (--nnodes " +
+                   std::to_string(settings_.min_nodes) + ":" + std::to_string(settings_.max_nodes) +
+                   ")";
+  return false;
 }
 
 void Rendezvous::open_round(RendezvousState& state, const std::string& reason,
@@ -761,6 +766,10 @@ void Rendezvous::leave(const std::string& why) {
   update([&](RendezvousState& s) {
     bool changed = erase(s.leaving, self_.id);
     bool was_participant = contains(s.participants, self_.id);
+    // Note [Rounds in place]: its workers left at a step boundary and the others went on without
+    // them (Note [Leaving in place], dtrain/recovery.h), unless it is node 0, the workers' store's.
+    auto slot = s.slots.find(self_.id);
+    const bool leaves_in_place = s.in_place && slot != s.slots.end() && slot->second.node_rank != 0;
     changed |= erase(s.participants, self_.id);
     changed |= erase(s.waiting, self_.id);
     changed |= erase(s.expected, self_.id);
@@ -770,7 +779,11 @@ void Rendezvous::leave(const std::string& why) {
     if (s.complete && was_participant && s.round == round_ && s.shutdown.empty() &&
         s.finished.empty()) {
       std::string what = self_.describe() + " left the job (" + why + ")";
-      open_round(s, what, what);
+      if (leaves_in_place) {
+        go_on_in_place(s, what);
+      } else {
+        open_round(s, what, what);
+      }
     }
     s.nodes.erase(self_.id);
     return changed;

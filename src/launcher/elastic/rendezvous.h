@@ -42,6 +42,8 @@
 //   - A lost participant other than node 0 is removed from the running round; its workers are gone
 //     with it and the survivors' group carries on without them. Node 0 hosts the workers' store,
 //     and without it nobody can go on: its loss still opens a new round.
+//   - A participant other than node 0 that leaves on SIGTERM is removed the same way: its workers
+//     left at a step boundary and the others went on (Note [Leaving in place], dtrain/recovery.h).
 //   - A waiting node, while the job is below MAX, is admitted into the running round: it takes the
 //     lowest free node rank and the lowest free block of global ranks (a lost node's, when its
 //     nproc fits), and its workers start as newcomers (RoundAssignment::join_running) that the
@@ -50,7 +52,7 @@
 //     goes on at its size; a loss that leaves fewer than MIN, with nobody waiting, ends the job.
 //   Each participant keeps its slot (node rank, first global rank) for the whole round, so that the
 //     ranks of running workers never move. Every other change (a worker failure the agents cannot
-//     repair alone, a node leaving on SIGTERM, node 0 lost) opens a new round, as without in place.
+//     repair alone, node 0 leaving or lost) opens a new round, as without in place.
 //   Limit: a node cut off from the rendezvous store but not from the other nodes is removed as lost
 //     while its workers may still run, until its agent finds out (its store patience, then the
 //     grace period); a node admitted meanwhile gets the same RANKs. The workers' group tells
@@ -280,6 +282,10 @@ class Rendezvous {
   // Note [Rounds in place]: admits waiting nodes into the running round while it is below MAX;
   // true when it admitted any.
   bool admit_in_place(RendezvousState& state);
+  // Note [Rounds in place]: the running round goes on without the participants just removed
+  // (`what` says who and why), waiting nodes filling the gap; false, with the job ended, when fewer
+  // than MIN are left.
+  bool go_on_in_place(RendezvousState& state, const std::string& what);
   RoundAssignment assignment(const RendezvousState& state) const;
   std::string describe_node(const RendezvousState& state, const std::string& id) const;
   void keep_alive_loop(std::chrono::steady_clock::time_point first);
