@@ -75,8 +75,9 @@
 // - Limits (today): a link cut between two workers' hosts while both still reach the store is not
 //   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
 //   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
-//   heartbeat check inside the wait), and its communicators are not aborted between generations:
-//   in place on GPUs has not run yet (the example trainer restarts instead on a CUDA device).
+//   heartbeat check inside the wait); its communicator is aborted when its generation is left
+//   (compiled, not yet run on a GPU): in place on GPUs has not run yet (the example trainer
+//   restarts instead on a CUDA device).
 //
 // Note [Leaving in place]
 // SIGTERM reaches one node of a job (a scheduler takes it back) or all of them (the job is
@@ -85,7 +86,7 @@
 // boundary the members count who asked to stop (agree_to_stop(): one all-reduce of one number, as
 // should_stop's):
 //   - nobody: the step goes on;
-//   - some: they leave (kLeave: the caller ends the process, exit code dtrain::kStopExitCode, and
+//   - some: they leave (kLeave: the caller ends the process, exit code dtrain::kLeftExitCode, and
 //     saves nothing) and the others re-form without them at once and go on (the body continues at
 //     the new size; nothing of the step had changed). The ones who stay hold the whole state, so
 //     nothing is lost; a member that gets SIGTERM later leaves at a later boundary, and the last
@@ -110,6 +111,7 @@
 #include "dtrain/comm.h"
 #include "dtrain/data.h"
 #include "dtrain/ddp.h"
+#include "dtrain/exit_codes.h"  // kLeftExitCode
 
 namespace torch::optim {
 class Optimizer;
@@ -125,8 +127,8 @@ struct RecoveryOptions {
   // Steps between two admission checks where the check cannot ride on the gradients' all-reduce
   // (see Note [In-place recovery] above); each then costs one all-reduce of one number.
   int64_t admit_every = 10;
-  // Re-formations (failures and admissions) after which a failure is final: a job that loses a rank
-  // on every step is broken, not unlucky.
+  // Re-formations (failures, admissions and departures) after which a failure is final: a job that
+  // loses a rank on every step is broken, not unlucky.
   int max_recoveries = 32;
   // Fewest ranks the job goes on with; below it, a failure is final.
   int min_size = 1;
@@ -160,7 +162,7 @@ struct RecoveryStats {
 // What the members agreed about stopping at a step boundary (Note [Leaving in place]).
 enum class StopAgreement {
   kGoOn,     // nobody asked, or others left and this member goes on without them
-  kLeave,    // this member asked and the others go on: end the process without saving
+  kLeave,    // this member asked and the others go on: exit with kLeftExitCode, saving nothing
   kStopAll,  // every member stops: rank 0 saves, then every rank exits (as dtrain::should_stop)
 };
 

@@ -26,14 +26,9 @@
 #include <memory>
 
 #include "dtrain/comm.h"
+#include "dtrain/exit_codes.h"  // kStopExitCode
 
 namespace dtrain {
-
-// The exit code of a rank that stopped on SIGTERM: 128 + SIGTERM, what a shell reports for a
-// process ended by SIGTERM and what torchrun's workers end with. Not 0: the job is not finished, so
-// no script may take it for success; a launcher with restarts left (`dtrain run --max-restarts`)
-// restarts it, and the program resumes from its checkpoint.
-inline constexpr int kStopExitCode = 143;
 
 // Makes SIGTERM set this process's stop flag instead of ending the process. The handler only stores
 // to a lock-free atomic (async-signal-safe) and is installed with SA_RESTART, so a collective's

@@ -117,7 +117,6 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   store_->deleteKey(Heartbeats::exit_key(self_));
   const int64_t number = store_->add(key(prefix + "arrivals"), 1);
   write(prefix + "arrival/" + std::to_string(number), self_.text());
-  const size_t expected = previous.size() + static_cast<size_t>(newcomers);
 
   std::vector<MemberRecord> arrivals;  // in order of arrival, as far as read
   std::string closed;
@@ -142,6 +141,14 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
     for (const auto& m : previous) {
       if (!came(m)) missing.push_back(&m);
     }
+    // Newcomers admitted into this generation by other members (admit()): a member that re-forms
+    // after a failure may not have seen the admission (its all-reduce failed where theirs
+    // finished), and must not close the generation without them. They wrote it before
+    // registering, so it is there by the time all of them have come.
+    if (!self_.newcomer && exists(prefix + "newcomers")) {
+      newcomers = std::max(newcomers, std::stoi(read(prefix + "newcomers")));
+    }
+    const size_t expected = previous.size() + static_cast<size_t>(newcomers);
     const auto newcomers_came = static_cast<int>(std::count_if(
         arrivals.begin(), arrivals.end(), [](const MemberRecord& a) { return a.newcomer; }));
     const auto now = Clock::now();
@@ -232,6 +239,7 @@ void Membership::mark_failed(int64_t generation) {
 int64_t Membership::newcomers_requested() { return store_->add(key("newcomers"), 0); }
 
 void Membership::admit(int64_t first, int64_t last, int64_t generation) {
+  write("g" + std::to_string(generation) + "/newcomers", std::to_string(last - first + 1));
   for (int64_t k = first; k <= last; ++k) {
     write("admit/" + std::to_string(k), std::to_string(generation));
   }
@@ -300,6 +308,17 @@ void Heartbeats::round() {
       watched_[i].moved = now;
     }
   }
+}
+
+void Heartbeats::leave(const std::string& how) {
+  try {
+    store_->set(exit_key(self_), bytes_of(how));
+  } catch (const std::exception& e) {
+    // The others then wait `settle` for it: a retired counter is never counted lost.
+    DTRAIN_LOG(kWarn, "in-place recovery: could not tell the others that this process leaves: "
+                          << e.what());
+  }
+  retire();
 }
 
 void Heartbeats::retire() {

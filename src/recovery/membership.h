@@ -7,6 +7,7 @@
 //   g<G>/failed         written by a member that abandoned generation G-1 after a failure, before
 //                       it registers: the others stop waiting on G-1's collectives (Note
 //                       [Heartbeats])
+//   g<G>/newcomers      how many newcomers the members admitted into generation G (admit())
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
@@ -103,6 +104,10 @@ class Heartbeats {
   // After training, with no round running: marks this process's counter "done" (one store call;
   // errors are ignored); verdict() and cut_off() answer "" from then on.
   void retire();
+  // A member that leaves the job (Note [Leaving in place], dtrain/recovery.h), with no round
+  // running: writes its own exit notice (`how` it ended, as a launcher writes one for a process it
+  // reaped), first, then retires. One store call each, on this connection's short timeout.
+  void leave(const std::string& how);
 
   // Thread-safe, no store call: "" while the operations of `generation`'s group should go on, else
   // why to abandon them: this process is cut off, a member is lost, or a member abandoned this
@@ -151,12 +156,13 @@ class Membership {
   }
 
   // Registers this process for generation `generation` and blocks until its membership is closed;
-  // returns the members in rank order. It closes when `previous` members and `newcomers` more have
-  // come, or, given `settle`, once every missing member of `previous` is seen dead (its pid on this
-  // host, its launcher's exit notice, or its heartbeat stale: Note [Heartbeats]) and the
-  // newcomers have come, or `settle` after this process registered. Without `settle` (the first
-  // generation) it waits for everyone up to the timeout and then throws TimeoutError naming the
-  // job ranks that never came. Throws CommError if it closed without this process (it came late).
+  // returns the members in rank order. It closes when `previous` members and `newcomers` more (or
+  // as many as the others admitted into it, if more) have come, or, given `settle`, once every
+  // missing member of `previous` is seen dead (its pid on this host, its launcher's exit notice,
+  // or its heartbeat stale: Note [Heartbeats]) and the newcomers have come, or `settle` after this
+  // process registered. Without `settle` (the first generation) it waits for everyone up to the
+  // timeout and then throws TimeoutError naming the job ranks that never came. Throws CommError if
+  // it closed without this process (it came late).
   std::vector<MemberRecord> form(int64_t generation, const std::vector<MemberRecord>& previous,
                                  int newcomers, std::optional<std::chrono::milliseconds> settle);
 
@@ -175,7 +181,8 @@ class Membership {
   void mark_failed(int64_t generation);
 
   // Member side: how many newcomers have asked so far (one store round trip; thread-safe as the
-  // store is), and the admission of numbers first..last into `generation`.
+  // store is), and the admission of numbers first..last into `generation` (written before this
+  // member registers for it, so that form() on a member that missed the admission waits for them).
   int64_t newcomers_requested();
   void admit(int64_t first, int64_t last, int64_t generation);
   // Whether any process has registered for `generation` (one store check).

@@ -161,11 +161,13 @@ void RecoveryCore::start() {
   newcomer_ = join == "1";
   if (const char* fault = std::getenv("DTRAIN_TEST_FAULT")) test_fault_ = fault;
   if (!test_fault_.empty() && test_fault_ != "kill-source-mid-transfer" &&
-      test_fault_ != "kill-newcomer-mid-transfer" && test_fault_ != "kill-member-mid-formation") {
+      test_fault_ != "kill-newcomer-mid-transfer" && test_fault_ != "kill-member-mid-formation" &&
+      test_fault_ != "miss-admission") {
     // A mistyped fault would inject nothing, and its test would pass for the wrong reason.
     throw UsageError(who() + ": DTRAIN_TEST_FAULT is '" + test_fault_ +
                      "'; accepted (tests only): kill-source-mid-transfer, "
-                     "kill-newcomer-mid-transfer, kill-member-mid-formation, or unset");
+                     "kill-newcomer-mid-transfer, kill-member-mid-formation, miss-admission, or "
+                     "unset");
   }
   if (newcomer_ && launch_.rank == 0 && !launcher_hosts_store()) {
     throw CommError(who() +
@@ -273,6 +275,16 @@ void RecoveryCore::release_group() {
   // backward makes new ones.
   for (auto& p : module_->parameters()) p.mutable_grad() = at::Tensor();
   owner_.unwrap();
+#ifdef DTRAIN_WITH_CUDA
+  // NCCL, unlike Gloo, can abort: the old generation's communicator is aborted here, on this
+  // thread, so that none of its kernels still waits on the device for a peer that is gone when the
+  // next generation's kernels queue behind it. (Compiled in every CUDA build; not yet run on a
+  // GPU, where the example trainer still restarts instead: Note [In-place recovery].)
+  if (group_) {
+    const auto& state = GroupInternals::state(*group_);
+    if (state->nccl) state->nccl->abort();
+  }
+#endif
   if (group_) releases_.emplace_back([old = std::move(group_)]() mutable { old.reset(); });
   group_.reset();
 }
@@ -493,41 +505,40 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
 }
 
 // Note [Leaving in place] (dtrain/recovery.h). Each member's vote is 1, or the group's size where
-// its leaving would take the job's store away (so the sum reaches the size: everyone stops).
+// its leaving would take the job's store away (so the sum reaches the size: everyone stops). After
+// a departure the members vote again in the new generation, so that its first collective is this
+// vote on every member: also on one whose vote failed where the others' finished, which re-forms
+// for the failure in step() and runs the body, and this vote, again.
 StopAgreement RecoveryCore::agree_to_stop() {
-  const bool mine = stop_requested();  // read once: SIGTERM may land during the all-reduce
-  const int size = group_->size();
-  const bool holds_store = launcher_hosts_store() ? launch_.node_rank == 0 : launch_.rank == 0;
-  auto votes = torch::tensor({int64_t{mine ? (holds_store ? size : 1) : 0}}, torch::kInt64);
-  group_->all_reduce(votes, ReduceOp::kSum);
-  const int64_t leaving = votes.item<int64_t>();
-  if (leaving == 0) return StopAgreement::kGoOn;
-  if (size - leaving < options_.min_size) return StopAgreement::kStopAll;
-  if (mine) {
-    depart();
-    return StopAgreement::kLeave;
+  for (;;) {
+    const bool mine = stop_requested();  // read once: SIGTERM may land during the all-reduce
+    const int size = group_->size();
+    const bool holds_store = launcher_hosts_store() ? launch_.node_rank == 0 : launch_.rank == 0;
+    auto votes = torch::tensor({int64_t{mine ? (holds_store ? size : 1) : 0}}, torch::kInt64);
+    group_->all_reduce(votes, ReduceOp::kSum);
+    const int64_t leaving = votes.item<int64_t>();
+    if (leaving == 0) return StopAgreement::kGoOn;
+    if (size - leaving < options_.min_size) return StopAgreement::kStopAll;
+    if (mine) {
+      depart();
+      return StopAgreement::kLeave;
+    }
+    // Nothing of this step has changed yet; the formation re-deals the sampler from where it
+    // began. Counted by who did not come, not by the vote: a leaver whose vote failed comes back.
+    const size_t before = members_.size();
+    reform(Reason::kDeparture, 0,
+           std::to_string(leaving) + " member(s) leaving on SIGTERM at step " +
+               std::to_string(stats_.steps));
+    stats_.departed += static_cast<int64_t>(before - std::min(before, members_.size()));
   }
-  stats_.departed += leaving;
-  // Nothing of this step has changed yet; the formation re-deals the sampler from where it began.
-  reform(Reason::kDeparture, 0,
-         std::to_string(leaving) + " member(s) leaving on SIGTERM at step " +
-             std::to_string(stats_.steps));
-  return StopAgreement::kGoOn;
 }
 
-// This member leaves the job (agree_to_stop): it tells the others it is gone, so that their next
-// generation closes without waiting for it, and stops watching.
+// This member leaves the job (agree_to_stop): it tells the others that it is gone, so that their
+// next generation closes without waiting for it, and stops watching.
 void RecoveryCore::depart() {
   departed_ = true;
   stop_watching();
-  heartbeats_->retire();
-  try {
-    root_store_->set(Heartbeats::exit_key(self_), std::string("left on SIGTERM"));
-  } catch (const std::exception& e) {
-    // The others then wait for its heartbeat to go stale (lost_after) or `settle`.
-    DTRAIN_LOG(kWarn, "in-place recovery: could not tell the others that this member leaves: "
-                          << e.what());
-  }
+  heartbeats_->leave("left on SIGTERM");
   release_group();
 }
 
@@ -566,6 +577,18 @@ void RecoveryCore::admit_newcomers() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - check_start).count();
   }
   if (requested <= newcomers_admitted_) return;
+  // Fault injection for tests/recovery/recovery_test.cpp: job rank 1 misses the first admission
+  // and re-forms as after a failure, as a member does whose all-reduce failed where the others'
+  // finished (Note [A number riding on the gradients]): the others' admission must still stand.
+  if (test_fault_ == "miss-admission" && launch_.rank == 1 && !newcomer_ &&
+      root_store_->add("dtrain/recovery/test-fault", 1) == 1) {
+    DTRAIN_LOG(kWarn,
+               "in-place recovery: DTRAIN_TEST_FAULT=miss-admission: this member misses the "
+               "admission of "
+                   << requested - newcomers_admitted_ << " newcomer(s) and re-forms");
+    reform(Reason::kFailure, 0, "DTRAIN_TEST_FAULT=miss-admission: this member missed it");
+    return;
+  }
   const int64_t first = newcomers_admitted_ + 1;
   const int count = static_cast<int>(requested - newcomers_admitted_);
   // Every member writes the admission (the same keys and values everywhere): a step whose

@@ -496,6 +496,36 @@ TEST(InPlaceRecoveryTwice, ASecondFailureWhileTheGroupReformsUnderDtrainRun) {
   fs::remove_all(dir);
 }
 
+TEST(InPlaceRecoveryAdmission, AMemberThatMissedAnAdmissionWaitsForTheNewcomer) {
+  // Three workers under `dtrain run --recovery in-place`; rank 2 dies after step 5 and is
+  // restarted as a newcomer. When the members admit it, job rank 1 misses the admission
+  // (DTRAIN_TEST_FAULT=miss-admission) and re-forms as after a failure, as a member does whose
+  // all-reduce failed where the others' finished. Its formation must wait for the newcomer the
+  // others admitted instead of closing without it: the newcomer is admitted once, never restarted
+  // again, and the job ends at three ranks, sound.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command("env DTRAIN_TEST_FAULT=miss-admission " + bin("dtrain") +
+                                " run --nproc-per-node 3 --recovery in-place --max-restarts 2 -- " +
+                                bin("recovery_worker") + " " + dir +
+                                " --kill-rank 2 --kill-after 5 --slow-until-admitted",
+                            120);
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.output.find("DTRAIN_TEST_FAULT=miss-admission: this member misses the admission "
+                               "of 1 newcomer(s)"),
+            std::string::npos);
+  EXPECT_EQ(occurrences(result.output, "restarting it alone as a newcomer"), 1u);
+  EXPECT_EQ(result.output.find("formed without this process"), std::string::npos);
+  EXPECT_EQ(json_int(result.output, "admitted"), 1);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  auto steps = read_steps(dir);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps.rbegin()->second.world, 3);
+  expect_sound_job(dir, steps, 3);
+  fs::remove_all(dir);
+}
+
 // A failure during a newcomer's state transfer. Three workers under `dtrain run --recovery
 // in-place --max-restarts 1`; rank 2 dies after step 5 and is restarted as a newcomer; while the
 // survivors' rank 0 sends it the state, the sender dies (or the newcomer does: DTRAIN_TEST_FAULT,

@@ -51,7 +51,9 @@ grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$n
 
 # Regrow: a new node job on node 1 joins.
 c=$(submit "$node" "$work/c.out") || fail "sbatch: $c"
-read -r grown s2 < <(wait_grown_in_place "$out" 60) || exit 1
+read -r grown s2 < <(wait_grown_in_place "$out" 60) ||
+  fail "the new node job $c did not grow the training; its output: $(tail -n 20 "$work/c.out" 2>&1);" \
+    "squeue: $(on_head squeue 2>&1 | tail -n 5)"
 grep -q "joins the running round in place as node rank 1 (ranks 1..1)" "$out" ||
   fail "the staying agent did not admit $node in place"
 grep -q "admitted into the running round 0 in place" "$work/c.out" ||

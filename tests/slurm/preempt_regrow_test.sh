@@ -131,7 +131,8 @@ signalled=$(signal_time "$cluster/slurmd-$node.log" "$leave")
 # The worker goes on as soon as the requeued job's script starts, before its agent joins.
 wait_line "$leave_out" "^node job $leave on $node at [0-9.]*, SLURM_RESTART_COUNT=1" 120
 resume
-read -r grown s2 < <(wait_grown_in_place "$out" 300) || exit 1
+read -r grown s2 < <(wait_grown_in_place "$out" 300) ||
+  fail "the requeued node job $leave did not grow the training; its output: $(tail -n 20 "$leave_out" 2>&1)"
 grep -q "joins the running round in place as node rank 1 (ranks 1..1)" "$out" ||
   fail "the staying agent did not admit $node in place"
 grep -q "round 1:" "$out" && fail "a new round instead of in place: $(grep 'round' "$out")"

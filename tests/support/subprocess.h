@@ -7,9 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <random>
 #include <regex>
 #include <string>
 
@@ -24,10 +27,34 @@ inline std::string bin(const std::string& program) {
   return std::string(DTRAIN_BIN_DIR) + "/" + program;
 }
 
-// A loopback port nobody listens on right now (the kernel's pick for port 0), for a store the
-// test's processes meet at. (The launcher's own tests use dtrain::elastic::pick_free_port, which
-// lives in the launcher's library; these tests link only libdtrain.)
+// A TCP port nobody holds right now, for a store the test's processes meet at, picked at random
+// below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range). A port inside it
+// (the kernel's pick for port 0) is handed out to any outgoing connection on the machine, and
+// under `ctest -j` another test's client socket took one before the store bound it: both agents of
+// a rendezvous then found the port taken and neither hosted the store. (The launcher's own tests
+// use dtrain::elastic::pick_free_port, which lives in the launcher's library; these tests link
+// only libdtrain.)
+inline bool port_bindable_now(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  close(fd);
+  return bound;
+}
+
 inline int free_port() {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  static std::mt19937 random(std::random_device{}() ^ static_cast<unsigned>(getpid()));
+  std::uniform_int_distribution<int> below(10000, std::max(10001, ephemeral_low - 1));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = below(random);
+    if (port_bindable_now(port)) return port;
+  }
+  // Nothing free below the range (never seen): the kernel's pick.
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;

@@ -28,7 +28,8 @@
 // --term-launcher-rank R --term-after S: every process asks rdp.agree_to_stop() at the start of
 // each step (a SIGTERM stop handler installed), and the process of job rank R sends SIGTERM to its
 // parent, the `dtrain run` agent, right after committing step S: its node is taken back, and its
-// workers leave in place (Note [Leaving in place], dtrain/recovery.h) and exit with code 143.
+// workers leave in place (Note [Leaving in place], dtrain/recovery.h) and exit with code 75
+// (dtrain::kLeftExitCode).
 // Every process also appends "<step> <draw>" to <out>/random-<pid>.txt, a draw from the default
 // generator after each committed step: a newcomer's must continue the others' stream.
 #include <torch/torch.h>
@@ -203,7 +204,7 @@ int run(int argc, char** argv) {
               << (stop == dtrain::StopAgreement::kLeave ? " left on SIGTERM"
                                                         : " stopped on SIGTERM")
               << " after step " << rdp.stats().steps << std::endl;
-    return dtrain::kStopExitCode;
+    return stop == dtrain::StopAgreement::kLeave ? dtrain::kLeftExitCode : dtrain::kStopExitCode;
   }
   rdp.finish();
   auto group = rdp.group();

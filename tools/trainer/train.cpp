@@ -401,7 +401,7 @@ int train(const Flags& flags) {
     checkpoints.wait();  // a checkpoint this rank was writing is whole before it goes
     std::cout << "rank " << job_rank << " left on SIGTERM after step " << at.steps
               << "; the others go on without it and hold the whole state" << std::endl;
-    return dtrain::kStopExitCode;
+    return dtrain::kLeftExitCode;
   }
   if (strategy.rdp) strategy.rdp->finish();  // before the barrier: newcomers still waiting go
   if (preempted) {

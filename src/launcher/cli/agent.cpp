@@ -10,9 +10,12 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "common/format.h"
 #include "dtrain/errors.h"
+#include "dtrain/exit_codes.h"
 #include "launcher/cli/elastic_rendezvous.h"
 #include "launcher/cli/in_place_recovery.h"
 #include "launcher/cli/static_rendezvous.h"
@@ -99,8 +102,10 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
   Waker waker(signals.fd(), rendezvous->monitor_interval());
 
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: passed on to the workers (SIGTERM, SIGKILL after the grace
-  // period; a trainer checkpoints meanwhile), and this node leaves the job.
-  auto end_on_signal = [&](int signo) {
+  // period; a trainer checkpoints meanwhile, or leaves a job that recovers in place), and this node
+  // leaves the job. `ended`: workers already reaped in the wake-up that brought the signal (a
+  // scheduler signals them too).
+  auto end_on_signal = [&](int signo, std::vector<elastic::WorkerExit> ended) {
     const int running = group.running();
     say("received " + elastic::signal_name(signo) + "; " +
         (running > 0
@@ -108,8 +113,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
                    detail::seconds_text(options.grace_period_s) + ")"
              : std::string("not restarting")));
     rendezvous->leaving(signo);
-    group.stop(signals.fd());
-    rendezvous->leave(signo);
+    for (elastic::WorkerExit& exit : group.stop(signals.fd())) ended.push_back(std::move(exit));
+    // Note [Leaving in place] (dtrain/recovery.h): every worker of this node left while the others
+    // went on, so the others need no new round; workers that stopped with their peers at a
+    // checkpoint (143), or were killed, do.
+    const bool left_in_place =
+        !ended.empty() && std::all_of(ended.begin(), ended.end(), [](const auto& exit) {
+          return exit.signal == 0 && exit.exit_code == kLeftExitCode;
+        });
+    rendezvous->leave(signo, left_in_place);
     return 128 + signo;
   };
 
@@ -126,7 +138,7 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       WaitResult result = group.wait(waker.fd());
       if (in_place) in_place->announce_exits(*round, result);
       if (result.state == WaitResult::State::kInterrupted) {
-        if (int signo = signals.take(); signo != 0) return end_on_signal(signo);
+        if (int signo = signals.take(); signo != 0) return end_on_signal(signo, result.failures);
         waker.drain_timer();
         // wait() reports kInterrupted when the monitor timer fired in the same wake-up as a
         // worker's exit, with that exit in result.failures (and reaped: the next wait() would not
@@ -180,9 +192,10 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
         say("rank " + std::to_string(root.global_rank) + " failed; stopping the other " +
             std::to_string(group.running()) + " worker(s) of this node");
       }
-      group.stop(signals.fd());
+      std::vector<elastic::WorkerExit> ended = result.failures;
+      for (elastic::WorkerExit& exit : group.stop(signals.fd())) ended.push_back(std::move(exit));
       print_failure_summary(result, *round);
-      if (int signo = signals.take(); signo != 0) return end_on_signal(signo);
+      if (int signo = signals.take(); signo != 0) return end_on_signal(signo, std::move(ended));
       Verdict verdict = rendezvous->report_failure(root);
       if (verdict.kind == Verdict::Kind::kShutdown) {
         say(verdict.message + "; exiting with code " + std::to_string(root.launcher_exit_code()));

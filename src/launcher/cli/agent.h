@@ -61,9 +61,13 @@ class AgentRendezvous {
   // waits for this node.
   virtual void leave_ended_job() {}
   // A signal `signo` ends this node's part: leaving() before its workers are stopped (the others
-  // need not count their failures against --max-restarts), leave() after.
+  // need not count their failures against --max-restarts), leave() after; `left_in_place`: every
+  // worker of this node left a job that goes on in place without them (dtrain::kLeftExitCode).
   virtual void leaving(int signo) { (void)signo; }
-  virtual void leave(int signo) { (void)signo; }
+  virtual void leave(int signo, bool left_in_place) {
+    (void)signo;
+    (void)left_in_place;
+  }
 };
 
 // Runs the agent to the end of the job; returns the exit code (0 when this node's workers all

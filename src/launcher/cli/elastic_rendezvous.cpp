@@ -154,26 +154,30 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
 // have not landed for the patience (keep_alive_interval x keep_alive_max_attempt, 3 s by default),
 // so while the workers run every call to the store, the heartbeats' included, is bounded by what
 // is left of the patience since the store's last answer, not by the 15 s a call may take while
-// joining. Once the store has been silent for the whole patience, the agent knocks: one TCP
-// connection to the store's machine (each etcd member's), 1 s at most.
+// joining. Once the store has been silent for the whole patience, the agent knocks: a TCP
+// connection to each address of the store's machine (each etcd member's) at once, resolved when
+// the agent started (a resolver may be cut off too), 2 s at most (two SYNs: one lost is no cut).
 //   - Accepted: the machine is up and the store's program still listens, however busy (the kernel
 //     completes the handshake for it), so the store is slow, not gone. The bound is lifted: calls
-//     wait as long as they may while joining, and the job ends only when one of those fails too
-//     (18 s as before). The first answer brings the bound back.
-//   - Refused: the machine is up and nothing listens: the store is gone. The job ends for this node
-//     now, and the line says so.
+//     wait as long as they may while joining, and the job ends only when one of those fails too.
+//     The first answer brings the bound back.
+//   - Refused (by every address): the machine is up and nothing listens: the store is gone. The
+//     job ends for this node now, and the line says so.
 //   - Silent (no route, no answer): the machine is down or this node is cut off from it; from here
 //     the two look the same and the line names both. The job ends for this node now, about the
-//     patience plus a monitor interval after the last answer (about 4 s by default, where it took
-//     18 to 30 s) and about when the others count it lost.
+//     patience plus a monitor interval after the last answer (3.5 s on namespace hosts, up to the
+//     knock's 2 s more where the packets vanish; it took 18 to 30 s) and about when the others
+//     count it lost.
 // The knock is the second signal a 3 s bound alone lacked: on a machine loaded enough to starve
 // the store, the store's machine still answers a connection, so a slow store no longer ends a job.
-// The agent's thread, which relays the workers' output between looks at the store, is held by a
-// look at most the patience, plus the knock; the output written meanwhile waits in the pipes and
-// is relayed when the look returns, stop() included. (A look off the agent's thread would relay
-// without that pause but needs a second thread beside the heartbeats'; the pause is bounded by
-// the same patience that ends the job, so it is not worth one.)
-constexpr std::chrono::milliseconds kKnockTimeout{1000};
+// Where the round ends anyway (a worker's failure reported, this node leaving) the bound is lifted
+// too. The agent's thread, which relays the workers' output between looks at the store, is held
+// by a look at most the patience plus the knock while bounded; once the bound is lifted, a look
+// may wait for the heartbeat thread's call and then make its own, up to 15 s each (the rendezvous
+// holds one lock around a read and a write: about 45 s at worst). The output written meanwhile
+// waits in the pipes and is relayed when the look returns, stop() included. (A look off the
+// agent's thread would relay without that pause but needs a second thread beside the heartbeats'.)
+constexpr std::chrono::milliseconds kKnockTimeout{2000};
 
 class PatientBackend final : public elastic::RendezvousBackend {
  public:
@@ -315,6 +319,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     std::optional<elastic::RoundAssignment> round;
     *exit_code = 1;
     backend_->bound_by_patience(false);
+    knocked_.reset();  // a new round's silence is knocked at anew
     try {
       round = rendezvous_->next_round(elastic::pick_free_port(), signals.fd());
     } catch (const PeerLostError& error) {  // the job was shut down
@@ -327,7 +332,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     } catch (const UsageError&) {
       throw;
     } catch (const CommError& error) {
-      say(store_lost(options_, strip_prefix(error.what())));
+      say(store_lost(options_, strip_prefix(error.what()), backend_->knock(kKnockTimeout)));
       return std::nullopt;
     }
     if (!round) {
@@ -423,6 +428,9 @@ class ElasticRendezvous final : public AgentRendezvous {
   }
 
   Verdict report_failure(const elastic::WorkerExit& root) override {
+    // The round ends either way: a slow answer is legitimate now, as while joining (Note [A store
+    // that stops answering]).
+    backend_->bound_by_patience(false);
     if (root.usage_error()) {
       std::string why = describe_failure(rendezvous_->self(), root) +
                         ": a usage error (a bad flag, variable or file), which a restart cannot "
@@ -439,7 +447,8 @@ class ElasticRendezvous final : public AgentRendezvous {
       throw;
     } catch (const std::exception& error) {
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, strip_prefix(error.what()))};
+      return {Verdict::Kind::kShutdown,
+              store_lost(options_, strip_prefix(error.what()), backend_->knock(kKnockTimeout))};
     }
   }
 
@@ -474,6 +483,7 @@ class ElasticRendezvous final : public AgentRendezvous {
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: the workers get SIGTERM (the trainer checkpoints meanwhile),
   // then this node leaves so the others shrink at once.
   void leaving(int signo) override {
+    backend_->bound_by_patience(false);  // this node's part ends: as in report_failure()
     try {
       if (server_) {
         // The store leaves with this process: tell the others now, while it still answers, rather
@@ -490,7 +500,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     }
   }
 
-  void leave(int signo) override {
+  void leave(int signo, bool left_in_place) override {
     if (server_) {
       try {
         rendezvous_->wait_until_others_left(std::chrono::seconds(5));
@@ -498,7 +508,7 @@ class ElasticRendezvous final : public AgentRendezvous {
       }
     }
     try {
-      rendezvous_->leave("received " + elastic::signal_name(signo));
+      rendezvous_->leave("received " + elastic::signal_name(signo), left_in_place);
     } catch (const std::exception& error) {
       say("could not leave the rendezvous cleanly (" + strip_prefix(error.what()) +
           "); the others notice by heartbeat");

@@ -514,9 +514,15 @@ C10dBackend::C10dBackend(std::string host, int port, std::string job_id, std::st
       port_(port),
       job_id_(std::move(job_id)),
       token_(std::move(token)),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      addresses_(resolve_addresses(host_, port_)) {}
 
 C10dBackend::~C10dBackend() { disconnect(); }
+
+Knock C10dBackend::knock(std::chrono::milliseconds timeout) {
+  return addresses_.empty() ? elastic::knock(host_, port_, timeout)
+                            : elastic::knock(addresses_, timeout);
+}
 
 void C10dBackend::disconnect() {
   if (fd_ >= 0) close(fd_);

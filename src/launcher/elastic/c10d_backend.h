@@ -33,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dtrain/errors.h"
 #include "launcher/elastic/rendezvous_backend.h"
@@ -87,9 +88,7 @@ class C10dBackend : public RendezvousBackend {
 
   std::string name() const override { return "c10d"; }
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
-  Knock knock(std::chrono::milliseconds timeout) override {
-    return elastic::knock(host_, port_, timeout);
-  }
+  Knock knock(std::chrono::milliseconds timeout) override;
   std::optional<VersionedState> get_state() override;
   SetResult set_state(const std::string& state, std::optional<uint64_t> expected_version) override;
 
@@ -110,6 +109,9 @@ class C10dBackend : public RendezvousBackend {
   std::string job_id_;
   std::string token_;
   std::chrono::milliseconds timeout_;
+  // host_:port_'s addresses, resolved at construction: a knock must not wait on a resolver that
+  // the same cut may have put out of reach.
+  std::vector<SocketAddress> addresses_;
   int fd_ = -1;
 };
 

@@ -209,7 +209,12 @@ EtcdBackend::EtcdBackend(const std::string& endpoints, const std::string& run_id
       }
     }
     endpoint_ += (endpoint_.empty() ? "" : ",") + host_port;
-    members_.push_back(Member{std::move(host_port), std::move(base_url)});
+    const size_t colon = host_port.rfind(':');
+    std::string host = host_port.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    std::vector<SocketAddress> addresses =
+        resolve_addresses(host, std::stoi(host_port.substr(colon + 1)));
+    members_.push_back(Member{std::move(host_port), std::move(base_url), std::move(addresses)});
   }
   if (run_id.empty()) {
     throw UsageError(
@@ -362,19 +367,13 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
 }
 
 Knock EtcdBackend::knock(std::chrono::milliseconds timeout) {
-  // One member after another: a cluster member that takes the connection is enough to keep
-  // waiting for the cluster (it may be electing a leader).
-  Knock best = Knock::kSilent;
+  // Every member's addresses at once: a cluster member that takes the connection is enough to keep
+  // waiting for the cluster (it may be electing a leader); refused only if every one refuses.
+  std::vector<SocketAddress> addresses;
   for (const Member& member : members_) {
-    const size_t colon = member.endpoint.rfind(':');
-    std::string host = member.endpoint.substr(0, colon);
-    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    const Knock answer =
-        elastic::knock(host, std::stoi(member.endpoint.substr(colon + 1)), timeout);
-    if (answer == Knock::kAccepted) return answer;
-    if (answer == Knock::kRefused) best = answer;
+    addresses.insert(addresses.end(), member.addresses.begin(), member.addresses.end());
   }
-  return best;
+  return elastic::knock(addresses, timeout);
 }
 
 std::optional<VersionedState> EtcdBackend::get_state() {

@@ -97,6 +97,8 @@ class EtcdBackend : public RendezvousBackend {
   struct Member {
     std::string endpoint;  // HOST:PORT
     std::string base_url;  // http://HOST:PORT
+    // Its addresses, resolved at construction, for knock(): a resolver may be out of reach then.
+    std::vector<SocketAddress> addresses;
   };
 
   // One HTTP request (POST with a body, GET without), given until `deadline`, to the members in

@@ -11,7 +11,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/errors.h"
 
@@ -132,45 +134,71 @@ std::string local_address_towards(const std::string& host, int port) {
   return address;
 }
 
-Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout) {
+std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* results = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0 ||
-      results == nullptr) {
-    return Knock::kSilent;
+  std::vector<SocketAddress> addresses;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0) {
+    return addresses;
   }
-  Knock answer = Knock::kSilent;
-  {
-    Socket socket(results->ai_family);
-    if (socket.fd() >= 0) {
-      fcntl(socket.fd(), F_SETFL, fcntl(socket.fd(), F_GETFL) | O_NONBLOCK);
-      int error = 0;
-      if (connect(socket.fd(), results->ai_addr, results->ai_addrlen) != 0) {
-        error = errno;
-        if (error == EINPROGRESS) {
-          const auto deadline = std::chrono::steady_clock::now() + timeout;
-          pollfd out{socket.fd(), POLLOUT, 0};
-          int ready = -1;
-          for (auto left = timeout; ready < 0 && left.count() > 0;
-               left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   deadline - std::chrono::steady_clock::now())) {
-            ready = poll(&out, 1, static_cast<int>(left.count()));
-            if (ready < 0 && errno != EINTR) break;  // a signal for the launcher: poll again
-          }
-          if (ready == 1) {
-            socklen_t size = sizeof(error);
-            getsockopt(socket.fd(), SOL_SOCKET, SO_ERROR, &error, &size);
-          }  // else still EINPROGRESS: no answer in time
-        }
-      }
-      if (error == 0) answer = Knock::kAccepted;
-      if (error == ECONNREFUSED) answer = Knock::kRefused;
-    }
+  for (addrinfo* result = results; result != nullptr; result = result->ai_next) {
+    if (result->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    SocketAddress address;
+    std::memcpy(&address.address, result->ai_addr, result->ai_addrlen);
+    address.length = static_cast<socklen_t>(result->ai_addrlen);
+    addresses.push_back(address);
   }
   freeaddrinfo(results);
-  return answer;
+  return addresses;
+}
+
+Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout) {
+  // Every address at once (a name with an IPv6 address that refuses and an IPv4 one that accepts
+  // must read as accepted), each connection non-blocking, then one poll over those in flight.
+  std::vector<std::unique_ptr<Socket>> sockets;
+  std::vector<pollfd> waiting;
+  int refused = 0;
+  for (const SocketAddress& address : addresses) {
+    auto socket = std::make_unique<Socket>(address.address.ss_family);
+    if (socket->fd() < 0) continue;
+    fcntl(socket->fd(), F_SETFL, fcntl(socket->fd(), F_GETFL) | O_NONBLOCK);
+    if (connect(socket->fd(), reinterpret_cast<const sockaddr*>(&address.address),
+                address.length) == 0) {
+      return Knock::kAccepted;
+    }
+    if (errno == ECONNREFUSED) ++refused;
+    if (errno == EINPROGRESS) waiting.push_back(pollfd{socket->fd(), POLLOUT, 0});
+    sockets.push_back(std::move(socket));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!waiting.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    const int ready = poll(waiting.data(), waiting.size(), static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;  // a signal for the launcher: poll again
+    if (ready <= 0) break;                      // no answer in time
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      if (it->revents == 0) {
+        ++it;
+        continue;
+      }
+      int error = 0;
+      socklen_t size = sizeof(error);
+      getsockopt(it->fd, SOL_SOCKET, SO_ERROR, &error, &size);
+      if (error == 0) return Knock::kAccepted;
+      if (error == ECONNREFUSED) ++refused;
+      it = waiting.erase(it);
+    }
+  }
+  return !addresses.empty() && refused == static_cast<int>(addresses.size()) ? Knock::kRefused
+                                                                             : Knock::kSilent;
+}
+
+Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  return knock(resolve_addresses(host, port), timeout);
 }
 
 }  // namespace dtrain::elastic

@@ -2,8 +2,11 @@
 // explicitly given one can be bound on this machine before any worker starts.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <chrono>
 #include <string>
+#include <vector>
 
 namespace dtrain::elastic {
 
@@ -30,17 +33,31 @@ PortProbe probe_port(const std::string& addr, int port);
 // connect(), which sends nothing. Empty when `host` does not resolve or no route leads there.
 std::string local_address_towards(const std::string& host, int port);
 
-// What a machine said to one TCP connection attempt (Note [A store that stops answering] in
+// What a machine said to a TCP connection attempt (Note [A store that stops answering] in
 // src/launcher/cli/elastic_rendezvous.cpp says why a launcher asks).
 enum class Knock {
   kAccepted,  // the connection was made: the machine is up and something listens on the port,
               // however busy that program is (the kernel completes the handshake for it)
   kRefused,   // the machine answered that nothing listens on the port any more
-  kSilent,    // no answer within the timeout, no route, or the name no longer resolves: the
+  kSilent,    // no answer within the timeout, no route, or the name does not resolve: the
               // machine is down or this one is cut off from it
 };
 
-// One connection attempt to host:port, closed at once; waits at most `timeout`.
+// One resolved TCP address.
+struct SocketAddress {
+  sockaddr_storage address{};
+  socklen_t length = 0;
+};
+
+// Every TCP address of host:port (IPv4 and IPv6 alike), in the resolver's order; empty when it does
+// not resolve. Blocks on name resolution: resolve while the network is known to work, and knock
+// at the addresses later.
+std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
+
+// One connection attempt to each of `addresses` at once, closed at once; waits at most `timeout`.
+// kAccepted if any accepted, kRefused if every one refused, else kSilent (none: kSilent).
+Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout);
+// The same, resolving host:port first (which may block on a resolver out of reach).
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout);
 
 }  // namespace dtrain::elastic

@@ -143,7 +143,9 @@ void Rendezvous::keep_alive_loop(Clock::time_point next) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
-    next += settings_.keep_alive_interval;
+    // After a heartbeat that took long (a store that stalled), the next is an interval away, not
+    // a burst of the ones missed.
+    next = std::max(next + settings_.keep_alive_interval, now());
     try {
       keep_alive();
     } catch (const std::exception&) {
@@ -761,15 +763,17 @@ void Rendezvous::announce_leaving() {
   });
 }
 
-void Rendezvous::leave(const std::string& why) {
+void Rendezvous::leave(const std::string& why, bool left_in_place) {
   std::lock_guard<std::mutex> lock(mutex_);
   update([&](RendezvousState& s) {
     bool changed = erase(s.leaving, self_.id);
     bool was_participant = contains(s.participants, self_.id);
     // Note [Rounds in place]: its workers left at a step boundary and the others went on without
     // them (Note [Leaving in place], dtrain/recovery.h), unless it is node 0, the workers' store's.
+    // (Below MIN the job ends either way.)
     auto slot = s.slots.find(self_.id);
-    const bool leaves_in_place = s.in_place && slot != s.slots.end() && slot->second.node_rank != 0;
+    const bool leaves_in_place =
+        left_in_place && s.in_place && slot != s.slots.end() && slot->second.node_rank != 0;
     changed |= erase(s.participants, self_.id);
     changed |= erase(s.waiting, self_.id);
     changed |= erase(s.expected, self_.id);

@@ -255,7 +255,7 @@ TEST(CutOff, AStoreSilentButTakingConnectionsIsWaitedForAndTheJobFinishes) {
 }
 
 // The knock on loopback: a port whose program listens but never accepts (a stopped or starved
-// store) is accepted by the kernel; a port nobody listens on is refused.
+// store) is accepted by the kernel; a port nobody listens on is refused, on every address.
 TEST(Knock, AListeningPortIsAcceptedEvenIfNeverServedAndAClosedOneIsRefused) {
   int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(listener, 0);
@@ -268,8 +268,12 @@ TEST(Knock, AListeningPortIsAcceptedEvenIfNeverServedAndAClosedOneIsRefused) {
   ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
   const int port = ntohs(address.sin_port);
   EXPECT_EQ(dtrain::elastic::knock("127.0.0.1", port, 1s), dtrain::elastic::Knock::kAccepted);
+  // By name too; where localhost resolves to ::1 first (which refuses: the listener is IPv4 only),
+  // its IPv4 address accepts: every address is knocked at.
+  EXPECT_EQ(dtrain::elastic::knock("localhost", port, 1s), dtrain::elastic::Knock::kAccepted);
   close(listener);
   EXPECT_EQ(dtrain::elastic::knock("127.0.0.1", port, 1s), dtrain::elastic::Knock::kRefused);
+  EXPECT_EQ(dtrain::elastic::knock("localhost", port, 1s), dtrain::elastic::Knock::kRefused);
 }
 
 }  // namespace

@@ -652,6 +652,46 @@ TEST_F(RendezvousTest, LeavingNodeShrinksTheJobAtOnce) {
   EXPECT_EQ(a->report_failure("again").message, "again (restart 1 of 1)");
 }
 
+// Note [Rounds in place]: a node whose workers all left in place (Note [Leaving in place]) is
+// removed from the running round without a new one; one whose workers stopped with the others
+// (at a checkpoint) opens a new round; below MIN the job ends, as it does for a node lost.
+TEST_F(RendezvousTest, InPlaceRoundGoesOnWhenALeavingNodesWorkersLeftInPlace) {
+  {
+    auto a = node("a", settings(1, 2));
+    auto b = node("b", settings(1, 2));
+    run_in_place(*a, *b);
+    b->leave("received SIGTERM", /*left_in_place=*/true);
+    Verdict verdict = a->check();
+    EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+    EXPECT_NE(verdict.message.find("host b (node b_1_0) left the job (received SIGTERM); the "
+                                   "running round goes on in place with 1 node(s)"),
+              std::string::npos)
+        << verdict.message;
+    EXPECT_EQ(stored().round, 0);
+    EXPECT_TRUE(stored().in_place);
+  }
+  store_ = std::make_shared<MemoryStore>();
+  {
+    auto a = node("a", settings(1, 2));
+    auto b = node("b", settings(1, 2));
+    run_in_place(*a, *b);
+    b->leave("received SIGTERM", /*left_in_place=*/false);  // its workers stopped at a checkpoint
+    EXPECT_EQ(a->check().kind, Verdict::Kind::kNewRound);
+  }
+  store_ = std::make_shared<MemoryStore>();
+  {
+    auto a = node("a", settings(2, 2));
+    auto b = node("b", settings(2, 2));
+    run_in_place(*a, *b);
+    b->leave("received SIGTERM", /*left_in_place=*/true);  // below MIN
+    Verdict verdict = a->check();
+    EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
+    EXPECT_NE(verdict.message.find("1 node(s) left, fewer than the minimum of 2"),
+              std::string::npos)
+        << verdict.message;
+  }
+}
+
 // A round that cannot complete fails at its timeout, not a millisecond before, naming who came and
 // how many were needed.
 TEST_F(RendezvousTest, TimeoutNamesPresentNodesAndTheMinimum) {
