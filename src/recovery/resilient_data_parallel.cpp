@@ -95,7 +95,8 @@ class RecoveryCore {
   void admit_newcomers();
   void connect(int64_t generation);
   void transfer_state();
-  void release_group();
+  // `failed`: the generation is left after a failure (its NCCL communicator is aborted).
+  void release_group(bool failed);
   void depart();
   void start_watching();
   void watch(int64_t generation);
@@ -270,17 +271,19 @@ void RecoveryCore::connect(int64_t generation) {
 
 // Hands the old generation's group to a thread of its own: Gloo's destructor joins its threads,
 // which a stuck operation may hold, and the survivors must not wait for that.
-void RecoveryCore::release_group() {
+void RecoveryCore::release_group(bool failed) {
   // Gradients may be views into the old buckets (gradient_as_bucket_view): drop them, the next
   // backward makes new ones.
   for (auto& p : module_->parameters()) p.mutable_grad() = at::Tensor();
   owner_.unwrap();
 #ifdef DTRAIN_WITH_CUDA
-  // NCCL, unlike Gloo, can abort: the old generation's communicator is aborted here, on this
-  // thread, so that none of its kernels still waits on the device for a peer that is gone when the
-  // next generation's kernels queue behind it. (Compiled in every CUDA build; not yet run on a
-  // GPU, where the example trainer still restarts instead: Note [In-place recovery].)
-  if (group_) {
+  // NCCL, unlike Gloo, can abort: after a failure the old generation's communicator is aborted
+  // here, on this thread, so that none of its kernels still waits on the device for a peer that is
+  // gone when the next generation's kernels queue behind it. Not after an admission or a departure:
+  // the last step's all-reduce may still be running on the device, and it must finish. (Compiled
+  // in every CUDA build; not yet run on a GPU, where the example trainer still restarts instead:
+  // Note [In-place recovery].)
+  if (failed && group_) {
     const auto& state = GroupInternals::state(*group_);
     if (state->nccl) state->nccl->abort();
   }
@@ -309,7 +312,7 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     const int old_size = static_cast<int>(members_.size());
     // Where the time goes, for the log line: release, membership, connection, state, DDP.
     std::vector<Clock::time_point> marks{Clock::now()};
-    release_group();
+    release_group(reason == Reason::kFailure);
     marks.push_back(Clock::now());
     ++generation_;
     ++stats_.generation;
@@ -371,10 +374,18 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
 // others (the laggard that did not step, and newcomers), unless all are already equal.
 void RecoveryCore::transfer_state() {
   const int64_t mine = newcomer_ ? -1 : stats_.steps;
-  auto counts = torch::tensor({mine, -mine, int64_t{newcomer_ ? 1 : 0}}, torch::kInt64);
+  // The admission counts go by the largest too: a member that missed an admission (its all-reduce
+  // failed where the others' finished) may be the one that sends the state below, and its counts
+  // must not take the others' back (the newcomer would be admitted twice).
+  auto counts =
+      torch::tensor({mine, -mine, int64_t{newcomer_ ? 1 : 0}, newcomers_admitted_, stats_.admitted},
+                    torch::kInt64);
   group_->all_reduce(counts, ReduceOp::kMax);
   const int64_t most = counts[0].item<int64_t>(), least = -counts[1].item<int64_t>();
   const bool newcomers = counts[2].item<int64_t>() > 0;
+  const int64_t admitted_up_to = counts[3].item<int64_t>(), admitted = counts[4].item<int64_t>();
+  newcomers_admitted_ = std::max(newcomers_admitted_, admitted_up_to);
+  stats_.admitted = std::max(stats_.admitted, admitted);
   if (most < 0) {
     // Only newcomers are left (every member that held the state died during their transfer):
     // going on would train a fresh model under the job's name.
@@ -469,9 +480,9 @@ void RecoveryCore::transfer_state() {
     stats_.steps = c[0];
     committed_ = SamplerState{c[1], c[2]};
     stats_.recoveries = c[3];
-    stats_.admitted = c[4];
+    stats_.admitted = std::max(c[4], admitted);
     stats_.steps_redone = c[5];
-    newcomers_admitted_ = c[6];
+    newcomers_admitted_ = std::max(c[6], admitted_up_to);
     stats_.departed = c[7];
   }
   stats_.generation = generation_;
@@ -539,7 +550,7 @@ void RecoveryCore::depart() {
   departed_ = true;
   stop_watching();
   heartbeats_->leave("left on SIGTERM");
-  release_group();
+  release_group(/*failed=*/false);
 }
 
 // Admission happens where every member has the same count of newcomers to admit, at the same

@@ -46,15 +46,18 @@ inline bool port_bindable_now(int port) {
 }
 
 inline int free_port() {
-  int ephemeral_low = 32768;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  int ephemeral_low = 32768, ephemeral_high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low >> ephemeral_high;
+  // The wider of the spans below and above the range (a container may give it 1024-65535: then
+  // neither, and the kernel's pick below is all there is).
+  int first = 10000, last = ephemeral_low - 1;
+  if (65535 - ephemeral_high > last - first) first = ephemeral_high + 1, last = 65535;
   static std::mt19937 random(std::random_device{}() ^ static_cast<unsigned>(getpid()));
-  std::uniform_int_distribution<int> below(10000, std::max(10001, ephemeral_low - 1));
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    const int port = below(random);
+  for (int attempt = 0; last - first >= 1000 && attempt < 200; ++attempt) {
+    const int port = std::uniform_int_distribution<int>(first, last)(random);
     if (port_bindable_now(port)) return port;
   }
-  // Nothing free below the range (never seen): the kernel's pick.
+  // No span outside the range, or nothing free there: the kernel's pick.
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;

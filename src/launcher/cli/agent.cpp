@@ -187,6 +187,10 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
 
       // A local worker failed.
       if (in_place && in_place->restart_alone(group, *round, result, signals.fd())) continue;
+      // A signal came with it (a scheduler signals the workers too): the others get their SIGTERM
+      // and grace from end_on_signal, not the immediate SIGKILL that stop() gives for a signal
+      // still pending (a second Ctrl-C).
+      if (int signo = signals.take(); signo != 0) return end_on_signal(signo, result.failures);
       const elastic::WorkerExit& root = result.failures.front();
       if (group.running() > 0) {
         say("rank " + std::to_string(root.global_rank) + " failed; stopping the other " +

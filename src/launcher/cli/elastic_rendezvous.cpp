@@ -161,7 +161,8 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
 //     completes the handshake for it), so the store is slow, not gone. The bound is lifted: calls
 //     wait as long as they may while joining, and the job ends only when one of those fails too.
 //     The first answer brings the bound back.
-//   - Refused (by every address): the machine is up and nothing listens: the store is gone. The
+//   - Refused (by an address, none accepting): the machine is up and nothing listens: the store is
+//     gone. The
 //     job ends for this node now, and the line says so.
 //   - Silent (no route, no answer): the machine is down or this node is cut off from it; from here
 //     the two look the same and the line names both. The job ends for this node now, about the
@@ -483,7 +484,8 @@ class ElasticRendezvous final : public AgentRendezvous {
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: the workers get SIGTERM (the trainer checkpoints meanwhile),
   // then this node leaves so the others shrink at once.
   void leaving(int signo) override {
-    backend_->bound_by_patience(false);  // this node's part ends: as in report_failure()
+    // Still bounded: the workers get their SIGTERM after this returns, and must not wait for a
+    // store that stopped answering.
     try {
       if (server_) {
         // The store leaves with this process: tell the others now, while it still answers, rather
@@ -501,6 +503,7 @@ class ElasticRendezvous final : public AgentRendezvous {
   }
 
   void leave(int signo, bool left_in_place) override {
+    backend_->bound_by_patience(false);  // the workers are stopped: as in report_failure()
     if (server_) {
       try {
         rendezvous_->wait_until_others_left(std::chrono::seconds(5));

@@ -144,6 +144,14 @@ std::pair<std::string, std::string> parse_endpoint(const std::string& given) {
   return {host_port, "http://" + host_port};
 }
 
+// The addresses of a member's HOST:PORT (or [IPv6]:PORT), as parse_endpoint() writes it.
+std::vector<SocketAddress> member_addresses(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  std::string host = host_port.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  return resolve_addresses(host, std::stoi(host_port.substr(colon + 1)));
+}
+
 // The comma-separated endpoints of `given`, each still to be parsed. An empty item (",," or a comma
 // at either end) is an error naming the list.
 std::vector<std::string> split_endpoints(const std::string& given) {
@@ -209,11 +217,7 @@ EtcdBackend::EtcdBackend(const std::string& endpoints, const std::string& run_id
       }
     }
     endpoint_ += (endpoint_.empty() ? "" : ",") + host_port;
-    const size_t colon = host_port.rfind(':');
-    std::string host = host_port.substr(0, colon);
-    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-    std::vector<SocketAddress> addresses =
-        resolve_addresses(host, std::stoi(host_port.substr(colon + 1)));
+    std::vector<SocketAddress> addresses = member_addresses(host_port);
     members_.push_back(Member{std::move(host_port), std::move(base_url), std::move(addresses)});
   }
   if (run_id.empty()) {
@@ -368,10 +372,17 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
 
 Knock EtcdBackend::knock(std::chrono::milliseconds timeout) {
   // Every member's addresses at once: a cluster member that takes the connection is enough to keep
-  // waiting for the cluster (it may be electing a leader); refused only if every one refuses.
+  // waiting for the cluster (it may be electing a leader).
   std::vector<SocketAddress> addresses;
   for (const Member& member : members_) {
-    addresses.insert(addresses.end(), member.addresses.begin(), member.addresses.end());
+    if (!member.addresses.empty()) {
+      addresses.insert(addresses.end(), member.addresses.begin(), member.addresses.end());
+      continue;
+    }
+    // Did not resolve when the agent started: resolved now (which may wait on a resolver).
+    for (const SocketAddress& address : member_addresses(member.endpoint)) {
+      addresses.push_back(address);
+    }
   }
   return elastic::knock(addresses, timeout);
 }

@@ -193,8 +193,9 @@ Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::millisecon
       it = waiting.erase(it);
     }
   }
-  return !addresses.empty() && refused == static_cast<int>(addresses.size()) ? Knock::kRefused
-                                                                             : Knock::kSilent;
+  // Refused by one address and silent on another (an IPv6 address without a route, say): the
+  // machine answered, so it is up.
+  return refused > 0 ? Knock::kRefused : Knock::kSilent;
 }
 
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout) {

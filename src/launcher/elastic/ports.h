@@ -38,7 +38,8 @@ std::string local_address_towards(const std::string& host, int port);
 enum class Knock {
   kAccepted,  // the connection was made: the machine is up and something listens on the port,
               // however busy that program is (the kernel completes the handshake for it)
-  kRefused,   // the machine answered that nothing listens on the port any more
+  kRefused,   // the machine answered (on one of its addresses at least) that nothing listens on
+              // the port any more
   kSilent,    // no answer within the timeout, no route, or the name does not resolve: the
               // machine is down or this one is cut off from it
 };
@@ -55,7 +56,7 @@ struct SocketAddress {
 std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
 
 // One connection attempt to each of `addresses` at once, closed at once; waits at most `timeout`.
-// kAccepted if any accepted, kRefused if every one refused, else kSilent (none: kSilent).
+// kAccepted if any accepted, else kRefused if any refused, else kSilent (none: kSilent).
 Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout);
 // The same, resolving host:port first (which may block on a resolver out of reach).
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout);
