@@ -38,9 +38,7 @@ kill_at=${KILL_AT:-750}
   { echo "bench/compare_elastic.sh: scenario '$scenario': expected worker or node" >&2; exit 2; }
 [ "$settings" = matched ] || [ "$settings" = defaults ] ||
   { echo "bench/compare_elastic.sh: SETTINGS '$settings': expected matched or defaults" >&2; exit 2; }
-for f in "$dtrain" "$trainer" "$torchrun"; do
-  [ -x "$f" ] || { echo "bench/compare_elastic.sh: $f is not an executable (set BUILD, TRAINER or TORCHRUN)" >&2; exit 2; }
-done
+need_executables "bench/compare_elastic.sh" "BUILD, TRAINER or TORCHRUN" "$dtrain" "$trainer" "$torchrun"
 work=$(mktemp -d)
 cores=$(getconf _NPROCESSORS_ONLN)
 tag="bench-elastic-$$"  # in the environment of every agent and worker: the clean-up finds them by it
@@ -59,7 +57,6 @@ trap cleanup EXIT
 export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 now() { echo "$EPOCHREALTIME"; }
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }  # no fork per line
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||

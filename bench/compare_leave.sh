@@ -30,16 +30,20 @@ torchrun=${TORCHRUN:-$here/.venv/bin/torchrun}
 runs=${1:-3}
 check_count bench/compare_leave.sh "the number of runs" "$runs"
 leave_at=${LEAVE_AT:-300}
+check_count bench/compare_leave.sh "LEAVE_AT, a step" "$leave_at"
 ckpt_every=${CKPT_EVERY:-100}
-for f in "$dtrain" "$trainer" "$torchrun"; do
-  [ -x "$f" ] || { echo "bench/compare_leave.sh: $f is not an executable (set BUILD, TRAINER or TORCHRUN)" >&2; exit 2; }
+check_count bench/compare_leave.sh "CKPT_EVERY, a number of steps" "$ckpt_every"
+sides=(${SIDES:-in-place restart torchrun})
+for side in "${sides[@]}"; do
+  [[ $side =~ ^(in-place|restart|torchrun)$ ]] ||
+    { echo "bench/compare_leave.sh: SIDES: '$side': expected in-place, restart or torchrun" >&2; exit 2; }
 done
+need_executables "bench/compare_leave.sh" "BUILD, TRAINER or TORCHRUN" "$dtrain" "$trainer" "$torchrun"
 work=$(mktemp -d)
 [ -z "${KEEP:-}" ] || echo "bench/compare_leave.sh: logs kept in $work" >&2
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # The largest step rank 0 has printed in the two logs so far.
@@ -84,7 +88,6 @@ run_side() {  # side log-prefix
 }
 
 declare -A times
-sides=(${SIDES:-in-place restart torchrun})
 for round in $(seq "$runs"); do
   # Rotate which side goes first, so that no side always meets the machine in the same state.
   order=("${sides[@]:$((round % 3))}" "${sides[@]:0:$((round % 3))}")
@@ -97,5 +100,8 @@ done
 echo "SIGTERM to the second node's agent after rank 0's step $leave_at -> the first step at size 1 past the" \
   "shrink (median of $runs, seconds):"
 for side in "${sides[@]}"; do echo "  $side: $(list_median "${times[$side]}")  [${times[$side]# }]"; done
-echo "  paired ratio in-place / torchrun: $(ratio_summary "${times[in-place]# }" "${times[torchrun]# }")"
-echo "  paired ratio restart / torchrun: $(ratio_summary "${times[restart]# }" "${times[torchrun]# }")"
+for side in in-place restart; do
+  if [ -n "${times[$side]:-}" ] && [ -n "${times[torchrun]:-}" ]; then
+    echo "  paired ratio $side / torchrun: $(ratio_summary "${times[$side]# }" "${times[torchrun]# }")"
+  fi
+done

@@ -29,9 +29,7 @@ rounds=${1:-5}
 check_count bench/compare_pipeline.sh "the number of rounds" "$rounds"
 P=${P:-2} MICRO=${MICRO:-4} HIDDEN=${HIDDEN:-2048} BATCH=${BATCH:-256} STEPS=${STEPS:-10}
 zb=${ZB-interleaved-zb zbv dualpipev}
-for f in "$dtrain" "$bench" "$torchrun"; do
-  [ -x "$f" ] || { echo "bench/compare_pipeline.sh: $f is not an executable (set BUILD, BENCH_PIPELINE or TORCHRUN)" >&2; exit 2; }
-done
+need_executables "bench/compare_pipeline.sh" "BUILD, BENCH_PIPELINE or TORCHRUN" "$dtrain" "$bench" "$torchrun"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

@@ -29,13 +29,10 @@ runs=${1:-3}
 check_count bench/compare_recovery.sh "the number of runs" "$runs"
 kill_at=${KILL_AT:-350}
 ckpt_every=${CKPT_EVERY:-100}
-for f in "$dtrain" "$trainer" "$torchrun"; do
-  [ -x "$f" ] || { echo "bench/compare_recovery.sh: $f is not an executable (set BUILD, TRAINER or TORCHRUN)" >&2; exit 2; }
-done
+need_executables "bench/compare_recovery.sh" "BUILD, TRAINER or TORCHRUN" "$dtrain" "$trainer" "$torchrun"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 
 run_side() {  # side log
   local side=$1 log=$2 dir="$work/ckpt-$RANDOM"

@@ -32,7 +32,6 @@ work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 
 now() { echo "$EPOCHREALTIME"; }
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }  # no fork per line
 
 # The worker: its start time and identity, then wait for the finish file.
 worker='echo "$(date +%s.%N) start rank=$RANK rc=$TORCHELASTIC_RESTART_COUNT ws=$WORLD_SIZE pid=$$" >> "$1/events"

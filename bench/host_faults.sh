@@ -71,9 +71,7 @@ for fault in ${FAULTS:-}; do
   [[ $fault =~ ^(host-loss|link-cut|host-replaced)$ ]] ||
     { echo "$me: FAULTS: '$fault': expected host-loss, link-cut or host-replaced" >&2; exit 2; }
 done
-for f in "$dtrain" "$trainer" "$torchrun"; do
-  [ -x "$f" ] || { echo "$me: $f is not an executable (set BUILD or TORCHRUN)" >&2; exit 2; }
-done
+need_executables "$me" "BUILD or TORCHRUN" "$dtrain" "$trainer" "$torchrun"
 [ "$(id -u)" = 0 ] || { echo "$me: network namespaces need root" >&2; exit 2; }
 
 # Hosts ${ns[0..2]} (hostnames fault-host0..2, 10.81.0.1..3) and the switch ${ns[3]}.
@@ -107,7 +105,6 @@ made=$( (for host_ns in "${ns[@]}"; do ip netns add "$host_ns" || exit 1; done
 
 # on HOST COMMAND...: runs COMMAND on host 0, 1 or 2, with that host's hostname.
 on() { in_host "${ns[$1]}" "fault-host$1" "${@:2}"; }
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 # Ends a run: every process of every host, and host 2's link back up for the next.
 kill_hosts() {
   for host in 0 1 2; do ip netns pids "${ns[host]}" 2>/dev/null | xargs -r kill -9 2>/dev/null || true; done

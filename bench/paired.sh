@@ -30,6 +30,20 @@ check_count() {
   exit 2
 }
 
+# need_executables SCRIPT VARIABLES FILE...: returns when every FILE is an executable; otherwise names the first
+# that is not in one line (SCRIPT, and the VARIABLES that choose them) and exits 2.
+need_executables() {
+  local script=$1 variables=$2 f
+  shift 2
+  for f in "$@"; do
+    [ -x "$f" ] || { echo "$script: $f is not an executable (set $variables)" >&2; exit 2; }
+  done
+}
+
+# stamp: each line of stdin, prefixed with the time it was read (seconds since the epoch, microseconds); no
+# fork per line.
+stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
+
 # list_median LIST: the median of a space-separated list.
 list_median() { tr ' ' '\n' <<<"$1" | grep . | median; }
 

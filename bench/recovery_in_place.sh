@@ -23,7 +23,6 @@ step=${KILL_STEP:-300}
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
-stamp() { while IFS= read -r line; do echo "$EPOCHREALTIME $line"; done; }
 
 for run in $(seq "$runs"); do
   port=$((29900 + run))

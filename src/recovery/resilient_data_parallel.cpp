@@ -383,9 +383,8 @@ void RecoveryCore::transfer_state() {
   group_->all_reduce(counts, ReduceOp::kMax);
   const int64_t most = counts[0].item<int64_t>(), least = -counts[1].item<int64_t>();
   const bool newcomers = counts[2].item<int64_t>() > 0;
-  const int64_t admitted_up_to = counts[3].item<int64_t>(), admitted = counts[4].item<int64_t>();
-  newcomers_admitted_ = std::max(newcomers_admitted_, admitted_up_to);
-  stats_.admitted = std::max(stats_.admitted, admitted);
+  newcomers_admitted_ = counts[3].item<int64_t>();  // the largest of the members'
+  stats_.admitted = counts[4].item<int64_t>();
   if (most < 0) {
     // Only newcomers are left (every member that held the state died during their transfer):
     // going on would train a fresh model under the job's name.
@@ -450,13 +449,13 @@ void RecoveryCore::transfer_state() {
     optimizer_bytes = out.str();
   }
   const SamplerState position = committed_;
-  auto counters =
-      torch::tensor({stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries,
-                     stats_.admitted, stats_.steps_redone, newcomers_admitted_, stats_.departed,
-                     static_cast<int64_t>(optimizer_bytes.size())},
-                    torch::kInt64);
+  // (The admission counts came with the first all-reduce, above.)
+  auto counters = torch::tensor(
+      {stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries,
+       stats_.steps_redone, stats_.departed, static_cast<int64_t>(optimizer_bytes.size())},
+      torch::kInt64);
   group_->broadcast(counters, source);
-  auto bytes = torch::empty({counters[8].item<int64_t>()}, torch::kUInt8);
+  auto bytes = torch::empty({counters[6].item<int64_t>()}, torch::kUInt8);
   if (sending) std::memcpy(bytes.data_ptr(), optimizer_bytes.data(), optimizer_bytes.size());
   group_->broadcast(bytes, source);
 
@@ -480,10 +479,8 @@ void RecoveryCore::transfer_state() {
     stats_.steps = c[0];
     committed_ = SamplerState{c[1], c[2]};
     stats_.recoveries = c[3];
-    stats_.admitted = std::max(c[4], admitted);
-    stats_.steps_redone = c[5];
-    newcomers_admitted_ = std::max(c[6], admitted_up_to);
-    stats_.departed = c[7];
+    stats_.steps_redone = c[4];
+    stats_.departed = c[5];
   }
   stats_.generation = generation_;
   sampler_.load_state(committed_);

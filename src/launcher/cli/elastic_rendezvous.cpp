@@ -239,9 +239,8 @@ class PatientBackend final : public elastic::RendezvousBackend {
 };
 
 // The message for a rendezvous store that stopped answering mid-job: what it said last, and what
-// the knock at its machine found, if the agent knocked (Note [A store that stops answering]).
-std::string store_lost(const RunOptions& options, const std::string& what,
-                       std::optional<elastic::Knock> knocked = std::nullopt) {
+// the knock at its machine found (Note [A store that stops answering]).
+std::string store_lost(const RunOptions& options, const std::string& what, elastic::Knock knocked) {
   const bool c10d = options.rdzv_backend == "c10d";
   const std::string store = c10d ? "the c10d store's host (" + rendezvous_endpoint(options) + ")"
                                  : "etcd (tried " + rendezvous_endpoint(options) + ")";
@@ -255,9 +254,9 @@ std::string store_lost(const RunOptions& options, const std::string& what,
                (c10d ? std::string("the store does not answer: that agent is stalled")
                      : "does not answer: it has no leader or is overloaded");
   } else {
-    message += (knocked ? store + " does not answer a connection either: " : std::string()) +
-               "either " + (knocked ? "that machine" : store) +
-               " is down or this node is cut off from it (from here the two look the same)";
+    message += store +
+               " does not answer a connection either: either that machine is down or this node is "
+               "cut off from it (from here the two look the same)";
   }
   message += ", and this node cannot continue without it";
   if (c10d) message += " (--rdzv-backend etcd has no such single point of failure)";
@@ -410,7 +409,7 @@ class ElasticRendezvous final : public AgentRendezvous {
         return {};
       }
       store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, silence, knocked_)};
+      return {Verdict::Kind::kShutdown, store_lost(options_, silence, *knocked_)};
     }
     return as_line(verdict);
   }

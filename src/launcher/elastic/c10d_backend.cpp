@@ -124,23 +124,14 @@ std::string describe_peer(const sockaddr_storage& address) {
 
 // One resolved address of `host` (IPv4 preferred: what the other nodes most likely use).
 bool resolve(const std::string& host, int port, sockaddr_storage* out, socklen_t* length) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_family = AF_UNSPEC;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) {
-    return false;
-  }
-  const addrinfo* chosen = found;
-  for (const addrinfo* entry = found; entry; entry = entry->ai_next) {
-    if (entry->ai_family == AF_INET) {
-      chosen = entry;
-      break;
-    }
-  }
-  std::memcpy(out, chosen->ai_addr, chosen->ai_addrlen);
-  *length = chosen->ai_addrlen;
-  freeaddrinfo(found);
+  const std::vector<SocketAddress> found = resolve_addresses(host, port);
+  if (found.empty()) return false;
+  auto chosen = std::find_if(found.begin(), found.end(), [](const SocketAddress& address) {
+    return address.address.ss_family == AF_INET;
+  });
+  if (chosen == found.end()) chosen = found.begin();
+  *out = chosen->address;
+  *length = chosen->length;
   return true;
 }
 

@@ -97,8 +97,16 @@ std::string excerpt(const std::string& body) {
   return body.size() <= kMax ? body : body.substr(0, kMax) + "...";
 }
 
-// HOST:PORT (or [IPv6]:PORT) for messages and http://HOST:PORT for requests.
-std::pair<std::string, std::string> parse_endpoint(const std::string& given) {
+// One member as given: HOST:PORT (or [IPv6]:PORT) for messages, http://HOST:PORT for requests,
+// and the host (without brackets) and port to resolve.
+struct ParsedEndpoint {
+  std::string host_port;
+  std::string base_url;
+  std::string host;
+  int port = 0;
+};
+
+ParsedEndpoint parse_endpoint(const std::string& given) {
   auto bad = [&](const std::string& why) {
     return UsageError("etcd endpoint '" + given + "': " + why +
                       "; expected HOST:PORT, e.g. 127.0.0.1:2379");
@@ -141,15 +149,9 @@ std::pair<std::string, std::string> parse_endpoint(const std::string& given) {
     if (port < 1 || port > 65535) throw bad("port " + port_text + " is outside 1..65535");
   }
   std::string host_port = host + ":" + std::to_string(port);
-  return {host_port, "http://" + host_port};
-}
-
-// The addresses of a member's HOST:PORT (or [IPv6]:PORT), as parse_endpoint() writes it.
-std::vector<SocketAddress> member_addresses(const std::string& host_port) {
-  const size_t colon = host_port.rfind(':');
-  std::string host = host_port.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return resolve_addresses(host, std::stoi(host_port.substr(colon + 1)));
+  const bool bracketed = host.front() == '[';
+  return {host_port, "http://" + host_port, bracketed ? host.substr(1, host.size() - 2) : host,
+          port};
 }
 
 // The comma-separated endpoints of `given`, each still to be parsed. An empty item (",," or a comma
@@ -209,7 +211,8 @@ EtcdBackend::EtcdBackend(const std::string& endpoints, const std::string& run_id
                          std::chrono::milliseconds timeout, std::string key_prefix)
     : timeout_(timeout) {
   for (const std::string& given : split_endpoints(endpoints)) {
-    auto [host_port, base_url] = parse_endpoint(given);
+    ParsedEndpoint parsed = parse_endpoint(given);
+    std::string& host_port = parsed.host_port;
     for (const Member& earlier : members_) {
       if (earlier.endpoint == host_port) {
         throw UsageError("etcd endpoints '" + endpoints + "': " + host_port +
@@ -217,8 +220,9 @@ EtcdBackend::EtcdBackend(const std::string& endpoints, const std::string& run_id
       }
     }
     endpoint_ += (endpoint_.empty() ? "" : ",") + host_port;
-    std::vector<SocketAddress> addresses = member_addresses(host_port);
-    members_.push_back(Member{std::move(host_port), std::move(base_url), std::move(addresses)});
+    std::vector<SocketAddress> addresses = resolve_addresses(parsed.host, parsed.port);
+    members_.push_back(Member{std::move(host_port), std::move(parsed.base_url),
+                              std::move(parsed.host), parsed.port, std::move(addresses)});
   }
   if (run_id.empty()) {
     throw UsageError(
@@ -380,7 +384,7 @@ Knock EtcdBackend::knock(std::chrono::milliseconds timeout) {
       continue;
     }
     // Did not resolve when the agent started: resolved now (which may wait on a resolver).
-    for (const SocketAddress& address : member_addresses(member.endpoint)) {
+    for (const SocketAddress& address : resolve_addresses(member.host, member.port)) {
       addresses.push_back(address);
     }
   }

@@ -97,6 +97,8 @@ class EtcdBackend : public RendezvousBackend {
   struct Member {
     std::string endpoint;  // HOST:PORT
     std::string base_url;  // http://HOST:PORT
+    std::string host;      // HOST without an IPv6 address's brackets
+    int port = 0;
     // Its addresses, resolved at construction, for knock(): a resolver may be out of reach then.
     std::vector<SocketAddress> addresses;
   };
