@@ -7,7 +7,7 @@
 # dtrain/recovery.h): no restart, no checkpoint. A new job on the freed node joins and the training grows back
 # to size 2 in place (Note [Rounds in place]): the running round admits the node, its worker joins as a
 # newcomer and takes the state from a live peer, and the staying worker never stops.
-# Every sample of both epochs counts exactly once. Prints the time from scancel to the next step at size 1
+# Every sample of every epoch counts exactly once. Prints the time from scancel to the next step at size 1
 # and from the new node job's start to the first step at size 2.
 # Usage: elastic_nodes_test.sh BUILD_BIN_DIR
 source "$(dirname "$0")/lib.sh"
@@ -17,7 +17,11 @@ start_cluster --two-hosts
 
 start_head_etcd
 
-# One node job: the agent, its one worker the trainer (2 epochs: time enough to shrink and regrow). The
+# Four epochs: about 1.7 s each at size 1 on a quiet machine, so that the stretch at size 1 and the growth
+# back fit inside the training on a busy one too.
+epochs=4
+
+# One node job: the agent, its one worker the trainer (see epochs above). The
 # default last-call window (30 s): with 2 s, on a busy machine the new node job's agent formed a round of
 # its own while the staying agent was still stopping its worker (3.6 s), and the staying agent then joined
 # a third round (preempt_regrow_test.sh, doc/slurm.md).
@@ -26,7 +30,7 @@ cat >"$work/node.sh" <<JOB
 echo "node job \$SLURM_JOB_ID on \$(hostname) at \$(date +%s.%N)"
 exec "$bin/dtrain" run --nnodes 1:2 --nproc-per-node 1 --rdzv-backend etcd --rdzv-endpoint $etcd_endpoint \
   --rdzv-id slurm-elastic --max-restarts 5 -- \
-  "$trainer" --epochs 2 --log-every 1 --checkpoint-dir "$work/ckpt"
+  "$trainer" --epochs $epochs --log-every 1 --checkpoint-dir "$work/ckpt"
 JOB
 submit() { on_head sbatch --parsable -w "$1" -N1 -n1 --output="$2" "$work/node.sh"; }
 a=$(submit dtrain-node0 "$work/a.out") || fail "sbatch: $a"
@@ -49,8 +53,13 @@ grep -q "received SIGTERM; passing SIGTERM to 1 worker" "$leave_out" || fail "$n
 # (Now: slurmctld forgets a job MinJobAge after its end: 600 s on the tests' cluster.)
 [[ "$(wait_job_end "$leave" 30)" == "JobState=CANCELLED "* ]] || fail "node job $leave is not CANCELLED"
 
-# Regrow: a new node job on node 1 joins.
-c=$(submit "$node" "$work/c.out") || fail "sbatch: $c"
+# Regrow: a new node job on node 1 joins. The staying worker is paused while Slurm starts the job (with two
+# epochs the training at size 1 ended before the newcomer came in two runs on a busy machine), and goes on once
+# the job's script runs.
+pause_worker "^$trainer --epochs $epochs --log-every 1 --checkpoint-dir $work/ckpt"
+c=$(submit "$node" "$work/c.out") || { resume_worker; fail "sbatch: $c"; }
+wait_line "$work/c.out" "^node job $c on $node at " 60
+resume_worker
 read -r grown s2 < <(wait_grown_in_place "$out" 60) ||
   fail "the new node job $c did not grow the training; its output: $(tail -n 20 "$work/c.out" 2>&1);" \
     "squeue: $(on_head squeue 2>&1 | tail -n 5)"
@@ -64,8 +73,8 @@ c_started=$(grep -o "^node job $c on $node at [0-9.]*" "$work/c.out" | grep -o "
 state=$(wait_job_end "$stay" 120)
 [[ $state == "JobState=COMPLETED "* ]] || fail "node job $stay ended as '$state': $(tail -n 5 "$out")"
 [[ "$(wait_job_end "$c" 10)" == "JobState=COMPLETED "* ]] || fail "node job $c did not complete"
-check_shrunk_and_regrown "$out" 2
+check_shrunk_and_regrown "$out" $epochs
 echo "$name: shrunk at step $s1, $(python3 -c "print('%.2f' % ($shrunk - $cancelled))") s from scancel to the" \
   "next step at size 1; grew at step $s2, $(python3 -c "print('%.2f' % ($grown - $c_started))") s from the new" \
-  "node job's start to the first step at size 2; epoch_samples [60000,60000], test_accuracy" \
+  "node job's start to the first step at size 2; epoch_samples $(json "$out" epoch_samples), test_accuracy" \
   "$(json "$out" test_accuracy)"

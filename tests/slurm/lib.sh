@@ -201,6 +201,25 @@ wait_shrunk_in_place() {
   fail "the training did not go on at size 1 in $1 within $2 s: $(grep -v 'step [0-9]* loss' "$1" | tail -n 5)"
 }
 
+# pause_worker PATTERN / resume_worker: SIGSTOP and SIGCONT to the one worker left at size 1 (the staying
+# node's), found by its command line (pgrep -f PATTERN), so that the training outlasts the scheduler's part of
+# a stretch on any machine. The worker that left may still be exiting when the other goes on: waited for, at
+# most 15 s.
+paused_worker=""
+pause_worker() {
+  for ((i = 0; i < 300; ++i)); do
+    paused_worker=$(pgrep -f "$1")
+    [ "$(echo $paused_worker | wc -w)" = 1 ] && break
+    sleep 0.05
+  done
+  [ "$(echo $paused_worker | wc -w)" = 1 ] || fail "expected one worker at size 1, found pids '$paused_worker'"
+  kill -STOP "$paused_worker"
+}
+resume_worker() {
+  [ -n "$paused_worker" ] && kill -CONT "$paused_worker"
+  paused_worker=""
+}
+
 # wait_grown_in_place FILE SECONDS: waits until the agent whose output is FILE admitted a node into its
 # running round in place (Note [Rounds in place]) and rank 0 printed a step at world size 2 after that;
 # prints "TIME STEP".

@@ -60,22 +60,8 @@ wait_steps() {
   done
   fail "rank 0 made fewer than $1 steps after step $from within 120 s: $(tail -n 3 "$out")"
 }
-# pause / resume: SIGSTOP and SIGCONT to the one worker left (the staying node's), found by its command line.
-worker=""
-# (The worker that left may still be exiting when the other goes on: waited for, at most 15 s.)
-pause() {
-  for ((i = 0; i < 300; ++i)); do
-    worker=$(pgrep -f "^$trainer --epochs $epochs --log-every 1 --checkpoint-dir $work/ckpt")
-    [ "$(echo $worker | wc -w)" = 1 ] && break
-    sleep 0.05
-  done
-  [ "$(echo $worker | wc -w)" = 1 ] || fail "expected one worker at size 1, found pids '$worker'"
-  kill -STOP "$worker"
-}
-resume() {
-  [ -n "$worker" ] && kill -CONT "$worker"
-  worker=""
-}
+pause() { pause_worker "^$trainer --epochs $epochs --log-every 1 --checkpoint-dir $work/ckpt"; }
+resume() { resume_worker; }
 
 # Preemption: the high job, exclusive on the other node. It runs until the test has seen the training go on
 # at size 1 (10 steps after its start; $work/release), at most 300 s.
