@@ -154,6 +154,10 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
         if (in_place && !told_in_place && in_place->group_formed()) {
           told_in_place = rendezvous->workers_recover_in_place();
+          if (told_in_place) {
+            say("the workers recover in place: from now on a node lost, joining or leaving on "
+                "SIGTERM changes the running round without restarting them");
+          }
         }
         Verdict verdict = rendezvous->check();
         if (verdict.kind == Verdict::Kind::kKeepRunning) {
