@@ -72,12 +72,18 @@
 //   store's host lost ends the job after `lost_after` on every member, each naming the store.
 // - A member asked to stop (SIGTERM after dtrain::install_stop_handler(), dtrain/stop.h) leaves
 //   in place (Note [Leaving in place] below) when the body asks agree_to_stop().
-// - Limits (today): a link cut between two workers' hosts while both still reach the store is not
-//   a lost member (the heartbeats go on): that collective waits for the group's timeout. The store
-//   is a single point of failure (node 0's launcher). A group that uses NCCL waits in one call (no
-//   heartbeat check inside the wait); its communicator is aborted when its generation is left
-//   (compiled, not yet run on a GPU): in place on GPUs has not run yet (the example trainer
-//   restarts instead on a CUDA device).
+// - A link cut between two members' hosts while both still reach the store stops no heartbeat:
+//   a member whose waits have stalled for `lost_after` knocks at the others (a TCP connection to a
+//   port each listens on, at the address its collectives use), and one that answers no knock
+//   within 2 s is cut from it; the generation is abandoned, and the next one closes without one
+//   of each pair that cannot reach each other (the one cut from more members, the higher rank of
+//   equals), which is restarted as a newcomer and admitted once it reaches every member again
+//   (Note [A link cut between members], src/recovery/membership.h; the survivors' next step 5.5 s
+//   after the cut on three namespace hosts).
+// - Limits (today): the store is a single point of failure (node 0's launcher). A group that uses
+//   NCCL waits in one call (no heartbeat check inside the wait); its communicator is aborted when
+//   its generation is left (compiled, not yet run on a GPU): in place on GPUs has not run yet (the
+//   example trainer restarts instead on a CUDA device).
 //
 // Note [Leaving in place]
 // SIGTERM reaches one node of a job (a scheduler takes it back) or all of them (the job is

@@ -263,6 +263,39 @@ LocalRoute route_to(const std::string& host) {
   return route;
 }
 
+// A job on one machine talks over loopback.
+bool loopback_master(const std::string& master) {
+  return master.empty() || master == "localhost" || master.rfind("127.", 0) == 0 || master == "::1";
+}
+
+}  // namespace
+
+std::string gloo_address(const std::string& master_addr) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    // The interface's first IPv4 address, as Gloo's device for an interface takes it.
+    std::string address;
+    ifaddrs* interfaces = nullptr;
+    if (getifaddrs(&interfaces) == 0) {
+      for (ifaddrs* i = interfaces; i != nullptr && address.empty(); i = i->ifa_next) {
+        if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
+            ifname != std::string(i->ifa_name))
+          continue;
+        char text[INET_ADDRSTRLEN] = {0};
+        if (inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text,
+                      sizeof text)) {
+          address = text;
+        }
+      }
+      freeifaddrs(interfaces);
+    }
+    return address;
+  }
+  if (loopback_master(master_addr)) return "127.0.0.1";
+  return route_to(master_addr).address;
+}
+
+namespace {
+
 // Gloo's socket: GLOO_SOCKET_IFNAME when set; else the address that routes to MASTER_ADDR (as NCCL
 // picks its socket interface), so that a machine whose hostname resolves to loopback, or not at
 // all, still talks to its peers on the network that reaches the master.
@@ -277,10 +310,7 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const GroupState& group) 
     }
   }
   const std::string& master = group.master_addr;
-  // A job on one machine talks over loopback.
-  if (master.empty() || master == "localhost" || master.rfind("127.", 0) == 0 || master == "::1") {
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  }
+  if (loopback_master(master)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   LocalRoute route = route_to(master);
   if (route.address.empty()) {
     DTRAIN_LOG(kWarn, "no route to MASTER_ADDR '"

@@ -35,6 +35,11 @@ std::string tcp_host(const std::string& init_method);
 // timeout.
 std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group);
 
+// The address this process's Gloo transport listens on, as the group picks it: GLOO_SOCKET_IFNAME's
+// first IPv4 address, 127.0.0.1 for a job on one machine, else the address that routes to
+// `master_addr`. Empty when none is found (Gloo then uses this host's name).
+std::string gloo_address(const std::string& master_addr);
+
 // Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build (or Gloo with
 // DTRAIN_CUDA_BACKEND=gloo). NCCL is created on the first CUDA tensor.
 c10d::Backend& backend_for(GroupState& group, const at::Tensor& tensor);

@@ -64,20 +64,35 @@ MemberRecord MemberRecord::of_this_process(int job_rank, bool newcomer) {
   return record;
 }
 
+// "<rank> <host> <pid> <pid namespace> <newcomer 0|1> <knock address|-> <knock port>
+// <unreachable ids, comma-separated|->"
 std::string MemberRecord::text() const {
+  std::string cut;
+  for (const auto& id : unreachable) cut += (cut.empty() ? "" : ",") + id;
   return std::to_string(job_rank) + " " + host + " " + std::to_string(pid) + " " +
-         std::to_string(pid_namespace) + " " + (newcomer ? "1" : "0");
+         std::to_string(pid_namespace) + " " + (newcomer ? "1" : "0") + " " +
+         (knock_address.empty() ? "-" : knock_address) + " " + std::to_string(knock_port) + " " +
+         (cut.empty() ? "-" : cut);
 }
 
 MemberRecord MemberRecord::parse(const std::string& text) {
   MemberRecord record;
   std::istringstream in(text);
   int newcomer = 0;
-  if (!(in >> record.job_rank >> record.host >> record.pid >> record.pid_namespace >> newcomer)) {
+  std::string cut;
+  if (!(in >> record.job_rank >> record.host >> record.pid >> record.pid_namespace >> newcomer >>
+        record.knock_address >> record.knock_port >> cut)) {
     throw InternalError("in-place recovery: unreadable member record in the store: '" + text + "'");
   }
   record.newcomer = newcomer != 0;
+  if (record.knock_address == "-") record.knock_address.clear();
+  std::istringstream ids(cut == "-" ? "" : cut);
+  for (std::string id; std::getline(ids, id, ',');) record.unreachable.push_back(id);
   return record;
+}
+
+std::string MemberRecord::id() const {
+  return host + "/" + std::to_string(pid) + "/" + std::to_string(pid_namespace);
 }
 
 bool MemberRecord::seen_dead() const {
@@ -162,15 +177,17 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
       complete = (all_missing_dead && newcomers_came >= newcomers) || now - arrived_at >= *settle;
     }
     if (complete && !self_.newcomer) {
-      // Members in rank order: the survivors by their job rank, then the newcomers.
+      // Members in rank order: the survivors by their job rank, then the newcomers; none of a pair
+      // that cannot reach each other (Note [A link cut between members]).
       std::vector<MemberRecord> members = arrivals;
       std::stable_sort(members.begin(), members.end(),
                        [](const MemberRecord& a, const MemberRecord& b) {
                          if (a.newcomer != b.newcomer) return !a.newcomer;
                          return a.job_rank < b.job_rank;
                        });
-      closed =
-          text_of(store_->compareSet(key(prefix + "closed"), {}, bytes_of(members_text(members))));
+      const std::string mine = members_text(without_cut_pairs(std::move(members)));
+      closed = text_of(store_->compareSet(key(prefix + "closed"), {}, bytes_of(mine)));
+      if (closed == mine) write("latest", std::to_string(generation));
       break;
     }
     if (now >= deadline) {
@@ -190,6 +207,26 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   const bool in = std::any_of(members.begin(), members.end(),
                               [&](const MemberRecord& m) { return m.same_process(self_); });
   if (!in) {
+    // Left out of a pair that cannot reach each other (Note [A link cut between members])?
+    std::vector<std::string> cut = self_.unreachable;
+    for (const auto& a : arrivals) {
+      if (std::find(a.unreachable.begin(), a.unreachable.end(), self_.id()) != a.unreachable.end())
+        cut.push_back(a.id());
+    }
+    if (!cut.empty()) {
+      std::vector<std::string> names;
+      for (const auto& a : arrivals) {
+        if (std::find(cut.begin(), cut.end(), a.id()) != cut.end()) names.push_back(a.label());
+      }
+      throw CommError(self_.label() + ": in-place recovery: generation " +
+                      std::to_string(generation) + " formed without this process: it and " +
+                      (names.empty() ? std::string("another member") : list_text(names)) +
+                      " cannot reach each other (the network between their hosts is cut), and of "
+                      "such a pair the one cut off from more members leaves, the higher rank of "
+                      "equals. It exits; under `dtrain run "
+                      "--recovery in-place` it is restarted as a newcomer, admitted once it "
+                      "reaches every member again.");
+    }
     throw CommError(self_.label() + ": in-place recovery: generation " +
                     std::to_string(generation) + " formed without this process (" +
                     std::to_string(members.size()) +
@@ -200,7 +237,82 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   return members;
 }
 
+std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members) {
+  auto cut = [&](const MemberRecord& a, const MemberRecord& b) {
+    auto names = [](const MemberRecord& x, const MemberRecord& y) {
+      return std::find(x.unreachable.begin(), x.unreachable.end(), y.id()) != x.unreachable.end();
+    };
+    return names(a, b) || names(b, a);
+  };
+  // Greedy, as pairs are few: each round leaves out the member in the most pairs still standing.
+  for (;;) {
+    std::vector<int> pairs(members.size(), 0);
+    for (size_t i = 0; i < members.size(); ++i) {
+      for (size_t j = i + 1; j < members.size(); ++j) {
+        if (cut(members[i], members[j])) ++pairs[i], ++pairs[j];
+      }
+    }
+    // The members are in rank order (newcomers last), so the last of the most is the one to go.
+    size_t out = members.size();
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (pairs[i] > 0 && (out == members.size() || pairs[i] >= pairs[out])) out = i;
+    }
+    if (out == members.size()) return members;
+    members.erase(members.begin() + static_cast<std::ptrdiff_t>(out));
+  }
+}
+
 void Membership::joined() { self_.newcomer = false; }
+
+bool Membership::wait_until_members_answer() {
+  const auto deadline = Clock::now() + timeout_;
+  std::string waiting_for;  // said in the log, once per member
+  for (int round = 0;; ++round) {
+    std::vector<MemberRecord> targets;
+    try {
+      if (exists("finished")) return false;
+      if (exists("latest")) {
+        const std::string generation = read("latest");
+        for (auto& m : parse_members(read("g" + generation + "/closed"))) {
+          // Not the process this one replaces (the same job rank): it is dead, or cut off.
+          if (m.job_rank != self_.job_rank && m.knock_port > 0) targets.push_back(std::move(m));
+        }
+      }
+    } catch (const std::exception& e) {
+      // As in wait_for_admission: the store is gone with the job, or with rank 0.
+      DTRAIN_LOG(kWarn, "in-place recovery: the job's store went away while this newcomer waited ("
+                            << e.what() << "): the job finished, or rank 0 died");
+      return false;
+    }
+    std::vector<std::vector<elastic::SocketAddress>> addresses;
+    for (const auto& m : targets) {
+      addresses.push_back(elastic::resolve_addresses(m.knock_address, m.knock_port));
+    }
+    const std::vector<elastic::Knock> answers =
+        elastic::knock_each(addresses, Heartbeats::kKnockTimeout);
+    // A refusal is a dead member, which the others re-form without: only silence waits.
+    const MemberRecord* silent = nullptr;
+    for (size_t i = 0; i < answers.size() && !silent; ++i) {
+      if (answers[i] == elastic::Knock::kSilent) silent = &targets[i];
+    }
+    if (!silent) return true;
+    const std::string at = silent->knock_address + ":" + std::to_string(silent->knock_port);
+    if (waiting_for != silent->id()) {
+      waiting_for = silent->id();
+      DTRAIN_LOG(kWarn, "in-place recovery: this newcomer cannot reach "
+                            << silent->label() << " at " << at
+                            << " (the network between the hosts is cut?); it asks to be admitted "
+                               "once every member answers");
+    }
+    if (Clock::now() >= deadline) {
+      throw TimeoutError(self_.label() + ": in-place recovery: " + silent->label() +
+                         " answered no connection at " + at + " for " + seconds_text(timeout_) +
+                         ", so this newcomer cannot join the group. Likely cause: the network "
+                         "between the two hosts is cut; check the link and firewalls.");
+    }
+    std::this_thread::sleep_for(poll_pause(round) * 25);
+  }
+}
 
 int64_t Membership::request_admission() { return store_->add(key("newcomers"), 1); }
 
@@ -255,15 +367,13 @@ Heartbeats::Heartbeats(c10::intrusive_ptr<c10d::Store> store, MemberRecord self,
       reached_(Clock::now()) {}
 
 std::string Heartbeats::key(const MemberRecord& member) {
-  return "dtrain/recovery/beat/" + member.host + "/" + std::to_string(member.pid) + "/" +
-         std::to_string(member.pid_namespace);
+  return "dtrain/recovery/beat/" + member.id();
 }
 
 // The launcher writes this key (in_place_recovery.cpp spells it there too, as its store holds it:
 // with the "/" that c10d's client puts before every key).
 std::string Heartbeats::exit_key(const MemberRecord& member) {
-  return "dtrain/recovery/exited/" + member.host + "/" + std::to_string(member.pid) + "/" +
-         std::to_string(member.pid_namespace);
+  return "dtrain/recovery/exited/" + member.id();
 }
 
 void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& members) {
@@ -274,7 +384,10 @@ void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& memb
   watched_.clear();
   for (const auto& m : members) {
     if (m.same_process(self_)) continue;
-    watched_.push_back(Watched{m, key(m), {}, now});
+    // Numeric: resolving does not block.
+    auto knock_at = m.knock_port > 0 ? elastic::resolve_addresses(m.knock_address, m.knock_port)
+                                     : std::vector<elastic::SocketAddress>{};
+    watched_.push_back(Watched{m, key(m), {}, now, std::move(knock_at)});
   }
 }
 
@@ -296,18 +409,76 @@ void Heartbeats::round() {
   const int64_t newcomers = store_->add("dtrain/recovery/newcomers", 0);
   const auto now = Clock::now();
 
-  std::lock_guard<std::mutex> lock(mutex_);
-  reached_ = now;
-  newcomers_seen_.store(newcomers);
-  // watch() may have moved on while this round read: then its counts are the old members'.
-  if (generation != generation_ || counts.size() != watched_.size()) return;
-  next_failed_ = next_failed;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    if (counts[i] != watched_[i].count) {
-      watched_[i].count = std::move(counts[i]);
-      watched_[i].moved = now;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reached_ = now;
+    newcomers_seen_.store(newcomers);
+    // watch() may have moved on while this round read: then its counts are the old members'.
+    if (generation == generation_ && counts.size() == watched_.size()) {
+      next_failed_ = next_failed;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        if (counts[i] != watched_[i].count) {
+          watched_[i].count = std::move(counts[i]);
+          watched_[i].moved = now;
+        }
+      }
     }
   }
+  knock_if_stalled(now);
+}
+
+void Heartbeats::knock_if_stalled(Clock::time_point now) {
+  std::vector<std::vector<elastic::SocketAddress>> targets;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (knocking_.valid()) {
+      if (knocking_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
+      std::vector<elastic::Knock> answers = knocking_.get();
+      // Answers about another generation's members are of no use.
+      if (knocking_generation_ == generation_ && answers.size() == watched_.size()) {
+        for (size_t i = 0; i < answers.size(); ++i) {
+          Watched& w = watched_[i];
+          // One with no address to knock at (it could not listen) is not judged by knocks.
+          if (w.knock_at.empty() || answers[i] == w.knocked) continue;
+          w.knocked = answers[i];
+          // Said here, on the member that found it: the line rank 0 prints names only what it saw.
+          // (Not of a member whose heartbeats stopped too: its host is lost, as the verdict says.)
+          if (w.knocked == elastic::Knock::kSilent && !retired_count(w.count) &&
+              reached_ - w.moved < lost_after_) {
+            DTRAIN_LOG(kWarn, "in-place recovery: "
+                                  << w.record.label() << " at " << w.record.knock_address << ":"
+                                  << w.record.knock_port << " answered no connection within "
+                                  << seconds_text(kKnockTimeout)
+                                  << " though its heartbeats go on: the network "
+                                     "between this host and "
+                                  << w.record.host << " is cut");
+          }
+        }
+      }
+    }
+    // The training thread's waits have gone on without a break (a gap of a few asks' slices) for
+    // lost_after, and the last knock is lost_after old: knock again.
+    const bool waiting = now - asked_last_ < std::chrono::milliseconds(500);
+    if (retired_ || !waiting || asked_last_ - asked_first_ < lost_after_ ||
+        now - knocked_at_ < lost_after_) {
+      return;
+    }
+    for (const auto& w : watched_) targets.push_back(w.knock_at);
+    knocked_at_ = now;
+    knocking_generation_ = generation_;
+  }
+  knocking_ = std::async(std::launch::async, [targets = std::move(targets)] {
+    return elastic::knock_each(targets, kKnockTimeout);
+  });
+}
+
+std::vector<std::string> Heartbeats::unreachable() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> ids;
+  for (const auto& w : watched_) {
+    if (w.knocked != elastic::Knock::kAccepted) ids.push_back(w.record.id());
+  }
+  return ids;
 }
 
 void Heartbeats::leave(const std::string& how) {
@@ -340,14 +511,30 @@ std::string Heartbeats::lost_text(const Watched& w, Clock::time_point now) const
 
 std::string Heartbeats::verdict(int64_t generation) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (retired_ || generation != generation_) return "";
   const auto now = Clock::now();
+  // Note [A link cut between members]: the asks tell the watcher how long the waits have stalled.
+  if (now - asked_last_ >= std::chrono::milliseconds(500)) asked_first_ = now;
+  asked_last_ = now;
+  if (retired_ || generation != generation_) return "";
   if (now - reached_ >= lost_after_) {
     return "the job's store at " + where_ + " has answered none of this process's heartbeats for " +
            seconds_text(now - reached_) + " (this host is cut off from it, or its host is lost)";
   }
   for (const auto& w : watched_) {
     if (!retired_count(w.count) && reached_ - w.moved >= lost_after_) return lost_text(w, reached_);
+  }
+  for (const auto& w : watched_) {
+    // A member that finished training may have exited: it refuses, and that is no failure.
+    if (w.knocked == elastic::Knock::kAccepted || retired_count(w.count)) continue;
+    const std::string at = w.record.knock_address + ":" + std::to_string(w.record.knock_port);
+    return w.knocked == elastic::Knock::kRefused
+               ? w.record.label() + " refused a connection at " + at +
+                     ": nothing listens there any more (its process is gone)"
+               : w.record.label() + " answered no connection at " + at + " within " +
+                     seconds_text(kKnockTimeout) +
+                     " though its heartbeats through the store go on: the network between "
+                     "this host and " +
+                     w.record.host + " is cut (a link, a switch port or a firewall)";
   }
   if (next_failed_) {
     return "a member abandoned generation " + std::to_string(generation) +

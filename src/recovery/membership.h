@@ -8,6 +8,8 @@
 //                       it registers: the others stop waiting on G-1's collectives (Note
 //                       [Heartbeats])
 //   g<G>/newcomers      how many newcomers the members admitted into generation G (admit())
+//   latest              the last generation that closed (a newcomer knocks at its members first:
+//                       Note [A link cut between members])
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
@@ -25,12 +27,15 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
+
+#include "launcher/elastic/ports.h"
 
 namespace dtrain::detail {
 
@@ -41,6 +46,13 @@ struct MemberRecord {
   int pid = 0;
   uint64_t pid_namespace = 0;  // a pid means something only within the same pid namespace
   bool newcomer = false;       // admitted in this generation (it holds no state yet)
+  // Where it listens for knocks (Note [A link cut between members]): the address its group's
+  // transport uses, and a port of its own; port 0 when it has none.
+  std::string knock_address;
+  int knock_port = 0;
+  // The members of the generation it left that it found it cannot reach (their id()s): registered
+  // with it, so that the next generation is closed without a pair that cannot connect.
+  std::vector<std::string> unreachable;
 
   static MemberRecord of_this_process(int job_rank, bool newcomer);
   std::string text() const;
@@ -48,6 +60,8 @@ struct MemberRecord {
   bool same_process(const MemberRecord& other) const {
     return host == other.host && pid == other.pid && pid_namespace == other.pid_namespace;
   }
+  // "<host>/<pid>/<pid namespace>": names the process among every host's.
+  std::string id() const;
   // True only when the process is on this host, in this pid namespace, and gone.
   bool seen_dead() const;
   std::string label() const;  // "rank 2 (pid 4242 on hostA)"
@@ -83,6 +97,26 @@ struct MemberRecord {
 // call), and it is asked only while a wait on Gloo is slow (GroupState::abandon_check). A member
 // that finished training retires its counter ("done"), so that a slower peer's last collectives do
 // not count it lost.
+//
+// Note [A link cut between members]
+// A link cut between two members' hosts while both still reach the store resets nothing and stops
+// no heartbeat: without more, the collective waits for the group's timeout, and the next
+// generation, with both members in it, could not connect. So every member listens for knocks on
+// the address its group's transport uses (a port of its own, in its MemberRecord). When this
+// process's waits on collectives have gone on for `lost_after` without a break (verdict() is
+// asked only while a wait is slow), its watcher knocks at every member it watches, at once, at
+// most kKnockTimeout, and again every `lost_after` while the stall lasts. The kernel completes the
+// handshake for a listening program however busy it is, so a knock that nobody answers while the
+// member's heartbeats go on means the network between the two hosts is cut (a refusal: its
+// process is gone). Then the verdict abandons the generation, naming the member and its address,
+// and this process registers for the next one with the members it cannot reach
+// (MemberRecord::unreachable). The member that closes it leaves out, of each pair that cannot
+// reach each other, the one in the most such pairs, the higher job rank of equals
+// (without_cut_pairs): the side that keeps the most members goes on. The one left out is told why,
+// exits, and its launcher restarts it as a newcomer; a newcomer knocks at the members of the last
+// generation ("latest") before it asks to be admitted, and waits while one does not answer: it
+// rejoins when the link is back. A slow collective costs nothing but the knocks, one connection
+// per member every `lost_after`.
 class Heartbeats {
  public:
   // `store`: a connection of its own where the store allows (c10d::Store::clone()). `where`: the
@@ -119,16 +153,27 @@ class Heartbeats {
   std::string cut_off() const;
   // The newcomer count the last round read.
   int64_t newcomers_seen() const { return newcomers_seen_.load(); }
+  // The members of the watched generation that a knock found unreachable (their id()s): Note [A
+  // link cut between members].
+  std::vector<std::string> unreachable() const;
+
+  // How long a knock waits for an answer.
+  static constexpr std::chrono::milliseconds kKnockTimeout{2000};
 
  private:
   using Clock = std::chrono::steady_clock;
   struct Watched {
     MemberRecord record;
     std::string key;
-    std::vector<uint8_t> count;  // as last read
-    Clock::time_point moved;     // when it last changed, by this process's clock
+    std::vector<uint8_t> count;                    // as last read
+    Clock::time_point moved;                       // when it last changed, by this process's clock
+    std::vector<elastic::SocketAddress> knock_at;  // where it listens for knocks (none: empty)
+    elastic::Knock knocked = elastic::Knock::kAccepted;  // the last knock's answer
   };
   std::string lost_text(const Watched& w, Clock::time_point now) const;
+  // The watcher's part of Note [A link cut between members]: takes a finished knock's answers, or
+  // starts one when the waits have stalled for lost_after. No store call; never blocks.
+  void knock_if_stalled(Clock::time_point now);
 
   c10::intrusive_ptr<c10d::Store> store_;
   const MemberRecord self_;
@@ -142,7 +187,18 @@ class Heartbeats {
   bool next_failed_ = false;   // generation_ + 1 marked failed (read by the last round)
   Clock::time_point reached_;  // the end of the last round that went through
   std::atomic<int64_t> newcomers_seen_{0};
+  // When verdict() was first asked in the current run of asks, and last (the training thread's
+  // waits on collectives, as seen from here).
+  mutable Clock::time_point asked_first_, asked_last_;
+  Clock::time_point knocked_at_;                       // when the last knock started
+  std::future<std::vector<elastic::Knock>> knocking_;  // the knock in flight, if valid()
+  int64_t knocking_generation_ = -1;
 };
+
+// `members` less, of each pair where one registered that it cannot reach the other, the one in the
+// most such pairs (of equals, the higher job rank; a newcomer after the others): Note [A link cut
+// between members]. The order of the others is kept.
+std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members);
 
 class Membership {
  public:
@@ -166,12 +222,21 @@ class Membership {
   std::vector<MemberRecord> form(int64_t generation, const std::vector<MemberRecord>& previous,
                                  int newcomers, std::optional<std::chrono::milliseconds> settle);
 
+  // The members this process found it cannot reach (MemberRecord::unreachable, Note [A link cut
+  // between members]), registered with it from the next form() on.
+  void report_unreachable(std::vector<std::string> ids) { self_.unreachable = std::move(ids); }
+
   // After its first generation a newcomer is a member like any other.
   void joined();
 
   // Newcomer side: asks to be admitted (returns its number k), then waits up to the timeout for
   // the generation that admits it; nullopt when the job finished first (nothing left to join).
   int64_t request_admission();
+  // Newcomer side, before it asks: knocks at the members of the last generation that closed (not
+  // at the process it replaces), and waits while one does not answer, up to the timeout (Note [A
+  // link cut between members]); says once in the log whom it waits for. Returns true at once when
+  // no generation has closed yet; false when the job finished first (nothing left to join).
+  bool wait_until_members_answer();
   std::optional<int64_t> wait_for_admission(int64_t number);
   // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
   void mark_finished();

@@ -143,6 +143,8 @@ class RecoveryCore {
     bool stop = false;
   };
   std::shared_ptr<Heartbeats> heartbeats_;
+  // Where the others knock (Note [A link cut between members]); drained by the watcher.
+  std::shared_ptr<elastic::KnockTarget> knock_target_;
   std::shared_ptr<WatchControl> watch_control_;
   std::future<void> watcher_exited_;
   std::thread watcher_;
@@ -180,6 +182,19 @@ void RecoveryCore::start() {
   root_store_ = open_store(init, launch_, launch_.rank, launch_.world_size, timeout_);
   root_store_->setTimeout(timeout_);
   self_ = MemberRecord::of_this_process(launch_.rank, newcomer_);
+  // Note [A link cut between members] (membership.h): the others knock here, at the address their
+  // collectives reach this process at.
+  if (const std::string address = gloo_address(launch_.master_addr); !address.empty()) {
+    try {
+      knock_target_ = std::make_shared<elastic::KnockTarget>(address);
+      self_.knock_address = address;
+      self_.knock_port = knock_target_->port();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kWarn, "in-place recovery: " << e.what()
+                                              << "; a link cut between this host and another "
+                                                 "member's is seen only at the collective timeout");
+    }
+  }
   membership_ = std::make_unique<Membership>(root_store_, self_, timeout_);
   // The heartbeats go through a connection of their own (Note [Heartbeats]).
   c10::intrusive_ptr<c10d::Store> beat_store = root_store_;
@@ -198,9 +213,12 @@ void RecoveryCore::start() {
   start_watching();
 
   if (newcomer_) {
-    const int64_t number = membership_->request_admission();
-    DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
-    const auto admitted = membership_->wait_for_admission(number);
+    std::optional<int64_t> admitted;
+    if (membership_->wait_until_members_answer()) {
+      const int64_t number = membership_->request_admission();
+      DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
+      admitted = membership_->wait_for_admission(number);
+    }
     if (!admitted) {
       job_finished_ = true;
       DTRAIN_LOG(kWarn,
@@ -320,6 +338,8 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     // A generation that cannot form (a timeout), one formed without this process or too small for
     // the job: final. A failure after it formed: the next generation is tried.
     if (reason == Reason::kFailure) membership_->mark_failed(generation_);
+    // Note [A link cut between members]: a pair that cannot reach each other must not both be in.
+    membership_->report_unreachable(heartbeats_->unreachable());
     members_ = membership_->form(generation_, members_, newcomers, options_.settle);
     watch(generation_);
     // Fault injection for tests/recovery/recovery_test.cpp (see transfer_state): after a failure,
@@ -615,29 +635,32 @@ void RecoveryCore::start_watching() {
   auto exited = std::make_shared<std::promise<void>>();
   watcher_exited_ = exited->get_future();
   auto cpu_ns = heartbeat_cpu_ns_;
-  watcher_ = std::thread([control = watch_control_, heartbeats = heartbeats_, exited, cpu_ns] {
-    std::unique_lock<std::mutex> lock(control->mutex);
-    bool failing = false;
-    while (!control->stop) {
-      lock.unlock();
-      try {
-        heartbeats->round();
-        failing = false;
-      } catch (const std::exception& e) {
-        // The store did not answer (it is gone, or out of reach): the verdict counts for how long
-        // (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
-        if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
-        failing = true;
-      }
-      timespec used{};
-      if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &used) == 0) {
-        cpu_ns->store(static_cast<int64_t>(used.tv_sec) * 1000000000 + used.tv_nsec);
-      }
-      lock.lock();
-      control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
-    }
-    exited->set_value();
-  });
+  auto knocks = knock_target_;
+  watcher_ =
+      std::thread([control = watch_control_, heartbeats = heartbeats_, knocks, exited, cpu_ns] {
+        std::unique_lock<std::mutex> lock(control->mutex);
+        bool failing = false;
+        while (!control->stop) {
+          lock.unlock();
+          if (knocks) knocks->drain();  // whether the store answers or not
+          try {
+            heartbeats->round();
+            failing = false;
+          } catch (const std::exception& e) {
+            // The store did not answer (it is gone, or out of reach): the verdict counts for how
+            // long (Note [Heartbeats]); the rounds go on, so that a link that comes back is seen.
+            if (!failing) DTRAIN_LOG(kDebug, "in-place recovery: a heartbeat failed: " << e.what());
+            failing = true;
+          }
+          timespec used{};
+          if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &used) == 0) {
+            cpu_ns->store(static_cast<int64_t>(used.tv_sec) * 1000000000 + used.tv_nsec);
+          }
+          lock.lock();
+          control->wake.wait_for(lock, kWatchEvery, [&] { return control->stop; });
+        }
+        exited->set_value();
+      });
 }
 
 void RecoveryCore::finish() {

@@ -2,12 +2,13 @@
 // on three namespace hosts (tests/support/namespace_hosts.h): one `dtrain run --recovery in-place`
 // per host (node 0's hosts the workers' store), one worker of tests/workers/recovery_worker.cpp
 // each. Mid-training, host 2 is lost (every process on it killed, its link down first so that
-// nothing resets a connection), its link is cut and brought back, or its worker alone is killed;
-// or host 0, the store's, is lost. Each test requires the outcome: the survivors' next step well
-// within the collective timeout (30 s here: only heartbeats can tell a lost host that soon, Note
-// [Heartbeats] in src/recovery/membership.h), every sample used exactly once, the same parameters
-// as one process replaying the committed steps, each launcher's exit code, no process left on any
-// host, and no hang past the test's limit. Needs root, `ip` and `unshare`; skips elsewhere. Each
+// nothing resets a connection), its link is cut and brought back, the network between it and host
+// 1 alone is cut and mended, or its worker alone is killed; or host 0, the store's, is lost. Each
+// test requires the outcome: the survivors' next step well within the collective timeout (30 s
+// here: only heartbeats and knocks can tell a lost host or a cut link that soon, Note [Heartbeats]
+// in src/recovery/membership.h), every sample used exactly once, the same parameters as one
+// process replaying the committed steps, each launcher's exit code, no process left on any host,
+// and no hang past the test's limit. Needs root, `ip` and `unshare`; skips elsewhere. Each
 // test takes about 10 s; the kill-to-next-step times they print are doc/benchmarks.md's.
 //
 // The rendezvous has a single point of failure of its own: the etcd server of `--rdzv-backend
@@ -327,6 +328,51 @@ TEST_F(HostFaults, AfterALinkCutTheCutOffWorkerRejoinsAsANewcomerWhenTheLinkRetu
   EXPECT_NE(result.output.find("node1=0"), std::string::npos);
   EXPECT_NE(result.output.find("node2=0"), std::string::npos);
   EXPECT_NE(job.log(2).find("restarting it alone as a newcomer"), std::string::npos);
+  EXPECT_EQ(json_int(job.log(0), "admitted"), 1);
+  EXPECT_EQ(json_int(job.log(0), "world_size"), 3);
+  EXPECT_LT(job.elapsed().count(), 60) << "the job took too long: something waited for a timeout";
+  std::map<int64_t, int> worlds;
+  auto steps = committed_steps(read_lines(dir_), &worlds);
+  expect_exactly_once(steps, worlds);
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir_ + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  for (int h = 0; h < kHosts; ++h) EXPECT_TRUE(hosts_->pids(h).empty()) << "host " << h;
+}
+
+// Note [A link cut between members] (src/recovery/membership.h): the network between hosts 1 and
+// 2 is cut while both still reach host 0 and the store, so every heartbeat goes on and only the
+// knocks tell. Rank 2 (the higher rank of the pair) is left out, the others go on at 2 well
+// before the 30 s collective timeout; rank 2's launcher restarts it as a newcomer, which waits
+// until it reaches both members and is admitted once the network between the hosts is mended.
+TEST_F(HostFaults, ALinkCutBetweenTwoMembersHostsLeavesOneOutUntilTheLinkReturns) {
+  // 100 ms steps until the newcomer is admitted, so that the training outlasts the cut.
+  Job job(*hosts_, dir_, /*host2_restarts=*/1, " --slow-until-admitted");
+  ASSERT_TRUE(job.wait_for_step(kFaultAfterStep, 60s)) << job.finish().output;
+  const auto fault = Clock::now();
+  if (!hosts_->cut_between(1, 2, true)) {
+    job.finish();
+    GTEST_SKIP() << "the switch cannot isolate ports here (bridge port isolation, Linux 4.18+)";
+  }
+  const auto next = job.seconds_to_world(2, fault, 40s);
+  std::this_thread::sleep_until(fault + 8s);
+  ASSERT_TRUE(hosts_->cut_between(1, 2, false));
+  const auto result = job.finish();
+  SCOPED_TRACE(result.output + "\n--- node 0:\n" + job.log(0) + "\n--- node 1:\n" + job.log(1) +
+               "\n--- node 2:\n" + job.log(2));
+  ASSERT_TRUE(next.has_value());
+  std::cout << "cut between two members' hosts: cut to the survivors' next step " << *next << " s"
+            << std::endl;
+  EXPECT_LT(*next, std::chrono::duration<double>(kNextStepBound).count());
+  for (int h = 0; h < kHosts; ++h) {
+    EXPECT_NE(result.output.find("node" + std::to_string(h) + "=0"), std::string::npos);
+  }
+  // Who could not reach whom, and why rank 2 left; the newcomer waited for the link.
+  EXPECT_NE(job.log(1).find("rank 2 (pid"), std::string::npos);
+  EXPECT_NE(job.log(1).find("is cut"), std::string::npos);
+  EXPECT_NE(job.log(2).find("cannot reach each other"), std::string::npos);
+  EXPECT_NE(job.log(2).find("this newcomer cannot reach rank 1"), std::string::npos);
+  EXPECT_EQ(json_int(job.log(0), "recoveries"), 1);
   EXPECT_EQ(json_int(job.log(0), "admitted"), 1);
   EXPECT_EQ(json_int(job.log(0), "world_size"), 3);
   EXPECT_LT(job.elapsed().count(), 60) << "the job took too long: something waited for a timeout";

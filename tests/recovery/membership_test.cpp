@@ -229,5 +229,96 @@ TEST(Heartbeats, AProcessThatReachesNoStoreIsCutOffAndJudgesNobody) {
   EXPECT_EQ(beats.cut_off(), "");
 }
 
+// Note [A link cut between members]: what a record carries survives the store.
+TEST(MemberRecord, KnockAddressAndUnreachableMembersRoundTrip) {
+  MemberRecord r = record(3, /*newcomer=*/true);
+  EXPECT_EQ(MemberRecord::parse(r.text()).text(), r.text());
+  r.knock_address = "10.77.0.3";
+  r.knock_port = 40123;
+  r.unreachable = {record(1).id(), record(2).id()};
+  const MemberRecord back = MemberRecord::parse(r.text());
+  EXPECT_EQ(back.knock_address, "10.77.0.3");
+  EXPECT_EQ(back.knock_port, 40123);
+  EXPECT_EQ(back.unreachable, r.unreachable);
+  EXPECT_TRUE(back.newcomer);
+  EXPECT_THROW(MemberRecord::parse("3 host 42 1 0"), InternalError);
+}
+
+// Of each pair that cannot reach each other, the one in the most pairs goes, the higher rank of
+// equals: a cut between two hosts keeps the side with more members.
+TEST(MemberRecord, AGenerationClosesWithoutOneOfEachPairThatCannotReachEachOther) {
+  auto cut = [](MemberRecord a, const MemberRecord& b) {
+    a.unreachable.push_back(b.id());
+    return a;
+  };
+  // Three hosts, one member each; the link between hosts 1 and 2 is cut, and only rank 1 noticed.
+  EXPECT_EQ(ranks_of(without_cut_pairs({record(0), cut(record(1), record(2)), record(2)})),
+            (std::vector<int>{0, 1}));
+  // Nothing cut: all stay, in order.
+  EXPECT_EQ(ranks_of(without_cut_pairs({record(0), record(1), record(2)})),
+            (std::vector<int>{0, 1, 2}));
+  // Two hosts of two members each and a host of one, cut from both of the others' second host
+  // (ranks 2 and 3 on it): rank 4 is in two pairs and goes, and nobody else.
+  EXPECT_EQ(ranks_of(without_cut_pairs({record(0), record(1), record(2), record(3),
+                                        cut(cut(record(4), record(2)), record(3))})),
+            (std::vector<int>{0, 1, 2, 3}));
+  // Hosts A (ranks 0, 1) and B (ranks 2, 3) cut from each other: all of B goes.
+  auto a0 = cut(cut(record(0), record(2)), record(3));
+  auto a1 = cut(cut(record(1), record(2)), record(3));
+  EXPECT_EQ(ranks_of(without_cut_pairs({a0, a1, record(2), record(3)})), (std::vector<int>{0, 1}));
+}
+
+// A member whose waits stall knocks at the others: one that refuses (nothing listens at its
+// address) is reported, and one that answers is not. No stall, no knock.
+TEST(Heartbeats, AStalledWaitKnocksAtTheMembersAndNamesOneThatCannotBeReached) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  elastic::KnockTarget listening("127.0.0.1");
+  int closed_port = 0;
+  {
+    elastic::KnockTarget gone("127.0.0.1");
+    closed_port = gone.port();
+  }
+  MemberRecord answering = record(1), refusing = record(2);
+  answering.knock_address = refusing.knock_address = "127.0.0.1";
+  answering.knock_port = listening.port();
+  refusing.knock_port = closed_port;
+  const std::vector<MemberRecord> members = {record(0), answering, refusing};
+  for (const auto& m : members) store->add(Heartbeats::key(m), 1);
+  Heartbeats beats(store, record(0), 300ms, "test:0");
+  beats.watch(0, members);
+  // The others' heartbeats go on throughout: only a knock can tell.
+  auto others_beat = [&] {
+    store->add(Heartbeats::key(answering), 1);
+    store->add(Heartbeats::key(refusing), 1);
+  };
+  // Rounds without a wait asking: no knock, whatever the time.
+  for (int round = 0; round < 8; ++round) {
+    others_beat();
+    beats.round();
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_TRUE(beats.unreachable().empty()) << "knocked with no wait stalled";
+  // A wait that asks every 50 ms (as a slow collective's does): after lost_after, the knock.
+  std::string verdict;
+  const auto stalled = Clock::now();
+  for (int round = 0; round < 100 && verdict.empty(); ++round) {  // 5 s at most
+    others_beat();
+    beats.round();
+    listening.drain();
+    std::this_thread::sleep_for(50ms);
+    verdict = beats.verdict(0);
+  }
+  EXPECT_GE(Clock::now() - stalled, 300ms) << "knocked before the wait had stalled lost_after";
+  EXPECT_NE(verdict.find("rank 2"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("refused a connection at 127.0.0.1:" + std::to_string(closed_port)),
+            std::string::npos)
+      << verdict;
+  EXPECT_EQ(beats.unreachable(), std::vector<std::string>{refusing.id()});
+  // A member that finished training (its counter retired) may have exited: no failure.
+  store->set(Heartbeats::key(refusing), std::vector<uint8_t>{'d', 'o', 'n', 'e'});
+  beats.round();
+  EXPECT_EQ(beats.verdict(0), "");
+}
+
 }  // namespace
 }  // namespace dtrain::detail

@@ -4,11 +4,12 @@
 // address. The hosts meet on a bridge that lives in a namespace of its own (the "switch"), so that
 // nothing is added to the machine's own interfaces and no address leaves the namespaces. A test
 // makes them, runs commands "on" them, pulls a host's cable (link down: nothing it sends leaves,
-// nothing reaches it, and no connection is reset), caps a host's bandwidth, kills everything on a
-// host, and leaves nothing behind: the destructor kills what still runs in the namespaces and
-// deletes them (with their links). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), `ip` and `unshare`
-// (and `tc` for a cap); where the kernel or the container refuses, problem() says why and the test
-// skips with it:
+// nothing reaches it, and no connection is reset), cuts the network between two hosts alone, caps
+// a host's bandwidth, kills everything on a host, and leaves nothing behind: the destructor kills
+// what still runs in the namespaces and deletes them (with their links). Needs root
+// (CAP_NET_ADMIN, CAP_SYS_ADMIN), `ip` and `unshare` (`tc` for a cap, `bridge` for a cut between
+// two hosts); where the kernel or the container refuses, problem() says why and the test skips
+// with it:
 //   NamespaceHosts hosts(3);
 //   if (!hosts.problem().empty()) GTEST_SKIP() << hosts.problem();
 //   run_command(hosts.on(1, bin("dtrain") + " run ..."));
@@ -92,6 +93,18 @@ class NamespaceHosts {
     return run_command("ip -n " + switch_ + " link set " + port_name(host) + (up ? " up" : " down"),
                        30)
                .exit_code == 0;
+  }
+
+  // Cuts (cut = true) or mends the network between hosts `a` and `b` alone: each still reaches
+  // every other host, as when one link or switch port between two machines fails while the network
+  // that reaches the rest still works. Their ports on the switch are isolated (bridge port
+  // isolation: isolated ports forward nothing to one another), so packets between the two are
+  // dropped, not refused. One pair at a time. True when `bridge` did it.
+  bool cut_between(int a, int b, bool cut) const {
+    const std::string set = "ip netns exec " + switch_ + " bridge link set dev ";
+    const std::string mode = cut ? " isolated on" : " isolated off";
+    return run_command(set + port_name(a) + mode, 30).exit_code == 0 &&
+           run_command(set + port_name(b) + mode, 30).exit_code == 0;
   }
 
   // Caps what host `host` sends at `mbit` Mbit/s (a token bucket filter on its eth0); 0 removes the

@@ -154,23 +154,33 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) 
   return addresses;
 }
 
-Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout) {
-  // Every address at once (a name with an IPv6 address that refuses and an IPv4 one that accepts
-  // must read as accepted), each connection non-blocking, then one poll over those in flight.
+std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,
+                              std::chrono::milliseconds timeout) {
+  // Every address of every target at once (a name with an IPv6 address that refuses and an IPv4
+  // one that accepts must read as accepted), each connection non-blocking, then one poll over
+  // those in flight.
+  std::vector<Knock> answers(targets.size(), Knock::kSilent);
+  std::vector<int> refused(targets.size(), 0);
   std::vector<std::unique_ptr<Socket>> sockets;
   std::vector<pollfd> waiting;
-  int refused = 0;
-  for (const SocketAddress& address : addresses) {
-    auto socket = std::make_unique<Socket>(address.address.ss_family);
-    if (socket->fd() < 0) continue;
-    fcntl(socket->fd(), F_SETFL, fcntl(socket->fd(), F_GETFL) | O_NONBLOCK);
-    if (connect(socket->fd(), reinterpret_cast<const sockaddr*>(&address.address),
-                address.length) == 0) {
-      return Knock::kAccepted;
+  std::vector<size_t> waiting_target;  // parallel to `waiting`
+  for (size_t t = 0; t < targets.size(); ++t) {
+    for (const SocketAddress& address : targets[t]) {
+      if (answers[t] == Knock::kAccepted) break;
+      auto socket = std::make_unique<Socket>(address.address.ss_family);
+      if (socket->fd() < 0) continue;
+      fcntl(socket->fd(), F_SETFL, fcntl(socket->fd(), F_GETFL) | O_NONBLOCK);
+      if (connect(socket->fd(), reinterpret_cast<const sockaddr*>(&address.address),
+                  address.length) == 0) {
+        answers[t] = Knock::kAccepted;
+      } else if (errno == ECONNREFUSED) {
+        ++refused[t];
+      } else if (errno == EINPROGRESS) {
+        waiting.push_back(pollfd{socket->fd(), POLLOUT, 0});
+        waiting_target.push_back(t);
+      }
+      sockets.push_back(std::move(socket));
     }
-    if (errno == ECONNREFUSED) ++refused;
-    if (errno == EINPROGRESS) waiting.push_back(pollfd{socket->fd(), POLLOUT, 0});
-    sockets.push_back(std::move(socket));
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!waiting.empty()) {
@@ -180,26 +190,69 @@ Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::millisecon
     const int ready = poll(waiting.data(), waiting.size(), static_cast<int>(left.count()));
     if (ready < 0 && errno == EINTR) continue;  // a signal for the launcher: poll again
     if (ready <= 0) break;                      // no answer in time
-    for (auto it = waiting.begin(); it != waiting.end();) {
-      if (it->revents == 0) {
-        ++it;
+    for (size_t i = 0; i < waiting.size();) {
+      const size_t t = waiting_target[i];
+      if (waiting[i].revents == 0 && answers[t] != Knock::kAccepted) {
+        ++i;
         continue;
       }
-      int error = 0;
-      socklen_t size = sizeof(error);
-      getsockopt(it->fd, SOL_SOCKET, SO_ERROR, &error, &size);
-      if (error == 0) return Knock::kAccepted;
-      if (error == ECONNREFUSED) ++refused;
-      it = waiting.erase(it);
+      if (waiting[i].revents != 0) {
+        int error = 0;
+        socklen_t size = sizeof(error);
+        getsockopt(waiting[i].fd, SOL_SOCKET, SO_ERROR, &error, &size);
+        if (error == 0) answers[t] = Knock::kAccepted;
+        if (error == ECONNREFUSED) ++refused[t];
+      }
+      waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i));
+      waiting_target.erase(waiting_target.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }
   // Refused by one address and silent on another (an IPv6 address without a route, say): the
   // machine answered, so it is up.
-  return refused > 0 ? Knock::kRefused : Knock::kSilent;
+  for (size_t t = 0; t < targets.size(); ++t) {
+    if (answers[t] != Knock::kAccepted && refused[t] > 0) answers[t] = Knock::kRefused;
+  }
+  return answers;
+}
+
+Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout) {
+  return knock_each({addresses}, timeout).front();
 }
 
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout) {
   return knock(resolve_addresses(host, port), timeout);
+}
+
+KnockTarget::KnockTarget(const std::string& address) {
+  const std::vector<SocketAddress> found = resolve_addresses(address, 0);
+  auto fail = [&](const std::string& what) {
+    throw InternalError("in-place recovery: cannot listen for peers' knocks on " + address + ": " +
+                        what);
+  };
+  if (found.empty()) fail("not a numeric address");
+  const SocketAddress& where = found.front();
+  fd_ = socket(where.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd_ < 0) fail(std::strerror(errno));
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  if (bind(fd_, reinterpret_cast<const sockaddr*>(&where.address), where.length) != 0 ||
+      listen(fd_, 128) != 0 ||
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
+    const std::string why = std::strerror(errno);
+    close(fd_);
+    fd_ = -1;
+    fail(why);
+  }
+  port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+}
+
+KnockTarget::~KnockTarget() {
+  if (fd_ >= 0) close(fd_);
+}
+
+void KnockTarget::drain() {
+  for (int fd; (fd = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) close(fd);
 }
 
 }  // namespace dtrain::elastic

@@ -1,5 +1,6 @@
 // TCP port helpers for launchers: picking a free port for the master's store, and checking that an
-// explicitly given one can be bound on this machine before any worker starts.
+// explicitly given one can be bound on this machine before any worker starts; and knocks, which
+// tell whether a machine can be reached (for the launchers, and in-place recovery's members).
 #pragma once
 
 #include <sys/socket.h>
@@ -58,7 +59,35 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
 // One connection attempt to each of `addresses` at once, closed at once; waits at most `timeout`.
 // kAccepted if any accepted, else kRefused if any refused, else kSilent (none: kSilent).
 Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout);
+// One knock() at each of `targets` at once: the answers in the same order, after at most
+// `timeout` in all.
+std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,
+                              std::chrono::milliseconds timeout);
 // The same, resolving host:port first (which may block on a resolver out of reach).
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout);
+
+// A listening TCP socket for peers to knock at (knock() above): in-place recovery's members tell
+// a cut link between their hosts from a slow collective by it (Note [A link cut between members]
+// in src/recovery/membership.h). The kernel completes a knock's handshake however busy the owner
+// is; drain() accepts and closes what has queued, so that the backlog never fills (a full backlog
+// drops handshakes: a knock would read as silent). One owner thread.
+class KnockTarget {
+ public:
+  // Listens on `address` (numeric IPv4 or IPv6), on a port the kernel picks. Throws
+  // dtrain::InternalError if it cannot.
+  explicit KnockTarget(const std::string& address);
+  ~KnockTarget();
+  KnockTarget(const KnockTarget&) = delete;
+  KnockTarget& operator=(const KnockTarget&) = delete;
+
+  // The port it listens on (at the address given).
+  int port() const { return port_; }
+  // Accepts and closes every connection waiting; never blocks.
+  void drain();
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 }  // namespace dtrain::elastic
