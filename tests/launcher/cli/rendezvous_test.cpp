@@ -899,4 +899,21 @@ TEST(C10dStore, ClientNamesAnotherProgramOnThePortWithinSeconds) {
   }
 }
 
+// A call that times out names its timeout as the call's own: mid-job the agent shortens it to what
+// is left of its patience, far less than how long the store may have been silent.
+TEST(C10dStore, ATimedOutCallNamesItsOwnTimeout) {
+  dtrain::cli::testing_support::ForeignListener silent("");  // accepts, then never says a word
+  C10dBackend backend("127.0.0.1", silent.port(), "job", "", 300ms);
+  try {
+    backend.get_state();
+    ADD_FAILURE() << "got a state from a silent listener";
+  } catch (const dtrain::TimeoutError& error) {
+    EXPECT_NE(std::string(error.what())
+                  .find("the c10d rendezvous store at " + silent.endpoint() +
+                        ": handshake not answered within the call's 0.3 s timeout"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
 }  // namespace
