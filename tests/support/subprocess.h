@@ -31,9 +31,9 @@ inline std::string bin(const std::string& program) {
 // below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range). A port inside it
 // (the kernel's pick for port 0) is handed out to any outgoing connection on the machine, and
 // under `ctest -j` another test's client socket took one before the store bound it: both agents of
-// a rendezvous then found the port taken and neither hosted the store. (The launcher's own tests
-// use dtrain::elastic::pick_free_port, which lives in the launcher's library; these tests link
-// only libdtrain.)
+// a rendezvous then found the port taken and neither hosted the store. The launcher's tests pick
+// their ports here too; dtrain::elastic::pick_free_port (the kernel's pick, as torchrun's) is the
+// launcher's own, for the master port it picks for its workers.
 inline bool port_bindable_now(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};

@@ -238,8 +238,9 @@ class PatientBackend final : public elastic::RendezvousBackend {
   std::atomic<Clock::rep> last_answer_{Clock::now().time_since_epoch().count()};
 };
 
-// The message for a rendezvous store that stopped answering mid-job: what it said last, and what
-// the knock at its machine found (Note [A store that stops answering]).
+// The message for a rendezvous store that stopped answering mid-job: `what` happened (how long it
+// has been silent, or the error of the call that failed), what the knock at its machine found, and
+// what to do (Note [A store that stops answering]).
 std::string store_lost(const RunOptions& options, const std::string& what, elastic::Knock knocked) {
   const bool c10d = options.rdzv_backend == "c10d";
   const std::string store = c10d ? "the c10d store's host (" + rendezvous_endpoint(options) + ")"
@@ -260,6 +261,7 @@ std::string store_lost(const RunOptions& options, const std::string& what, elast
   }
   message += ", and this node cannot continue without it";
   if (c10d) message += " (--rdzv-backend etcd has no such single point of failure)";
+  if (knocked == elastic::Knock::kSilent) message += "; check that machine and this node's network";
   return message;
 }
 
@@ -381,35 +383,10 @@ class ElasticRendezvous final : public AgentRendezvous {
       knocked_.reset();
     } catch (const UsageError&) {
       throw;
+    } catch (const TimeoutError& error) {
+      return store_failed(strip_prefix(error.what()), /*timed_out=*/true);
     } catch (const std::exception& error) {
-      // A store that misses a look or two (an etcd leader election, a starved c10d host) is not a
-      // lost job: the workers keep running while it stays silent for less than a heartbeat
-      // timeout, the time after which the others would count this node dead anyway (Note [A
-      // store that stops answering]).
-      if (backend_->silent_for() < store_patience_) {
-        if (!store_trouble_) {
-          say("the rendezvous store did not answer (" + strip_prefix(error.what()) +
-              "); the workers keep running while it is retried for up to " +
-              detail::seconds_text(store_patience_) + " since its last answer");
-        }
-        store_trouble_ = true;
-        return {};
-      }
-      const std::string silence = "no answer for " + detail::seconds_text(backend_->silent_for()) +
-                                  " (" + strip_prefix(error.what()) + ")";
-      // Knocked before: the lifted bound's call failed too; knock again for the line.
-      const bool first_knock = !knocked_;
-      knocked_ = backend_->knock(kKnockTimeout);
-      if (first_knock && knocked_ == elastic::Knock::kAccepted) {
-        backend_->bound_by_patience(false);
-        say("the rendezvous store's machine still takes connections, so the store is slow, not "
-            "gone (" +
-            silence + "); the workers keep running while it is given up to " +
-            detail::seconds_text(store_call_timeout(options_)) + " per call");
-        return {};
-      }
-      store_lost_ = true;
-      return {Verdict::Kind::kShutdown, store_lost(options_, silence, *knocked_)};
+      return store_failed(strip_prefix(error.what()), /*timed_out=*/false);
     }
     return as_line(verdict);
   }
@@ -518,6 +495,40 @@ class ElasticRendezvous final : public AgentRendezvous {
   }
 
  private:
+  // check()'s verdict when its look at the store failed with `error`. A store that misses a look or
+  // two (an etcd leader election, a starved c10d host) is not a lost job: the workers keep running
+  // while it stays silent for less than the patience, the time after which the others would count
+  // this node dead anyway; then the knock decides (Note [A store that stops answering]).
+  Verdict store_failed(const std::string& error, bool timed_out) {
+    if (backend_->silent_for() < store_patience_) {
+      if (!store_trouble_) {
+        say("the rendezvous store did not answer (" + error +
+            "); the workers keep running while it is retried for up to " +
+            detail::seconds_text(store_patience_) + " since its last answer");
+      }
+      store_trouble_ = true;
+      return {};
+    }
+    // The silence, said once: a timed-out call (one bounded by what was left of the patience, or
+    // one not tried once nothing was left) tells no more than how long the store has been silent;
+    // another error (a refusal, a closed connection, an etcd without a leader) says more.
+    std::string silence = "the " + backend_->name() + " rendezvous store has not answered for " +
+                          detail::seconds_text(backend_->silent_for());
+    if (!timed_out) silence += " (the last call failed: " + error + ")";
+    // Knocked before: the lifted bound's call failed too; knock again for the line.
+    const bool first_knock = !knocked_;
+    knocked_ = backend_->knock(kKnockTimeout);
+    if (first_knock && knocked_ == elastic::Knock::kAccepted) {
+      backend_->bound_by_patience(false);
+      say(silence + ", but its machine still takes connections, so the store is slow, not gone; " +
+          "the workers keep running while it is given up to " +
+          detail::seconds_text(store_call_timeout(options_)) + " per call");
+      return {};
+    }
+    store_lost_ = true;
+    return {Verdict::Kind::kShutdown, store_lost(options_, silence, *knocked_)};
+  }
+
   RunOptions options_;
   // Declared before the rendezvous, whose keep-alive thread talks to it until destroyed.
   std::unique_ptr<elastic::C10dStoreServer> server_;

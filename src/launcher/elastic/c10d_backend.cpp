@@ -544,8 +544,8 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
     pollfd out{fd, POLLOUT, 0};
     if (poll(&out, 1, remaining_ms(deadline)) <= 0) {
       disconnect();
-      throw TimeoutError("dtrain run: " + where + ": no answer within " +
-                         detail::seconds_text(timeout_));
+      throw TimeoutError("dtrain run: " + where + ": no answer within the call's " +
+                         detail::seconds_text(timeout_) + " timeout");
     }
     int error = 0;
     socklen_t size = sizeof(error);
@@ -609,8 +609,8 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
     }
   } catch (const TimeoutError&) {
     disconnect();
-    throw TimeoutError("dtrain run: " + where + ": handshake not answered within " +
-                       detail::seconds_text(timeout_));
+    throw TimeoutError("dtrain run: " + where + ": handshake not answered within the call's " +
+                       detail::seconds_text(timeout_) + " timeout");
   } catch (...) {
     disconnect();
     throw;
@@ -632,8 +632,8 @@ std::string C10dBackend::call(const std::string& request) {
       }
     } catch (const TimeoutError&) {
       disconnect();
-      throw TimeoutError("dtrain run: " + where + ": no answer within " +
-                         detail::seconds_text(timeout_));
+      throw TimeoutError("dtrain run: " + where + ": no answer within the call's " +
+                         detail::seconds_text(timeout_) + " timeout");
     }
     disconnect();
     if (fresh) break;

@@ -278,8 +278,9 @@ std::string EtcdBackend::request(const std::string& path, const std::string* pos
       }
     }
     if (Clock::now() + kBetweenRounds >= deadline) {
-      std::string message = "no member of the etcd cluster " + endpoint_ + " answered within " +
-                            detail::seconds_text(timeout_) + ": " + failures;
+      std::string message = "no member of the etcd cluster " + endpoint_ +
+                            " answered within the call's " + detail::seconds_text(timeout_) +
+                            " timeout: " + failures;
       if (every_one_timed_out) throw TimeoutError(message);
       throw CommError(message);
     }
@@ -293,9 +294,14 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
   // What is left of the call's budget (at least 1 ms: curl takes 0 to mean "no limit").
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   long budget_ms = std::max<long>(1, static_cast<long>(left.count()));
-  // The wait a timeout reports: the whole timeout, or this member's share of it.
-  const std::chrono::milliseconds waited =
-      members_.size() == 1 ? timeout_ : std::chrono::milliseconds(budget_ms);
+  // The wait a timeout reports: the call's own timeout, or this member's share of it, named as
+  // such: mid-job the agent shortens the timeout to what is left of its patience (Note [A store
+  // that stops answering] in src/launcher/cli/elastic_rendezvous.cpp), which can be far less than
+  // how long etcd has been silent.
+  const std::string waited =
+      members_.size() == 1 ? "the call's " + detail::seconds_text(timeout_) + " timeout"
+                           : "its " + detail::seconds_text(std::chrono::milliseconds(budget_ms)) +
+                                 " share of the call's timeout";
   CURL* curl = http_->curl;
   std::string response;
   std::string url = member.base_url + path;
@@ -330,9 +336,9 @@ std::string EtcdBackend::request_to(const Member& member, const std::string& pat
     case CURLE_OK:
       break;
     case CURLE_OPERATION_TIMEDOUT:
-      throw TimeoutError(
-          at + ": " + operation + " got no answer within " + detail::seconds_text(waited) +
-          "; the server is stopped, overloaded or unreachable from here (" + detail + ")");
+      throw TimeoutError(at + ": " + operation + " got no answer within " + waited +
+                         "; the server is stopped, overloaded or unreachable from here (" + detail +
+                         ")");
     case CURLE_COULDNT_CONNECT: {
       long os_errno = 0;
       curl_easy_getinfo(curl, CURLINFO_OS_ERRNO, &os_errno);

@@ -156,8 +156,11 @@ CutOffNode cut_node_one_off(const NamespaceHosts& hosts, const TempDir& dir,
   return node1;
 }
 
-// Ended on its own, soon, with exit code 1, and relayed what its worker printed after the cut.
-void expect_ended_soon_and_relayed(const CutOffNode& node, const std::string& store) {
+// Ended on its own, soon, with exit code 1, and relayed what its worker printed after the cut. Its
+// line says once how long the `backend` store has been silent: not also the timeout of the call
+// that met the silence, nor "not tried" for the call that came after the patience.
+void expect_ended_soon_and_relayed(const CutOffNode& node, const std::string& store,
+                                   const std::string& backend) {
   const std::string& output = node.result.output;
   std::cout << "cut off from the " << store << ": node 1's agent ended " << node.seconds_after_cut
             << " s after the cut" << std::endl;
@@ -165,7 +168,16 @@ void expect_ended_soon_and_relayed(const CutOffNode& node, const std::string& st
   EXPECT_LT(node.seconds_after_cut, std::chrono::duration<double>(kEndsWithin).count()) << output;
   const std::size_t line = output.find("lost the rendezvous");
   ASSERT_NE(line, std::string::npos) << output;
-  std::cout << "its line: ..." << output.substr(line, output.find('\n', line) - line) << std::endl;
+  const std::string text = output.substr(line, output.find('\n', line) - line);
+  std::cout << "its line: ..." << text << std::endl;
+  EXPECT_EQ(
+      text.rfind("lost the rendezvous: the " + backend + " rendezvous store has not answered for ",
+                 0),
+      0u)
+      << text;
+  EXPECT_EQ(text.find("no answer within"), std::string::npos) << text;
+  EXPECT_EQ(text.find("not tried"), std::string::npos) << text;
+  EXPECT_NE(text.find("; check that machine and this node's network"), std::string::npos) << text;
   EXPECT_GT(last_tick_ns(output), node.cut_ns) << output;
 }
 
@@ -175,7 +187,7 @@ TEST(CutOff, ANodeCutOffFromTheC10dStoreEndsInSecondsNamingBothCausesAndRelaysIt
   TempDir dir;
   const std::string endpoint = NamespaceHosts::address(0) + ":29562";
   CutOffNode node = cut_node_one_off(hosts, dir, "--rdzv-backend c10d --rdzv-endpoint " + endpoint);
-  expect_ended_soon_and_relayed(node, "c10d store");
+  expect_ended_soon_and_relayed(node, "c10d store", "c10d");
   EXPECT_NE(node.result.output.find("the c10d store's host (" + endpoint +
                                     ") does not answer a connection either: either that machine "
                                     "is down or this node is cut off from it"),
@@ -201,7 +213,7 @@ TEST(CutOff, ANodeCutOffFromEtcdEndsInSecondsNamingBothCausesAndTheEndpoint) {
   if (node.result.output.find("built without the etcd backend") != std::string::npos) {
     GTEST_SKIP() << "this dtrain was built without the etcd backend";
   }
-  expect_ended_soon_and_relayed(node, "etcd server");
+  expect_ended_soon_and_relayed(node, "etcd server", "etcd");
   EXPECT_NE(node.result.output.find("etcd (tried " + endpoint +
                                     ") does not answer a connection either: either that machine "
                                     "is down or this node is cut off from it"),
@@ -247,9 +259,14 @@ TEST(CutOff, AStoreSilentButTakingConnectionsIsWaitedForAndTheJobFinishes) {
   EXPECT_FALSE(stopped.empty()) << "no etcd process on host 2 to stop";
   for (const CommandResult* node : {&node0, &node1}) {
     EXPECT_EQ(node->exit_code, 0) << node->output;
-    EXPECT_NE(node->output.find("still takes connections, so the store is slow, not gone"),
+    EXPECT_NE(node->output.find("the etcd rendezvous store has not answered for "),
               std::string::npos)
         << node->output;
+    EXPECT_NE(node->output.find(", but its machine still takes connections, so the store is slow, "
+                                "not gone; the workers keep running"),
+              std::string::npos)
+        << node->output;
+    EXPECT_EQ(node->output.find("not tried"), std::string::npos) << node->output;
     EXPECT_NE(node->output.find("tick 149 "), std::string::npos) << node->output;
   }
 }

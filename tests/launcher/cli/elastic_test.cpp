@@ -21,7 +21,7 @@
 #include <regex>
 #include <set>
 
-#include "launcher/elastic/ports.h"
+#include "support/subprocess.h"
 #include "test_support.h"
 #ifdef DTRAIN_HAVE_ETCD_SERVER_FIXTURE
 #include "launcher/elastic/etcd_server.h"
@@ -93,7 +93,7 @@ class ElasticTest : public testing::TestWithParam<std::string> {
       GTEST_SKIP() << "the etcd backend is not part of this build";
 #endif
     } else {
-      backend_ = Backend{"c10d", "127.0.0.1:" + std::to_string(dtrain::elastic::pick_free_port())};
+      backend_ = Backend{"c10d", "127.0.0.1:" + std::to_string(dtrain::testing::free_port())};
     }
   }
 

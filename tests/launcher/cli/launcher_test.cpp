@@ -32,9 +32,9 @@
 
 #include "launcher/cli/run_command.h"
 #include "launcher/cli/run_options.h"
-#include "launcher/elastic/ports.h"
 #include "launcher/elastic/worker_group.h"
 #include "launcher_fixture.h"
+#include "support/subprocess.h"
 #include "support/system.h"
 #include "test_support.h"
 
@@ -97,7 +97,7 @@ TEST_F(LauncherTest, EveryWorkerGetsTorchrunsEnvironment) {
 }
 
 TEST_F(LauncherTest, SecondNodeGetsItsGlobalRanks) {
-  std::string port = std::to_string(dtrain::elastic::pick_free_port());
+  std::string port = std::to_string(dtrain::testing::free_port());
   RunResult run =
       dtrain(concat({"run", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
                      "--master-addr", "127.0.0.1", "--master-port", port, "--run-id", "job7", "--"},

@@ -26,7 +26,7 @@
 #include "backend_contract.h"
 #include "dtrain/errors.h"
 #include "launcher/elastic/c10d_backend.h"
-#include "launcher/elastic/ports.h"
+#include "support/subprocess.h"
 #include "test_support.h"
 
 namespace {
@@ -792,7 +792,7 @@ TEST(C10dStore, HmacSha256MatchesTheRfc) {
 }
 
 TEST(C10dStore, KeepsTheBackendContractWithAToken) {
-  int port = dtrain::elastic::pick_free_port();
+  int port = dtrain::testing::free_port();
   auto server = C10dStoreServer::try_host("127.0.0.1", port, "tok", nullptr);
   ASSERT_NE(server, nullptr);
   C10dBackend backend("127.0.0.1", port, "job", "tok", 5s);
@@ -804,7 +804,7 @@ TEST(C10dStore, KeepsTheBackendContractWithAToken) {
 // The store listens on the endpoint's address only: on Linux every 127.x.y.z is this machine, so a
 // store bound to every interface would also answer at 127.0.0.2.
 TEST(C10dStore, ListensOnTheEndpointAddressOnly) {
-  int port = dtrain::elastic::pick_free_port();
+  int port = dtrain::testing::free_port();
   auto server = C10dStoreServer::try_host("127.0.0.1", port, "", nullptr);
   ASSERT_NE(server, nullptr);
   EXPECT_EQ(server->address(), "127.0.0.1:" + std::to_string(port));
@@ -818,7 +818,7 @@ TEST(C10dStore, ListensOnTheEndpointAddressOnly) {
 }
 
 TEST(C10dStore, RefusesWrongAndMissingTokensAndLogsThePeer) {
-  int port = dtrain::elastic::pick_free_port();
+  int port = dtrain::testing::free_port();
   std::mutex mutex;
   std::vector<std::string> log;
   auto server = C10dStoreServer::try_host("127.0.0.1", port, "right", [&](const std::string& line) {
@@ -837,7 +837,7 @@ TEST(C10dStore, RefusesWrongAndMissingTokensAndLogsThePeer) {
     }
   }
   // An open store and a client with a token: the client refuses to talk to it.
-  int open_port = dtrain::elastic::pick_free_port();
+  int open_port = dtrain::testing::free_port();
   auto open_server = C10dStoreServer::try_host("127.0.0.1", open_port, "", nullptr);
   C10dBackend careful("127.0.0.1", open_port, "job", "right", 5s);
   EXPECT_THROW(careful.get_state(), dtrain::UsageError);
@@ -853,7 +853,7 @@ TEST(C10dStore, RefusesWrongAndMissingTokensAndLogsThePeer) {
 
 // The store's host is gone: calls fail within their timeout with the endpoint named.
 TEST(C10dStore, ClientSaysWhenTheStoreIsGone) {
-  int port = dtrain::elastic::pick_free_port();
+  int port = dtrain::testing::free_port();
   auto server = C10dStoreServer::try_host("127.0.0.1", port, "", nullptr);
   C10dBackend backend("127.0.0.1", port, "job", "", 2s);
   backend.get_state();
@@ -896,6 +896,23 @@ TEST(C10dStore, ClientNamesAnotherProgramOnThePortWithinSeconds) {
       EXPECT_EQ(message.find('\n'), std::string::npos) << message;
     }
     EXPECT_LT(std::chrono::steady_clock::now() - start, kCallTimeout / 2);
+  }
+}
+
+// A call that times out names its timeout as the call's own: mid-job the agent shortens it to what
+// is left of its patience, far less than how long the store may have been silent.
+TEST(C10dStore, ATimedOutCallNamesItsOwnTimeout) {
+  dtrain::cli::testing_support::ForeignListener silent("");  // accepts, then never says a word
+  C10dBackend backend("127.0.0.1", silent.port(), "job", "", 300ms);
+  try {
+    backend.get_state();
+    ADD_FAILURE() << "got a state from a silent listener";
+  } catch (const dtrain::TimeoutError& error) {
+    EXPECT_NE(std::string(error.what())
+                  .find("the c10d rendezvous store at " + silent.endpoint() +
+                        ": handshake not answered within the call's 0.3 s timeout"),
+              std::string::npos)
+        << error.what();
   }
 }
 

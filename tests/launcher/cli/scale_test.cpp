@@ -18,8 +18,8 @@
 #include "launcher/cli/scale_nodes.h"
 #include "launcher/cli/scale_options.h"
 #include "launcher/cli/scale_report.h"
-#include "launcher/elastic/ports.h"
 #include "launcher/elastic/signal_pipe.h"
+#include "support/subprocess.h"
 #include "test_support.h"
 
 namespace dtrain::cli {
@@ -57,7 +57,7 @@ struct BadFlags {
   std::string message;  // a part of the one line
 };
 
-class ScaleOptionsRejects : public testing::TestWithParam<BadFlags> {};
+class ScaleOptionsRejects : public ::testing::TestWithParam<BadFlags> {};
 
 TEST_P(ScaleOptionsRejects, WithOneLineNamingTheFlag) {
   try {
@@ -73,38 +73,37 @@ TEST_P(ScaleOptionsRejects, WithOneLineNamingTheFlag) {
 
 INSTANTIATE_TEST_SUITE_P(
     Usage, ScaleOptionsRejects,
-    testing::Values(BadFlags{{}, "no program given"}, BadFlags{{"--nproc", "2"}, "no program"},
-                    BadFlags{{"--nproc", "0", "p"}, "--nproc: expected worker counts"},
-                    BadFlags{{"--nproc", "1,x", "p"}, "got '1,x'"},
-                    BadFlags{{"--nproc", "1,", "p"}, "got '1,'"},
-                    BadFlags{{"--nproc", "2,2", "p"}, "each once"},
-                    BadFlags{{"--nproc", "", "p"}, "--nproc"},
-                    BadFlags{{"--steps", "5", "--seconds", "2", "p"}, "--steps and --seconds"},
-                    BadFlags{{"--steps", "0", "p"}, "--steps: expected an integer in 1.."},
-                    BadFlags{{"--seconds", "-1", "p"}, "--seconds"},
-                    // Seconds as every message writes them, not "15.000000" (issue 21).
-                    BadFlags{{"--seconds", "15", "--time-limit", "10", "p"},
-                             "--time-limit: must exceed --seconds (15 s), got 10 s; raise "
-                             "--time-limit or lower --seconds"},
-                    BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
-                    BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
-                    BadFlags{{"--steps"}, "--steps: missing value"},
-                    BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"},
-                    // Several hosts.
-                    BadFlags{{"--node-rank", "1", "p"},
-                             "--node-rank: for several hosts, with --nnodes N above 1"},
-                    BadFlags{{"--nnodes", "1", "--master-port", "29500", "p"},
-                             "--master-port: for several hosts"},
-                    BadFlags{
-                        {"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
-                        "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
-                    BadFlags{{"--nnodes", "2", "p"}, "--master-port: required with --nnodes 2"},
-                    BadFlags{{"--nnodes", "2", "--master-port", "65535", "p"},
-                             "the 2 port(s) above it free on node 0 (one per count), got '65535'"},
-                    BadFlags{{"--nnodes", "2:4", "p"}, "--nnodes: expected an integer in 1.."},
-                    BadFlags{{"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "1,5",
-                              "--master-port", "29500", "p"},
-                             "--nproc: 5 workers, but --nnodes 2 x --nproc-per-node 2 hold 4"}));
+    ::testing::Values(
+        BadFlags{{}, "no program given"}, BadFlags{{"--nproc", "2"}, "no program"},
+        BadFlags{{"--nproc", "0", "p"}, "--nproc: expected worker counts"},
+        BadFlags{{"--nproc", "1,x", "p"}, "got '1,x'"},
+        BadFlags{{"--nproc", "1,", "p"}, "got '1,'"},
+        BadFlags{{"--nproc", "2,2", "p"}, "each once"}, BadFlags{{"--nproc", "", "p"}, "--nproc"},
+        BadFlags{{"--steps", "5", "--seconds", "2", "p"}, "--steps and --seconds"},
+        BadFlags{{"--steps", "0", "p"}, "--steps: expected an integer in 1.."},
+        BadFlags{{"--seconds", "-1", "p"}, "--seconds"},
+        // Seconds as every message writes them, not "15.000000" (issue 21).
+        BadFlags{{"--seconds", "15", "--time-limit", "10", "p"},
+                 "--time-limit: must exceed --seconds (15 s), got 10 s; raise "
+                 "--time-limit or lower --seconds"},
+        BadFlags{{"--link-gbps", "fast", "p"}, "--link-gbps"},
+        BadFlags{{"--plot", "out.png", "p"}, "only SVG"},
+        BadFlags{{"--steps"}, "--steps: missing value"},
+        BadFlags{{"--frobnicate", "p"}, "unknown flag '--frobnicate'"},
+        // Several hosts.
+        BadFlags{{"--node-rank", "1", "p"},
+                 "--node-rank: for several hosts, with --nnodes N above 1"},
+        BadFlags{{"--nnodes", "1", "--master-port", "29500", "p"},
+                 "--master-port: for several hosts"},
+        BadFlags{{"--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "p"},
+                 "--node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
+        BadFlags{{"--nnodes", "2", "p"}, "--master-port: required with --nnodes 2"},
+        BadFlags{{"--nnodes", "2", "--master-port", "65535", "p"},
+                 "the 2 port(s) above it free on node 0 (one per count), got '65535'"},
+        BadFlags{{"--nnodes", "2:4", "p"}, "--nnodes: expected an integer in 1.."},
+        BadFlags{{"--nnodes", "2", "--nproc-per-node", "2", "--nproc", "1,5", "--master-port",
+                  "29500", "p"},
+                 "--nproc: 5 workers, but --nnodes 2 x --nproc-per-node 2 hold 4"}));
 
 // Inside a Slurm allocation: the counts it gives, and where srun puts them.
 std::optional<SlurmAllocation> allocation(std::map<std::string, std::string> env) {
@@ -540,7 +539,7 @@ TEST(ScaleAnalysis, SvgIsWellFormedWithIdealMeasuredAndPredicted) {
 // ---------------------------------------------------------------------------------------------
 // The command, end to end.
 
-class ScaleCommand : public testing::Test {
+class ScaleCommand : public ::testing::Test {
  protected:
   struct Outcome {
     int exit_code = -1;
@@ -671,8 +670,8 @@ TEST_F(ScaleCommand, RanksThatNeverRecordDoNotHoldTheRunUntilTheTimeLimit) {
 
 TEST_F(ScaleCommand, AHostThatNeverJoinsIsNamedInOneLineAtTheTimeLimit) {
   // Node 0 of two, alone: it waits --time-limit for node 1, then names it.
-  Outcome run = scale({"--nnodes", "2", "--master-port", std::to_string(elastic::pick_free_port()),
-                       "--time-limit", "1"});
+  Outcome run = scale({"--nnodes", "2", "--master-port",
+                       std::to_string(dtrain::testing::free_port()), "--time-limit", "1"});
   EXPECT_EQ(run.exit_code, 1) << run.err;
   EXPECT_NE(run.err.find("dtrain scale: node(s) 1 did not join within 1 s (--time-limit)"),
             std::string::npos)
@@ -707,7 +706,7 @@ TEST_F(ScaleCommand, UsageErrorsExitTwoWithOneLine) {
 // Several hosts on loopback: node 0 in-process (scale_nodes.h), the others in-process too or as
 // `dtrain scale --node-rank R` children.
 
-class ScaleNodes : public testing::Test {
+class ScaleNodes : public ::testing::Test {
  protected:
   // The flags of node `rank` of `nnodes`: one count of 2 workers, one on each of two hosts.
   Args flags(int rank, int nnodes = 2, const std::string& steps = "1000") const {
@@ -727,7 +726,7 @@ class ScaleNodes : public testing::Test {
     return std::make_unique<ChildProcess>(argv, dir_ / "out", dir_ / "err");
   }
 
-  const int port_ = elastic::pick_free_port();
+  const int port_ = dtrain::testing::free_port();
   static constexpr int kSignals[] = {SIGUSR1};  // raise() stands in for a Ctrl-C
   elastic::SignalPipe signals_{kSignals};
   TempDir dir_;

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "launcher/elastic/ports.h"
 #include "launcher/elastic/worker_group.h"
+#include "support/subprocess.h"
 #include "support/system.h"
 #include "test_support.h"
 
@@ -333,9 +333,9 @@ TEST_F(TorchrunParityTest, StaticMasterAcrossARestart) {
                 "--rdzv-id",        "parity7",
                 "--max-restarts",   "1"};
   };
-  const int their_port = dtrain::elastic::pick_free_port();
+  const int their_port = dtrain::testing::free_port();
   auto theirs = launch("torchrun", torchrun(flags(their_port)), /*failing_attempts=*/1);
-  const int our_port = dtrain::elastic::pick_free_port();
+  const int our_port = dtrain::testing::free_port();
   auto ours = launch("dtrain", dtrain(flags(our_port)), /*failing_attempts=*/1);
   compare_all(theirs, ours);
   // Run-specific in general, but here both launchers were told the port.
@@ -357,8 +357,8 @@ TEST_F(TorchrunParityTest, ElasticRangeOverC10d) {
                 // The round starts 1 s after the first node instead of torchrun's 30 s.
                 "--rdzv-conf", "last_call_timeout=1"};
   };
-  auto theirs = launch("torchrun", torchrun(flags(dtrain::elastic::pick_free_port())));
-  auto ours = launch("dtrain", dtrain(flags(dtrain::elastic::pick_free_port())));
+  auto theirs = launch("torchrun", torchrun(flags(dtrain::testing::free_port())));
+  auto ours = launch("dtrain", dtrain(flags(dtrain::testing::free_port())));
   compare_all(theirs, ours);
 }
 

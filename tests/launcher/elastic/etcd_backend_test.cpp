@@ -290,7 +290,8 @@ TEST_F(EtcdBackendTest, PausedEtcdTimesOut) {
     } catch (const TimeoutError& error) {
       std::string message = error.what();
       EXPECT_NE(message.find("etcd at " + etcd_.endpoint()), std::string::npos) << message;
-      EXPECT_NE(message.find("got no answer within 0.3 s;"), std::string::npos) << message;
+      EXPECT_NE(message.find("got no answer within the call's 0.3 s timeout;"), std::string::npos)
+          << message;
     }
     // Bounded by the timeout (plus scheduling slack on a loaded machine), not by etcd.
     EXPECT_LT(std::chrono::steady_clock::now() - started, kShortTimeout + 5s) << call;
@@ -404,7 +405,8 @@ TEST(EtcdBackendErrors, WhenNoMemberAnswersTheErrorNamesEach) {
     FAIL() << "a refusal reported as a timeout: " << error.what();
   } catch (const CommError& error) {
     std::string message = error.what();
-    EXPECT_NE(message.find("no member of the etcd cluster " + list + " answered within 1 s: "),
+    EXPECT_NE(message.find("no member of the etcd cluster " + list +
+                           " answered within the call's 1 s timeout: "),
               std::string::npos)
         << message;
     EXPECT_NE(message.find("etcd at " + stopped.endpoint() + " refused the connection"),
@@ -413,6 +415,8 @@ TEST(EtcdBackendErrors, WhenNoMemberAnswersTheErrorNamesEach) {
     EXPECT_NE(message.find("etcd at " + silent.endpoint() + ": read the rendezvous state"),
               std::string::npos)
         << message;
+    // The silent member's wait is its share of the call's timeout, named as such.
+    EXPECT_NE(message.find(" share of the call's timeout; "), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
   }
   DeadMember silent_too(/*listening=*/true);
