@@ -10,6 +10,7 @@
 //   dtrain::DistributedSampler sampler(dataset_size, 1, 0);  // dealt by the recovery
 //   dtrain::ResilientDataParallel rdp(net, optimizer, sampler);  // joins the job, or is admitted
 //   if (rdp.job_finished()) return 0;  // a newcomer that came too late
+//   if (rdp.left()) return dtrain::kLeftExitCode;  // one asked to stop (SIGTERM) before it joined
 //   for (int64_t epoch = sampler.epoch(); epoch < epochs; ++epoch) {
 //     sampler.set_epoch(epoch);  // keeps the position a newcomer received
 //     while (rdp.step([&](auto& ddp) {
@@ -73,13 +74,13 @@
 // - A member asked to stop (SIGTERM after dtrain::install_stop_handler(), dtrain/stop.h) leaves
 //   in place (Note [Leaving in place] below) when the body asks agree_to_stop().
 // - A link cut between two members' hosts while both still reach the store stops no heartbeat:
-//   a member whose waits have stalled for `lost_after` knocks at the others (a TCP connection to a
-//   port each listens on, at the address its collectives use), and one that answers no knock
-//   within 2 s is cut from it; the generation is abandoned, and the next one closes without one
+//   a member whose Gloo waits have stalled for `lost_after` knocks at the others (a TCP connection
+//   to a port each listens on, at the address its collectives use), and one that answers no knock
+//   within 3.5 s is cut from it; the generation is abandoned, and the next one closes without one
 //   of each pair that cannot reach each other (the one cut from more members, the higher rank of
-//   equals), which is restarted as a newcomer and admitted once it reaches every member again
-//   (Note [A link cut between members], src/recovery/membership.h; the survivors' next step 5.5 s
-//   after the cut on three namespace hosts).
+//   equals), which is restarted as a newcomer and admitted once it reaches every member again.
+//   Every new generation is knocked at before it connects (Note [A link cut between members],
+//   src/recovery/membership.h).
 // - Limits (today): the store is a single point of failure (node 0's launcher). A group that uses
 //   NCCL waits in one call (no heartbeat check inside the wait); its communicator is aborted when
 //   its generation is left (compiled, not yet run on a GPU): in place on GPUs has not run yet (the
@@ -227,6 +228,14 @@ class ResilientDataParallelBase {
   // step() returns false) and should end, successfully:
   //   if (rdp.job_finished()) return 0;
   bool job_finished() const;
+  // True once this process has left the job on SIGTERM (agree_to_stop() said kLeave), or, as a
+  // newcomer, was asked to stop before it asked to be admitted (install the stop handler,
+  // dtrain::install_stop_handler, before constructing: then a newcomer that has asked is admitted
+  // and leaves at its first agree_to_stop()). It joined nothing, or no longer belongs (step()
+  // returns false), and should end with dtrain::kLeftExitCode, which its launcher reads as a
+  // departure:
+  //   if (rdp.left()) return dtrain::kLeftExitCode;
+  bool left() const;
 
  protected:
   ResilientDataParallelBase(std::shared_ptr<torch::nn::Module> module,

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/connect.h"
 #include "common/format.h"
 #include "common/log.h"
 #include "common/process_identity.h"
@@ -185,7 +186,8 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
                          if (a.newcomer != b.newcomer) return !a.newcomer;
                          return a.job_rank < b.job_rank;
                        });
-      const std::string mine = members_text(without_cut_pairs(std::move(members)));
+      const std::string mine =
+          members_text(without_cut_pairs(std::move(members), launcher_hosts_store() ? -1 : 0));
       closed = text_of(store_->compareSet(key(prefix + "closed"), {}, bytes_of(mine)));
       if (closed == mine) write("latest", std::to_string(generation));
       break;
@@ -221,11 +223,11 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
       throw CommError(self_.label() + ": in-place recovery: generation " +
                       std::to_string(generation) + " formed without this process: it and " +
                       (names.empty() ? std::string("another member") : list_text(names)) +
-                      " cannot reach each other (the network between their hosts is cut), and of "
-                      "such a pair the one cut off from more members leaves, the higher rank of "
-                      "equals. It exits; under `dtrain run "
-                      "--recovery in-place` it is restarted as a newcomer, admitted once it "
-                      "reaches every member again.");
+                      " cannot reach each other (the network between their hosts is cut: check "
+                      "the link, the switch port and firewalls between them), and of such a pair "
+                      "the one cut off from more members leaves, the higher rank of equals. It "
+                      "exits; under `dtrain run --recovery in-place` it is restarted as a "
+                      "newcomer, admitted once it reaches every member again.");
     }
     throw CommError(self_.label() + ": in-place recovery: generation " +
                     std::to_string(generation) + " formed without this process (" +
@@ -237,7 +239,7 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   return members;
 }
 
-std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members) {
+std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members, int store_holder) {
   auto cut = [&](const MemberRecord& a, const MemberRecord& b) {
     auto names = [](const MemberRecord& x, const MemberRecord& y) {
       return std::find(x.unreachable.begin(), x.unreachable.end(), y.id()) != x.unreachable.end();
@@ -255,7 +257,11 @@ std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members) {
     // The members are in rank order (newcomers last), so the last of the most is the one to go.
     size_t out = members.size();
     for (size_t i = 0; i < members.size(); ++i) {
-      if (pairs[i] > 0 && (out == members.size() || pairs[i] >= pairs[out])) out = i;
+      // The store's host stays: without it nobody goes on.
+      const bool holds_store = !members[i].newcomer && members[i].job_rank == store_holder;
+      if (pairs[i] > 0 && !holds_store && (out == members.size() || pairs[i] >= pairs[out])) {
+        out = i;
+      }
     }
     if (out == members.size()) return members;
     members.erase(members.begin() + static_cast<std::ptrdiff_t>(out));
@@ -264,25 +270,31 @@ std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members) {
 
 void Membership::joined() { self_.newcomer = false; }
 
-bool Membership::wait_until_members_answer() {
+Membership::Readiness Membership::wait_until_members_answer(
+    const std::function<bool()>& stop_requested) {
   const auto deadline = Clock::now() + timeout_;
   std::string waiting_for;  // said in the log, once per member
   for (int round = 0;; ++round) {
-    std::vector<MemberRecord> targets;
+    if (stop_requested()) return Readiness::kStopRequested;
+    std::string closed;  // the members of the last generation that closed
     try {
-      if (exists("finished")) return false;
+      if (exists("finished")) return Readiness::kJobFinished;
       if (exists("latest")) {
-        const std::string generation = read("latest");
-        for (auto& m : parse_members(read("g" + generation + "/closed"))) {
-          // Not the process this one replaces (the same job rank): it is dead, or cut off.
-          if (m.job_rank != self_.job_rank && m.knock_port > 0) targets.push_back(std::move(m));
-        }
+        // "latest" may lag (it is written after the close): the newest is further on.
+        int64_t generation = std::stoll(read("latest"));
+        while (exists("g" + std::to_string(generation + 1) + "/closed")) ++generation;
+        closed = read("g" + std::to_string(generation) + "/closed");
       }
-    } catch (const std::exception& e) {
+    } catch (const c10::Error& e) {
       // As in wait_for_admission: the store is gone with the job, or with rank 0.
       DTRAIN_LOG(kWarn, "in-place recovery: the job's store went away while this newcomer waited ("
                             << e.what() << "): the job finished, or rank 0 died");
-      return false;
+      return Readiness::kJobFinished;
+    }
+    std::vector<MemberRecord> targets;
+    for (auto& m : parse_members(closed)) {
+      // Not the process this one replaces (the same job rank): it is dead, or cut off.
+      if (m.job_rank != self_.job_rank && m.knock_port > 0) targets.push_back(std::move(m));
     }
     std::vector<std::vector<elastic::SocketAddress>> addresses;
     for (const auto& m : targets) {
@@ -295,7 +307,7 @@ bool Membership::wait_until_members_answer() {
     for (size_t i = 0; i < answers.size() && !silent; ++i) {
       if (answers[i] == elastic::Knock::kSilent) silent = &targets[i];
     }
-    if (!silent) return true;
+    if (!silent) return Readiness::kReady;
     const std::string at = silent->knock_address + ":" + std::to_string(silent->knock_port);
     if (waiting_for != silent->id()) {
       waiting_for = silent->id();
@@ -387,7 +399,8 @@ void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& memb
     // Numeric: resolving does not block.
     auto knock_at = m.knock_port > 0 ? elastic::resolve_addresses(m.knock_address, m.knock_port)
                                      : std::vector<elastic::SocketAddress>{};
-    watched_.push_back(Watched{m, key(m), {}, now, std::move(knock_at)});
+    watched_.push_back(
+        Watched{m, key(m), {}, now, std::move(knock_at), elastic::Knock::kAccepted, {}});
   }
 }
 
@@ -427,38 +440,53 @@ void Heartbeats::round() {
   knock_if_stalled(now);
 }
 
+void Heartbeats::take_answers(int64_t generation, Clock::time_point begun,
+                              const std::vector<elastic::Knock>& answers) {
+  // Answers about another generation's members are of no use.
+  if (generation != generation_ || answers.size() != watched_.size()) return;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    Watched& w = watched_[i];
+    // One with no address to knock at (it could not listen) is not judged by knocks, nor one this
+    // process could not even try (out of sockets).
+    if (w.knock_at.empty() || answers[i] == elastic::Knock::kUnknown) continue;
+    const bool news = answers[i] != w.knocked;
+    w.knocked = answers[i];
+    w.knocked_at = begun;
+    // Said here, on the member that found it: the line rank 0 prints names only what it saw.
+    if (news && unreachable_now(w)) DTRAIN_LOG(kWarn, "in-place recovery: " << unreachable_text(w));
+  }
+}
+
+bool Heartbeats::unreachable_now(const Watched& w) const {
+  // A member that finished training may have exited (it refuses: no failure), and one whose
+  // heartbeats stopped too is lost, as the verdict says first.
+  return w.knocked != elastic::Knock::kAccepted && w.knocked_at >= asked_first_ &&
+         !retired_count(w.count) && reached_ - w.moved < lost_after_;
+}
+
+std::string Heartbeats::unreachable_text(const Watched& w) const {
+  const std::string at = w.record.knock_address + ":" + std::to_string(w.record.knock_port);
+  if (w.knocked == elastic::Knock::kRefused) {
+    return w.record.label() + " refused a connection at " + at +
+           ": nothing listens there any more (its process is gone), or a firewall rejects it";
+  }
+  return w.record.label() + " answered no connection at " + at + " within " +
+         seconds_text(kKnockTimeout) +
+         " though its heartbeats through the store go on: the network between this host and " +
+         w.record.host + " is cut (check the link, the switch port and firewalls between them)";
+}
+
 void Heartbeats::knock_if_stalled(Clock::time_point now) {
   std::vector<std::vector<elastic::SocketAddress>> targets;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (knocking_.valid()) {
       if (knocking_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
-      std::vector<elastic::Knock> answers = knocking_.get();
-      // Answers about another generation's members are of no use.
-      if (knocking_generation_ == generation_ && answers.size() == watched_.size()) {
-        for (size_t i = 0; i < answers.size(); ++i) {
-          Watched& w = watched_[i];
-          // One with no address to knock at (it could not listen) is not judged by knocks.
-          if (w.knock_at.empty() || answers[i] == w.knocked) continue;
-          w.knocked = answers[i];
-          // Said here, on the member that found it: the line rank 0 prints names only what it saw.
-          // (Not of a member whose heartbeats stopped too: its host is lost, as the verdict says.)
-          if (w.knocked == elastic::Knock::kSilent && !retired_count(w.count) &&
-              reached_ - w.moved < lost_after_) {
-            DTRAIN_LOG(kWarn, "in-place recovery: "
-                                  << w.record.label() << " at " << w.record.knock_address << ":"
-                                  << w.record.knock_port << " answered no connection within "
-                                  << seconds_text(kKnockTimeout)
-                                  << " though its heartbeats go on: the network "
-                                     "between this host and "
-                                  << w.record.host << " is cut");
-          }
-        }
-      }
+      take_answers(knocking_generation_, knocked_at_, knocking_.get());
     }
-    // The training thread's waits have gone on without a break (a gap of a few asks' slices) for
-    // lost_after, and the last knock is lost_after old: knock again.
-    const bool waiting = now - asked_last_ < std::chrono::milliseconds(500);
+    // The training thread's waits have gone on without a break for lost_after, and the last knock
+    // is lost_after old: knock again.
+    const bool waiting = now - asked_last_ < kWaitsApart;
     if (retired_ || !waiting || asked_last_ - asked_first_ < lost_after_ ||
         now - knocked_at_ < lost_after_) {
       return;
@@ -472,11 +500,29 @@ void Heartbeats::knock_if_stalled(Clock::time_point now) {
   });
 }
 
+std::string Heartbeats::knock_now() {
+  std::vector<std::vector<elastic::SocketAddress>> targets;
+  int64_t generation;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    generation = generation_;
+    for (const auto& w : watched_) targets.push_back(w.knock_at);
+  }
+  const auto begun = Clock::now();
+  const std::vector<elastic::Knock> answers = elastic::knock_each(targets, kKnockTimeout);
+  std::lock_guard<std::mutex> lock(mutex_);
+  take_answers(generation, begun, answers);
+  for (const auto& w : watched_) {
+    if (generation == generation_ && unreachable_now(w)) return unreachable_text(w);
+  }
+  return "";
+}
+
 std::vector<std::string> Heartbeats::unreachable() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::string> ids;
   for (const auto& w : watched_) {
-    if (w.knocked != elastic::Knock::kAccepted) ids.push_back(w.record.id());
+    if (unreachable_now(w)) ids.push_back(w.record.id());
   }
   return ids;
 }
@@ -513,7 +559,7 @@ std::string Heartbeats::verdict(int64_t generation) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto now = Clock::now();
   // Note [A link cut between members]: the asks tell the watcher how long the waits have stalled.
-  if (now - asked_last_ >= std::chrono::milliseconds(500)) asked_first_ = now;
+  if (now - asked_last_ >= kWaitsApart) asked_first_ = now;
   asked_last_ = now;
   if (retired_ || generation != generation_) return "";
   if (now - reached_ >= lost_after_) {
@@ -524,17 +570,7 @@ std::string Heartbeats::verdict(int64_t generation) const {
     if (!retired_count(w.count) && reached_ - w.moved >= lost_after_) return lost_text(w, reached_);
   }
   for (const auto& w : watched_) {
-    // A member that finished training may have exited: it refuses, and that is no failure.
-    if (w.knocked == elastic::Knock::kAccepted || retired_count(w.count)) continue;
-    const std::string at = w.record.knock_address + ":" + std::to_string(w.record.knock_port);
-    return w.knocked == elastic::Knock::kRefused
-               ? w.record.label() + " refused a connection at " + at +
-                     ": nothing listens there any more (its process is gone)"
-               : w.record.label() + " answered no connection at " + at + " within " +
-                     seconds_text(kKnockTimeout) +
-                     " though its heartbeats through the store go on: the network between "
-                     "this host and " +
-                     w.record.host + " is cut (a link, a switch port or a firewall)";
+    if (unreachable_now(w)) return unreachable_text(w);
   }
   if (next_failed_) {
     return "a member abandoned generation " + std::to_string(generation) +

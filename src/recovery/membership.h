@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -102,21 +103,30 @@ struct MemberRecord {
 // A link cut between two members' hosts while both still reach the store resets nothing and stops
 // no heartbeat: without more, the collective waits for the group's timeout, and the next
 // generation, with both members in it, could not connect. So every member listens for knocks on
-// the address its group's transport uses (a port of its own, in its MemberRecord). When this
-// process's waits on collectives have gone on for `lost_after` without a break (verdict() is
-// asked only while a wait is slow), its watcher knocks at every member it watches, at once, at
-// most kKnockTimeout, and again every `lost_after` while the stall lasts. The kernel completes the
-// handshake for a listening program however busy it is, so a knock that nobody answers while the
-// member's heartbeats go on means the network between the two hosts is cut (a refusal: its
-// process is gone). Then the verdict abandons the generation, naming the member and its address,
-// and this process registers for the next one with the members it cannot reach
+// the address its group's Gloo transport uses (a port of its own, in its MemberRecord). The kernel
+// completes a knock's handshake for a listening program however busy it is, so a knock that nobody
+// answers within kKnockTimeout (three SYNs) while the member's heartbeats go on means the network
+// between the two hosts is cut (a refusal: its process is gone, or a firewall rejects it; a knock
+// this process could not even try, out of sockets, judges nobody). Knocks happen:
+// - during training, when this process's waits on collectives have gone on with no gap longer
+//   than kWaitsApart for `lost_after` (verdict() is asked every 100 ms while a Gloo wait is slow):
+//   its watcher knocks at every member it watches, at once, and again every `lost_after` while
+//   the stall lasts. A member that answered nothing is named in the verdict, which abandons the
+//   wait; an answer from an earlier run of waits is stale and judges nothing. A collective slower
+//   than `lost_after` costs one connection per member every `lost_after`, nothing else;
+// - before a new generation connects (knock_now(), on the training thread): Gloo's connection of
+//   every pair asks nothing while it waits, so a pair cut while the generation formed, or a
+//   newcomer the members cannot reach, is found first. That member does not come to the meeting
+//   (whose waits ask), and the others stop on the failed mark it leaves.
+// The member that found it registers for the next generation with the members it cannot reach
 // (MemberRecord::unreachable). The member that closes it leaves out, of each pair that cannot
-// reach each other, the one in the most such pairs, the higher job rank of equals
-// (without_cut_pairs): the side that keeps the most members goes on. The one left out is told why,
-// exits, and its launcher restarts it as a newcomer; a newcomer knocks at the members of the last
-// generation ("latest") before it asks to be admitted, and waits while one does not answer: it
-// rejoins when the link is back. A slow collective costs nothing but the knocks, one connection
-// per member every `lost_after`.
+// reach each other, the one in the most such pairs, the higher job rank of equals, never the
+// process that hosts the store (without_cut_pairs): a host cut from the others leaves with all its
+// ranks. The one left out is told why, exits, and its launcher restarts it as a newcomer; a
+// newcomer knocks at the members of the last generation ("latest") before it asks to be admitted,
+// and waits while one does not answer: it rejoins when the link is back. Gloo only: a group whose
+// collectives run on NCCL is waited in one call (no asks, no knocks), and its network may not be
+// Gloo's.
 class Heartbeats {
  public:
   // `store`: a connection of its own where the store allows (c10d::Store::clone()). `where`: the
@@ -153,12 +163,20 @@ class Heartbeats {
   std::string cut_off() const;
   // The newcomer count the last round read.
   int64_t newcomers_seen() const { return newcomers_seen_.load(); }
-  // The members of the watched generation that a knock found unreachable (their id()s): Note [A
-  // link cut between members].
+  // The members of the watched generation that the last knock found unreachable (their id()s):
+  // Note [A link cut between members]. Thread-safe, no store call.
   std::vector<std::string> unreachable() const;
+  // Knocks at every watched member now, on the calling thread (at most kKnockTimeout), and keeps
+  // the answers as the watcher's are kept: "" when all answered, else why one cannot be reached.
+  // Before a new generation connects: Gloo's connection asks nothing while it waits.
+  std::string knock_now();
 
-  // How long a knock waits for an answer.
-  static constexpr std::chrono::milliseconds kKnockTimeout{2000};
+  // How long a knock waits for an answer: the first SYN and two retransmissions (at 1 s and 3 s),
+  // so that a busy link that drops a SYN or two is not taken for a cut one.
+  static constexpr std::chrono::milliseconds kKnockTimeout{3500};
+  // A gap between two asks of verdict() longer than this ends a run of waits (asks come every
+  // InFlight::kAbandonSlice, 100 ms, while a wait lasts).
+  static constexpr std::chrono::milliseconds kWaitsApart{150};
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -169,11 +187,20 @@ class Heartbeats {
     Clock::time_point moved;                       // when it last changed, by this process's clock
     std::vector<elastic::SocketAddress> knock_at;  // where it listens for knocks (none: empty)
     elastic::Knock knocked = elastic::Knock::kAccepted;  // the last knock's answer
+    Clock::time_point knocked_at;                        // when that knock began
   };
   std::string lost_text(const Watched& w, Clock::time_point now) const;
   // The watcher's part of Note [A link cut between members]: takes a finished knock's answers, or
   // starts one when the waits have stalled for lost_after. No store call; never blocks.
   void knock_if_stalled(Clock::time_point now);
+  // Keeps the answers of a knock of `generation` begun at `begun` (with mutex_ held); says in the
+  // log who answered nothing.
+  void take_answers(int64_t generation, Clock::time_point begun,
+                    const std::vector<elastic::Knock>& answers);
+  // Whether `w`'s last knock says it cannot be reached now (with mutex_ held): an answer from an
+  // earlier run of waits is stale (the link may have come back since).
+  bool unreachable_now(const Watched& w) const;
+  std::string unreachable_text(const Watched& w) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   const MemberRecord self_;
@@ -190,15 +217,17 @@ class Heartbeats {
   // When verdict() was first asked in the current run of asks, and last (the training thread's
   // waits on collectives, as seen from here).
   mutable Clock::time_point asked_first_, asked_last_;
-  Clock::time_point knocked_at_;                       // when the last knock started
+  Clock::time_point knocked_at_;                       // when the watcher's last knock began
   std::future<std::vector<elastic::Knock>> knocking_;  // the knock in flight, if valid()
   int64_t knocking_generation_ = -1;
 };
 
 // `members` less, of each pair where one registered that it cannot reach the other, the one in the
-// most such pairs (of equals, the higher job rank; a newcomer after the others): Note [A link cut
-// between members]. The order of the others is kept.
-std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members);
+// most such pairs (of equals, the higher job rank; a newcomer after the others), never the one of
+// job rank `store_holder` (the process that hosts the job's store: -1 when a launcher does): Note
+// [A link cut between members]. The order of the others is kept.
+std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members,
+                                            int store_holder = -1);
 
 class Membership {
  public:
@@ -234,9 +263,11 @@ class Membership {
   int64_t request_admission();
   // Newcomer side, before it asks: knocks at the members of the last generation that closed (not
   // at the process it replaces), and waits while one does not answer, up to the timeout (Note [A
-  // link cut between members]); says once in the log whom it waits for. Returns true at once when
-  // no generation has closed yet; false when the job finished first (nothing left to join).
-  bool wait_until_members_answer();
+  // link cut between members]); says once in the log whom it waits for. kReady at once when no
+  // generation has closed yet; kJobFinished when the job finished first (nothing left to join);
+  // kStopRequested when `stop_requested` says so first (SIGTERM: it leaves without having asked).
+  enum class Readiness { kReady, kJobFinished, kStopRequested };
+  Readiness wait_until_members_answer(const std::function<bool()>& stop_requested);
   std::optional<int64_t> wait_for_admission(int64_t number);
   // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
   void mark_finished();

@@ -78,6 +78,7 @@ class RecoveryCore {
   void stop_watching();
   void finish();
   bool generation_current() { return !membership_->started(generation_ + 1); }
+  bool departed() const { return departed_; }
   StopAgreement agree_to_stop();
 
   bool job_finished_ = false;
@@ -100,6 +101,7 @@ class RecoveryCore {
   void depart();
   void start_watching();
   void watch(int64_t generation);
+  void knock_before_connecting();
   std::string who() const { return rank_text(launch_.rank, launch_.world_size); }
 
   ResilientDataParallelBase& owner_;
@@ -184,16 +186,21 @@ void RecoveryCore::start() {
   self_ = MemberRecord::of_this_process(launch_.rank, newcomer_);
   // Note [A link cut between members] (membership.h): the others knock here, at the address their
   // collectives reach this process at.
-  if (const std::string address = gloo_address(launch_.master_addr); !address.empty()) {
-    try {
-      knock_target_ = std::make_shared<elastic::KnockTarget>(address);
-      self_.knock_address = address;
-      self_.knock_port = knock_target_->port();
-    } catch (const std::exception& e) {
-      DTRAIN_LOG(kWarn, "in-place recovery: " << e.what()
-                                              << "; a link cut between this host and another "
-                                                 "member's is seen only at the collective timeout");
+  try {
+    const std::string address = gloo_address(launch_.master_addr);
+    if (address.empty()) {
+      throw InternalError(
+          "no IPv4 address found for Gloo (GLOO_SOCKET_IFNAME, or the route to "
+          "MASTER_ADDR " +
+          launch_.master_addr + ") to listen for the others' knocks at");
     }
+    knock_target_ = std::make_shared<elastic::KnockTarget>(address);
+    self_.knock_address = address;
+    self_.knock_port = knock_target_->port();
+  } catch (const std::exception& e) {
+    DTRAIN_LOG(kWarn, "in-place recovery: " << e.what()
+                                            << "; a link cut between this host and another "
+                                               "member's is seen only at the collective timeout");
   }
   membership_ = std::make_unique<Membership>(root_store_, self_, timeout_);
   // The heartbeats go through a connection of their own (Note [Heartbeats]).
@@ -214,10 +221,24 @@ void RecoveryCore::start() {
 
   if (newcomer_) {
     std::optional<int64_t> admitted;
-    if (membership_->wait_until_members_answer()) {
-      const int64_t number = membership_->request_admission();
-      DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
-      admitted = membership_->wait_for_admission(number);
+    switch (membership_->wait_until_members_answer(stop_requested)) {
+      case Membership::Readiness::kStopRequested:
+        // Nobody counts on it yet: it leaves as a member that voted to (Note [Leaving in place]).
+        DTRAIN_LOG(kWarn,
+                   "in-place recovery: asked to stop (SIGTERM) before it asked to be "
+                   "admitted: this newcomer leaves the job");
+        departed_ = true;
+        stop_watching();
+        return;
+      case Membership::Readiness::kJobFinished:
+        break;
+      case Membership::Readiness::kReady: {
+        // Asked, it is counted on: SIGTERM from here on is answered at its first step boundary,
+        // where it votes with the members (agree_to_stop).
+        const int64_t number = membership_->request_admission();
+        DTRAIN_LOG(kInfo, "in-place recovery: newcomer " << number << " waits to be admitted");
+        admitted = membership_->wait_for_admission(number);
+      }
     }
     if (!admitted) {
       job_finished_ = true;
@@ -231,6 +252,7 @@ void RecoveryCore::start() {
     watch(generation_);
     membership_->joined();
     try {
+      knock_before_connecting();
       connect(generation_);
       transfer_state();
       owner_.wrap(group_);
@@ -255,6 +277,17 @@ void RecoveryCore::start() {
 }
 
 void RecoveryCore::watch(int64_t generation) { heartbeats_->watch(generation, members_); }
+
+// Note [A link cut between members]: Gloo's connection of a new generation waits for every pair
+// up to the timeout and asks nothing meanwhile, so a pair that cannot reach each other is found
+// first, by a knock (milliseconds when every member answers). This member then does not come to
+// the meeting, whose waits do ask, and the others stop on the failed mark it leaves.
+void RecoveryCore::knock_before_connecting() {
+  if (const std::string cut = heartbeats_->knock_now(); !cut.empty()) {
+    throw CommError(who() + ": in-place recovery: generation " + std::to_string(generation_) +
+                    " cannot connect: " + cut);
+  }
+}
 
 void RecoveryCore::connect(int64_t generation) {
   auto state = std::make_unique<GroupState>();
@@ -356,6 +389,7 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
                       std::to_string(options_.min_size) + "); the job stops.");
     }
     try {
+      knock_before_connecting();
       connect(generation_);
       marks.push_back(Clock::now());
       transfer_state();
@@ -508,7 +542,7 @@ void RecoveryCore::transfer_state() {
 }
 
 bool RecoveryCore::step(const std::function<bool()>& body) {
-  if (job_finished_) return false;
+  if (job_finished_ || departed_) return false;
   // Where the sampler stands after the last committed step: what a transfer sends, and where a
   // failed step puts it back.
   committed_ = sampler_.state();
@@ -720,5 +754,7 @@ bool ResilientDataParallelBase::generation_current() const { return core_->gener
 StopAgreement ResilientDataParallelBase::agree_to_stop() { return core_->agree_to_stop(); }
 
 bool ResilientDataParallelBase::job_finished() const { return core_->job_finished_; }
+
+bool ResilientDataParallelBase::left() const { return core_->departed(); }
 
 }  // namespace dtrain

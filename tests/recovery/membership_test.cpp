@@ -3,7 +3,10 @@
 // carry made-up pids and a host name no process here has, unless a test wants the pid check).
 #include "recovery/membership.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -318,6 +321,86 @@ TEST(Heartbeats, AStalledWaitKnocksAtTheMembersAndNamesOneThatCannotBeReached) {
   store->set(Heartbeats::key(refusing), std::vector<uint8_t>{'d', 'o', 'n', 'e'});
   beats.round();
   EXPECT_EQ(beats.verdict(0), "");
+}
+
+// A port on loopback that answers no knock, as a host behind a cut link does: a listener with a
+// backlog of 0 whose one queued connection is never accepted, so the kernel drops every further
+// SYN (no refusal, no reset).
+class SilentPort {
+ public:
+  SilentPort() {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof address;
+    bind(listener_, reinterpret_cast<sockaddr*>(&address), length);
+    listen(listener_, 0);
+    getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    connect(filler_, reinterpret_cast<sockaddr*>(&address), length);  // fills the queue
+  }
+  ~SilentPort() {
+    close(filler_);
+    close(listener_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int listener_ = socket(AF_INET, SOCK_STREAM, 0);
+  int filler_ = socket(AF_INET, SOCK_STREAM, 0);
+  int port_ = 0;
+};
+
+// Note [A link cut between members]: a member that answers no knock while its heartbeats go on is
+// named as cut from this one; once the waits have had a break, that answer is stale (the link may
+// be back) and judges nothing until the next knock.
+TEST(Heartbeats, AMemberThatAnswersNoKnockIsCutAndTheAnswerGoesStaleAfterTheStall) {
+  SilentPort silent;
+  ASSERT_EQ(elastic::knock("127.0.0.1", silent.port(), 500ms), elastic::Knock::kSilent)
+      << "this kernel answers a full listener's SYNs: nothing here is silent";
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  MemberRecord cut = record(1);
+  cut.knock_address = "127.0.0.1";
+  cut.knock_port = silent.port();
+  const std::vector<MemberRecord> members = {record(0), cut};
+  for (const auto& m : members) store->add(Heartbeats::key(m), 1);
+  Heartbeats beats(store, record(0), 300ms, "test:0");
+  beats.watch(0, members);
+  // Stalled waits (asks every 50 ms), the other's heartbeats going on, until the knock's answer.
+  std::string verdict;
+  const auto stalled = Clock::now();
+  for (int round = 0; round < 200 && verdict.empty(); ++round) {  // 10 s at most
+    store->add(Heartbeats::key(cut), 1);
+    beats.round();
+    std::this_thread::sleep_for(50ms);
+    verdict = beats.verdict(0);
+  }
+  EXPECT_GE(Clock::now() - stalled, Heartbeats::kKnockTimeout) << "judged before the knock's time";
+  EXPECT_NE(verdict.find("rank 1"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("answered no connection at 127.0.0.1:" + std::to_string(silent.port())),
+            std::string::npos)
+      << verdict;
+  EXPECT_NE(verdict.find("is cut"), std::string::npos) << verdict;
+  EXPECT_EQ(beats.unreachable(), std::vector<std::string>{cut.id()});
+  // A break in the waits: the next wait starts a new run, in which that answer is stale.
+  std::this_thread::sleep_for(Heartbeats::kWaitsApart * 2);
+  store->add(Heartbeats::key(cut), 1);
+  beats.round();
+  EXPECT_EQ(beats.verdict(0), "");
+  EXPECT_TRUE(beats.unreachable().empty());
+  // Before a new generation connects, a knock on the spot finds it again.
+  const std::string now = beats.knock_now();
+  EXPECT_NE(now.find("answered no connection"), std::string::npos) << now;
+  EXPECT_EQ(beats.unreachable(), std::vector<std::string>{cut.id()});
+}
+
+TEST(MemberRecord, TheStoresHostIsNeverTheOneLeftOut) {
+  MemberRecord r0 = record(0), r1 = record(1), r2 = record(2);
+  r1.unreachable = {r0.id()};
+  r2.unreachable = {r0.id()};
+  // Rank 0 is cut from both others: it would go, but it hosts the store.
+  EXPECT_EQ(ranks_of(without_cut_pairs({r0, r1, r2}, /*store_holder=*/0)), (std::vector<int>{0}));
+  EXPECT_EQ(ranks_of(without_cut_pairs({r0, r1, r2})), (std::vector<int>{1, 2}));
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 //   recovery_worker OUT [--kill-rank R --kill-after S]... [--kill-launcher-too]
 //                   [--slow-until-admitted [--newcomers N]] [--step-ms MS] [--settle-ms MS]
 //                   [--lost-after-ms MS] [--fail-rank R --fail-step S] [--plain-comm-hook]
-//                   [--term-launcher-rank R --term-after S]
+//                   [--term-launcher-rank R --term-after S] [--leave-on-sigterm]
 // The process of job rank R kills itself (SIGKILL) right after committing step S, unless it is a
 // newcomer; the pair may be given several times (failures in a row). --kill-launcher-too: it kills
 // its parent first, the `dtrain run` agent, whose other workers die with it (PR_SET_PDEATHSIG): the
@@ -29,7 +29,9 @@
 // each step (a SIGTERM stop handler installed), and the process of job rank R sends SIGTERM to its
 // parent, the `dtrain run` agent, right after committing step S: its node is taken back, and its
 // workers leave in place (Note [Leaving in place], dtrain/recovery.h) and exit with code 75
-// (dtrain::kLeftExitCode).
+// (dtrain::kLeftExitCode). --leave-on-sigterm: the same votes and stop handler, with no process
+// signalling its launcher (a test signals one from outside); a newcomer asked to stop before it
+// asked to be admitted exits 75 at once.
 // Every process also appends "<step> <draw>" to <out>/random-<pid>.txt, a draw from the default
 // generator after each committed step: a newcomer's must continue the others' stream.
 #include <torch/torch.h>
@@ -96,6 +98,7 @@ int run(int argc, char** argv) {
   int64_t fail_step = -1;
   int term_rank = -1;
   int64_t term_after = -1;
+  bool leave_on_sigterm = false;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
@@ -118,8 +121,10 @@ int run(int argc, char** argv) {
     if (arg == "--plain-comm-hook") options.ddp.comm_hook = std::make_shared<PlainAllReduce>();
     if (arg == "--term-launcher-rank" && i + 1 < argc) term_rank = std::atoi(argv[++i]);
     if (arg == "--term-after" && i + 1 < argc) term_after = std::atoll(argv[++i]);
+    if (arg == "--leave-on-sigterm") leave_on_sigterm = true;
   }
-  if (term_rank >= 0) dtrain::install_stop_handler();
+  const bool vote = term_rank >= 0 || leave_on_sigterm;
+  if (vote) dtrain::install_stop_handler();
   const int job_rank = std::atoi(std::getenv("RANK"));
   const char* join = std::getenv("DTRAIN_RECOVERY_JOIN");
   const bool newcomer = join != nullptr && std::string(join) == "1";
@@ -134,6 +139,7 @@ int run(int argc, char** argv) {
   options.state = {counted};
   dtrain::ResilientDataParallel rdp(net, optimizer, sampler, options);
   if (rdp.job_finished()) return 0;
+  if (rdp.left()) return dtrain::kLeftExitCode;
 
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
   std::ofstream draws(out + "/random-" + std::to_string(::getpid()) + ".txt");
@@ -144,7 +150,7 @@ int run(int argc, char** argv) {
     sampler.set_epoch(epoch);
     std::vector<size_t> used;
     while (rdp.step([&](auto& ddp) {
-      if (term_rank >= 0 && (stop = rdp.agree_to_stop()) != dtrain::StopAgreement::kGoOn) {
+      if (vote && (stop = rdp.agree_to_stop()) != dtrain::StopAgreement::kGoOn) {
         return false;
       }
       auto batch = sampler.next(kBatch);

@@ -202,8 +202,12 @@ int train(const Flags& flags) {
   at::Tensor counters = torch::zeros({1 + flags.epochs}, torch::kInt64);
   bool newcomer = false;  // in place: admitted into a running job, with the state of a live peer
   if (in_place) {
+    // Before a newcomer waits to be admitted: SIGTERM while it waits then makes it leave (Note
+    // [Leaving in place] in dtrain/recovery.h) instead of ending it by the signal.
+    if (!flags.checkpoint_dir.empty()) dtrain::install_stop_handler();
     strategy.recover_in_place(optimizer, sampler, {counters});
     if (strategy.rdp->job_finished()) return 0;  // a replacement that came after the end
+    if (strategy.rdp->left()) return dtrain::kLeftExitCode;  // asked to stop before it joined
     newcomer = strategy.rdp->stats().generation > 0;
   }
   auto leader = [&] { return strategy.group()->rank() == 0; };

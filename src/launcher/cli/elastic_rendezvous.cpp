@@ -254,6 +254,8 @@ std::string store_lost(const RunOptions& options, const std::string& what, elast
     message += store + " takes connections but " +
                (c10d ? std::string("the store does not answer: that agent is stalled")
                      : "does not answer: it has no leader or is overloaded");
+  } else if (knocked == elastic::Knock::kUnknown) {
+    message += store + " could not be knocked at from here (this machine is out of sockets)";
   } else {
     message += store +
                " does not answer a connection either: either that machine is down or this node is "

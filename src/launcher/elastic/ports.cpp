@@ -161,6 +161,7 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
   // those in flight.
   std::vector<Knock> answers(targets.size(), Knock::kSilent);
   std::vector<int> refused(targets.size(), 0);
+  std::vector<int> tried(targets.size(), 0);  // attempts that left this machine
   std::vector<std::unique_ptr<Socket>> sockets;
   std::vector<pollfd> waiting;
   std::vector<size_t> waiting_target;  // parallel to `waiting`
@@ -168,7 +169,7 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
     for (const SocketAddress& address : targets[t]) {
       if (answers[t] == Knock::kAccepted) break;
       auto socket = std::make_unique<Socket>(address.address.ss_family);
-      if (socket->fd() < 0) continue;
+      if (socket->fd() < 0) continue;  // out of descriptors or buffers: not tried
       fcntl(socket->fd(), F_SETFL, fcntl(socket->fd(), F_GETFL) | O_NONBLOCK);
       if (connect(socket->fd(), reinterpret_cast<const sockaddr*>(&address.address),
                   address.length) == 0) {
@@ -176,8 +177,11 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
       } else if (errno == ECONNREFUSED) {
         ++refused[t];
       } else if (errno == EINPROGRESS) {
+        ++tried[t];
         waiting.push_back(pollfd{socket->fd(), POLLOUT, 0});
         waiting_target.push_back(t);
+      } else if (errno == ENETUNREACH || errno == EHOSTUNREACH || errno == ETIMEDOUT) {
+        ++tried[t];  // no route there: the network says so
       }
       sockets.push_back(std::move(socket));
     }
@@ -210,7 +214,12 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
   // Refused by one address and silent on another (an IPv6 address without a route, say): the
   // machine answered, so it is up.
   for (size_t t = 0; t < targets.size(); ++t) {
-    if (answers[t] != Knock::kAccepted && refused[t] > 0) answers[t] = Knock::kRefused;
+    if (answers[t] == Knock::kAccepted) continue;
+    if (refused[t] > 0) {
+      answers[t] = Knock::kRefused;
+    } else if (tried[t] == 0 && !targets[t].empty()) {
+      answers[t] = Knock::kUnknown;  // every attempt failed here, before any packet left
+    }
   }
   return answers;
 }
@@ -236,7 +245,7 @@ KnockTarget::KnockTarget(const std::string& address) {
   sockaddr_storage bound{};
   socklen_t length = sizeof(bound);
   if (bind(fd_, reinterpret_cast<const sockaddr*>(&where.address), where.length) != 0 ||
-      listen(fd_, 128) != 0 ||
+      listen(fd_, SOMAXCONN) != 0 ||
       getsockname(fd_, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
     const std::string why = std::strerror(errno);
     close(fd_);

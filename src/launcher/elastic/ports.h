@@ -43,6 +43,8 @@ enum class Knock {
               // the port any more
   kSilent,    // no answer within the timeout, no route, or the name does not resolve: the
               // machine is down or this one is cut off from it
+  kUnknown,   // this machine could not try (no socket: too many open files, no buffers; no local
+              // address to connect from): says nothing about the other machine
 };
 
 // One resolved TCP address.
@@ -57,7 +59,9 @@ struct SocketAddress {
 std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
 
 // One connection attempt to each of `addresses` at once, closed at once; waits at most `timeout`.
-// kAccepted if any accepted, else kRefused if any refused, else kSilent (none: kSilent).
+// kAccepted if any accepted, else kRefused if any refused, else kSilent if any was tried, else
+// kUnknown (none could be tried here; no addresses at all: kSilent, as a name that resolves to
+// none).
 Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout);
 // One knock() at each of `targets` at once: the answers in the same order, after at most
 // `timeout` in all.
