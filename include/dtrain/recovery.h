@@ -74,13 +74,14 @@
 // - A member asked to stop (SIGTERM after dtrain::install_stop_handler(), dtrain/stop.h) leaves
 //   in place (Note [Leaving in place] below) when the body asks agree_to_stop().
 // - A link cut between two members' hosts while both still reach the store stops no heartbeat:
-//   a member whose Gloo waits have stalled for `lost_after` knocks at the others (a TCP connection
-//   to a port each listens on, at the address its collectives use), and one that answers no knock
-//   within 3.5 s is cut from it; the generation is abandoned, and the next one closes without one
-//   of each pair that cannot reach each other (the one cut from more members, the higher rank of
-//   equals), which is restarted as a newcomer and admitted once it reaches every member again.
-//   Every new generation is knocked at before it connects (Note [A link cut between members],
-//   src/recovery/membership.h).
+//   a member that has waited for a Gloo collective issued `lost_after` ago knocks at the others (a
+//   TCP connection to a port each listens on, at the address its collectives use), and one that
+//   answers no knock within 3.5 s is cut from it; the generation is abandoned, and the next one
+//   closes without one of each pair that cannot reach each other (the one cut from more members,
+//   the higher rank of equals), which is restarted as a newcomer and admitted once it reaches every
+//   member again.
+//   Every re-formed generation is knocked at before it connects (Note [A link cut between
+//   members], src/recovery/membership.h).
 // - Limits (today): the store is a single point of failure (node 0's launcher). A group that uses
 //   NCCL waits in one call (no heartbeat check inside the wait); its communicator is aborted when
 //   its generation is left (compiled, not yet run on a GPU): in place on GPUs has not run yet (the

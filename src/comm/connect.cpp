@@ -181,12 +181,13 @@ void meet(GroupState& group, Clock::time_point deadline) {
   group.store->set("join/" + std::to_string(group.rank), bytes_of(std::to_string(::getpid())));
   std::vector<std::string> keys;
   for (int r = 0; r < group.size; ++r) keys.push_back("join/" + std::to_string(r));
+  const auto began = Clock::now();
   while (!group.store->check(keys)) {
     // In-place recovery: a member that died after its generation agreed on it never comes, and its
     // heartbeats say so in seconds (GroupState::abandon_check); the deadline is the collective
     // timeout.
     if (group.abandon_check) {
-      if (std::string why = group.abandon_check(); !why.empty()) {
+      if (std::string why = group.abandon_check(began); !why.empty()) {
         throw PeerLostError(group.who() + ": creating " + group.group_label() + " of " +
                             std::to_string(group.size) + " ranks abandoned: " + why);
       }

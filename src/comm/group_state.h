@@ -87,7 +87,8 @@ struct GroupState {
   // looks at the store: a member that died before it came. Unset (the default), a wait is one call.
   // Set before the group's first operation; called on the waiting thread: it must be cheap and
   // never block.
-  std::function<std::string()> abandon_check;
+  // `since`: when the operation being waited for was issued (for the meeting: when it began).
+  std::function<std::string(std::chrono::steady_clock::time_point since)> abandon_check;
   // A collective that fails without the transport naming a dead peer first waits three of the
   // peers' progress posts (0.3 s, ProgressTracker::describe_missing) so that its message can say
   // who never arrived. In-place recovery turns it off for its generations: it re-forms the group at

@@ -308,13 +308,13 @@ void wait_for(WorkState& work) {
     // Gloo's collectives only: its send and recv (SendWork, RecvWork) treat a wait that times out
     // as the end of the whole context, and NCCL's wait(t) may abort the communicator; their waits
     // are never cut into slices.
-    static const std::function<std::string()> kNoAbandon;
-    bool sliceable = work.seq != 0;
+    bool sliceable = work.seq != 0 && work.group->abandon_check;
 #ifdef DTRAIN_WITH_CUDA
     if (work.group->nccl) sliceable = false;
 #endif
-    work.in_flight->wait(work.started, work.timeout,
-                         sliceable ? work.group->abandon_check : kNoAbandon);
+    std::function<std::string()> abandon;
+    if (sliceable) abandon = [&work] { return work.group->abandon_check(work.started); };
+    work.in_flight->wait(work.started, work.timeout, abandon);
   } catch (const TransportFailure& failure) {
     fail(work, failure);
   }

@@ -22,6 +22,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A wait asks verdict() every 100 ms (InFlight::kAbandonSlice): one that asked within this is still
+// waiting, late wake-ups of a busy machine included.
+constexpr std::chrono::milliseconds kAskedRecently{1000};
+
 std::vector<uint8_t> bytes_of(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
 }
@@ -302,6 +306,7 @@ Membership::Readiness Membership::wait_until_members_answer(
     }
     const std::vector<elastic::Knock> answers =
         elastic::knock_each(addresses, Heartbeats::kKnockTimeout);
+    if (stop_requested()) return Readiness::kStopRequested;
     // A refusal is a dead member, which the others re-form without: only silence waits.
     const MemberRecord* silent = nullptr;
     for (size_t i = 0; i < answers.size() && !silent; ++i) {
@@ -322,7 +327,11 @@ Membership::Readiness Membership::wait_until_members_answer(
                          ", so this newcomer cannot join the group. Likely cause: the network "
                          "between the two hosts is cut; check the link and firewalls.");
     }
-    std::this_thread::sleep_for(poll_pause(round) * 25);
+    // In slices, so that SIGTERM is answered within the launcher's grace period.
+    for (auto until = Clock::now() + poll_pause(round) * 25; Clock::now() < until;) {
+      if (stop_requested()) return Readiness::kStopRequested;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 }
 
@@ -393,14 +402,20 @@ void Heartbeats::watch(int64_t generation, const std::vector<MemberRecord>& memb
   std::lock_guard<std::mutex> lock(mutex_);
   generation_ = generation;
   next_failed_ = false;
+  std::vector<Watched> before = std::move(watched_);
   watched_.clear();
   for (const auto& m : members) {
     if (m.same_process(self_)) continue;
     // Numeric: resolving does not block.
     auto knock_at = m.knock_port > 0 ? elastic::resolve_addresses(m.knock_address, m.knock_port)
                                      : std::vector<elastic::SocketAddress>{};
-    watched_.push_back(
-        Watched{m, key(m), {}, now, std::move(knock_at), elastic::Knock::kAccepted, {}});
+    Watched w{m, key(m), {}, now, std::move(knock_at), elastic::Knock::kAccepted, {}, false};
+    // A member watched before keeps its heartbeat's history: whether it still beats is known, not
+    // assumed, when the new generation is knocked at before it connects.
+    for (const auto& b : before) {
+      if (b.record.same_process(m)) w.count = b.count, w.moved = b.moved;
+    }
+    watched_.push_back(std::move(w));
   }
 }
 
@@ -449,18 +464,22 @@ void Heartbeats::take_answers(int64_t generation, Clock::time_point begun,
     // One with no address to knock at (it could not listen) is not judged by knocks, nor one this
     // process could not even try (out of sockets).
     if (w.knock_at.empty() || answers[i] == elastic::Knock::kUnknown) continue;
-    const bool news = answers[i] != w.knocked;
     w.knocked = answers[i];
     w.knocked_at = begun;
+    if (w.knocked == elastic::Knock::kAccepted) w.said = false;
     // Said here, on the member that found it: the line rank 0 prints names only what it saw.
-    if (news && unreachable_now(w)) DTRAIN_LOG(kWarn, "in-place recovery: " << unreachable_text(w));
+    if (!w.said && unreachable_now(w)) {
+      w.said = true;
+      DTRAIN_LOG(kWarn, "in-place recovery: " << unreachable_text(w));
+    }
   }
 }
 
 bool Heartbeats::unreachable_now(const Watched& w) const {
   // A member that finished training may have exited (it refuses: no failure), and one whose
   // heartbeats stopped too is lost, as the verdict says first.
-  return w.knocked != elastic::Knock::kAccepted && w.knocked_at >= asked_first_ &&
+  return w.knocked != elastic::Knock::kAccepted &&
+         (waiting_since_ == Clock::time_point::max() || w.knocked_at >= waiting_since_) &&
          !retired_count(w.count) && reached_ - w.moved < lost_after_;
 }
 
@@ -484,10 +503,11 @@ void Heartbeats::knock_if_stalled(Clock::time_point now) {
       if (knocking_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
       take_answers(knocking_generation_, knocked_at_, knocking_.get());
     }
-    // The training thread's waits have gone on without a break for lost_after, and the last knock
-    // is lost_after old: knock again.
-    const bool waiting = now - asked_last_ < kWaitsApart;
-    if (retired_ || !waiting || asked_last_ - asked_first_ < lost_after_ ||
+    // The training thread waits (it asked within the last few slices) for an operation issued
+    // lost_after ago, and the last knock is lost_after old: knock again.
+    const bool waiting =
+        waiting_since_ != Clock::time_point::max() && now - asked_last_ < kAskedRecently;
+    if (retired_ || !waiting || now - waiting_since_ < lost_after_ ||
         now - knocked_at_ < lost_after_) {
       return;
     }
@@ -555,11 +575,12 @@ std::string Heartbeats::lost_text(const Watched& w, Clock::time_point now) const
          seconds_text(now - w.moved) + " (its host is lost, or cut off from the store)";
 }
 
-std::string Heartbeats::verdict(int64_t generation) const {
+std::string Heartbeats::verdict(int64_t generation, Clock::time_point waiting_since) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto now = Clock::now();
-  // Note [A link cut between members]: the asks tell the watcher how long the waits have stalled.
-  if (now - asked_last_ >= kWaitsApart) asked_first_ = now;
+  // Note [A link cut between members]: the asks tell the watcher what the training thread waits
+  // for, and since when.
+  waiting_since_ = waiting_since;
   asked_last_ = now;
   if (retired_ || generation != generation_) return "";
   if (now - reached_ >= lost_after_) {

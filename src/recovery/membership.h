@@ -108,15 +108,17 @@ struct MemberRecord {
 // answers within kKnockTimeout (three SYNs) while the member's heartbeats go on means the network
 // between the two hosts is cut (a refusal: its process is gone, or a firewall rejects it; a knock
 // this process could not even try, out of sockets, judges nobody). Knocks happen:
-// - during training, when this process's waits on collectives have gone on with no gap longer
-//   than kWaitsApart for `lost_after` (verdict() is asked every 100 ms while a Gloo wait is slow):
-//   its watcher knocks at every member it watches, at once, and again every `lost_after` while
-//   the stall lasts. A member that answered nothing is named in the verdict, which abandons the
-//   wait; an answer from an earlier run of waits is stale and judges nothing. A collective slower
-//   than `lost_after` costs one connection per member every `lost_after`, nothing else;
-// - before a new generation connects (knock_now(), on the training thread): Gloo's connection of
-//   every pair asks nothing while it waits, so a pair cut while the generation formed, or a
-//   newcomer the members cannot reach, is found first. That member does not come to the meeting
+// - during training, when the collective this process waits for was issued `lost_after` ago and
+//   has not finished (verdict() is asked every 100 ms while a Gloo wait is slow, and told when the
+//   operation was issued): its watcher knocks at every member it watches, at once, and again every
+//   `lost_after` while the wait lasts. A member that answered nothing is named in the verdict,
+//   which abandons the wait; an answer from a knock begun before the operation was issued is stale
+//   and judges nothing. A collective slower than `lost_after` costs one connection per member
+//   every `lost_after`, nothing else;
+// - before a re-formed generation connects (knock_now(), on the training thread; not the first
+//   generation, which has nobody to leave out): Gloo's connection of every pair asks nothing while
+//   it waits, so a pair cut while the generation formed, or a newcomer the members cannot reach, is
+//   found first. That member does not come to the meeting
 //   (whose waits ask), and the others stop on the failed mark it leaves.
 // The member that found it registers for the next generation with the members it cannot reach
 // (MemberRecord::unreachable). The member that closes it leaves out, of each pair that cannot
@@ -124,9 +126,11 @@ struct MemberRecord {
 // process that hosts the store (without_cut_pairs): a host cut from the others leaves with all its
 // ranks. The one left out is told why, exits, and its launcher restarts it as a newcomer; a
 // newcomer knocks at the members of the last generation ("latest") before it asks to be admitted,
-// and waits while one does not answer: it rejoins when the link is back. Gloo only: a group whose
-// collectives run on NCCL is waited in one call (no asks, no knocks), and its network may not be
-// Gloo's.
+// and waits while one does not answer: it rejoins when the link is back. The knocks test Gloo's
+// network only: a group whose collectives run on NCCL waits for them in one call (no asks, so no
+// knocks during training), and NCCL's network may not be Gloo's. A newcomer's gate knocks from it
+// to the members only: a new node that the members cannot reach (a firewall that drops what comes
+// in) is found by the knock before its first generation connects, and left out again.
 class Heartbeats {
  public:
   // `store`: a connection of its own where the store allows (c10d::Store::clone()). `where`: the
@@ -156,7 +160,11 @@ class Heartbeats {
   // Thread-safe, no store call: "" while the operations of `generation`'s group should go on, else
   // why to abandon them: this process is cut off, a member is lost, or a member abandoned this
   // generation after a failure.
-  std::string verdict(int64_t generation) const;
+  // `waiting_since`: when the operation the caller waits for was issued (Note [A link cut between
+  // members]: one that has not finished for lost_after makes the watcher knock); the default, now,
+  // is a caller that is not waiting.
+  std::string verdict(int64_t generation, std::chrono::steady_clock::time_point waiting_since =
+                                              std::chrono::steady_clock::time_point::max()) const;
   // Whether `member` of the watched generation is lost (its counter stale for lost_after).
   bool lost(const MemberRecord& member) const;
   // "" unless this process has reached the store in no round for lost_after; then why it stops.
@@ -174,9 +182,6 @@ class Heartbeats {
   // How long a knock waits for an answer: the first SYN and two retransmissions (at 1 s and 3 s),
   // so that a busy link that drops a SYN or two is not taken for a cut one.
   static constexpr std::chrono::milliseconds kKnockTimeout{3500};
-  // A gap between two asks of verdict() longer than this ends a run of waits (asks come every
-  // InFlight::kAbandonSlice, 100 ms, while a wait lasts).
-  static constexpr std::chrono::milliseconds kWaitsApart{150};
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -188,6 +193,7 @@ class Heartbeats {
     std::vector<elastic::SocketAddress> knock_at;  // where it listens for knocks (none: empty)
     elastic::Knock knocked = elastic::Knock::kAccepted;  // the last knock's answer
     Clock::time_point knocked_at;                        // when that knock began
+    bool said = false;  // its being unreachable is in the log (once per finding)
   };
   std::string lost_text(const Watched& w, Clock::time_point now) const;
   // The watcher's part of Note [A link cut between members]: takes a finished knock's answers, or
@@ -197,8 +203,9 @@ class Heartbeats {
   // log who answered nothing.
   void take_answers(int64_t generation, Clock::time_point begun,
                     const std::vector<elastic::Knock>& answers);
-  // Whether `w`'s last knock says it cannot be reached now (with mutex_ held): an answer from an
-  // earlier run of waits is stale (the link may have come back since).
+  // Whether `w`'s last knock says it cannot be reached now (with mutex_ held): an answer from a
+  // knock begun before the operation waited for now was issued is stale (the link may have come
+  // back since).
   bool unreachable_now(const Watched& w) const;
   std::string unreachable_text(const Watched& w) const;
 
@@ -214,9 +221,9 @@ class Heartbeats {
   bool next_failed_ = false;   // generation_ + 1 marked failed (read by the last round)
   Clock::time_point reached_;  // the end of the last round that went through
   std::atomic<int64_t> newcomers_seen_{0};
-  // When verdict() was first asked in the current run of asks, and last (the training thread's
-  // waits on collectives, as seen from here).
-  mutable Clock::time_point asked_first_, asked_last_;
+  // What the last verdict() was asked about: the operation waited for, issued at waiting_since_,
+  // and when it was asked (a wait asks every InFlight::kAbandonSlice, 100 ms, while it lasts).
+  mutable Clock::time_point waiting_since_ = Clock::time_point::max(), asked_last_;
   Clock::time_point knocked_at_;                       // when the watcher's last knock began
   std::future<std::vector<elastic::Knock>> knocking_;  // the knock in flight, if valid()
   int64_t knocking_generation_ = -1;

@@ -250,7 +250,6 @@ void RecoveryCore::start() {
     generation_ = *admitted;
     members_ = membership_->form(generation_, {}, 0, options_.settle);
     watch(generation_);
-    membership_->joined();
     try {
       knock_before_connecting();
       connect(generation_);
@@ -264,7 +263,10 @@ void RecoveryCore::start() {
       // others, as they do, and receives the state again from a member that holds it.
       reform(Reason::kFailure, 0, e.what());
     }
+    // Only now does it hold the state: until here it registered as a newcomer, which a generation
+    // leaves out before a member of a pair that cannot reach each other (without_cut_pairs).
     newcomer_ = false;
+    membership_->joined();
     agreed_at_step_ = stats_.steps;  // as the members who admitted it
   } else {
     members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
@@ -308,8 +310,8 @@ void RecoveryCore::connect(int64_t generation) {
   // one is read again.
   state->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/" + state->name, root_store_);
   // A wait on a member whose host is lost, or on a cut link, ends when the heartbeats say so.
-  state->abandon_check = [heartbeats = heartbeats_, generation] {
-    return heartbeats->verdict(generation);
+  state->abandon_check = [heartbeats = heartbeats_, generation](Clock::time_point since) {
+    return heartbeats->verdict(generation, since);
   };
   // A failure re-forms the group at once: no pause for a fuller message (GroupState).
   state->wait_for_peer_posts = false;
@@ -572,6 +574,7 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
 // vote on every member: also on one whose vote failed where the others' finished, which re-forms
 // for the failure in step() and runs the body, and this vote, again.
 StopAgreement RecoveryCore::agree_to_stop() {
+  if (departed_) return StopAgreement::kLeave;  // left already (a newcomer that never joined)
   for (;;) {
     const bool mine = stop_requested();  // read once: SIGTERM may land during the all-reduce
     const int size = group_->size();

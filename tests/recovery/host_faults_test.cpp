@@ -419,6 +419,8 @@ TEST_F(HostFaults, ANewcomerWaitingForACutLinkLeavesOnSigterm) {
   ASSERT_TRUE(waiting) << "the newcomer never waited for the cut link";
   ASSERT_GT(launcher, 0);
   EXPECT_NE(job.log(2).find("this newcomer leaves the job"), std::string::npos);
+  // Printed on the way out with exit code 75 (dtrain::kLeftExitCode), not killed by the signal.
+  EXPECT_NE(job.log(2).find("rank 2 left before it was admitted"), std::string::npos);
   EXPECT_NE(result.output.find("node2=143"), std::string::npos);  // 128 + SIGTERM, as it was told
   expect_survivors_finished(*hosts_, job, dir_, result);
 }

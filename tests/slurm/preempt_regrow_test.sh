@@ -6,7 +6,7 @@
 # that node alone: its node job's agent, started by srun, gets Slurm's SIGTERM at once and passes it on; its
 # worker leaves at a step boundary and the other node's worker goes on at size 1 in place (Note [Leaving in
 # place] in dtrain/recovery.h: no restart, no checkpoint), training while the high job runs (the high job ends when the test has seen 10 steps of it; while the
-# test waits for Slurm alone, the worker is paused, so that two epochs outlast the stretch on any machine).
+# test waits for Slurm alone, the worker is paused, so that three epochs outlast the stretch on any machine).
 # The preempted node job's script waits after the stop until Slurm requeues it (doc/slurm.md); after the high
 # job the requeued job starts again on the freed node, its agent joins, and the training grows back to size 2.
 # Every sample of every epoch counts exactly once. Prints the time from the SIGTERM to the next step at size 1, and from the requeued job's start to the first step at size 2.
@@ -16,11 +16,13 @@ command -v etcd >/dev/null || skip "etcd is not installed (Debian: etcd-server)"
 [ -x "$bin/dtrain" ] || fail "$bin/dtrain is not built (cmake --build build --target dtrain_cli)"
 start_cluster --two-hosts "${preempt_conf[@]}"
 
-# Two epochs; the test pauses the worker at size 1 (SIGSTOP, SIGCONT) while it waits for Slurm alone (the
+# Three epochs; the test pauses the worker at size 1 (SIGSTOP, SIGCONT) while it waits for Slurm alone (the
 # GraceTime and slurmctld's 30-s check before the high job starts; the requeue after it ends), so that the
 # training outlasts Slurm's part of the stretch at size 1 on a fast machine too, and at the same length on a
 # slow one. It trains at size 1 for 10 steps before each pause and through the high job's first 10 steps.
-epochs=2
+# With two, about 6 s of training at size 1 was left for the requeued job's newcomer, which a CI run
+# (ctest -j2) did not start within.
+epochs=3
 
 start_head_etcd
 
@@ -115,8 +117,12 @@ signalled=$(signal_time "$cluster/slurmd-$node.log" "$leave")
 [ -n "$signalled" ] || fail "no 'Sent signal 15 to StepId=$leave.0' in $cluster/slurmd-$node.log"
 
 # Regrow: Slurm requeues the preempted node job; after the high job it starts again on its node and joins.
-# The worker goes on as soon as the requeued job's script starts, before its agent joins.
+# The worker goes on once the staying agent has let the requeued job's agent into the running round: its
+# newcomer then starts (about 2 s on a quiet machine, more beside other tests) while the training goes on.
+# Resumed at the requeued script's start instead, the training at size 1 ended before the newcomer asked
+# to be admitted in a CI run (ctest -j2).
 wait_line "$leave_out" "^node job $leave on $node at [0-9.]*, SLURM_RESTART_COUNT=1" 120
+wait_line "$out" "joins the running round in place as node rank 1" 120
 resume
 read -r grown s2 < <(wait_grown_in_place "$out" 300) ||
   fail "the requeued node job $leave did not grow the training; its output: $(tail -n 20 "$leave_out" 2>&1)"

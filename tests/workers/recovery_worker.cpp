@@ -139,7 +139,10 @@ int run(int argc, char** argv) {
   options.state = {counted};
   dtrain::ResilientDataParallel rdp(net, optimizer, sampler, options);
   if (rdp.job_finished()) return 0;
-  if (rdp.left()) return dtrain::kLeftExitCode;
+  if (rdp.left()) {
+    std::cout << "rank " << job_rank << " left before it was admitted" << std::endl;
+    return dtrain::kLeftExitCode;
+  }
 
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
   std::ofstream draws(out + "/random-" + std::to_string(::getpid()) + ".txt");

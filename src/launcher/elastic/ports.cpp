@@ -180,8 +180,9 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
         ++tried[t];
         waiting.push_back(pollfd{socket->fd(), POLLOUT, 0});
         waiting_target.push_back(t);
-      } else if (errno == ENETUNREACH || errno == EHOSTUNREACH || errno == ETIMEDOUT) {
-        ++tried[t];  // no route there: the network says so
+      } else if (errno == ENETUNREACH || errno == EHOSTUNREACH || errno == ETIMEDOUT ||
+                 errno == EPERM || errno == EACCES) {
+        ++tried[t];  // no route there, or a local firewall rule: no way there from here
       }
       sockets.push_back(std::move(socket));
     }
