@@ -188,7 +188,10 @@ class ProcessGroup {
 // yet keeps trying until then. Gloo talks on the interface that routes to MASTER_ADDR (as NCCL
 // picks its socket), or on GLOO_SOCKET_IFNAME when set; DTRAIN_LOG=debug names it. Under a launcher
 // (TORCHELASTIC_RUN_ID set) it also makes stdout line-buffered, so that the launcher relays each
-// line as it is written and none is lost when the worker is killed.
+// line as it is written and none is lost when the worker is killed. Every group's connection also
+// ignores SIGPIPE, unless the program chose a disposition of its own, as Python does from its
+// start: Gloo writes to a dead peer's socket with writev(), and SIGPIPE's default would end this
+// process before the failure could be reported (or, in place, survived).
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
 // A 3-D arrangement of a group's ranks for data × pipeline × tensor parallelism:

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -264,6 +265,22 @@ LocalRoute route_to(const std::string& host) {
   return route;
 }
 
+// A peer that dies mid-collective resets its connections, and Gloo writes to its sockets with
+// writev(), which raises SIGPIPE: by default the end of this process, before the transport can
+// report the failure (a survivor of in-place recovery died of it in a CI run, a peer on another
+// host having been killed). Python, where Gloo usually runs, ignores SIGPIPE from its start; a
+// program that chose a disposition of its own keeps it.
+void ignore_sigpipe_unless_handled() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) &&
+        current.sa_handler == SIG_DFL) {
+      std::signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
 // A job on one machine talks over loopback.
 bool loopback_master(const std::string& master) {
   return master.empty() || master == "localhost" || master.rfind("127.", 0) == 0 || master == "::1";
@@ -431,6 +448,7 @@ c10::intrusive_ptr<c10d::Store> open_store(const InitOptions& options, const Lau
 }
 
 std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
+  ignore_sigpipe_unless_handled();
   const auto begun = Clock::now();
   const auto deadline = begun + group->timeout;
   group->cuda_through_gloo = cuda_through_gloo_by_env();

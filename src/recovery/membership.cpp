@@ -138,6 +138,10 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   const int64_t number = store_->add(key(prefix + "arrivals"), 1);
   write(prefix + "arrival/" + std::to_string(number), self_.text());
 
+  // A newcomer that is admitted knows nobody yet: it waits for the members to close. One that
+  // re-forms after a failure during its transfer knows the last generation, as they do, and may
+  // close this one (it may be the only one left: Note [In-place recovery]).
+  const bool re_forming = !self_.newcomer || !previous.empty();
   std::vector<MemberRecord> arrivals;  // in order of arrival, as far as read
   std::string closed;
   for (int round = 0; closed.empty(); ++round) {
@@ -165,7 +169,7 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
     // after a failure may not have seen the admission (its all-reduce failed where theirs
     // finished), and must not close the generation without them. They wrote it before
     // registering, so it is there by the time all of them have come.
-    if (!self_.newcomer && exists(prefix + "newcomers")) {
+    if (re_forming && exists(prefix + "newcomers")) {
       newcomers = std::max(newcomers, std::stoi(read(prefix + "newcomers")));
     }
     const size_t expected = previous.size() + static_cast<size_t>(newcomers);
@@ -181,7 +185,7 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
           });
       complete = (all_missing_dead && newcomers_came >= newcomers) || now - arrived_at >= *settle;
     }
-    if (complete && !self_.newcomer) {
+    if (complete && re_forming) {
       // Members in rank order: the survivors by their job rank, then the newcomers; none of a pair
       // that cannot reach each other (Note [A link cut between members]).
       std::vector<MemberRecord> members = arrivals;
