@@ -218,6 +218,34 @@ struct LocalRoute {
   std::string interface;
 };
 
+// Every address of this machine's interfaces (IPv4 and IPv6), in getifaddrs()'s order.
+struct InterfaceAddress {
+  std::string interface;
+  std::string address;
+  int family;
+};
+std::vector<InterfaceAddress> interface_addresses() {
+  std::vector<InterfaceAddress> found;
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) return found;
+  for (ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    const int family = i->ifa_addr->sa_family;
+    const void* raw =
+        family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
+        : family == AF_INET6
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr)
+            : nullptr;
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (raw && inet_ntop(family, raw, text, sizeof text)) {
+      found.push_back({i->ifa_name, text, family});
+    }
+  }
+  freeifaddrs(interfaces);
+  return found;
+}
+
 LocalRoute route_to(const std::string& host) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -243,24 +271,11 @@ LocalRoute route_to(const std::string& host) {
   }
   freeaddrinfo(found);
   if (route.address.empty()) return route;
-  ifaddrs* interfaces = nullptr;
-  if (getifaddrs(&interfaces) == 0) {
-    for (ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
-      if (i->ifa_addr == nullptr) continue;
-      char text[INET6_ADDRSTRLEN] = {0};
-      const void* raw =
-          i->ifa_addr->sa_family == AF_INET
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
-          : i->ifa_addr->sa_family == AF_INET6
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr)
-              : nullptr;
-      if (raw && inet_ntop(i->ifa_addr->sa_family, raw, text, sizeof text) &&
-          route.address == text) {
-        route.interface = i->ifa_name;
-        break;
-      }
+  for (const auto& [interface, address, family] : interface_addresses()) {
+    if (address == route.address) {
+      route.interface = interface;
+      break;
     }
-    freeifaddrs(interfaces);
   }
   return route;
 }
@@ -291,22 +306,10 @@ bool loopback_master(const std::string& master) {
 std::string gloo_address(const std::string& master_addr) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     // The interface's first IPv4 address, as Gloo's device for an interface takes it.
-    std::string address;
-    ifaddrs* interfaces = nullptr;
-    if (getifaddrs(&interfaces) == 0) {
-      for (ifaddrs* i = interfaces; i != nullptr && address.empty(); i = i->ifa_next) {
-        if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
-            ifname != std::string(i->ifa_name))
-          continue;
-        char text[INET_ADDRSTRLEN] = {0};
-        if (inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text,
-                      sizeof text)) {
-          address = text;
-        }
-      }
-      freeifaddrs(interfaces);
+    for (const auto& [interface, address, family] : interface_addresses()) {
+      if (interface == ifname && family == AF_INET) return address;
     }
-    return address;
+    return "";
   }
   if (loopback_master(master_addr)) return "127.0.0.1";
   return route_to(master_addr).address;

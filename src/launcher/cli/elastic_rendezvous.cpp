@@ -520,18 +520,15 @@ class ElasticRendezvous final : public AgentRendezvous {
     // Knocked before: the lifted bound's call failed too; knock again for the line.
     const bool first_knock = !knocked_;
     knocked_ = backend_->knock(kKnockTimeout);
-    if (first_knock && knocked_ == elastic::Knock::kUnknown) {
-      // This machine could not knock (out of sockets): no verdict on the store; it is given the
-      // unbounded calls, as a slow one is.
+    // The store's machine takes connections (the store is slow), or this machine could not knock
+    // (out of sockets: no verdict): the store is given the longer calls, once.
+    if (first_knock &&
+        (knocked_ == elastic::Knock::kAccepted || knocked_ == elastic::Knock::kUnknown)) {
       backend_->bound_by_patience(false);
-      say(silence + ", and this machine could not knock at the store's (out of sockets); the " +
-          "workers keep running while it is given up to " +
-          detail::seconds_text(store_call_timeout(options_)) + " per call");
-      return {};
-    }
-    if (first_knock && knocked_ == elastic::Knock::kAccepted) {
-      backend_->bound_by_patience(false);
-      say(silence + ", but its machine still takes connections, so the store is slow, not gone; " +
+      say(silence +
+          (knocked_ == elastic::Knock::kAccepted
+               ? ", but its machine still takes connections, so the store is slow, not gone; "
+               : ", and this machine could not knock at the store's (out of sockets); ") +
           "the workers keep running while it is given up to " +
           detail::seconds_text(store_call_timeout(options_)) + " per call");
       return {};
