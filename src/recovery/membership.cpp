@@ -119,6 +119,23 @@ bool Membership::exists(const std::string& name) { return store_->check({key(nam
 bool Membership::started(int64_t generation) {
   return exists("g" + std::to_string(generation) + "/arrivals");
 }
+std::vector<MemberRecord> Membership::departed(const std::vector<MemberRecord>& previous,
+                                               const std::vector<MemberRecord>& members) {
+  std::vector<MemberRecord> gone;
+  for (const MemberRecord& m : previous) {
+    if (std::any_of(members.begin(), members.end(),
+                    [&](const MemberRecord& s) { return s.same_process(m); })) {
+      continue;
+    }
+    const std::string notice = Heartbeats::exit_key(m);
+    // get() on a key not there would wait for it: checked first.
+    if (store_->check({notice}) && text_of(store_->get(notice)) == Heartbeats::kLeftOnSigterm) {
+      gone.push_back(m);
+    }
+  }
+  return gone;
+}
+
 std::string Membership::read(const std::string& name) { return text_of(store_->get(key(name))); }
 void Membership::write(const std::string& name, const std::string& value) {
   store_->set(key(name), bytes_of(value));

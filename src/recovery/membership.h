@@ -156,6 +156,9 @@ class Heartbeats {
   // running: writes its own exit notice (`how` it ended, as a launcher writes one for a process it
   // reaped), first, then retires. One store call each, on this connection's short timeout.
   void leave(const std::string& how);
+  // What a member that leaves on SIGTERM (Note [Leaving in place]) writes as `how`: the notice
+  // that tells a departure from a failure (Membership::departed).
+  static constexpr const char* kLeftOnSigterm = "left on SIGTERM";
 
   // Thread-safe, no store call: "" while the operations of `generation`'s group should go on, else
   // why to abandon them: this process is cut off, a member is lost, or a member abandoned this
@@ -290,6 +293,11 @@ class Membership {
   void admit(int64_t first, int64_t last, int64_t generation);
   // Whether any process has registered for `generation` (one store check).
   bool started(int64_t generation);
+  // The members of `previous` missing from `members` that left on SIGTERM (their own exit notice
+  // says Heartbeats::kLeftOnSigterm), not those that failed: RecoveryStats::departed counts these,
+  // whichever re-formation found them gone. A store check per missing member.
+  std::vector<MemberRecord> departed(const std::vector<MemberRecord>& previous,
+                                     const std::vector<MemberRecord>& members);
 
  private:
   std::string key(const std::string& name) const { return "dtrain/recovery/" + name; }

@@ -375,7 +375,12 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     if (reason == Reason::kFailure) membership_->mark_failed(generation_);
     // Note [A link cut between members]: a pair that cannot reach each other must not both be in.
     membership_->report_unreachable(heartbeats_->unreachable());
-    members_ = membership_->form(generation_, members_, newcomers, options_.settle);
+    std::vector<MemberRecord> previous =
+        membership_->form(generation_, members_, newcomers, options_.settle);
+    std::swap(previous, members_);
+    // The members gone by their own leave, whichever re-formation finds them gone: a departure's,
+    // or a failure's when the leaver's vote finished and a survivor's did not.
+    stats_.departed += static_cast<int64_t>(membership_->departed(previous, members_).size());
     watch(generation_);
     // Fault injection for tests/recovery/recovery_test.cpp (see transfer_state): after a failure,
     // one survivor (the first to claim it) dies once the next generation agreed on its members and
@@ -589,12 +594,10 @@ StopAgreement RecoveryCore::agree_to_stop() {
       return StopAgreement::kLeave;
     }
     // Nothing of this step has changed yet; the formation re-deals the sampler from where it
-    // began. Counted by who did not come, not by the vote: a leaver whose vote failed comes back.
-    const size_t before = members_.size();
+    // began, and counts who left (reform): not the vote, as a leaver whose vote failed comes back.
     reform(Reason::kDeparture, 0,
            std::to_string(leaving) + " member(s) leaving on SIGTERM at step " +
                std::to_string(stats_.steps));
-    stats_.departed += static_cast<int64_t>(before - std::min(before, members_.size()));
   }
 }
 
@@ -603,7 +606,7 @@ StopAgreement RecoveryCore::agree_to_stop() {
 void RecoveryCore::depart() {
   departed_ = true;
   stop_watching();
-  heartbeats_->leave("left on SIGTERM");
+  heartbeats_->leave(Heartbeats::kLeftOnSigterm);
   release_group(/*failed=*/false);
 }
 

@@ -126,6 +126,23 @@ TEST(Membership, AMemberWhoseLauncherSaidItExitedIsNotWaitedFor) {
       << "a registering process kept an exit notice under its own name";
 }
 
+// RecoveryStats::departed: of the members missing after a re-formation, only those whose own exit
+// notice says they left on SIGTERM; a failed one, a silent one, or one still there is not counted.
+TEST(Membership, OnlyAMemberThatLeftOnSigtermCountsAsDeparted) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto set = [&](const std::string& key, const std::string& value) {
+    store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  };
+  set(Heartbeats::exit_key(record(1)), Heartbeats::kLeftOnSigterm);
+  set(Heartbeats::exit_key(record(2)), "killed by signal 9 (SIGKILL)");
+  set(Heartbeats::exit_key(record(4)), Heartbeats::kLeftOnSigterm);  // a stale notice: still in
+  Membership membership(store, record(0), 10s);
+  const std::vector<MemberRecord> previous = {record(0), record(1), record(2), record(3),
+                                              record(4)};
+  EXPECT_EQ(ranks_of(membership.departed(previous, {record(0), record(4)})), (std::vector<int>{1}));
+  EXPECT_TRUE(membership.departed(previous, previous).empty());
+}
+
 TEST(Membership, ANewcomerJoinsTheGenerationItIsAdmittedToAndALateOneFindsTheJobOver) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   const std::vector<MemberRecord> previous = {record(0), record(1)};

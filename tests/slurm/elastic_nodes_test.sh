@@ -46,8 +46,9 @@ wait_line "$out" "the workers recover in place: from now on" 30
 cancelled=$(now)
 on_head scancel "$leave" || fail "scancel $leave failed"
 read -r shrunk s1 < <(wait_shrunk_in_place "$out" 60) || exit 1
-grep -q "rank 1 left on SIGTERM after step $s1; the others go on without it" "$leave_out" ||
-  fail "$node's worker did not leave at step $s1: $(grep -v 'step [0-9]* loss' "$leave_out" | tail -n 5)"
+# The leaver's line reaches its job's output through its agent and slurmstepd, which may be after the
+# staying worker stepped on at size 1 (a CI run read the file first).
+wait_line "$leave_out" "rank 1 left on SIGTERM after step $s1; the others go on without it" 10
 # (The agent sees it at its next look at the rendezvous, after the workers have already re-formed.)
 wait_line "$out" "in place: host $node (node [^)]*) left the job (received SIGTERM); the running round goes on in place" 10
 grep -q "round 1:" "$out" && fail "a new round instead of in place: $(grep 'round' "$out")"
