@@ -238,14 +238,16 @@ std::string launch_script(const std::string& dir, Launch launch) {
            "echo agents=$?,$b; cat " + dir + "/agent0 " + dir + "/agent1'";
   }
   if (launch == Launch::kElasticNodeLeavesOnSigterm) {
-    // Taken back at step 20, a second in: node 0's agent has marked the round in place by then (it
-    // looks every 0.5 s, --monitor-interval). Taken back at step 5, a CI run's node left before the
-    // mark and made a new round (doc/recovery.md says so).
+    // Taken back at step 5, a quarter of a second in, and node 0's agent looks only every 3 s
+    // (--monitor-interval): the node leaves before that agent has marked the round in place, which
+    // its own agent finds out from the workers' store (Note [Rounds in place]). Before it asked,
+    // this made a new round every time (and, at the default 0.5 s, once in a CI run).
     const std::string agent =
         bin("dtrain") + " run --nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
         std::to_string(free_port()) +
-        " --rdzv-conf last_call_timeout=30 --recovery in-place --nproc-per-node 2 -- " + worker +
-        " --term-launcher-rank 3 --term-after 20 --step-ms 50";
+        " --rdzv-conf last_call_timeout=30 --monitor-interval 3 --recovery in-place "
+        "--nproc-per-node 2 -- " +
+        worker + " --term-launcher-rank 3 --term-after 5 --step-ms 50";
     // The first agent to end is node 1's, the one taken back.
     return "bash -c '" + agent + " > " + dir + "/agent0 2>&1 & a=$!; " + agent + " > " + dir +
            "/agent1 2>&1 & b=$!; wait -n -p first $a $b; echo node_left=$?; if [ $first = $a ]; " +

@@ -104,8 +104,9 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: passed on to the workers (SIGTERM, SIGKILL after the grace
   // period; a trainer checkpoints meanwhile, or leaves a job that recovers in place), and this node
   // leaves the job. `ended`: workers already reaped in the wake-up that brought the signal (a
-  // scheduler signals them too).
-  auto end_on_signal = [&](int signo, std::vector<elastic::WorkerExit> ended) {
+  // scheduler signals them too); `round`: the running one.
+  auto end_on_signal = [&](int signo, std::vector<elastic::WorkerExit> ended,
+                           const elastic::WorkerGroupRound& round) {
     const int running = group.running();
     say("received " + elastic::signal_name(signo) + "; " +
         (running > 0
@@ -116,11 +117,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
     for (elastic::WorkerExit& exit : group.stop(signals.fd())) ended.push_back(std::move(exit));
     // Note [Leaving in place] (dtrain/recovery.h): every worker of this node left while the others
     // went on, so the others need no new round; workers that stopped with their peers at a
-    // checkpoint (143), or were killed, do.
+    // checkpoint (143), or were killed, do. The workers' store confirms that their group recovers
+    // in place (Note [Rounds in place]): node 0's agent may not have looked yet, and another
+    // program may exit with 75 (EX_TEMPFAIL) for reasons of its own.
     const bool left_in_place =
-        !ended.empty() && std::all_of(ended.begin(), ended.end(), [](const auto& exit) {
-          return exit.signal == 0 && exit.exit_code == kLeftExitCode;
-        });
+        in_place && !ended.empty() &&
+        std::all_of(
+            ended.begin(), ended.end(),
+            [](const auto& exit) { return exit.signal == 0 && exit.exit_code == kLeftExitCode; }) &&
+        in_place->group_formed_in(round);
     rendezvous->leave(signo, left_in_place);
     return 128 + signo;
   };
@@ -138,7 +143,9 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       WaitResult result = group.wait(waker.fd());
       if (in_place) in_place->announce_exits(*round, result);
       if (result.state == WaitResult::State::kInterrupted) {
-        if (int signo = signals.take(); signo != 0) return end_on_signal(signo, result.failures);
+        if (int signo = signals.take(); signo != 0) {
+          return end_on_signal(signo, result.failures, *round);
+        }
         waker.drain_timer();
         // wait() reports kInterrupted when the monitor timer fired in the same wake-up as a
         // worker's exit, with that exit in result.failures (and reaped: the next wait() would not
@@ -194,7 +201,9 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       // A signal came with it (a scheduler signals the workers too): the others get their SIGTERM
       // and grace from end_on_signal, not the immediate SIGKILL that stop() gives for a signal
       // still pending (a second Ctrl-C).
-      if (int signo = signals.take(); signo != 0) return end_on_signal(signo, result.failures);
+      if (int signo = signals.take(); signo != 0) {
+        return end_on_signal(signo, result.failures, *round);
+      }
       const elastic::WorkerExit& root = result.failures.front();
       if (group.running() > 0) {
         say("rank " + std::to_string(root.global_rank) + " failed; stopping the other " +
@@ -203,7 +212,9 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       std::vector<elastic::WorkerExit> ended = result.failures;
       for (elastic::WorkerExit& exit : group.stop(signals.fd())) ended.push_back(std::move(exit));
       print_failure_summary(result, *round);
-      if (int signo = signals.take(); signo != 0) return end_on_signal(signo, std::move(ended));
+      if (int signo = signals.take(); signo != 0) {
+        return end_on_signal(signo, std::move(ended), *round);
+      }
       Verdict verdict = rendezvous->report_failure(root);
       if (verdict.kind == Verdict::Kind::kShutdown) {
         say(verdict.message + "; exiting with code " + std::to_string(root.launcher_exit_code()));

@@ -64,6 +64,12 @@ bool InPlaceRecovery::group_formed() const {
   return store_ != nullptr && store_->contains(kInPlaceGroupFormed);
 }
 
+bool InPlaceRecovery::group_formed_in(const elastic::WorkerGroupRound& round) const {
+  if (round.group_rank == 0) return group_formed();
+  return elastic::check_in_worker_store(round.master_addr, round.master_port, kInPlaceGroupFormed,
+                                        kStoreCallTimeout) == elastic::KeyCheck::kPresent;
+}
+
 // The notice of a death (Note [Heartbeats], src/recovery/membership.h): a survivor on another host
 // cannot check the dead worker's pid, and would otherwise wait for it min(settle, lost_after),
 // about 2 s, before going on without it. The key names the process as its membership record does:

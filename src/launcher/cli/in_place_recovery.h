@@ -34,6 +34,9 @@ class InPlaceRecovery {
   // On node 0: whether this round's workers have formed their in-place group (they use
   // dtrain::ResilientDataParallel). Elsewhere false: only node 0 holds the store.
   bool group_formed() const;
+  // The same on any node, asked now: node 0 reads its store, another node asks node 0's (one call
+  // of at most a second). For a node leaving on SIGTERM (Note [Rounds in place]).
+  bool group_formed_in(const elastic::WorkerGroupRound& round) const;
 
   // Tells the workers on every host, through their store, that each worker of `ended` has failed
   // and is dead, and in the same exchange asks whether the workers formed their in-place group

@@ -770,10 +770,11 @@ void Rendezvous::leave(const std::string& why, bool left_in_place) {
     bool was_participant = contains(s.participants, self_.id);
     // Note [Rounds in place]: its workers left at a step boundary and the others went on without
     // them (Note [Leaving in place], dtrain/recovery.h), unless it is node 0, the workers' store's.
-    // (Below MIN the job ends either way.)
+    // The round recovers in place even where node 0's agent has not marked it yet: the leaving
+    // agent found the workers' group formed in their store. (Below MIN the job ends either way.)
     auto slot = s.slots.find(self_.id);
     const bool leaves_in_place =
-        left_in_place && s.in_place && slot != s.slots.end() && slot->second.node_rank != 0;
+        left_in_place && slot != s.slots.end() && slot->second.node_rank != 0;
     changed |= erase(s.participants, self_.id);
     changed |= erase(s.waiting, self_.id);
     changed |= erase(s.expected, self_.id);
@@ -784,6 +785,7 @@ void Rendezvous::leave(const std::string& why, bool left_in_place) {
         s.finished.empty()) {
       std::string what = self_.describe() + " left the job (" + why + ")";
       if (leaves_in_place) {
+        s.in_place = true;
         go_on_in_place(s, what);
       } else {
         open_round(s, what, what);

@@ -45,7 +45,9 @@
 //   - A participant other than node 0 that leaves on SIGTERM is removed the same way when its
 //     workers left at a step boundary and the others went on (Note [Leaving in place],
 //     dtrain/recovery.h); where they stopped with the others at a checkpoint instead, a new round
-//     opens, as without in place.
+//     opens, as without in place. Its agent asks the workers' store whether their group formed
+//     in place: node 0's agent marks the round at its next look only, and a node taken back
+//     before that look must not restart everyone.
 //   - A waiting node, while the job is below MAX, is admitted into the running round: it takes the
 //     lowest free node rank and the lowest free block of global ranks (a lost node's, when its
 //     nproc fits), and its workers start as newcomers (RoundAssignment::join_running) that the
@@ -250,9 +252,10 @@ class Rendezvous {
 
   // Leaves the job (SIGTERM): removed from the state; if the others were running, a new round
   // starts so they shrink at once instead of waiting for this node's heartbeat to expire. Where
-  // `left_in_place` (every worker of this node left a job that goes on without them, Note [Leaving
-  // in place] in dtrain/recovery.h), the round is in place and this is not node 0, the running
-  // round goes on without it instead (Note [Rounds in place]). Below MIN the job ends either way.
+  // `left_in_place` (every worker of this node left a group that recovers in place and goes on
+  // without them, Note [Leaving in place] in dtrain/recovery.h) and this is not node 0, the running
+  // round goes on without it instead (Note [Rounds in place]), and is marked in place if node 0's
+  // agent had not done so yet. Below MIN the job ends either way.
   void leave(const std::string& why, bool left_in_place = false);
 
   // Ends the job for every node (the c10d store's host is leaving, and the store with it): their

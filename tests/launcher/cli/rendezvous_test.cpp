@@ -215,13 +215,14 @@ class RendezvousTest : public testing::Test {
 
   // Round 0 of `first` (node 0, MASTER_PORT 1001) and `second` (1002), MAX 2, whose workers then
   // formed an in-place group: node 0 says so (Note [Rounds in place]).
-  void run_in_place(Rendezvous& first, Rendezvous& second) {
+  // `marked`: node 0's agent has seen the workers' in-place group (mark_in_place()).
+  void run_in_place(Rendezvous& first, Rendezvous& second, bool marked = true) {
     auto joined_first = join(first, 1001);
     wait_until_joined(first);
     auto joined_second = join(second, 1002);
     EXPECT_EQ(get(joined_first).group_rank, 0);
     EXPECT_EQ(get(joined_second).group_rank, 1);
-    first.mark_in_place();
+    if (marked) first.mark_in_place();
   }
 
   std::shared_ptr<MemoryStore> store_ = std::make_shared<MemoryStore>();
@@ -677,6 +678,19 @@ TEST_F(RendezvousTest, InPlaceRoundGoesOnWhenALeavingNodesWorkersLeftInPlace) {
     run_in_place(*a, *b);
     b->leave("received SIGTERM", /*left_in_place=*/false);  // its workers stopped at a checkpoint
     EXPECT_EQ(a->check().kind, Verdict::Kind::kNewRound);
+  }
+  // Taken back before node 0's agent marked the round: its own agent found the workers' group
+  // formed in place, and that is enough.
+  store_ = std::make_shared<MemoryStore>();
+  {
+    auto a = node("a", settings(1, 2));
+    auto b = node("b", settings(1, 2));
+    run_in_place(*a, *b, /*marked=*/false);
+    b->leave("received SIGTERM", /*left_in_place=*/true);
+    Verdict verdict = a->check();
+    EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
+    EXPECT_EQ(stored().round, 0);
+    EXPECT_TRUE(stored().in_place);
   }
   store_ = std::make_shared<MemoryStore>();
   {
