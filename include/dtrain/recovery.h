@@ -80,8 +80,8 @@
 //   closes without one of each pair that cannot reach each other (the one cut from more members,
 //   the higher rank of equals), which is restarted as a newcomer and admitted once it reaches every
 //   member again.
-//   Every re-formed generation is knocked at before it connects (Note [A link cut between
-//   members], src/recovery/membership.h).
+//   Every generation, the first included, is knocked at before it connects (Note [A link cut
+//   between members], src/recovery/membership.h).
 // - Limits (today): the store is a single point of failure (node 0's launcher). A group that uses
 //   NCCL waits in one call (no heartbeat check inside the wait); its communicator is aborted when
 //   its generation is left (compiled, not yet run on a GPU): in place on GPUs has not run yet (the

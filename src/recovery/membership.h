@@ -115,11 +115,11 @@ struct MemberRecord {
 //   which abandons the wait; an answer from a knock begun before the operation was issued is stale
 //   and judges nothing. A collective slower than `lost_after` costs one connection per member
 //   every `lost_after`, nothing else;
-// - before a re-formed generation connects (knock_now(), on the training thread; not the first
-//   generation, which has nobody to leave out): Gloo's connection of every pair asks nothing while
-//   it waits, so a pair cut while the generation formed, or a newcomer the members cannot reach, is
-//   found first. That member does not come to the meeting
-//   (whose waits ask), and the others stop on the failed mark it leaves.
+// - before every generation connects (knock_now(), on the training thread; the first one too,
+//   which then re-forms as any other): Gloo's connection of every pair asks nothing while it
+//   waits, so a pair cut while the generation formed (or before the job started), or a newcomer
+//   the members cannot reach, is found first. That member does not come to the meeting (whose
+//   waits ask), and the others stop on the failed mark it leaves.
 // The member that found it registers for the next generation with the members it cannot reach
 // (MemberRecord::unreachable). The member that closes it leaves out, of each pair that cannot
 // reach each other, the one in the most such pairs, the higher job rank of equals, never the

@@ -271,9 +271,17 @@ void RecoveryCore::start() {
   } else {
     members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
     watch(0);
-    connect(0);
-    sampler_.reshard(group_->size(), group_->rank());
-    owner_.wrap(group_);
+    committed_ = sampler_.state();
+    try {
+      // Note [A link cut between members]: a pair cut before the job started (a firewall between
+      // two hosts) is found here too, and the first generation re-forms as any other would.
+      knock_before_connecting();
+      connect(0);
+      sampler_.reshard(group_->size(), group_->rank());
+      owner_.wrap(group_);
+    } catch (const CommError& e) {
+      reform(Reason::kFailure, 0, e.what());
+    }
   }
   committed_ = sampler_.state();
 }

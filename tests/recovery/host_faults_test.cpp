@@ -392,6 +392,29 @@ TEST_F(HostFaults, ALinkCutBetweenTwoMembersHostsLeavesOneOutUntilTheLinkReturns
   expect_rejoined_and_finished(*hosts_, job, dir_, result);
 }
 
+// The same cut made before the job starts (a firewall between two hosts, say): the first
+// generation's knock finds it before Gloo's connection would wait for the timeout, and the job
+// starts at 2 ranks in place, as after a cut mid-training; rank 2 rejoins once the link is back.
+TEST_F(HostFaults, ALinkCutBeforeTheJobStartsLeavesOneOutUntilTheLinkReturns) {
+  if (!hosts_->cut_between(1, 2, true)) {
+    GTEST_SKIP() << "the switch cannot isolate ports here (bridge port isolation, Linux 4.18+)";
+  }
+  Job job(*hosts_, dir_, /*host2_restarts=*/1, " --slow-until-admitted");
+  const auto next = job.seconds_to_world(2, Clock::now(), 40s);
+  const bool waiting = job.wait_for_log(2, "this newcomer cannot reach rank 1", 30s);
+  ASSERT_TRUE(hosts_->cut_between(1, 2, false));
+  const auto result = job.finish();
+  SCOPED_TRACE(result.output + "\n--- node 0:\n" + job.log(0) + "\n--- node 1:\n" + job.log(1) +
+               "\n--- node 2:\n" + job.log(2));
+  ASSERT_TRUE(next.has_value()) << "no step at 2 ranks: the first generation waited for the cut";
+  std::cout << "cut between two members' hosts before the start: launch to the first step at 2 "
+               "ranks "
+            << *next << " s" << std::endl;
+  EXPECT_NE(job.log(2).find("cannot reach each other"), std::string::npos);
+  EXPECT_TRUE(waiting) << "the newcomer never waited for the cut link";
+  expect_rejoined_and_finished(*hosts_, job, dir_, result);
+}
+
 // The same cut, not mended: the newcomer that waits for rank 1 to answer is taken back (SIGTERM
 // to its launcher). Nobody counts on it yet, so it leaves at once with dtrain::kLeftExitCode
 // instead of ending by the signal, and the others finish at 2 ranks.
