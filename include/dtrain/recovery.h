@@ -237,6 +237,11 @@ class ResilientDataParallelBase {
   // departure:
   //   if (rdp.left()) return dtrain::kLeftExitCode;
   bool left() const;
+  // True for a newcomer admitted into the running job: it received the state from a live peer and
+  // must not load a checkpoint over it. False for the job's first members, also when their first
+  // generation re-formed before the first step (stats().generation is then above 0): they load
+  // the checkpoint, if any, as the group they ended up in.
+  bool admitted_as_newcomer() const;
 
  protected:
   ResilientDataParallelBase(std::shared_ptr<torch::nn::Module> module,

@@ -1,10 +1,6 @@
 // How a group comes to be: store, meeting, backends. See connect.h.
 #include "comm/connect.h"
 
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <net/if.h>
-#include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -27,6 +23,7 @@
 #include "comm/store_bytes.h"
 #include "common/log.h"
 #include "common/process_identity.h"
+#include "launcher/elastic/ports.h"  // route_to, interface_addresses
 
 namespace dtrain::detail {
 namespace {
@@ -210,76 +207,6 @@ void meet(GroupState& group, Clock::time_point deadline) {
   }
 }
 
-// The local address this host uses to reach `host`, and the interface that carries it: what the
-// kernel's routing picks for a datagram socket connected there (no packet is sent). Empty if `host`
-// does not resolve or has no route.
-struct LocalRoute {
-  std::string address;
-  std::string interface;
-};
-
-// Every address of this machine's interfaces (IPv4 and IPv6), in getifaddrs()'s order.
-struct InterfaceAddress {
-  std::string interface;
-  std::string address;
-  int family;
-};
-std::vector<InterfaceAddress> interface_addresses() {
-  std::vector<InterfaceAddress> found;
-  ifaddrs* interfaces = nullptr;
-  if (getifaddrs(&interfaces) != 0) return found;
-  for (ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
-    if (i->ifa_addr == nullptr) continue;
-    const int family = i->ifa_addr->sa_family;
-    const void* raw =
-        family == AF_INET
-            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
-        : family == AF_INET6
-            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr)
-            : nullptr;
-    char text[INET6_ADDRSTRLEN] = {0};
-    if (raw && inet_ntop(family, raw, text, sizeof text)) {
-      found.push_back({i->ifa_name, text, family});
-    }
-  }
-  freeifaddrs(interfaces);
-  return found;
-}
-
-LocalRoute route_to(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return {};
-  LocalRoute route;
-  for (addrinfo* a = found; a != nullptr && route.address.empty(); a = a->ai_next) {
-    int fd = socket(a->ai_family, SOCK_DGRAM, 0);
-    if (fd < 0) continue;
-    sockaddr_storage local{};
-    socklen_t length = sizeof local;
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
-      char text[INET6_ADDRSTRLEN] = {0};
-      const void* raw =
-          local.ss_family == AF_INET
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-      if (inet_ntop(local.ss_family, raw, text, sizeof text)) route.address = text;
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  if (route.address.empty()) return route;
-  for (const auto& [interface, address, family] : interface_addresses()) {
-    if (address == route.address) {
-      route.interface = interface;
-      break;
-    }
-  }
-  return route;
-}
-
 // A peer that dies mid-collective resets its connections, and Gloo writes to its sockets with
 // writev(), which raises SIGPIPE: by default the end of this process, before the transport can
 // report the failure (a survivor of in-place recovery died of it in a CI run, a peer on another
@@ -306,13 +233,13 @@ bool loopback_master(const std::string& master) {
 std::string gloo_address(const std::string& master_addr) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     // The interface's first IPv4 address, as Gloo's device for an interface takes it.
-    for (const auto& [interface, address, family] : interface_addresses()) {
+    for (const auto& [interface, address, family] : elastic::interface_addresses()) {
       if (interface == ifname && family == AF_INET) return address;
     }
     return "";
   }
   if (loopback_master(master_addr)) return "127.0.0.1";
-  return route_to(master_addr).address;
+  return elastic::route_to(master_addr).address;
 }
 
 namespace {
@@ -332,7 +259,7 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const GroupState& group) 
   }
   const std::string& master = group.master_addr;
   if (loopback_master(master)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  LocalRoute route = route_to(master);
+  elastic::LocalRoute route = elastic::route_to(master);
   if (route.address.empty()) {
     DTRAIN_LOG(kWarn, "no route to MASTER_ADDR '"
                           << master

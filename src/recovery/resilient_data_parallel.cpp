@@ -79,6 +79,7 @@ class RecoveryCore {
   void finish();
   bool generation_current() { return !membership_->started(generation_ + 1); }
   bool departed() const { return departed_; }
+  bool admitted_as_newcomer() const { return admitted_as_newcomer_; }
   StopAgreement agree_to_stop();
 
   bool job_finished_ = false;
@@ -116,9 +117,10 @@ class RecoveryCore {
   MemberRecord self_;  // this process, as the store knows it
   std::vector<MemberRecord> members_;
   int64_t generation_ = 0;
-  bool newcomer_ = false;           // holds no state until the first transfer
-  bool departed_ = false;           // left on SIGTERM (agree_to_stop): no longer a member
-  int64_t newcomers_admitted_ = 0;  // newcomer numbers 1..this are admitted (or gone)
+  bool newcomer_ = false;              // holds no state until the first transfer
+  bool departed_ = false;              // left on SIGTERM (agree_to_stop): no longer a member
+  bool admitted_as_newcomer_ = false;  // joined a running job and received its state
+  int64_t newcomers_admitted_ = 0;     // newcomer numbers 1..this are admitted (or gone)
   // The step count at the members' last agreement on the newcomers (admit_newcomers), or at the
   // formation of this generation: the same on every member.
   int64_t agreed_at_step_ = 0;
@@ -266,6 +268,7 @@ void RecoveryCore::start() {
     // Only now does it hold the state: until here it registered as a newcomer, which a generation
     // leaves out before a member of a pair that cannot reach each other (without_cut_pairs).
     newcomer_ = false;
+    admitted_as_newcomer_ = true;
     membership_->joined();
     agreed_at_step_ = stats_.steps;  // as the members who admitted it
   } else {
@@ -279,6 +282,10 @@ void RecoveryCore::start() {
       connect(0);
       sampler_.reshard(group_->size(), group_->rank());
       owner_.wrap(group_);
+    } catch (const TimeoutError&) {
+      // Nobody failed: the group could not connect at all (a wrong interface, say), and every
+      // later generation would wait for its timeout the same way.
+      throw;
     } catch (const CommError& e) {
       reform(Reason::kFailure, 0, e.what());
     }
@@ -770,5 +777,9 @@ StopAgreement ResilientDataParallelBase::agree_to_stop() { return core_->agree_t
 bool ResilientDataParallelBase::job_finished() const { return core_->job_finished_; }
 
 bool ResilientDataParallelBase::left() const { return core_->departed(); }
+
+bool ResilientDataParallelBase::admitted_as_newcomer() const {
+  return core_->admitted_as_newcomer();
+}
 
 }  // namespace dtrain

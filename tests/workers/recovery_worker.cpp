@@ -143,6 +143,15 @@ int run(int argc, char** argv) {
     std::cout << "rank " << job_rank << " left before it was admitted" << std::endl;
     return dtrain::kLeftExitCode;
   }
+  // What a program reads to know whether to load its checkpoint (tools/trainer/train.cpp): exactly
+  // the processes started as newcomers, also where the first generation re-formed before its
+  // first step (HostFaults.ALinkCutBeforeTheJobStartsLeavesOneOutUntilTheLinkReturns).
+  if (rdp.admitted_as_newcomer() != newcomer) {
+    std::cerr << "rank " << job_rank << ": admitted_as_newcomer() is " << rdp.admitted_as_newcomer()
+              << " for a process started with DTRAIN_RECOVERY_JOIN " << (newcomer ? "1" : "unset")
+              << " (generation " << rdp.stats().generation << ")" << std::endl;
+    return 3;
+  }
 
   std::ofstream steps(out + "/steps-" + std::to_string(::getpid()) + ".txt");
   std::ofstream draws(out + "/random-" + std::to_string(::getpid()) + ".txt");

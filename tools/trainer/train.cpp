@@ -208,7 +208,7 @@ int train(const Flags& flags) {
     strategy.recover_in_place(optimizer, sampler, {counters});
     if (strategy.rdp->job_finished()) return 0;  // a replacement that came after the end
     if (strategy.rdp->left()) return dtrain::kLeftExitCode;  // asked to stop before it joined
-    newcomer = strategy.rdp->stats().generation > 0;
+    newcomer = strategy.rdp->admitted_as_newcomer();
   }
   auto leader = [&] { return strategy.group()->rank() == 0; };
   Checkpoints checkpoints(flags, strategy.group(), strategy.model.get(),

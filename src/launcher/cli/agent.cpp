@@ -118,15 +118,17 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
     // Note [Leaving in place] (dtrain/recovery.h): every worker of this node left while the others
     // went on, so the others need no new round; workers that stopped with their peers at a
     // checkpoint (143), or were killed, do. The workers' store confirms that their group recovers
-    // in place (Note [Rounds in place]): node 0's agent may not have looked yet, and another
-    // program may exit with 75 (EX_TEMPFAIL) for reasons of its own.
-    const bool left_in_place =
-        in_place && !ended.empty() &&
-        std::all_of(
-            ended.begin(), ended.end(),
-            [](const auto& exit) { return exit.signal == 0 && exit.exit_code == kLeftExitCode; }) &&
-        in_place->group_formed_in(round);
-    rendezvous->leave(signo, left_in_place);
+    // in place (Note [Rounds in place]): node 0's agent may not have looked yet. (Another program
+    // may exit with 75, EX_TEMPFAIL, for reasons of its own: unconfirmed, that counts only where
+    // node 0's agent marked the round.)
+    elastic::WorkersLeft workers = elastic::WorkersLeft::kStopped;
+    if (in_place && !ended.empty() && std::all_of(ended.begin(), ended.end(), [](const auto& exit) {
+          return exit.signal == 0 && exit.exit_code == kLeftExitCode;
+        })) {
+      workers = in_place->group_formed_in(round) ? elastic::WorkersLeft::kInPlaceConfirmed
+                                                 : elastic::WorkersLeft::kInPlace;
+    }
+    rendezvous->leave(signo, workers);
     return 128 + signo;
   };
 

@@ -61,12 +61,12 @@ class AgentRendezvous {
   // waits for this node.
   virtual void leave_ended_job() {}
   // A signal `signo` ends this node's part: leaving() before its workers are stopped (the others
-  // need not count their failures against --max-restarts), leave() after; `left_in_place`: every
-  // worker of this node left a job that goes on in place without them (dtrain::kLeftExitCode).
+  // need not count their failures against --max-restarts), leave() after, saying how this node's
+  // workers ended.
   virtual void leaving(int signo) { (void)signo; }
-  virtual void leave(int signo, bool left_in_place) {
+  virtual void leave(int signo, elastic::WorkersLeft workers) {
     (void)signo;
-    (void)left_in_place;
+    (void)workers;
   }
 };
 

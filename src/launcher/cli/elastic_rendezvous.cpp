@@ -292,7 +292,8 @@ class ElasticRendezvous final : public AgentRendezvous {
     elastic::NodeInfo self;
     self.host = host_name();
     self.id = node_id(self.host);
-    self.addr = elastic::local_address_towards(options.rdzv_host, options.rdzv_port);
+    // IPv4: what Gloo and TCPStore reach everywhere (MASTER_ADDR is given from it).
+    self.addr = elastic::route_to(options.rdzv_host, AF_INET).address;
     if (self.addr.empty()) self.addr = self.host;
     self.nproc = options.nproc_per_node;
     self.hosts_rendezvous = server_ != nullptr;
@@ -480,7 +481,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     }
   }
 
-  void leave(int signo, bool left_in_place) override {
+  void leave(int signo, elastic::WorkersLeft workers) override {
     backend_->bound_by_patience(false);  // the workers are stopped: as in report_failure()
     if (server_) {
       try {
@@ -489,7 +490,7 @@ class ElasticRendezvous final : public AgentRendezvous {
       }
     }
     try {
-      rendezvous_->leave("received " + elastic::signal_name(signo), left_in_place);
+      rendezvous_->leave("received " + elastic::signal_name(signo), workers);
     } catch (const std::exception& error) {
       say("could not leave the rendezvous cleanly (" + strip_prefix(error.what()) +
           "); the others notice by heartbeat");

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/process_identity.h"
+#include "dtrain/exit_codes.h"  // kLeftExitCode
 #include "launcher/cli/run_command.h"
 
 namespace dtrain::cli {
@@ -77,10 +78,12 @@ bool InPlaceRecovery::group_formed_in(const elastic::WorkerGroupRound& round) co
 // and the pid namespace; the value says how it ended.
 void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
                                      const WaitResult& ended) {
-  if (ended.failures.empty()) return;
   std::vector<std::pair<std::string, std::string>> notices;
   std::string ranks;
   for (const WorkerExit& failure : ended.failures) {
+    // One that left the job (Note [Leaving in place]) wrote its own notice, which says so: the
+    // others count it as departed, not failed (Membership::departed).
+    if (failure.signal == 0 && failure.exit_code == kLeftExitCode) continue;
     notices.emplace_back("/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
                              std::to_string(failure.pid) + "/" +
                              std::to_string(detail::own_pid_namespace()),
@@ -88,6 +91,7 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
     ranks += (ranks.empty() ? "rank " : ", rank ") + std::to_string(failure.global_rank) + " " +
              failure.describe();
   }
+  if (notices.empty()) return;
   std::string why;
   const elastic::KeyCheck answer = elastic::set_and_check_in_worker_store(
       round.master_addr, round.master_port, notices, kInPlaceGroupFormed, kStoreCallTimeout, &why);

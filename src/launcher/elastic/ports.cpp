@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -109,29 +110,61 @@ PortProbe probe_port(const std::string& addr, int port) {
   return verdict;
 }
 
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;  // MASTER_ADDR for Gloo and TCPStore: IPv4 is what works everywhere
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* results = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0 ||
-      results == nullptr) {
-    return "";
-  }
-  std::string address;
-  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd >= 0 && connect(fd, results->ai_addr, results->ai_addrlen) == 0) {
-    sockaddr_in local{};
-    socklen_t length = sizeof(local);
-    char text[INET_ADDRSTRLEN] = "";
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
-        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) {
-      address = text;
+std::vector<InterfaceAddress> interface_addresses() {
+  std::vector<InterfaceAddress> found;
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) return found;
+  for (ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    const int family = i->ifa_addr->sa_family;
+    const void* raw =
+        family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
+        : family == AF_INET6
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr)
+            : nullptr;
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (raw && inet_ntop(family, raw, text, sizeof text)) {
+      found.push_back({i->ifa_name, text, family});
     }
   }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(results);
-  return address;
+  freeifaddrs(interfaces);
+  return found;
+}
+
+LocalRoute route_to(const std::string& host, int family) {
+  addrinfo hints{};
+  hints.ai_family = family;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  // Any port: a datagram socket's connect() only picks the route.
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return {};
+  LocalRoute route;
+  for (addrinfo* a = found; a != nullptr && route.address.empty(); a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* raw =
+          local.ss_family == AF_INET
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (inet_ntop(local.ss_family, raw, text, sizeof text)) route.address = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  if (route.address.empty()) return route;
+  for (const auto& [interface, address, address_family] : interface_addresses()) {
+    if (address == route.address) {
+      route.interface = interface;
+      break;
+    }
+  }
+  return route;
 }
 
 std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) {

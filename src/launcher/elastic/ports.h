@@ -29,10 +29,25 @@ enum class PortProbe {
 // network except for name resolution.
 PortProbe probe_port(const std::string& addr, int port);
 
-// The address of this machine that traffic to host:port leaves from, which is the address the other
-// nodes of a job can reach it at (they reach the same rendezvous endpoint). Found with a UDP
-// connect(), which sends nothing. Empty when `host` does not resolve or no route leads there.
-std::string local_address_towards(const std::string& host, int port);
+// The address of this machine that traffic to `host` leaves from, and the interface that carries
+// it: what the kernel's routing picks for a datagram socket connected there (connect() sends
+// nothing). It is the address the others reach this machine at, when they reach `host` too (the
+// rendezvous endpoint, MASTER_ADDR). `family`: AF_INET for IPv4 only, AF_UNSPEC for the first
+// address `host` resolves to that has a route. Empty when `host` does not resolve or no route
+// leads there.
+struct LocalRoute {
+  std::string address;
+  std::string interface;  // empty when no interface has the address (it should not happen)
+};
+LocalRoute route_to(const std::string& host, int family = AF_UNSPEC);
+
+// Every address of this machine's interfaces (IPv4 and IPv6), in getifaddrs()'s order.
+struct InterfaceAddress {
+  std::string interface;
+  std::string address;
+  int family;  // AF_INET or AF_INET6
+};
+std::vector<InterfaceAddress> interface_addresses();
 
 // What a machine said to a TCP connection attempt (Note [A store that stops answering] in
 // src/launcher/cli/elastic_rendezvous.cpp says why a launcher asks).

@@ -763,18 +763,20 @@ void Rendezvous::announce_leaving() {
   });
 }
 
-void Rendezvous::leave(const std::string& why, bool left_in_place) {
+void Rendezvous::leave(const std::string& why, WorkersLeft workers) {
   std::lock_guard<std::mutex> lock(mutex_);
   update([&](RendezvousState& s) {
     bool changed = erase(s.leaving, self_.id);
     bool was_participant = contains(s.participants, self_.id);
     // Note [Rounds in place]: its workers left at a step boundary and the others went on without
     // them (Note [Leaving in place], dtrain/recovery.h), unless it is node 0, the workers' store's.
-    // The round recovers in place even where node 0's agent has not marked it yet: the leaving
-    // agent found the workers' group formed in their store. (Below MIN the job ends either way.)
+    // The round recovers in place where node 0's agent marked it so, or where it has not looked
+    // yet but the leaving agent found the workers' group formed in their store. (Below MIN the job
+    // ends either way.)
     auto slot = s.slots.find(self_.id);
-    const bool leaves_in_place =
-        left_in_place && slot != s.slots.end() && slot->second.node_rank != 0;
+    const bool leaves_in_place = (workers == WorkersLeft::kInPlaceConfirmed ||
+                                  (workers == WorkersLeft::kInPlace && s.in_place)) &&
+                                 slot != s.slots.end() && slot->second.node_rank != 0;
     changed |= erase(s.participants, self_.id);
     changed |= erase(s.waiting, self_.id);
     changed |= erase(s.expected, self_.id);

@@ -80,6 +80,13 @@
 
 namespace dtrain::elastic {
 
+// How a node's workers ended when it left on a signal (Rendezvous::leave, Note [Rounds in place]).
+enum class WorkersLeft {
+  kStopped,  // not every one left at a step boundary: stopped at a checkpoint (143), killed, none
+  kInPlace,  // every one left at a step boundary (dtrain::kLeftExitCode), the others going on
+  kInPlaceConfirmed,  // the same, and the workers' store says their group recovers in place
+};
+
 // Note [The rendezvous clock]: the two clocks the rendezvous reads. `steady` times this agent's own
 // deadlines (next_round's timeout, report_failure's wait, the waits before exiting, the keep-alive
 // period) and the age of the heartbeats it observes; `wall` stamps what goes into the shared state
@@ -252,11 +259,12 @@ class Rendezvous {
 
   // Leaves the job (SIGTERM): removed from the state; if the others were running, a new round
   // starts so they shrink at once instead of waiting for this node's heartbeat to expire. Where
-  // `left_in_place` (every worker of this node left a group that recovers in place and goes on
-  // without them, Note [Leaving in place] in dtrain/recovery.h) and this is not node 0, the running
-  // round goes on without it instead (Note [Rounds in place]), and is marked in place if node 0's
-  // agent had not done so yet. Below MIN the job ends either way.
-  void leave(const std::string& why, bool left_in_place = false);
+  // every worker of this node left while the others went on (WorkersLeft, Note [Leaving in place]
+  // in dtrain/recovery.h), the round recovers in place (marked so, or confirmed by the workers'
+  // store), and this is not node 0, the running round goes on without it instead (Note [Rounds in
+  // place]), marked in place if node 0's agent had not done so yet. Below MIN the job ends either
+  // way.
+  void leave(const std::string& why, WorkersLeft workers = WorkersLeft::kStopped);
 
   // Ends the job for every node (the c10d store's host is leaving, and the store with it): their
   // next check() returns kShutdown with `why`.

@@ -43,6 +43,7 @@ using dtrain::elastic::RendezvousState;
 using dtrain::elastic::RoundAssignment;
 using dtrain::elastic::Verdict;
 using dtrain::elastic::VersionedState;
+using dtrain::elastic::WorkersLeft;
 
 // One stored state shared by every node's backend object: the store.
 struct MemoryStore {
@@ -661,7 +662,8 @@ TEST_F(RendezvousTest, InPlaceRoundGoesOnWhenALeavingNodesWorkersLeftInPlace) {
     auto a = node("a", settings(1, 2));
     auto b = node("b", settings(1, 2));
     run_in_place(*a, *b);
-    b->leave("received SIGTERM", /*left_in_place=*/true);
+    // Marked by node 0's agent: its own agent's store call may have failed.
+    b->leave("received SIGTERM", WorkersLeft::kInPlace);
     Verdict verdict = a->check();
     EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
     EXPECT_NE(verdict.message.find("host b (node b_1_0) left the job (received SIGTERM); the "
@@ -676,17 +678,17 @@ TEST_F(RendezvousTest, InPlaceRoundGoesOnWhenALeavingNodesWorkersLeftInPlace) {
     auto a = node("a", settings(1, 2));
     auto b = node("b", settings(1, 2));
     run_in_place(*a, *b);
-    b->leave("received SIGTERM", /*left_in_place=*/false);  // its workers stopped at a checkpoint
+    b->leave("received SIGTERM", WorkersLeft::kStopped);  // its workers stopped at a checkpoint
     EXPECT_EQ(a->check().kind, Verdict::Kind::kNewRound);
   }
   // Taken back before node 0's agent marked the round: its own agent found the workers' group
-  // formed in place, and that is enough.
+  // formed in place, and that is enough; exit codes 75 alone, unconfirmed, are not.
   store_ = std::make_shared<MemoryStore>();
   {
     auto a = node("a", settings(1, 2));
     auto b = node("b", settings(1, 2));
     run_in_place(*a, *b, /*marked=*/false);
-    b->leave("received SIGTERM", /*left_in_place=*/true);
+    b->leave("received SIGTERM", WorkersLeft::kInPlaceConfirmed);
     Verdict verdict = a->check();
     EXPECT_EQ(verdict.kind, Verdict::Kind::kKeepRunning) << verdict.message;
     EXPECT_EQ(stored().round, 0);
@@ -694,10 +696,18 @@ TEST_F(RendezvousTest, InPlaceRoundGoesOnWhenALeavingNodesWorkersLeftInPlace) {
   }
   store_ = std::make_shared<MemoryStore>();
   {
+    auto a = node("a", settings(1, 2));
+    auto b = node("b", settings(1, 2));
+    run_in_place(*a, *b, /*marked=*/false);
+    b->leave("received SIGTERM", WorkersLeft::kInPlace);
+    EXPECT_EQ(a->check().kind, Verdict::Kind::kNewRound);
+  }
+  store_ = std::make_shared<MemoryStore>();
+  {
     auto a = node("a", settings(2, 2));
     auto b = node("b", settings(2, 2));
     run_in_place(*a, *b);
-    b->leave("received SIGTERM", /*left_in_place=*/true);  // below MIN
+    b->leave("received SIGTERM", WorkersLeft::kInPlaceConfirmed);  // below MIN
     Verdict verdict = a->check();
     EXPECT_EQ(verdict.kind, Verdict::Kind::kShutdown) << verdict.message;
     EXPECT_NE(verdict.message.find("1 node(s) left, fewer than the minimum of 2"),
