@@ -536,8 +536,8 @@ void Heartbeats::knock_if_stalled(Clock::time_point now) {
     knocked_at_ = now;
     knocking_generation_ = generation_;
   }
-  knocking_ = std::async(std::launch::async, [targets = std::move(targets)] {
-    return elastic::knock_each(targets, kKnockTimeout);
+  knocking_ = std::async(std::launch::async, [this, targets = std::move(targets)] {
+    return elastic::knock_each(targets, kKnockTimeout, &knocks_given_up_);
   });
 }
 

@@ -137,6 +137,7 @@ class Heartbeats {
   // store's address, for messages ("10.77.0.1:29500").
   Heartbeats(c10::intrusive_ptr<c10d::Store> store, MemberRecord self,
              std::chrono::milliseconds lost_after, std::string where);
+  ~Heartbeats() { knocks_given_up_ = true; }
 
   // The counter of `member`, under "dtrain/recovery/".
   static std::string key(const MemberRecord& member);
@@ -227,7 +228,11 @@ class Heartbeats {
   // What the last verdict() was asked about: the operation waited for, issued at waiting_since_,
   // and when it was asked (a wait asks every InFlight::kAbandonSlice, 100 ms, while it lasts).
   mutable Clock::time_point waiting_since_ = Clock::time_point::max(), asked_last_;
-  Clock::time_point knocked_at_;                       // when the watcher's last knock began
+  Clock::time_point knocked_at_;  // when the watcher's last knock began
+  // Set on destruction, so that a knock in flight ends within 100 ms instead of its 3.5 s: the
+  // future's destructor waits for it, and a process on its way out should not. Declared before the
+  // future, so that it outlives the knock.
+  std::atomic<bool> knocks_given_up_{false};
   std::future<std::vector<elastic::Knock>> knocking_;  // the knock in flight, if valid()
   int64_t knocking_generation_ = -1;
 };

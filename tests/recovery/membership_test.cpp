@@ -413,6 +413,47 @@ TEST(Heartbeats, AMemberThatAnswersNoKnockIsCutAndTheAnswerGoesStaleAfterTheStal
   EXPECT_EQ(beats.unreachable(), std::vector<std::string>{cut.id()});
 }
 
+// A knock cut short judges nothing, and a process on its way out does not wait out its 3.5 s:
+// knock_each() gives up within a slice of 100 ms, and so does a Heartbeats destroyed while its
+// watcher's knock is in flight (the future's destructor waits for it).
+TEST(Heartbeats, AKnockInFlightEndsSoonWhenGivenUp) {
+  SilentPort silent;
+  ASSERT_EQ(elastic::knock("127.0.0.1", silent.port(), 500ms), elastic::Knock::kSilent)
+      << "this kernel answers a full listener's SYNs: nothing here is silent";
+  const auto targets = std::vector<std::vector<elastic::SocketAddress>>{
+      elastic::resolve_addresses("127.0.0.1", silent.port())};
+  std::atomic<bool> give_up{false};
+  auto begun = Clock::now();
+  auto knocking = std::async(std::launch::async, [&] {
+    return elastic::knock_each(targets, Heartbeats::kKnockTimeout, &give_up);
+  });
+  std::this_thread::sleep_for(200ms);
+  give_up = true;
+  EXPECT_EQ(knocking.get(), std::vector<elastic::Knock>{elastic::Knock::kUnknown});
+  EXPECT_LT(Clock::now() - begun, 1500ms) << "the knock waited on after it was given up";
+
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  MemberRecord cut = record(1);
+  cut.knock_address = "127.0.0.1";
+  cut.knock_port = silent.port();
+  const std::vector<MemberRecord> members = {record(0), cut};
+  for (const auto& m : members) store->add(Heartbeats::key(m), 1);
+  {
+    Heartbeats beats(store, record(0), 300ms, "test:0");
+    beats.watch(0, members);
+    const auto stalled = Clock::now();
+    // Rounds of a stalled wait until the watcher's knock is in flight (lost_after, 300 ms).
+    for (int round = 0; round < 10; ++round) {
+      beats.round();
+      beats.verdict(0, stalled);
+      std::this_thread::sleep_for(50ms);
+    }
+    beats.round();
+    begun = Clock::now();
+  }
+  EXPECT_LT(Clock::now() - begun, 1500ms) << "destroying the heartbeats waited for the knock";
+}
+
 TEST(MemberRecord, TheStoresHostIsNeverTheOneLeftOut) {
   MemberRecord r0 = record(0), r1 = record(1), r2 = record(2);
   r1.unreachable = {r0.id()};

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -188,7 +189,7 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) 
 }
 
 std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,
-                              std::chrono::milliseconds timeout) {
+                              std::chrono::milliseconds timeout, const std::atomic<bool>* give_up) {
   // Every address of every target at once (a name with an IPv6 address that refuses and an IPv4
   // one that accepts must read as accepted), each connection non-blocking, then one poll over
   // those in flight.
@@ -221,13 +222,22 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
     }
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Slices of at most 100 ms where the caller may give up (a process on its way out).
+  const std::chrono::milliseconds slice = give_up ? std::chrono::milliseconds(100) : timeout;
+  bool given_up = false;
   while (!waiting.empty()) {
+    if (give_up && give_up->load()) {
+      given_up = true;
+      break;
+    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
-    const int ready = poll(waiting.data(), waiting.size(), static_cast<int>(left.count()));
+    const int ready =
+        poll(waiting.data(), waiting.size(), static_cast<int>(std::min(left, slice).count()));
     if (ready < 0 && errno == EINTR) continue;  // a signal for the launcher: poll again
-    if (ready <= 0) break;                      // no answer in time
+    if (ready == 0 && std::chrono::steady_clock::now() < deadline) continue;  // the next slice
+    if (ready <= 0) break;                                                    // no answer in time
     for (size_t i = 0; i < waiting.size();) {
       const size_t t = waiting_target[i];
       if (waiting[i].revents == 0 && answers[t] != Knock::kAccepted) {
@@ -249,7 +259,10 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
   // machine answered, so it is up.
   for (size_t t = 0; t < targets.size(); ++t) {
     if (answers[t] == Knock::kAccepted) continue;
-    if (refused[t] > 0) {
+    if (given_up &&
+        std::find(waiting_target.begin(), waiting_target.end(), t) != waiting_target.end()) {
+      answers[t] = Knock::kUnknown;  // still in flight when the caller gave up
+    } else if (refused[t] > 0) {
       answers[t] = Knock::kRefused;
     } else if (tried[t] == 0 && !targets[t].empty()) {
       answers[t] = Knock::kUnknown;  // every attempt failed here, before any packet left
