@@ -264,6 +264,23 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
   return members;
 }
 
+std::string shared_address_problem(const std::vector<MemberRecord>& members) {
+  for (size_t i = 0; i < members.size(); ++i) {
+    for (size_t j = i + 1; j < members.size(); ++j) {
+      const MemberRecord &a = members[i], &b = members[j];
+      if (a.knock_address.empty() || a.knock_address != b.knock_address || a.host == b.host) {
+        continue;
+      }
+      return a.label() + " and " + b.label() + " both give " + a.knock_address +
+             " as the address the others reach them at (the interface GLOO_SOCKET_IFNAME names, "
+             "or the one that routes to MASTER_ADDR), an address every host has (a container "
+             "bridge, loopback) that reaches no other host. Set GLOO_SOCKET_IFNAME to the "
+             "interface of the network between the hosts, or MASTER_ADDR to an address on it";
+    }
+  }
+  return "";
+}
+
 std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members, int store_holder) {
   auto cut = [&](const MemberRecord& a, const MemberRecord& b) {
     auto names = [](const MemberRecord& x, const MemberRecord& y) {
@@ -317,6 +334,12 @@ Membership::Readiness Membership::wait_until_members_answer(
       return Readiness::kJobFinished;
     }
     std::vector<MemberRecord> targets;
+    std::vector<MemberRecord> with_this_one = parse_members(closed);
+    with_this_one.push_back(self_);
+    if (const std::string problem = shared_address_problem(with_this_one); !problem.empty()) {
+      throw UsageError(self_.label() +
+                       ": in-place recovery: this newcomer cannot join: " + problem + ".");
+    }
     for (auto& m : parse_members(closed)) {
       // Not the process this one replaces (the same job rank): it is dead, or cut off.
       if (m.job_rank != self_.job_rank && m.knock_port > 0) targets.push_back(std::move(m));
@@ -325,8 +348,9 @@ Membership::Readiness Membership::wait_until_members_answer(
     for (const auto& m : targets) {
       addresses.push_back(elastic::resolve_addresses(m.knock_address, m.knock_port));
     }
+    // SIGTERM cuts the knock short too: the launcher's grace period may be shorter than a knock.
     const std::vector<elastic::Knock> answers =
-        elastic::knock_each(addresses, Heartbeats::kKnockTimeout);
+        elastic::knock_each(addresses, Heartbeats::kKnockTimeout, stop_requested);
     if (stop_requested()) return Readiness::kStopRequested;
     // A refusal is a dead member, which the others re-form without: only silence waits.
     const MemberRecord* silent = nullptr;
@@ -537,7 +561,7 @@ void Heartbeats::knock_if_stalled(Clock::time_point now) {
     knocking_generation_ = generation_;
   }
   knocking_ = std::async(std::launch::async, [this, targets = std::move(targets)] {
-    return elastic::knock_each(targets, kKnockTimeout, &knocks_given_up_);
+    return elastic::knock_each(targets, kKnockTimeout, [this] { return knocks_given_up_.load(); });
   });
 }
 

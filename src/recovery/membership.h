@@ -244,6 +244,14 @@ class Heartbeats {
 std::vector<MemberRecord> without_cut_pairs(std::vector<MemberRecord> members,
                                             int store_holder = -1);
 
+// "" unless two of `members` on different hosts publish the same address (where their Gloo
+// transport and their knocks listen): an address that every host has, as a container bridge's
+// (docker0's 172.17.0.1) or loopback, picked by GLOO_SOCKET_IFNAME or by the route to
+// MASTER_ADDR. It reaches no other host, and every knock at it would find the asking host's own
+// interface and be refused, which reads as a cut: a setting to mend, not a fault to recover from.
+// Else why, naming both members and what to set.
+std::string shared_address_problem(const std::vector<MemberRecord>& members);
+
 class Membership {
  public:
   Membership(c10::intrusive_ptr<c10d::Store> root_store, MemberRecord self,

@@ -273,6 +273,10 @@ void RecoveryCore::start() {
     agreed_at_step_ = stats_.steps;  // as the members who admitted it
   } else {
     members_ = membership_->form(0, {}, launch_.world_size, std::nullopt);
+    // Every rank sees the same members, so every rank stops alike: nobody is left waiting.
+    if (const std::string problem = shared_address_problem(members_); !problem.empty()) {
+      throw UsageError(who() + ": in-place recovery: " + problem + ".");
+    }
     watch(0);
     committed_ = sampler_.state();
     try {
@@ -282,10 +286,16 @@ void RecoveryCore::start() {
       connect(0);
       sampler_.reshard(group_->size(), group_->rank());
       owner_.wrap(group_);
-    } catch (const TimeoutError&) {
-      // Nobody failed: the group could not connect at all (a wrong interface, say), and every
+    } catch (const TimeoutError& e) {
+      // Where neither the heartbeats nor the knocks know of anyone gone, the group could not
+      // connect at all (a firewall that lets knocks through but not Gloo's ports, say), and every
       // later generation would wait for its timeout the same way.
-      throw;
+      const bool someone_gone =
+          !heartbeats_->unreachable().empty() ||
+          std::any_of(members_.begin(), members_.end(),
+                      [&](const MemberRecord& m) { return heartbeats_->lost(m); });
+      if (!someone_gone) throw;
+      reform(Reason::kFailure, 0, e.what());
     } catch (const CommError& e) {
       reform(Reason::kFailure, 0, e.what());
     }

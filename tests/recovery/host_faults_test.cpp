@@ -157,8 +157,9 @@ std::string read_file(const std::string& path) {
 // launcher may restart its worker `host2_restarts` times (as a newcomer); the others never do.
 class Job {
  public:
+  // `env`: variables for every launcher and its workers ("NAME=value ...").
   Job(const NamespaceHosts& hosts, const std::string& dir, int host2_restarts = 0,
-      const std::string& worker_flags = "")
+      const std::string& worker_flags = "", const std::string& env = "")
       : dir_(dir) {
     std::string script;
     for (int h = 0; h < kHosts; ++h) {
@@ -175,9 +176,8 @@ class Job {
       script += "wait $p" + std::to_string(h) + "; echo node" + std::to_string(h) + "=$?; ";
     }
     begun_ = Clock::now();
-    runner_ = std::thread([this, script] {
-      result_ = run_command("env DTRAIN_TIMEOUT_S=30 bash -c '" + script + "'", 90);
-    });
+    runner_ = std::thread([this, command = "env DTRAIN_TIMEOUT_S=30 " + env + " bash -c '" +
+                                           script + "'"] { result_ = run_command(command, 90); });
   }
   ~Job() {
     if (runner_.joinable()) runner_.join();
@@ -413,6 +413,28 @@ TEST_F(HostFaults, ALinkCutBeforeTheJobStartsLeavesOneOutUntilTheLinkReturns) {
   EXPECT_NE(job.log(2).find("cannot reach each other"), std::string::npos);
   EXPECT_TRUE(waiting) << "the newcomer never waited for the cut link";
   expect_rejoined_and_finished(*hosts_, job, dir_, result);
+}
+
+// Loopback for Gloo on every host (GLOO_SOCKET_IFNAME=lo): every rank gives 127.0.0.1, which
+// reaches no other host, and each knock at it would find the asking host's own loopback. A
+// setting, not a fault: every rank says so in one line, with what to set, and the job ends at once
+// instead of re-forming around "cuts" (each host but the store's left out, one by one).
+TEST_F(HostFaults, AnAddressEveryHostHasEndsTheJobAtOnceNamingTheSetting) {
+  Job job(*hosts_, dir_, /*host2_restarts=*/1, "", "GLOO_SOCKET_IFNAME=lo");
+  const auto result = job.finish();
+  SCOPED_TRACE(result.output + "\n--- node 0:\n" + job.log(0) + "\n--- node 1:\n" + job.log(1) +
+               "\n--- node 2:\n" + job.log(2));
+  for (int h = 0; h < kHosts; ++h) {
+    EXPECT_EQ(result.output.find("node" + std::to_string(h) + "=0"), std::string::npos);
+    EXPECT_NE(job.log(h).find("both give 127.0.0.1 as the address the others reach them at"),
+              std::string::npos)
+        << "host " << h;
+    EXPECT_NE(job.log(h).find("Set GLOO_SOCKET_IFNAME"), std::string::npos) << "host " << h;
+    EXPECT_TRUE(hosts_->pids(h).empty()) << "processes left on host " << h;
+  }
+  EXPECT_TRUE(read_lines(dir_).empty()) << "a step was taken";
+  EXPECT_EQ(json_int(job.log(0), "world_size"), -1) << "the job went on";
+  EXPECT_LT(job.elapsed().count(), 20) << "the job took too long: something waited for a timeout";
 }
 
 // The same cut, not mended: the newcomer that waits for rank 1 to answer is taken back (SIGTERM

@@ -425,7 +425,7 @@ TEST(Heartbeats, AKnockInFlightEndsSoonWhenGivenUp) {
   std::atomic<bool> give_up{false};
   auto begun = Clock::now();
   auto knocking = std::async(std::launch::async, [&] {
-    return elastic::knock_each(targets, Heartbeats::kKnockTimeout, &give_up);
+    return elastic::knock_each(targets, Heartbeats::kKnockTimeout, [&] { return give_up.load(); });
   });
   std::this_thread::sleep_for(200ms);
   give_up = true;
@@ -452,6 +452,25 @@ TEST(Heartbeats, AKnockInFlightEndsSoonWhenGivenUp) {
     begun = Clock::now();
   }
   EXPECT_LT(Clock::now() - begun, 1500ms) << "destroying the heartbeats waited for the knock";
+}
+
+// An address every host has (docker0's, loopback) given by members on two hosts is a setting to
+// mend, named with both members; on one host, or where a member listens nowhere, it is fine.
+TEST(MemberRecord, TheSameAddressOnTwoHostsIsASettingToMend) {
+  MemberRecord a = record(0), b = record(1), c = record(2);
+  a.knock_address = b.knock_address = c.knock_address = "172.17.0.1";
+  b.host = "other-host";
+  const std::string problem = shared_address_problem({a, b});
+  EXPECT_NE(problem.find(a.label()), std::string::npos) << problem;
+  EXPECT_NE(problem.find(b.label()), std::string::npos) << problem;
+  EXPECT_NE(problem.find("both give 172.17.0.1"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("GLOO_SOCKET_IFNAME"), std::string::npos) << problem;
+  EXPECT_EQ(shared_address_problem({a, c}), "") << "two ranks of one host share its address";
+  b.knock_address = "10.77.0.2";
+  EXPECT_EQ(shared_address_problem({a, b, c}), "");
+  a.knock_address = b.knock_address = "";
+  b.host = c.host = "other-host";
+  EXPECT_EQ(shared_address_problem({a, b}), "") << "members that listen nowhere";
 }
 
 TEST(MemberRecord, TheStoresHostIsNeverTheOneLeftOut) {

@@ -189,7 +189,8 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) 
 }
 
 std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,
-                              std::chrono::milliseconds timeout, const std::atomic<bool>* give_up) {
+                              std::chrono::milliseconds timeout,
+                              const std::function<bool()>& give_up) {
   // Every address of every target at once (a name with an IPv6 address that refuses and an IPv4
   // one that accepts must read as accepted), each connection non-blocking, then one poll over
   // those in flight.
@@ -226,7 +227,7 @@ std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& tar
   const std::chrono::milliseconds slice = give_up ? std::chrono::milliseconds(100) : timeout;
   bool given_up = false;
   while (!waiting.empty()) {
-    if (give_up && give_up->load()) {
+    if (give_up && give_up()) {
       given_up = true;
       break;
     }

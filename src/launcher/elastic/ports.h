@@ -5,8 +5,8 @@
 
 #include <sys/socket.h>
 
-#include <atomic>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -80,11 +80,11 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
 // none).
 Knock knock(const std::vector<SocketAddress>& addresses, std::chrono::milliseconds timeout);
 // One knock() at each of `targets` at once: the answers in the same order, after at most
-// `timeout` in all, or within 100 ms of `give_up` turning true (the targets that had not answered
-// yet then read kUnknown: nothing is judged by a knock cut short).
+// `timeout` in all, or within 100 ms of `give_up` returning true (a process on its way out; the
+// targets that had not answered yet then read kUnknown: nothing is judged by a knock cut short).
 std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,
                               std::chrono::milliseconds timeout,
-                              const std::atomic<bool>* give_up = nullptr);
+                              const std::function<bool()>& give_up = {});
 // The same, resolving host:port first (which may block on a resolver out of reach).
 Knock knock(const std::string& host, int port, std::chrono::milliseconds timeout);
 
