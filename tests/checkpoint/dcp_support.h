@@ -98,7 +98,7 @@ inline TensorTable whole_state(int rank, DcpSdp& sdp, torch::optim::Adam& adam,
   ShardedTrainingState state{sdp->flat_shards(), sdp->stage(), &adam, nullptr, 1, false};
   ShardedCheckpointer(options, sdp->group()).save(state);
   sdp->group()->barrier();
-  if (rank != 0) return {};
+  if (rank != 0) return TensorTable();  // OrderedDict's default constructor is explicit
   auto plain = make_dcp_model();
   auto plain_adam = make_dcp_adam(plain->parameters());
   TrainingState full{plain.get(), plain_adam.get()};
