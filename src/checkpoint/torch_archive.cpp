@@ -99,7 +99,11 @@ struct StackEffect {
   bool pushes;
 };
 std::optional<StackEffect> stack_effect(unsigned char opcode) {
-  static constexpr std::string_view kPushOne = "}])NKMJ\x8a\x8bGXT\x8cU\x8dBC\x8e\x88\x89hjILFSVgc";
+  // "\x8d" "BC" apart: inside one literal, \x8dBC is a single (out of range) escape, and BINBYTES,
+  // SHORT_BINBYTES and BINUNICODE8 would read as opcodes this walk cannot tell.
+  static constexpr std::string_view kPushOne =
+      "}])NKMJ\x8a\x8bGXT\x8cU\x8d"
+      "BC\x8e\x88\x89hjILFSVgc";
   static constexpr std::string_view kNeutral = "qrp\x94\x80\x95.Q\x85";  // BINPERSID, TUPLE1: 1->1
   const char c = static_cast<char>(opcode);
   auto in = [c](std::string_view set) { return set.find(c) != std::string_view::npos; };
@@ -224,7 +228,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
 void drop_build_states(const c10::IValue& value) {
   if (value.isGenericDict()) {
     auto dict = value.toGenericDict();
-    dict.erase(std::string(kBuildStateKey));
+    static_cast<void>(dict.erase(std::string(kBuildStateKey)));  // absent is as good
     for (const auto& item : dict) drop_build_states(item.value());
   } else if (value.isList()) {
     for (const c10::IValue& item : value.toListRef()) drop_build_states(item);
