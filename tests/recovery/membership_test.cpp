@@ -369,6 +369,16 @@ class SilentPort {
   int port_ = 0;
 };
 
+// Rank 0 (this process) and rank 1, whose knocks go to `silent`, both with heartbeat counters.
+std::vector<MemberRecord> with_a_silent_member(c10d::Store& store, const SilentPort& silent) {
+  MemberRecord cut = record(1);
+  cut.knock_address = "127.0.0.1";
+  cut.knock_port = silent.port();
+  const std::vector<MemberRecord> members = {record(0), cut};
+  for (const auto& m : members) store.add(Heartbeats::key(m), 1);
+  return members;
+}
+
 // Note [A link cut between members]: a member that answers no knock while its heartbeats go on is
 // named as cut from this one; for a wait on a later operation that answer is stale (the link may be
 // back) and judges nothing until the next knock.
@@ -377,11 +387,8 @@ TEST(Heartbeats, AMemberThatAnswersNoKnockIsCutAndTheAnswerGoesStaleAfterTheStal
   ASSERT_EQ(elastic::knock("127.0.0.1", silent.port(), 500ms), elastic::Knock::kSilent)
       << "this kernel answers a full listener's SYNs: nothing here is silent";
   auto store = c10::make_intrusive<c10d::HashStore>();
-  MemberRecord cut = record(1);
-  cut.knock_address = "127.0.0.1";
-  cut.knock_port = silent.port();
-  const std::vector<MemberRecord> members = {record(0), cut};
-  for (const auto& m : members) store->add(Heartbeats::key(m), 1);
+  const std::vector<MemberRecord> members = with_a_silent_member(*store, silent);
+  const MemberRecord& cut = members[1];
   Heartbeats beats(store, record(0), 300ms, "test:0");
   beats.watch(0, members);
   // A stalled wait (asks every 50 ms, with a late one of 250 ms, as on a busy machine: a gap that
@@ -433,11 +440,7 @@ TEST(Heartbeats, AKnockInFlightEndsSoonWhenGivenUp) {
   EXPECT_LT(Clock::now() - begun, 1500ms) << "the knock waited on after it was given up";
 
   auto store = c10::make_intrusive<c10d::HashStore>();
-  MemberRecord cut = record(1);
-  cut.knock_address = "127.0.0.1";
-  cut.knock_port = silent.port();
-  const std::vector<MemberRecord> members = {record(0), cut};
-  for (const auto& m : members) store->add(Heartbeats::key(m), 1);
+  const std::vector<MemberRecord> members = with_a_silent_member(*store, silent);
   {
     Heartbeats beats(store, record(0), 300ms, "test:0");
     beats.watch(0, members);
