@@ -13,6 +13,7 @@
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
+#include "support/equivalence.h"
 #include "support/temp_dir.h"
 #include "support/thread_ranks.h"
 
@@ -298,8 +299,30 @@ TEST(GradScaler, DdpRanksStepAndSkipInLockstep) {
   EXPECT_EQ(scales[1], 32768.0);
   for (size_t i = 0; i < params[0].size(); ++i) {
     EXPECT_TRUE(torch::equal(params[0][i], params[1][i])) << "parameter " << i;
-    EXPECT_TRUE(torch::isfinite(params[0][i]).all().item<bool>()) << "parameter " << i;
   }
+  // And what they stepped is one process's plain SGD over both ranks' rows (equal slices, so the
+  // mean of the two means is the mean), step 2 left out: ranks that agreed on a gradient unscaled
+  // twice, or not at all, would still agree with each other.
+  auto single = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+  torch::optim::SGD reference(single->parameters(), 0.1);
+  for (int step : {0, 1, 3}) {
+    reference.zero_grad();
+    torch::nn::functional::cross_entropy(
+        single->forward(torch::cat({xs[step * kWorld], xs[step * kWorld + 1]})),
+        torch::cat({ys[step * kWorld], ys[step * kWorld + 1]}))
+        .backward();
+    reference.step();
+  }
+  EXPECT_LT(testing::relative_error(params[0], single->parameters()), 1e-5);
+  // The test can fail: the poisoned step taken too would be far off.
+  auto stepped_all = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(single->clone());
+  torch::optim::SGD extra(stepped_all->parameters(), 0.1);
+  extra.zero_grad();
+  torch::nn::functional::cross_entropy(stepped_all->forward(torch::cat({xs[4], xs[5]})),
+                                       torch::cat({ys[4], ys[5]}))
+      .backward();
+  extra.step();
+  EXPECT_GT(testing::relative_error(params[0], stepped_all->parameters()), 1e-3);
 }
 
 TEST(GradScaler, StateRoundTripsThroughACheckpoint) {

@@ -315,6 +315,17 @@ TEST(Ddp, TheTestCanFail) {
   EXPECT_GT(relative_error(other, want), 100 * kTolerance);
 }
 
+TEST(Ddp, TheComparisonFailsANaNAMissingTensorAndAWrongShape) {
+  // Every equivalence test compares through relative_error: a diverged run (NaN parameters), a
+  // parameter missing and one of another shape must each read as failing, never as equal.
+  const std::vector<torch::Tensor> want{torch::ones({2, 3}), torch::ones({4})};
+  EXPECT_EQ(relative_error(want, want), 0);
+  EXPECT_GT(relative_error({torch::full({2, 3}, NAN), torch::ones({4})}, want), 1);
+  EXPECT_GT(relative_error({torch::ones({2, 3}), torch::full({4}, INFINITY)}, want), 1);
+  EXPECT_GT(relative_error({torch::ones({2, 3})}, want), 1);
+  EXPECT_GT(relative_error({torch::ones({3, 2}), torch::ones({4})}, want), 1);
+}
+
 TEST(Ddp, BucketsRunInReverseRegistrationOrderWithASmallFirstBucket) {
   torch::set_num_threads(1);
   run_group(2, [&](int, const std::shared_ptr<ProcessGroup>& group) {

@@ -347,6 +347,9 @@ std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& 
           opt.step();
         }
         // The chunks' own parameters (with ZeRO, gathered from the shards the optimizer stepped).
+        // A ZeRO run that trained through DDP instead would train the same numbers: the list of
+        // sharded chunks tells them apart.
+        EXPECT_EQ(pipe.sharded_chunks().empty(), run.zero_stage == 0);
         for (const auto& sharded : pipe.sharded_chunks()) sharded->gather_full_parameters();
         std::vector<torch::Tensor> mine;
         for (size_t c = mesh.pipeline_index; c < chunks.size(); c += run.stages) {
@@ -493,6 +496,9 @@ TEST(DistributedPipeline, ZeroReducesAndGathersOncePerStep) {
           pass(step);
           opt.step();
         }
+        // One chunk per rank (no virtual stages), sharded: a pipeline that fell back to DDP would
+        // leave the list empty and the loop below checking nothing.
+        ASSERT_EQ(pipe.sharded_chunks().size(), 1u);
         for (const auto& sharded : pipe.sharded_chunks()) {
           int64_t padded_bytes = 0;
           for (const auto& unit : sharded->flat_shards())

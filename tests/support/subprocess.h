@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -83,17 +84,22 @@ inline CommandResult run_command(const std::string& command, int time_limit_s = 
   return result;
 }
 
-// The first `"key": <number>` in a program's output (its JSON result line; a space after the colon
-// or none), or -1 when there is none.
+// The first `"key": <integer>` in a program's output (its JSON result line; a space after the
+// colon or none), or -1 when there is none.
 inline int64_t json_int(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *([0-9]+)"))) return -1;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(-?[0-9]+)"))) return -1;
   return std::stoll(match[1]);
 }
 
+// The first `"key": <number>` in a program's output, sign and exponent included (Python prints
+// 1e-06), or NaN when there is none or it is `null` (nlohmann's JSON and Python's write a NaN or
+// an infinity so): NaN fails every comparison, so a run that diverged, or printed nothing, cannot
+// pass a test by matching another that did the same.
 inline double json_number(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *([0-9.]+)"))) return -1;
+  const std::regex number("\"" + key + "\": *(-?[0-9.]+(?:[eE][-+]?[0-9]+)?|NaN|-?Infinity)");
+  if (!std::regex_search(output, match, number)) return std::nan("");
   return std::stod(match[1]);
 }
 

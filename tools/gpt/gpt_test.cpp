@@ -293,7 +293,7 @@ TEST(GptTensorParallel, TwoRanksEqualOneProcess) {
   expect_tensor_parallel_equals_one_process(2, tiny());  // 4 heads, 2 key/value heads
 }
 
-TEST(GptTensorParallel, OneKeyValueHeadPerRankAndAnUnevenHiddenWidth) {
+TEST(GptTensorParallel, PlainMultiHeadAttentionAndAnOddHiddenWidthPerRank) {
   GptConfig config = tiny();
   config.kv_heads = 4;    // plain multi-head attention: 2 query and 2 key/value heads per rank
   config.mlp_width = 90;  // 45 hidden features per rank

@@ -29,17 +29,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using dtrain::testing::bin;
+using dtrain::testing::json_number;
 using dtrain::testing::run_command;
 using dtrain::testing::temp_dir;
-
-// The first `"key": <number>` in a program's output, exponent and sign included (Python prints
-// 1e-06 for a small difference), or NaN when there is none.
-double json_number(const std::string& output, const std::string& key) {
-  std::smatch match;
-  const std::regex number("\"" + key + "\": *(-?[0-9.]+(?:[eE][-+]?[0-9]+)?|NaN|Infinity)");
-  if (!std::regex_search(output, match, number)) return std::nan("");
-  return std::stod(match[1]);
-}
 
 GptConfig small() {
   GptConfig config;

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -76,6 +77,9 @@ void expect_layout_equals_one_process(const LayoutOptions& options, int world, d
   const Reference reference = train_one_process(config, data, max_norm);
 
   std::mutex seed_mutex;  // the thread-ranks share one generator: one draws the model at a time
+  // The names each (data, tensor) position's ranks hold, over its pipeline stages.
+  std::mutex held_mutex;
+  std::map<std::pair<int, int>, std::vector<std::string>> held;
   dtrain::testing::run_group(world, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
     dtrain::RankMesh mesh = make_mesh(options, pg);
     Gpt model{nullptr};
@@ -107,8 +111,13 @@ void expect_layout_equals_one_process(const LayoutOptions& options, int world, d
     }
     layout.gather_full_parameters();  // ZeRO: the parameters this rank trains, to compare
     const std::vector<std::pair<std::string, at::Tensor>> trained = layout.named_parameters();
-    // A stage holds its blocks only; the stages together hold every parameter.
-    if (options.pp == 1) EXPECT_EQ(trained.size(), reference.parameters.size()) << who;
+    // A stage holds its blocks only; the stages together hold every parameter (checked below).
+    ASSERT_FALSE(trained.empty()) << who;
+    {
+      std::lock_guard<std::mutex> lock(held_mutex);
+      auto& names = held[{mesh.data_index, mesh.tensor_index}];
+      for (const auto& item : trained) names.push_back(item.first);
+    }
     for (const auto& [name, mine] : trained) {
       at::Tensor want = reference.parameters.at(name);
       if (!mine.sizes().equals(want.sizes())) {
@@ -123,6 +132,16 @@ void expect_layout_equals_one_process(const LayoutOptions& options, int world, d
       EXPECT_LT(error, 1e-5) << who << ", " << name;
     }
   });
+  // Every parameter once per (data, tensor) position: a stage that dropped a block, or two that
+  // both hold one, would pass the comparison above.
+  std::vector<std::string> every;
+  for (const auto& item : reference.parameters) every.push_back(item.first);
+  std::sort(every.begin(), every.end());
+  EXPECT_EQ(held.size(), static_cast<size_t>(dp * options.tp));
+  for (auto& [position, names] : held) {
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(names, every) << "data " << position.first << ", tensor " << position.second;
+  }
 }
 
 LayoutOptions layout(int dp, int tp, int pp, int zero = 0, bool recompute = false,
