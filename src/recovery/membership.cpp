@@ -245,6 +245,21 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
       for (const auto& a : arrivals) {
         if (std::find(cut.begin(), cut.end(), a.id()) != cut.end()) names.push_back(a.label());
       }
+      if (self_.unreachable.empty() && !names.empty()) {
+        // This process reached every member it knocked at, and they could not reach it: the cut
+        // is one-way, what comes into this host is dropped. Re-trying changes nothing until the
+        // setting does, which is what the line must say.
+        throw CommError(
+            self_.label() + ": in-place recovery: generation " + std::to_string(generation) +
+            " formed without this process: " + list_text(names) + " could not connect to it at " +
+            self_.knock_address + ":" + std::to_string(self_.knock_port) +
+            " though it reaches them: connections coming into this host are dropped "
+            "(a firewall on it, or on the way, that lets out what it does not let in: "
+            "let in TCP from the job's other hosts). It exits; under `dtrain run "
+            "--recovery in-place` it is restarted as a newcomer and left out the same "
+            "way until they can connect to it or its launcher's --max-restarts run "
+            "out.");
+      }
       throw CommError(self_.label() + ": in-place recovery: generation " +
                       std::to_string(generation) + " formed without this process: it and " +
                       (names.empty() ? std::string("another member") : list_text(names)) +

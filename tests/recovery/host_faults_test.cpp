@@ -415,6 +415,46 @@ TEST_F(HostFaults, ALinkCutBeforeTheJobStartsLeavesOneOutUntilTheLinkReturns) {
   expect_rejoined_and_finished(*hosts_, job, dir_, result);
 }
 
+// A firewall on host 2 that drops what comes in and lets out what it opens: a one-way cut, which
+// the knocks see from one side only (host 2 reaches the members; they cannot reach it). Host 2 is
+// left out of the first generation and, restarted, of its admission as a newcomer, each time with a
+// line that says the cut is one-way and what to let in (not the "cannot reach each other" of a cut
+// link); the others go on at 2 ranks from the first step and finish, host 2's launcher gives up
+// once its one restart is spent, and nothing waits for the collectives' timeout.
+TEST_F(HostFaults, AHostThatDropsWhatComesInIsLeftOutWithALineSayingSo) {
+  if (!hosts_->drop_incoming(2, true)) {
+    GTEST_SKIP() << "no firewall to make here (nft, from Debian's nftables, over the kernel's "
+                    "nf_tables)";
+  }
+  Job job(*hosts_, dir_, /*host2_restarts=*/1);
+  const auto result = job.finish();
+  hosts_->drop_incoming(2, false);
+  SCOPED_TRACE(result.output + "\n--- node 0:\n" + job.log(0) + "\n--- node 1:\n" + job.log(1) +
+               "\n--- node 2:\n" + job.log(2));
+  const std::string one_way = "could not connect to it at " + NamespaceHosts::address(2) + ":";
+  const std::string log2 = job.log(2);
+  const auto first = log2.find(one_way);
+  ASSERT_NE(first, std::string::npos);
+  EXPECT_NE(log2.find(one_way, first + 1), std::string::npos) << "not said again as a newcomer";
+  EXPECT_NE(log2.find("connections coming into this host are dropped"), std::string::npos);
+  EXPECT_EQ(log2.find("cannot reach each other"), std::string::npos);
+  EXPECT_NE(result.output.find("node0=0"), std::string::npos);
+  EXPECT_NE(result.output.find("node1=0"), std::string::npos);
+  // Host 2's launcher ends with its worker's code once no restart is left.
+  EXPECT_NE(result.output.find("node2=1"), std::string::npos);
+  EXPECT_EQ(json_int(job.log(0), "world_size"), 2);
+  EXPECT_LT(job.elapsed().count(), 60) << "the job took too long: something waited for a timeout";
+  std::map<int64_t, int> worlds;
+  const auto steps = committed_steps(read_lines(dir_), &worlds);
+  ASSERT_FALSE(steps.empty());
+  for (const auto& [number, world] : worlds) EXPECT_EQ(world, 2) << "step " << number;
+  expect_exactly_once(steps, worlds);
+  std::vector<torch::Tensor> final_params;
+  torch::load(final_params, dir_ + "/final.pt");
+  EXPECT_LT(testing::relative_error(final_params, replay(steps)), 1e-4);
+  for (int h = 0; h < kHosts; ++h) EXPECT_TRUE(hosts_->pids(h).empty()) << "host " << h;
+}
+
 // Loopback for Gloo on every host (GLOO_SOCKET_IFNAME=lo): every rank gives 127.0.0.1, which
 // reaches no other host, and each knock at it would find the asking host's own loopback. A
 // setting, not a fault: every rank says so in one line, with what to set, and the job ends at once

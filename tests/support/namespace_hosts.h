@@ -107,6 +107,22 @@ class NamespaceHosts {
            run_command(set + port_name(b) + mode, 30).exit_code == 0;
   }
 
+  // A firewall on host `host` that drops every TCP connection coming in (drop = true: each SYN
+  // that is not a reply), while the connections it opens itself go through: a one-way cut, which
+  // neither a link down nor a switch port isolated can make. drop = false takes it away. True when
+  // `nft` (Debian's nftables, over the kernel's nf_tables) did it.
+  bool drop_incoming(int host, bool drop) const {
+    const std::string nft = "ip netns exec " + names_.at(host) + " nft ";
+    if (!drop) return run_command(nft + "delete table inet dtrain_firewall", 30).exit_code == 0;
+    return run_command(nft +
+                           "'add table inet dtrain_firewall; add chain inet dtrain_firewall in { "
+                           "type filter hook input priority 0; policy accept; }; add rule inet "
+                           "dtrain_firewall in iif lo accept; add rule inet dtrain_firewall in "
+                           "tcp flags & (syn | ack) == syn drop'",
+                       30)
+               .exit_code == 0;
+  }
+
   // Caps what host `host` sends at `mbit` Mbit/s (a token bucket filter on its eth0); 0 removes the
   // cap. True when `tc` did it.
   bool cap(int host, int mbit) const {
