@@ -100,8 +100,10 @@ void write_file_durably(const std::string& path, const FilePieces& parts, const 
   if (error) write_failed(kind, path, "creating its folder", error.value());
   // Hidden and unique per process, so that a listing never mistakes it for a checkpoint and two
   // writers never share one.
-  fs::path temporary =
-      dir / ("." + final_path.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  std::string temporary_name = ".";  // appended, not "." + ...: GCC 12 warns falsely on the latter
+  temporary_name += final_path.filename().string();
+  temporary_name += ".tmp-" + std::to_string(::getpid());
+  fs::path temporary = dir / temporary_name;
 
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) write_failed(kind, path, "creating " + temporary.string(), errno);

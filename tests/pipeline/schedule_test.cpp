@@ -77,8 +77,10 @@ TEST(Schedule, OneF1BSteadyStateAlternates) {
   // Stage 0 of 2 with 4 micro-batches: warm-up F0 F1, then B0 F2 B1 F3 B2, then B3.
   auto s = make_schedule(ScheduleKind::k1F1B, 2, 4);
   std::string got;
-  for (const auto& a : s.actions[0])
-    got += (a.kind == Kind::kForward ? "F" : "B") + std::to_string(a.micro_batch) + " ";
+  for (const auto& a : s.actions[0]) {
+    got += a.kind == Kind::kForward ? 'F' : 'B';
+    got += std::to_string(a.micro_batch) + ' ';
+  }
   EXPECT_EQ(got, "F0 F1 B0 F2 B1 F3 B2 B3 ");
 }
 

@@ -82,7 +82,9 @@ class LauncherTest : public testing::Test {
         5s);
     std::string survivors;
     for (pid_t pid : pids) {
-      if (process_alive(pid)) survivors += " " + std::to_string(pid);
+      if (!process_alive(pid)) continue;
+      survivors += ' ';  // appended: GCC 12 warns falsely on ' ' + std::to_string(pid)
+      survivors += std::to_string(pid);
     }
     EXPECT_TRUE(gone) << what << " still alive:" << survivors;
   }
