@@ -344,6 +344,21 @@ void apply(const std::vector<char>& bytes, const std::string& path, int64_t file
   }
   c10::IValue step = root.contains("step") ? root.at("step") : c10::IValue(file_step);
   if (!step.isInt()) throw unusable("its 'step' entry is not an integer");
+  at::Tensor rng;  // undefined: the generator stays as it is
+  if (state.rng && root.contains("rng")) {
+    const c10::IValue& saved = root.at("rng");
+    if (!saved.isTensor())
+      throw unusable("its 'rng' entry is " + saved.tagKind() + ", not a tensor");
+    rng = saved.toTensor();
+    try {
+      detail::check_cpu_rng_state(rng);
+    } catch (const c10::Error& e) {
+      std::string cause = e.what_without_backtrace();
+      throw unusable("its 'rng' entry is not a state of torch's CPU generator (" +
+                     cause.substr(0, cause.find('\n')) +
+                     "); save torch.get_rng_state() there, or load with TrainingState::rng false");
+    }
+  }
 
   // The optimizer and the scaler check what they take before they change; after them nothing can
   // fail.
@@ -384,7 +399,7 @@ void apply(const std::vector<char>& bytes, const std::string& path, int64_t file
     for (auto& [destination, saved] : model_copies) destination.copy_(saved);
   }
   if (state.sampler) state.sampler->load_state(sampler_state);
-  if (state.rng && root.contains("rng")) detail::set_cpu_rng_state(root.at("rng").toTensor());
+  if (rng.defined()) detail::set_cpu_rng_state(rng);
   state.step = step.toInt();
   state.tensors = std::move(tensors);
   state.values = std::move(values);

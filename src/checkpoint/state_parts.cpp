@@ -31,4 +31,9 @@ void set_cpu_rng_state(const at::Tensor& state) {
   generator.set_state(state);
 }
 
+void check_cpu_rng_state(const at::Tensor& state) {
+  // The same checks as set_state's on the default generator, on a generator of its own.
+  at::detail::createCPUGenerator().set_state(state);
+}
+
 }  // namespace dtrain::detail

@@ -19,5 +19,7 @@ std::vector<std::pair<std::string, at::Tensor>> model_tensors(torch::nn::Module&
 // torch's default CPU generator: its state (a copy), and setting it back.
 at::Tensor cpu_rng_state();
 void set_cpu_rng_state(const at::Tensor& state);
+// Throws c10::Error (as set_cpu_rng_state would) unless state is one, without setting it.
+void check_cpu_rng_state(const at::Tensor& state);
 
 }  // namespace dtrain::detail

@@ -4,7 +4,7 @@
 // A zip (stored, not compressed, records aligned to 64 bytes) with "<name>/data.pkl", a pickle
 // whose tensors are persistent ids ('storage', torch.FloatStorage, key, 'cpu', numel) naming the
 // records "<name>/data/<key>", plus "version" and "byteorder". LibTorch writes and reads the zip
-// (caffe2::serialize) and the pickle (torch::jit::Pickler, Unpickler), with two gaps that this file
+// (caffe2::serialize) and the pickle (torch::jit::Pickler, Unpickler), with gaps that this file
 // closes:
 // - Pickler tags every dict and list with torch.jit._pickle.restore_type_tag unless told not to,
 //   and pickles an int/float/bool/tensor list through torch.jit._pickle.build_*list: globals that
@@ -16,11 +16,16 @@
 //   fail. So OrderedDict() becomes an empty dict, and BUILD a SETITEM under a key no state dict
 //   has, removed after unpickling: a weights_only file has no BUILD but these, and _metadata
 //   (module versions) means nothing to LibTorch.
+// - Python pickles an int outside int32 as LONG1 of the fewest bytes that hold it; LibTorch's
+//   Unpickler takes only 8. So a shorter LONG1 is widened to 8 bytes.
+// - LibTorch's Unpickler trusts a storage's element count and a tensor's offset, sizes and
+//   strides; nothing checks them against the bytes of the record. So load_torch_archive does.
 // Neither LibTorch nor Python checks the zip's CRC-32s when reading (LibTorch builds miniz without
 // its CRC checks), and those do not cover the zip's own headers and padding anyway. So dtrain
 // seals what it writes with a CRC-32 of every byte before it, in the zip's comment (which zip
 // readers skip): "dtrain-crc32=<8 hex digits>". A file without that comment (one Python wrote) is
-// checked record by record against the zip's CRC-32s.
+// checked record by record against the zip's CRC-32s, except where a record's is 0: Python
+// writes 0 for every record after torch.serialization.set_crc32_options(False).
 #include "checkpoint/torch_archive.h"
 
 #include <caffe2/serialize/in_memory_adapter.h>
@@ -32,6 +37,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <string_view>
 
@@ -142,8 +148,9 @@ std::optional<StackEffect> stack_effect(unsigned char opcode) {
 // opcodes (a byte inside a string or a number is not an opcode) keeping, for each stack item, where
 // its bytes begin in the output, so that the key can go in front of the state. "GLOBAL collections
 // OrderedDict [BINPUT n]", or later "BINGET n", followed by an empty tuple and a REDUCE (the call
-// OrderedDict()) becomes EMPTY_DICT. Returns the pickle as it was where it meets anything it cannot
-// tell: LibTorch's Unpickler then says what it cannot read.
+// OrderedDict()) becomes EMPTY_DICT. A LONG1 of fewer than 8 bytes becomes one of 8. Returns the
+// pickle as it was where it meets anything it cannot tell: LibTorch's Unpickler then says what it
+// cannot read. Throws c10::Error for an int beyond int64.
 std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
   const char* p = pickle.data();
   const char* const end = p + pickle.size();
@@ -191,6 +198,23 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       p = empty_dict(after);
       continue;
     }
+    if (opcode == 0x8a) {
+      // LONG1: Python writes an int outside int32 in as few bytes as its two's complement needs
+      // (5 for 3'000'000'000); LibTorch's Unpickler takes 8 bytes only. So it gets 8, sign-extended.
+      const auto n = static_cast<unsigned char>(p[1]);
+      TORCH_CHECK(n <= 8, "data.pkl holds an integer of ", static_cast<int>(n),
+                  " bytes, beyond int64, which LibTorch cannot hold; store it as a float or a "
+                  "string in Python");
+      char wide[8];
+      std::memcpy(wide, p + 2, n);
+      std::memset(wide + n, n > 0 && (p[1 + n] & 0x80) ? 0xff : 0, 8 - n);
+      stack.push_back({out.size(), false});
+      out.push_back(static_cast<char>(0x8a));
+      out.push_back(8);
+      out.insert(out.end(), wide, wide + 8);
+      p = next;
+      continue;
+    }
     // Where the item this opcode pushes begins: its first popped item's start, or here.
     std::size_t begins = out.size();
     if (effect->pops == kToMark) {
@@ -234,6 +258,78 @@ void drop_build_states(const c10::IValue& value) {
     for (const c10::IValue& item : value.toListRef()) drop_build_states(item);
   } else if (value.isTuple()) {
     for (const c10::IValue& item : value.toTupleRef().elements()) drop_build_states(item);
+  }
+}
+
+// A storage record read for the Unpickler: its key (record "data/<key>") and size.
+struct StorageRecord {
+  std::string key;
+  std::size_t bytes;
+};
+
+// Throws c10::Error unless every CPU tensor in value lies within the record it was read from
+// (records: by the address of their bytes; a storage of no elements has none). LibTorch's
+// Unpickler takes a storage's element count from the pickle and the tensor's offset, sizes and
+// strides from _rebuild_tensor_v2's arguments, and checks none of them against the record: a
+// damaged or crafted file would have the copy into the model read past the record's bytes.
+// `where` names value for the message ("root['model']['0.weight']").
+void check_tensors_within_records(const c10::IValue& value, const std::string& where,
+                                  const std::map<const void*, StorageRecord>& records) {
+  if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) {
+      const c10::IValue& key = item.key();
+      check_tensors_within_records(
+          item.value(),
+          where + "[" + (key.isString() ? "'" + key.toStringRef() + "'" : "...") + "]", records);
+    }
+  } else if (value.isList()) {
+    std::size_t i = 0;
+    for (const c10::IValue& item : value.toListRef())
+      check_tensors_within_records(item, where + "[" + std::to_string(i++) + "]", records);
+  } else if (value.isTuple()) {
+    std::size_t i = 0;
+    for (const c10::IValue& item : value.toTupleRef().elements())
+      check_tensors_within_records(item, where + "[" + std::to_string(i++) + "]", records);
+  } else if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
+    // The Unpickler's sparse tensors (_rebuild_sparse_tensor) are made of dense ones.
+    if (tensor.layout() == at::kSparse) {
+      check_tensors_within_records(tensor._indices(), where + " (indices)", records);
+      check_tensors_within_records(tensor._values(), where + " (values)", records);
+      return;
+    }
+    if (tensor.layout() == at::kSparseCsr) {
+      check_tensors_within_records(tensor.crow_indices(), where + " (crow_indices)", records);
+      check_tensors_within_records(tensor.col_indices(), where + " (col_indices)", records);
+      check_tensors_within_records(tensor.values(), where + " (values)", records);
+      return;
+    }
+    TORCH_CHECK(tensor.layout() == at::kStrided, "data.pkl: tensor ", where, " has layout ",
+                tensor.layout(), ", which dtrain does not read");
+    const at::Storage& storage = tensor.storage();
+    auto record = records.find(storage.data());
+    const std::string key = record != records.end() ? "data/" + record->second.key : "(none)";
+    const std::size_t record_bytes = record != records.end() ? record->second.bytes : 0;
+    const auto itemsize = static_cast<int64_t>(tensor.element_size());
+    TORCH_CHECK(storage.nbytes() <= record_bytes, "data.pkl: tensor ", where, "'s storage holds ",
+                storage.nbytes() / itemsize, " elements (", storage.nbytes(),
+                " bytes) but its record ", key, " has ", record_bytes,
+                " bytes; the file is damaged or was not written by torch.save");
+    if (tensor.numel() == 0) return;
+    // The last element's index in the storage; strides and the offset must not be negative.
+    int64_t last = tensor.storage_offset();
+    bool fits = last >= 0;
+    for (int64_t d = 0; fits && d < tensor.dim(); ++d) {
+      int64_t extent = 0;
+      fits = tensor.stride(d) >= 0 &&
+             !__builtin_mul_overflow(tensor.size(d) - 1, tensor.stride(d), &extent) &&
+             !__builtin_add_overflow(last, extent, &last);
+    }
+    const auto storage_numel = static_cast<int64_t>(storage.nbytes()) / itemsize;
+    TORCH_CHECK(fits && last < storage_numel, "data.pkl: tensor ", where, " (offset ",
+                tensor.storage_offset(), ", sizes ", tensor.sizes(), ", strides ", tensor.strides(),
+                ") reaches past its storage of ", storage_numel, " elements in record ", key,
+                "; the file is damaged or was not written by torch.save");
   }
 }
 
@@ -312,7 +408,8 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
       return false;
     }
     uint64_t end64_at = read_le(data + *end_at - 12, 8);
-    if (end64_at + 56 > size || read_le(data + end64_at, 4) != 0x06064b50) {
+    // Offsets come from the file: `end64_at + 56 > size` would wrap for one near 2^64.
+    if (end64_at > size || size - end64_at < 56 || read_le(data + end64_at, 4) != 0x06064b50) {
       *why = "its zip64 directory record is damaged";
       return false;
     }
@@ -361,7 +458,7 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
              "); torch.save stores records uncompressed";
       return false;
     }
-    if (local_at + 30 > size || read_le(data + local_at, 4) != 0x04034b50) {
+    if (local_at > size || size - local_at < 30 || read_le(data + local_at, 4) != 0x04034b50) {
       *why = "record '" + name + "': its local header is damaged";
       return false;
     }
@@ -371,7 +468,8 @@ bool torch_archive_intact(const std::vector<char>& bytes, std::string* why) {
       *why = "record '" + name + "' runs past the end of the file (truncated?)";
       return false;
     }
-    if (crc32_of(data + data_at, record_size) != crc) {
+    // 0: not computed (torch.serialization.set_crc32_options(False)); torch.load takes it.
+    if (crc != 0 && crc32_of(data + data_at, record_size) != crc) {
       *why = "record '" + name + "': checksum mismatch (the contents changed after it was written)";
       return false;
     }
@@ -384,11 +482,21 @@ c10::IValue load_torch_archive(const std::vector<char>& bytes) {
   caffe2::serialize::PyTorchStreamReader reader(
       std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(),
                                                              static_cast<off_t>(bytes.size())));
+  if (reader.hasRecord("byteorder")) {
+    // dtrain runs on little-endian machines only (x86-64, AArch64) and copies records as they are;
+    // Python's torch.load swaps the bytes of a "big" file instead.
+    auto [order_data, order_size] = reader.getRecord("byteorder");
+    const std::string order(static_cast<const char*>(order_data.get()), order_size);
+    TORCH_CHECK(order == "little", "record 'byteorder' says '", order,
+                "', dtrain reads little-endian files only; open it with torch.load on any "
+                "machine and torch.save it again on a little-endian one");
+  }
   auto [pickle_data, pickle_size] = reader.getRecord("data.pkl");
   const char* pickle_bytes = static_cast<const char*>(pickle_data.get());
   const std::vector<char> pickle =
       readable_by_libtorch(std::vector<char>(pickle_bytes, pickle_bytes + pickle_size));
   std::size_t read = 0;
+  std::map<const void*, StorageRecord> records;
   torch::jit::Unpickler unpickler(
       [&](char* out, std::size_t n) {
         n = std::min(n, pickle.size() - read);
@@ -397,11 +505,16 @@ c10::IValue load_torch_archive(const std::vector<char>& bytes) {
         return n;
       },
       /*type_resolver=*/nullptr, /*obj_loader=*/nullptr,
-      [&](const std::string& key) { return std::get<0>(reader.getRecord("data/" + key)); },
+      [&](const std::string& key) {
+        auto [record, record_size] = reader.getRecord("data/" + key);
+        records[record.get()] = {key, record_size};
+        return std::move(record);
+      },
       at::Device(at::kCPU));
   unpickler.set_version(reader.version());
   c10::IValue value = unpickler.parse_ivalue();
   drop_build_states(value);
+  check_tensors_within_records(value, "root", records);
   return value;
 }
 

@@ -17,15 +17,17 @@ namespace dtrain::detail {
 std::vector<char> save_torch_archive(const c10::IValue& value);
 
 // Whether bytes are an intact torch.save file: sealed by save_torch_archive and the seal holds, or
-// (a file Python wrote) a zip whose directory is whole and whose every record matches its CRC-32
-// (LibTorch's reader checks neither). Returns false and sets *why ("checksum mismatch", "record
+// (a file Python wrote) a zip whose directory is whole and whose every record matches its CRC-32,
+// where it has one (0: saved after torch.serialization.set_crc32_options(False); LibTorch's reader
+// checks neither). Returns false and sets *why ("checksum mismatch", "record
 // 'archive/data/3': checksum mismatch", "truncated: no zip directory at its end ...") otherwise.
 bool torch_archive_intact(const std::vector<char>& bytes, std::string* why);
 
 // The value of a torch.save file (from Python or save_torch_archive), tensors on the CPU. Reads
 // what Python writes for a state dict (an OrderedDict with its _metadata attribute, which
 // LibTorch's own unpickler cannot take: Note [torch.save's format]). Throws c10::Error for bytes
-// that are not such a file.
+// that are not such a file, a tensor that reaches past the bytes of its record, an int beyond
+// int64, or a file whose byteorder record is not "little".
 c10::IValue load_torch_archive(const std::vector<char>& bytes);
 
 }  // namespace dtrain::detail
