@@ -18,8 +18,8 @@
 //   (module versions) means nothing to LibTorch.
 // - Python pickles an int outside int32 as LONG1 of the fewest bytes that hold it; LibTorch's
 //   Unpickler takes only 8. So a shorter LONG1 is widened to 8 bytes.
-// - LibTorch's Unpickler trusts a storage's element count and a tensor's offset, sizes and
-//   strides; nothing checks them against the bytes of the record. So load_torch_archive does.
+// - LibTorch's Unpickler trusts a storage's element count; nothing checks it against the bytes of
+//   the record. So load_torch_archive does.
 // Neither LibTorch nor Python checks the zip's CRC-32s when reading (LibTorch builds miniz without
 // its CRC checks), and those do not cover the zip's own headers and padding anyway. So dtrain
 // seals what it writes with a CRC-32 of every byte before it, in the zip's comment (which zip
@@ -267,11 +267,12 @@ struct StorageRecord {
   std::size_t bytes;
 };
 
-// Throws c10::Error unless every CPU tensor in value lies within the record it was read from
-// (records: by the address of their bytes; a storage of no elements has none). LibTorch's
-// Unpickler takes a storage's element count from the pickle and the tensor's offset, sizes and
-// strides from _rebuild_tensor_v2's arguments, and checks none of them against the record: a
-// damaged or crafted file would have the copy into the model read past the record's bytes.
+// Throws c10::Error unless every CPU tensor's storage in value lies within the record it was read
+// from (records: by the address of their bytes; a storage of no elements has none). LibTorch's
+// Unpickler takes a storage's element count from the pickle and never compares it with the
+// record's bytes: a damaged or crafted file would have the copy into the model read past them.
+// (A tensor's offset, sizes and strides it does check against the storage, when it rebuilds the
+// tensor: "... require a storage of at least 40 bytes, but storage only has 32 bytes".)
 // `where` names value for the message ("root['model']['0.weight']").
 void check_tensors_within_records(const c10::IValue& value, const std::string& where,
                                   const std::map<const void*, StorageRecord>& records) {
@@ -315,21 +316,6 @@ void check_tensors_within_records(const c10::IValue& value, const std::string& w
                 storage.nbytes() / itemsize, " elements (", storage.nbytes(),
                 " bytes) but its record ", key, " has ", record_bytes,
                 " bytes; the file is damaged or was not written by torch.save");
-    if (tensor.numel() == 0) return;
-    // The last element's index in the storage; strides and the offset must not be negative.
-    int64_t last = tensor.storage_offset();
-    bool fits = last >= 0;
-    for (int64_t d = 0; fits && d < tensor.dim(); ++d) {
-      int64_t extent = 0;
-      fits = tensor.stride(d) >= 0 &&
-             !__builtin_mul_overflow(tensor.size(d) - 1, tensor.stride(d), &extent) &&
-             !__builtin_add_overflow(last, extent, &last);
-    }
-    const auto storage_numel = static_cast<int64_t>(storage.nbytes()) / itemsize;
-    TORCH_CHECK(fits && last < storage_numel, "data.pkl: tensor ", where, " (offset ",
-                tensor.storage_offset(), ", sizes ", tensor.sizes(), ", strides ", tensor.strides(),
-                ") reaches past its storage of ", storage_numel, " elements in record ", key,
-                "; the file is damaged or was not written by torch.save");
   }
 }
 

@@ -2,8 +2,9 @@
 // (Note [torch.save's format] in src/checkpoint/torch_archive.cpp): Python's file without CRC-32s
 // loads, and one with ints beyond int32; an int beyond int64, a big-endian file, an 'rng' that is
 // no generator state and a tensor reaching past its record are one clear line each, before
-// anything changes; zip64 offsets near 2^64 read as damage. The files come from
-// tests/python/torch_file_variants.py.
+// anything changes. The files come from tests/python/torch_file_variants.py. (The zip64 offsets
+// near 2^64 that wrapped a bounds check read before the buffer and still came out as damage: no
+// test here can see that, only a sanitizer.)
 #include "checkpoint/torch_archive.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -160,8 +161,9 @@ TEST(TorchArchive, RngThatIsNoGeneratorStateChangesNothing) {
   fs::remove_all(dir);
 }
 
-// LibTorch's Unpickler takes a storage's element count and a tensor's offset, sizes and strides
-// from the pickle; the copy out of a tensor beyond its record read past the record's bytes.
+// LibTorch's Unpickler takes a storage's element count from the pickle; the copy out of a storage
+// larger than its record read past the record's bytes. (A tensor past its storage, by its offset,
+// size or stride, LibTorch refuses itself.)
 TEST(TorchArchive, TensorReachingPastItsRecordIsRefused) {
   if (testing::python_with_torch().empty()) GTEST_SKIP() << testing::kNoPythonWithTorch;
   struct Case {
@@ -173,12 +175,6 @@ TEST(TorchArchive, TensorReachingPastItsRecordIsRefused) {
            Case{"1000 4 0 1000 1",
                 "'s storage holds 1000 elements (4000 bytes) but its record "
                 "data/0 has 16 bytes"},
-           Case{"8 8 6 4 1",
-                " (offset 6, sizes [4], strides [1]) reaches past its storage of 8 "
-                "elements in record data/0"},
-           Case{"8 8 0 4 3",
-                " (offset 0, sizes [4], strides [3]) reaches past its storage of 8 "
-                "elements in record data/0"},
        }) {
     SCOPED_TRACE(c.arguments);
     const std::string dir = testing::temp_dir("dtrain-archive-tensor");
@@ -197,61 +193,6 @@ TEST(TorchArchive, TensorReachingPastItsRecordIsRefused) {
       EXPECT_TRUE(into.tensors.empty());
     }
     fs::remove_all(dir);
-  }
-}
-
-void put(std::vector<char>& bytes, uint64_t value, int width) {
-  for (int i = 0; i < width; ++i) bytes.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
-}
-
-// The end of central directory record (22 bytes) for `entries` entries at directory_at.
-void put_end_record(std::vector<char>& bytes, uint64_t entries, uint64_t directory_size,
-                    uint64_t directory_at) {
-  put(bytes, 0x06054b50, 4);
-  put(bytes, 0, 4);  // this disk, the directory's disk
-  put(bytes, entries, 2);
-  put(bytes, entries, 2);
-  put(bytes, directory_size, 4);
-  put(bytes, directory_at, 4);
-  put(bytes, 0, 2);  // no comment
-}
-
-// Offsets from the file near 2^64 made `offset + n > size` wrap, and the check read before the
-// buffer (seen as a failure only under AddressSanitizer or valgrind).
-TEST(TorchArchive, Zip64OffsetsNearTwoToThe64ReadAsDamage) {
-  {
-    // A zip64 locator whose end record lies 8 bytes short of 2^64.
-    std::vector<char> bytes;
-    put(bytes, 0x07064b50, 4);
-    put(bytes, 0, 4);
-    put(bytes, ~uint64_t{0} - 7, 8);
-    put(bytes, 1, 4);
-    put_end_record(bytes, 0xffff, 0xffffffff, 0xffffffff);
-    std::string why;
-    EXPECT_FALSE(detail::torch_archive_intact(bytes, &why));
-    EXPECT_EQ(why, "its zip64 directory record is damaged");
-  }
-  {
-    // One directory entry "a" whose zip64 extra field puts its local header 16 bytes short of 2^64.
-    std::vector<char> bytes;
-    put(bytes, 0x02014b50, 4);
-    put(bytes, 0, 6);              // versions, flags
-    put(bytes, 0, 2);              // stored
-    put(bytes, 0, 4);              // time, date
-    put(bytes, 0, 12);             // CRC-32, sizes
-    put(bytes, 1, 2);              // name
-    put(bytes, 12, 2);             // extra field
-    put(bytes, 0, 2 + 2 + 2 + 4);  // comment, disk, attributes
-    put(bytes, 0xffffffff, 4);     // local header: in the extra field
-    bytes.push_back('a');
-    put(bytes, 1, 2);
-    put(bytes, 8, 2);
-    put(bytes, ~uint64_t{0} - 15, 8);
-    const uint64_t directory_size = bytes.size();
-    put_end_record(bytes, 1, directory_size, 0);
-    std::string why;
-    EXPECT_FALSE(detail::torch_archive_intact(bytes, &why));
-    EXPECT_EQ(why, "record 'a': its local header is damaged");
   }
 }
 
