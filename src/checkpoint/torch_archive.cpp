@@ -200,7 +200,8 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
     }
     if (opcode == 0x8a) {
       // LONG1: Python writes an int outside int32 in as few bytes as its two's complement needs
-      // (5 for 3'000'000'000); LibTorch's Unpickler takes 8 bytes only. So it gets 8, sign-extended.
+      // (5 for 3'000'000'000); LibTorch's Unpickler takes 8 bytes only. So it gets 8,
+      // sign-extended.
       const auto n = static_cast<unsigned char>(p[1]);
       TORCH_CHECK(n <= 8, "data.pkl holds an integer of ", static_cast<int>(n),
                   " bytes, beyond int64, which LibTorch cannot hold; store it as a float or a "
