@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "console/flag_checks.h"
 #include "console/progress.h"
 #include "datasets/text_corpus.h"
 #include "dtrain/amp.h"
@@ -106,50 +107,52 @@ struct Flags {
 Flags parse(int argc, char** argv) {
   Flags flags;
   CLI::App app("train_gpt: a GPT-style transformer on GCIDE's text, bytes as tokens");
+  // Each bad value is one line: "train_gpt: --flag 'value': expected ...".
+  const console::FlagChecks checks("train_gpt");
   app.add_option("--dp", flags.dp, "data-parallel replicas (default: world size / (tp x pp))")
-      ->check(CLI::Range(1, 1 << 20));
+      ->transform(checks.integer_in("--dp", 1, 1 << 20));
   app.add_option("--pp", flags.pp, "pipeline stages (default 1; dp x tp x pp is the world size)")
-      ->check(CLI::Range(1, 64));
+      ->transform(checks.integer_in("--pp", 1, 64));
   app.add_option("--tp", flags.tp, "tensor-parallel degree inside each block (default 1)")
-      ->check(CLI::Range(1, 64));
+      ->transform(checks.integer_in("--tp", 1, 64));
   app.add_flag("--sp", flags.sp,
                "sequence parallelism: norms and residuals on a slice of the sequence (with --tp)");
   app.add_option("--zero", flags.zero,
                  "ZeRO stage 0-3 over the data-parallel ranks (0: DDP; with --tp or --pp, each "
                  "tensor rank's shards of each stage over its replicas)")
-      ->check(CLI::Range(0, 3));
+      ->transform(checks.integer_in("--zero", 0, 3));
   app.add_flag("--recompute", flags.recompute,
                "recompute every block's activations in backward (less memory, one more forward)");
   app.add_option("--clip-grad", flags.clip_grad,
                  "clip the gradient to this global 2-norm (over every shard, tensor rank and "
                  "stage; 0: no clipping)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(checks.number("--clip-grad", /*zero_allowed=*/true));
   app.add_option("--schedule", flags.schedule,
                  "pipeline schedule with --pp: gpipe, 1f1b (default), interleaved (two chunks per "
                  "stage) or zbh1 (zero-bubble H1)");
   app.add_option("--micro-batches", flags.micro_batches,
                  "micro-batches per step with --pp (at most --batch-size)")
-      ->check(CLI::Range(1, 1024));
+      ->transform(checks.integer_in("--micro-batches", 1, 1024));
   // The sizes, as pointers: with --init-hf the ones given must agree with its config.json.
   std::vector<std::pair<CLI::Option*, int64_t*>> sizes = {
       {app.add_option("--layers", flags.model.layers, "transformer blocks (default 2)")
-           ->check(CLI::Range(1, 1024)),
+           ->transform(checks.integer_in("--layers", 1, 1024)),
        &flags.model.layers},
       {app.add_option("--width", flags.model.width,
                       "model width (default 64; a multiple of --heads, width / heads even)")
-           ->check(CLI::Range(2, 65536)),
+           ->transform(checks.integer_in("--width", 2, 65536)),
        &flags.model.width},
       {app.add_option("--heads", flags.model.heads, "query heads (default 4)")
-           ->check(CLI::Range(1, 1024)),
+           ->transform(checks.integer_in("--heads", 1, 1024)),
        &flags.model.heads},
       {app.add_option("--kv-heads", flags.model.kv_heads,
                       "key/value heads (default 2; must divide --heads)")
-           ->check(CLI::Range(1, 1024)),
+           ->transform(checks.integer_in("--kv-heads", 1, 1024)),
        &flags.model.kv_heads}};
   CLI::Option* seq_len =
       app.add_option("--seq-len", flags.model.seq_len,
                      "tokens per window (default 64; and the model's limit without --init-hf)")
-          ->check(CLI::Range(1, 1 << 20));
+          ->transform(checks.integer_in("--seq-len", 1, 1 << 20));
   app.add_option("--init-hf", flags.init_hf,
                  "start from this Hugging Face Llama folder (config.json + safetensors); the "
                  "sizes come from its config.json");
@@ -157,7 +160,7 @@ Flags parse(int argc, char** argv) {
                  "after training, write the model here as Hugging Face's LlamaForCausalLM");
   app.add_option("--export-hf-max-shard", flags.export_hf_max_shard,
                  "bytes per safetensors file of --export-hf (0: one file)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(checks.integer_in("--export-hf-max-shard", 0));
   app.add_option("--init-dcp", flags.init_dcp,
                  "start from this DCP safetensors folder (the model, and AdamW's moments if there)")
       ->excludes(app.get_option("--init-hf"));
@@ -171,36 +174,36 @@ Flags parse(int argc, char** argv) {
                  "(default: the first two held-out windows)");
   app.add_option("--batch-size", flags.batch_size,
                  "windows per data-parallel replica and forward-backward pass (default 8)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->transform(checks.integer_in("--batch-size", 1, 1 << 20));
   app.add_option("--grad-accum", flags.grad_accum,
                  "gradient accumulation: passes of --batch-size windows per optimizer step, their "
                  "gradients reduced once (default 1)")
-      ->check(CLI::Range(1, 1 << 16));
+      ->transform(checks.integer_in("--grad-accum", 1, 1 << 16));
   app.add_option("--steps", flags.steps, "timed steps (default 100)")
-      ->check(CLI::Range(1, 1 << 30));
+      ->transform(checks.integer_in("--steps", 1, 1 << 30));
   app.add_option("--warmup-steps", flags.warmup_steps,
                  "untimed steps before the timed ones (default 0)")
-      ->check(CLI::Range(0, 1 << 30));
+      ->transform(checks.integer_in("--warmup-steps", 0, 1 << 30));
   app.add_option("--device", flags.device,
                  "auto (default): cuda:LOCAL_RANK when each rank of the node has a GPU, else cpu; "
                  "cpu; or cuda (ranks may share a GPU, with DTRAIN_CUDA_BACKEND=gloo)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+      ->transform(checks.one_of("--device", {"auto", "cpu", "cuda"}, "auto, cpu or cuda"));
   app.add_option("--amp", flags.amp, "none (default), or bf16: the forward under bfloat16 autocast")
-      ->check(CLI::IsMember({"none", "bf16"}));
+      ->transform(checks.one_of("--amp", {"none", "bf16"}, "none or bf16"));
   app.add_option("--lr", flags.lr, "AdamW's learning rate (default 3e-3)")
-      ->check(CLI::PositiveNumber);
+      ->transform(checks.number("--lr"));
   app.add_option("--max-bytes", flags.max_bytes, "read only this much of the corpus (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(checks.integer_in("--max-bytes", 0));
   app.add_option("--eval-windows", flags.eval_windows,
                  "held-out windows for val_loss and bits_per_byte (default 64)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->transform(checks.integer_in("--eval-windows", 1, 1 << 20));
   app.add_option("--log-every", flags.log_every,
                  "print the loss every N steps on rank 0 (default 20; 0: never)")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(checks.integer_in("--log-every", 0));
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "save checkpoints there (after the last step, and every --checkpoint-every)");
   app.add_option("--checkpoint-every", flags.checkpoint_every, "also save every N steps")
-      ->check(CLI::NonNegativeNumber);
+      ->transform(checks.integer_in("--checkpoint-every", 0));
   app.add_flag("--resume", flags.resume,
                "continue from --checkpoint-dir's newest checkpoint (by itself after a restart by "
                "the launcher)");

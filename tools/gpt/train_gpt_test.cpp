@@ -10,7 +10,10 @@
 
 #include <cmath>
 #include <filesystem>
+#include <sstream>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "datasets/text_corpus.h"
 #include "dtrain/safetensors.h"
@@ -257,17 +260,35 @@ TEST(TrainGpt, APipelineExportsWhatOneProcessExports) {
   std::filesystem::remove_all(base);
 }
 
+// Each rank says what is wrong in one line that names the flag (rank 0's is the one checked: the
+// launcher may stop rank 1 first). The value checks quote the value and say what is accepted, not
+// CLI11's "Value -1 not in range 0.000000 to 17976931348623157081452742373170435679..." of a
+// number that may not be negative.
 TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
-  for (const std::string& flags :
-       {std::string(" --pp 3"), std::string(" --zero 4"), std::string(" --width 30"),
-        std::string(" --steps x"), std::string(" --amp fp16"), std::string(" --device tpu"),
-        std::string(" --clip-grad -1"), std::string(" --dp 3"), std::string(" --tp 2 --pp 2"),
-        std::string(" --resume")}) {
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {" --pp 3", "--tp 1 x --pp 3 = 3 does not divide the world size 2"},
+           {" --zero 4", "--zero '4': expected an integer in 0..3"},
+           {" --width 30", "width 30 does not divide by heads 4"},
+           {" --steps x", "--steps 'x': expected an integer in 1.."},
+           {" --amp fp16", "--amp 'fp16': expected none or bf16"},
+           {" --device tpu", "--device 'tpu': expected auto, cpu or cuda"},
+           {" --clip-grad -1", "--clip-grad '-1': expected a finite number of at least 0"},
+           {" --dp 3", "--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the world size is 2"},
+           {" --tp 2 --pp 2", "--tp 2 x --pp 2 = 4 does not divide the world size 2"},
+           {" --resume", "--resume and --checkpoint-every need --checkpoint-dir"}}) {
     SCOPED_TRACE(flags);
     auto run =
         run_command(bin("dtrain") + " run --nproc-per-node 2 -- " + bin("train_gpt") + flags);
     EXPECT_EQ(run.exit_code, 2) << run.output;
-    EXPECT_NE(run.output.find("train_gpt"), std::string::npos) << run.output;
+    std::vector<std::string> rank0;
+    std::istringstream lines(run.output);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("[rank0]: ", 0) == 0) rank0.push_back(line.substr(9));
+    }
+    ASSERT_EQ(rank0.size(), 1u) << run.output;
+    EXPECT_EQ(rank0[0].rfind("train_gpt: ", 0), 0u) << rank0[0];
+    EXPECT_NE(rank0[0].find(says), std::string::npos) << rank0[0];
+    EXPECT_LT(rank0[0].size(), 250u) << rank0[0];
   }
 }
 

@@ -4,13 +4,12 @@
 #include "flags.h"
 
 #include <CLI/CLI.hpp>
-#include <cerrno>
-#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "console/flag_checks.h"
 #include "dtrain/errors.h"
 
 namespace trainer {
@@ -18,68 +17,8 @@ namespace {
 
 constexpr const char* kProgram = "train_fashion_mnist";
 
-[[noreturn]] void bad_flag(const std::string& flag, const std::string& value,
-                           const std::string& accepted) {
-  throw dtrain::UsageError(std::string(kProgram) + ": " + flag + " '" + value + "': expected " +
-                           accepted);
-}
-
-// The checks below throw the trainer's one-line UsageError themselves, "train_fashion_mnist:
-// --flag 'value': expected ...", where a CLI11 validator would return a message that CLI11 prefixes
-// with the flag but not the value. CLI11 catches only its own ValidationError there, so the
-// UsageError leaves app.parse() as it is.
-
-// An integer in min..max, written in base 10. The text is rewritten in canonical form: CLI11 reads
-// integers in any base (strtoll's base 0), so "010" would otherwise be 8.
-CLI::Validator integer_in(const std::string& flag, int64_t min, int64_t max = int64_t{1} << 40) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const long long parsed = std::strtoll(text.c_str(), &end, 10);
-        if (text.empty() || *end != '\0' || errno == ERANGE || parsed < min || parsed > max) {
-          bad_flag(flag, text, "an integer in " + std::to_string(min) + ".." + std::to_string(max));
-        }
-        text = std::to_string(parsed);
-        return {};
-      },
-      "");
-}
-
-CLI::Validator positive_number(const std::string& flag) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double parsed = std::strtod(text.c_str(), &end);
-        if (text.empty() || *end != '\0' || !(parsed > 0) || !std::isfinite(parsed)) {
-          bad_flag(flag, text, "a positive finite number");
-        }
-        return {};
-      },
-      "");
-}
-
-// `accepted` lists the choices in words for the message: "mlp or cnn".
-CLI::Validator one_of(const std::string& flag, const std::vector<std::string>& choices,
-                      const std::string& accepted) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        for (const auto& choice : choices) {
-          if (text == choice) return {};
-        }
-        bad_flag(flag, text, accepted);
-      },
-      "");
-}
-
-CLI::Validator non_empty(const std::string& flag, const std::string& accepted) {
-  return CLI::Validator(
-      [=](std::string& text) -> std::string {
-        if (text.empty()) bad_flag(flag, text, accepted);
-        return {};
-      },
-      "");
-}
+// The value checks, each one line: "train_fashion_mnist: --flag 'value': expected ...".
+const console::FlagChecks kChecks(kProgram);
 
 // What no single flag can check: flags that do not go together.
 void check_combinations(const Flags& flags) {
@@ -132,12 +71,14 @@ Flags parse_flags(int argc, char** argv) {
 
   auto integer = [&](const std::string& name, int64_t& value, const std::string& help, int64_t min,
                      int64_t max = int64_t{1} << 40) {
-    app.add_option(name, value, help)->transform(integer_in(name, min, max))->capture_default_str();
+    app.add_option(name, value, help)
+        ->transform(kChecks.integer_in(name, min, max))
+        ->capture_default_str();
   };
   auto choice = [&](const std::string& name, std::string& value, const std::string& help,
                     const std::vector<std::string>& choices, const std::string& accepted) {
     app.add_option(name, value, help + " (" + accepted + ")")
-        ->transform(one_of(name, choices, accepted))
+        ->transform(kChecks.one_of(name, choices, accepted))
         ->capture_default_str();
   };
 
@@ -160,13 +101,13 @@ Flags parse_flags(int argc, char** argv) {
           "passes per step: their gradients add up, and are reduced over the ranks once", 1,
           1 << 16);
   app.add_option("--lr", flags.lr, "SGD's learning rate (momentum 0.9)")
-      ->transform(positive_number("--lr"))
+      ->transform(kChecks.number("--lr"))
       ->capture_default_str();
   integer("--seed", flags.seed, "the initial weights and the shuffle order", 0);
   app.add_option("--data", flags.data,
                  "Fashion-MNIST's folder (default: $DTRAIN_FASHION_MNIST_DIR, else "
                  "/usr/share/datasets/fashion-mnist)")
-      ->check(non_empty("--data", "a folder"));
+      ->check(kChecks.non_empty("--data", "a folder"));
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "save checkpoints there after every epoch and on SIGTERM; a restart by the "
                  "launcher resumes from them");
