@@ -34,12 +34,14 @@
 // as {"optim": ...} gives it: optim.state.<name>.exp_avg, .exp_avg_sq, .max_exp_avg_sq and .step (a
 // 0-dim float32, from rank 0) for Adam and AdamW, optim.state.<name>.momentum_buffer for SGD.
 // param_groups (learning rate, betas, ...) are not tensors, which safetensors cannot hold: the
-// program builds its optimizer with them. Each file is written atomically (with dtrain's CRC-32);
-// when every rank has written, rank 0 removes the files of an earlier export into the folder and
-// writes dtrain_dcp_index.json last (the files, each tensor's shape and dtype). A folder with
-// dtrain's files and no index is a half-written export, which dtrain refuses; Python's reader
-// ignores files that are not *.safetensors. A folder without dtrain's files (FSDP2 wrote it) needs
-// no index.
+// program builds its optimizer with them. Each file is written atomically (with dtrain's CRC-32)
+// into a staging folder beside the folder, .<name>.dtrain-export; when every rank has written,
+// rank 0 writes dtrain_dcp_index.json there last (the files, each tensor's shape and dtype) and
+// puts the staging folder in the folder's place in one rename (Note [Replacing an export] in
+// src/checkpoint/dcp.cpp), so that an export that fails leaves an earlier one in the folder as it
+// was. A folder with dtrain's files and no index is a half-written export (of an older dtrain),
+// which dtrain refuses; Python's reader ignores files that are not *.safetensors. A folder without
+// dtrain's files (FSDP2 wrote it) needs no index.
 // Loading reads every file's header, checks that the chunks of every tensor tile it exactly (no
 // gap, no overlap, one dtype, within the shape the index gives), and reads the data of only the
 // files that hold a chunk this rank needs (checking their CRC-32 where dtrain wrote one).
@@ -75,10 +77,12 @@ struct DcpShards {
 
 // Collective: every rank of `group` (null: one process holding every shard) writes its shards,
 // their optimizer state and (rank 0) the buffers into `dir` (created if missing) as Note [DCP
-// safetensors] lays them out; returns once rank 0 has written the index. Throws UsageError on
-// every rank, naming the rank and file that could not be written, or when `dir` holds
-// .safetensors files that another program wrote (Python's reader would mix them in). Blocks up
-// to the group's timeout on the others.
+// safetensors] lays them out; returns once rank 0 has put the export in place. The export
+// replaces `dir` as a whole (other files in it, a config.json, are kept), so `dir` must
+// not be a mount point or the working folder, and its parent must be writable. Throws UsageError
+// on every rank, naming the rank and file that could not be written, with `dir` as it was, or
+// when `dir` holds .safetensors files that another program wrote (Python's reader would mix them
+// in). Blocks up to the group's timeout on the others.
 void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
                           const std::shared_ptr<ProcessGroup>& group = nullptr);
 

@@ -4,11 +4,15 @@
 #include "dtrain/dcp.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -22,6 +26,7 @@
 #include "checkpoint/safetensors_internal.h"
 #include "checkpoint/sharded_format.h"
 #include "common/format.h"
+#include "common/log.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -467,16 +472,95 @@ std::string failed_ranks(const at::Tensor& flags, int world) {
   return list.empty() ? "" : "{" + list + "}";
 }
 
-// Rank 0, before any rank writes: the folder exists, holds no other program's .safetensors
-// files, and no longer holds an index (so that a crash from now on leaves an export that is
-// refused, not old and new files under an old index).
-void prepare_export(const std::string& dir) {
+// Note [Replacing an export]
+// PyTorch's reader takes every *.safetensors file of the folder, so an export cannot replace an
+// earlier one file by file without a moment when the folder mixes the two. So every rank writes
+// into a sibling folder, .<name>.dtrain-export (the staging folder); once all have, rank 0 writes
+// the index there and exchanges the two folders in one rename (renameat2's RENAME_EXCHANGE). The
+// earlier export, now under the staging name, hands back what else the folder held (a config.json
+// beside the weights) and is removed. Until the exchange the folder holds the earlier export,
+// whatever fails. Where the file system cannot exchange (NFS), two renames do it: the folder to
+// .<name>.dtrain-old, then the staging folder into its place; a crash between the two leaves the
+// earlier export in .<name>.dtrain-old, which the next export puts back first.
+struct ExportPaths {
+  fs::path dir, staging, old;
+};
+
+// The same on every rank: the folder (symbolic links resolved, so that the exchange replaces the
+// folder they lead to, not a link) and its two siblings.
+ExportPaths export_paths(const std::string& dir) {
   std::error_code error;
-  fs::create_directories(dir, error);
+  fs::path path = fs::weakly_canonical(fs::absolute(dir, error), error);
+  if (error) fail(dir, "cannot be resolved (" + error.message() + "); check the path");
+  if (!path.has_filename()) path = path.parent_path();  // "export/"
+  if (path == path.root_path()) fail(dir, "is the root folder; export into a folder of its own");
+  const std::string name = path.filename().string();
+  return {path, path.parent_path() / ("." + name + ".dtrain-export"),
+          path.parent_path() / ("." + name + ".dtrain-old")};
+}
+
+// What an export writes into its folder: shard files, the index, their temporary files.
+bool is_export_file(const std::string& name) {
+  return ends_with(name, ".safetensors") || name == kDcpIndexName ||
+         (name[0] == '.' && name.find(".tmp-") != std::string::npos);
+}
+
+// Moves what `aside` (a folder an export put aside) holds besides an export's files back into
+// `dir`, then removes it. Returns what went wrong ("" if nothing); then `aside` is kept.
+std::string clear_aside(const fs::path& aside, const fs::path& dir) {
+  std::error_code error;
+  if (!fs::exists(aside, error)) return "";
+  std::vector<std::string> names;
+  for (fs::directory_iterator it(aside, error), end; !error && it != end; it.increment(error))
+    names.push_back(it->path().filename().string());
+  if (error) return "cannot list " + aside.string() + " (" + error.message() + ")";
+  for (const auto& name : names) {
+    if (is_export_file(name)) continue;
+    if (fs::exists(dir / name, error)) {
+      return (aside / name).string() + " and " + (dir / name).string() +
+             " both exist: keep one, then remove " + aside.string();
+    }
+    fs::rename(aside / name, dir / name, error);
+    if (error) {
+      return "cannot move " + (aside / name).string() + " back into " + dir.string() + " (" +
+             error.message() + "): move it by hand, then remove " + aside.string();
+    }
+  }
+  fs::remove_all(aside, error);
+  if (error) return "cannot remove " + aside.string() + " (" + error.message() + "): remove it";
+  return "";
+}
+
+// Rank 0, before any rank writes: the folder exists and holds no other program's .safetensors
+// files, what an interrupted export put aside is back or gone, and the staging folder is empty.
+void prepare_export(const ExportPaths& paths) {
+  const std::string dir = paths.dir.string();
+  std::error_code error;
+  if (!fs::exists(paths.dir, error) && fs::exists(paths.old, error)) {
+    fs::rename(paths.old, paths.dir, error);  // a crash between the two renames left it there
+    if (error) {
+      fail(dir, "is missing and an earlier export is in " + paths.old.string() +
+                    ", which cannot be moved back (" + error.message() + "); move it by hand");
+    }
+  }
+  fs::create_directories(paths.dir, error);
   if (error) {
     fail(dir, "cannot be created (" + error.message() + "); check the path and its permissions");
   }
-  for (const auto& entry : fs::directory_iterator(dir, error)) {
+  if (fs::equivalent(paths.dir, fs::current_path(error), error)) {
+    fail(dir,
+         "is the working folder, which an export replaces as a whole (Note [Replacing an "
+         "export]); export into a folder of its own");
+  }
+  struct stat folder = {};
+  struct stat parent = {};
+  if (::stat(paths.dir.c_str(), &folder) == 0 &&
+      ::stat(paths.dir.parent_path().c_str(), &parent) == 0 && folder.st_dev != parent.st_dev) {
+    fail(dir,
+         "is a mount point, which an export cannot replace as a whole (it keeps the earlier "
+         "export loadable until the new one is complete); export into a folder inside it");
+  }
+  for (const auto& entry : fs::directory_iterator(paths.dir, error)) {
     const std::string name = entry.path().filename().string();
     if (ends_with(name, ".safetensors") && !is_dcp_part_name(name)) {
       fail(dir, "holds " + name +
@@ -484,9 +568,57 @@ void prepare_export(const std::string& dir) {
                     "export into another folder, or remove it");
     }
   }
-  fs::remove(fs::path(dir) / kDcpIndexName, error);
-  if (error) fail(dir, "its old index cannot be removed (" + error.message() + ")");
-  fsync_folder(dir);
+  for (const auto& aside : {paths.old, paths.staging}) {
+    const std::string problem = clear_aside(aside, paths.dir);
+    if (!problem.empty()) fail(dir, "an earlier export was interrupted: " + problem);
+  }
+  fs::create_directory(paths.staging, error);
+  if (error) {
+    fail(dir, "its staging folder " + paths.staging.string() + " cannot be created (" +
+                  error.message() + "); an export needs to write beside the folder");
+  }
+  const fs::file_status status = fs::status(paths.dir, error);  // the folder keeps its mode
+  if (!error) fs::permissions(paths.staging, status.permissions(), error);
+  fsync_folder(paths.dir.parent_path().string());
+}
+
+// Rank 0, once the staging folder holds the whole export and its index: puts it in the place of
+// the folder (Note [Replacing an export]), then clears what it replaced.
+void replace_export(const ExportPaths& paths) {
+  const std::string dir = paths.dir.string();
+  fs::path aside = paths.staging;
+  int exchanged = -1;
+#ifdef RENAME_EXCHANGE
+  exchanged =
+      ::renameat2(AT_FDCWD, paths.staging.c_str(), AT_FDCWD, paths.dir.c_str(), RENAME_EXCHANGE);
+  const int exchange_error = errno;
+  if (exchanged != 0 && exchange_error != EINVAL && exchange_error != ENOSYS &&
+      exchange_error != ENOTSUP) {
+    fail(dir, "cannot be exchanged with its staging folder " + paths.staging.string() + " (" +
+                  std::strerror(exchange_error) + "); the folder is as it was");
+  }
+#endif
+  if (exchanged != 0) {
+    aside = paths.old;
+    if (::rename(paths.dir.c_str(), paths.old.c_str()) != 0) {
+      const int why = errno;
+      fail(dir, "cannot be renamed to " + paths.old.string() + " (" + std::strerror(why) +
+                    "); the folder is as it was");
+    }
+    if (::rename(paths.staging.c_str(), paths.dir.c_str()) != 0) {
+      const std::string why = std::strerror(errno);
+      const bool back = ::rename(paths.old.c_str(), paths.dir.c_str()) == 0;
+      const std::string where = back ? "the folder is as it was"
+                                     : "the folder's earlier content is in " + paths.old.string() +
+                                           ", which the next export puts back";
+      fail(dir, "the staging folder " + paths.staging.string() + " cannot be renamed to it (" +
+                    why + "); " + where);
+    }
+  }
+  fsync_folder(paths.dir.parent_path().string());
+  const std::string problem = clear_aside(aside, paths.dir);
+  if (!problem.empty())
+    DTRAIN_LOG(kWarn, "DCP export into " << dir << " is complete, but " << problem);
 }
 
 std::unique_ptr<torch::optim::Optimizer> scratch_optimizer(OptimizerKind kind,
@@ -566,19 +698,21 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
   const std::string what = ranks.who() + ": DCP export into " + dir;
 
   std::string failure;
-  if (rank == 0) {
-    try {
-      detail::prepare_export(dir);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
+  std::optional<detail::ExportPaths> paths;
+  try {
+    paths = detail::export_paths(dir);
+    if (rank == 0) detail::prepare_export(*paths);
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
-  at::Tensor prepared = torch::tensor({int64_t{failure.empty() ? 0 : 1}});
-  ranks.broadcast(prepared);
-  if (prepared.item<int64_t>() != 0) {
-    throw UsageError(
-        what + " failed: " +
-        (failure.empty() ? "rank 0 could not prepare the folder (see its error)" : failure));
+  at::Tensor prepared = torch::zeros({world}, torch::kInt64);
+  prepared[rank] = failure.empty() ? 0 : 1;
+  ranks.all_reduce(prepared);
+  if (!detail::failed_ranks(prepared, world).empty()) {
+    throw UsageError(what + " failed: " +
+                     (failure.empty() ? "rank(s) " + detail::failed_ranks(prepared, world) +
+                                            " could not prepare the folder (see their errors)"
+                                      : failure));
   }
 
   // This rank's files: part k holds the k-th box of each parameter's range (and of its state).
@@ -640,7 +774,7 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
     }
     for (std::size_t k = 0; k < parts.size(); ++k) {
       save_safetensors_file(
-          (fs::path(dir) / detail::dcp_part_name(rank, k)).string(), parts[k],
+          (paths->staging / detail::dcp_part_name(rank, k)).string(), parts[k],
           {{detail::kShardingKey, sharding[k].dump()}, {"DCP_VERSION", "1.0"}, {"format", "pt"}});
     }
     parts_written = static_cast<int64_t>(parts.size());
@@ -655,22 +789,24 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
   ranks.all_reduce(report);
   const std::string failed = detail::failed_ranks(report, world);
   if (!failed.empty()) {
+    if (rank == 0) {
+      std::error_code ignored;
+      fs::remove_all(paths->staging, ignored);
+    }
     throw UsageError(what + " failed: rank(s) " + failed + " could not write their files" +
                      (failure.empty() ? " (see their errors)" : ": " + failure) +
-                     "; the folder holds no index, so nothing loads it as an export");
+                     "; the folder is as it was (an earlier export in it still loads)");
   }
 
-  // Rank 0 commits: removes what an earlier export left, then writes the index.
+  // Rank 0 commits: writes the index into the staging folder, then puts it in the folder's place.
   at::Tensor committed = torch::tensor({int64_t{1}});
   if (rank == 0) {
+    bool replacing = false;  // replace_export's errors say what the folder holds
     try {
       nlohmann::json files = nlohmann::json::array();
-      std::set<std::string> current;
       for (int r = 0; r < world; ++r) {
-        for (int64_t k = 0; k < report[world + r].item<int64_t>(); ++k) {
+        for (int64_t k = 0; k < report[world + r].item<int64_t>(); ++k)
           files.push_back(detail::dcp_part_name(r, k));
-          current.insert(files.back().get<std::string>());
-        }
       }
       nlohmann::json tensors = nlohmann::json::object();
       auto list = [&](const std::string& name, const std::vector<int64_t>& shape,
@@ -694,33 +830,26 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
         if (item.value().defined())
           list(item.key(), item.value().sizes().vec(), item.value().scalar_type());
       }
-      std::error_code error;
-      for (const auto& entry : fs::directory_iterator(dir, error)) {
-        const std::string name = entry.path().filename().string();
-        const bool stale = detail::is_dcp_part_name(name) && !current.count(name);
-        const bool temporary =
-            name[0] == '.' && name.find(".safetensors.tmp-") != std::string::npos;
-        if (stale || temporary) {
-          std::error_code ignored;
-          fs::remove(entry.path(), ignored);
-        }
-      }
       nlohmann::json index = {{"format", detail::kIndexFormat},
                               {"version", detail::kIndexVersion},
                               {"world_size", world},
                               {"files", files},
                               {"tensors", tensors}};
       const std::string text = index.dump(1) + "\n";
-      detail::write_file_durably((fs::path(dir) / detail::kDcpIndexName).string(),
+      detail::write_file_durably((paths->staging / detail::kDcpIndexName).string(),
                                  std::vector<char>(text.begin(), text.end()));
+      replacing = true;
+      detail::replace_export(*paths);
     } catch (const std::exception& e) {
-      failure = e.what();
+      failure = std::string(e.what()) + (replacing ? "" : "; the folder is as it was");
       committed[0] = 0;
+      std::error_code ignored;
+      fs::remove_all(paths->staging, ignored);
     }
   }
   ranks.broadcast(committed);
   if (committed.item<int64_t>() == 0) {
-    throw UsageError(what + " failed: rank 0 could not write its index" +
+    throw UsageError(what + " failed: rank 0 could not put it in place" +
                      (failure.empty() ? " (see its error)" : ": " + failure));
   }
 }
@@ -749,7 +878,7 @@ void load_dcp_safetensors(const std::string& dir, DcpShards& state,
       scratch_tensors.push_back(shard.shard);
     }
     auto scratch_optimizer = detail::scratch_optimizer(kind, scratch_tensors);
-    detail::fill_shards(*source, scratch, scratch_optimizer.get());
+    detail::fill_shards(*source, scratch, scratch_optimizer.get(), /*warn=*/false);
     for (const auto& item : state.buffers) buffers.push_back(folder->read(item.key()));
   } catch (const UsageError& e) {
     failure = std::make_exception_ptr(UsageError(ranks.who() + ": " + e.what()));

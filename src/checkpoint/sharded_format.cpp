@@ -12,6 +12,7 @@
 #include "checkpoint/checkpoint_file.h"
 #include "checkpoint/state_parts.h"
 #include "common/compat.h"
+#include "common/log.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::detail {
@@ -499,24 +500,31 @@ void check_param(StateSource& source, const std::string& name,
 }
 
 // Fills `out` (one flat shard's elements [offset, offset + out.numel()) of its unit) with `field`
-// from source. Returns false when the source lacks the field for one of the parameters there.
-bool fill_flat(StateSource& source, const FlatShard& shard, const std::string& field,
-               at::Tensor out) {
+// from source, and zeros where the source holds no such field for a parameter. Returns the names
+// of those parameters; *found: whether it held the field for at least one.
+std::vector<std::string> fill_flat(StateSource& source, const FlatShard& shard,
+                                   const std::string& field, at::Tensor out, bool* found) {
   const int64_t first = shard.offset, last = shard.offset + out.numel();
+  std::vector<std::string> missing;
+  *found = false;
   for (const auto& p : shard.params) {
     const int64_t lo = std::max(first, p.offset), hi = std::min(last, p.offset + numel_of(p.shape));
     if (lo >= hi) continue;
-    if (!source.read(p.name, field, lo - p.offset, hi - p.offset,
-                     out.narrow(0, lo - first, hi - lo)))
-      return false;
+    at::Tensor part = out.narrow(0, lo - first, hi - lo);
+    if (source.read(p.name, field, lo - p.offset, hi - p.offset, part)) {
+      *found = true;
+    } else {
+      part.zero_();  // a source may have written some of it before it found a piece missing
+      missing.push_back(p.name);
+    }
   }
-  return true;
+  return missing;
 }
 
 }  // namespace
 
 void fill_shards(StateSource& source, std::vector<FlatShard>& shards,
-                 torch::optim::Optimizer* optimizer) {
+                 torch::optim::Optimizer* optimizer, bool warn) {
   const OptimizerKind kind = optimizer_kind(optimizer, "ShardedTrainingState::optimizer");
   check_optimizers(source, kind);
   for (const auto& shard : shards)
@@ -528,22 +536,50 @@ void fill_shards(StateSource& source, std::vector<FlatShard>& shards,
   std::vector<ParamOptimizerState> states;
   for (const auto& shard : shards) {
     at::Tensor value = torch::zeros({shard.shard.numel()}, shard.shard.options().device(at::kCPU));
-    fill_flat(source, shard, "param", value);
+    bool found = false;
+    fill_flat(source, shard, "param", value, &found);
     values.push_back(value);
     ParamOptimizerState state;
     if (kind != OptimizerKind::kNone) {
-      state.present = true;
+      // A flat shard has one state for all its parameters, where PyTorch keeps none for a
+      // parameter that never had a gradient: such a parameter gets zeros, which is what a fresh
+      // state holds (Adam's moments; SGD's momentum_buffer, which its first step sets to the
+      // gradient, the same as from zeros unless dampening), and the others keep theirs. No state
+      // for any of them (not stepped yet, SGD without momentum): none for the shard.
+      std::vector<std::string> fresh;
       for (const auto& field : optimizer_fields(kind)) {
         at::Tensor t = torch::zeros_like(value);
-        if (fill_flat(source, shard, field, t)) {
+        std::vector<std::string> missing = fill_flat(source, shard, field, t, &found);
+        if (found) {
           state.fields[field] = t.to(shard.shard.device());
+          state.present = true;
         } else if (field == optimizer_fields(kind).front()) {
-          state.present = false;  // no state saved (not stepped yet, SGD without momentum)
           break;
         }
+        if (field == optimizer_fields(kind).front()) fresh = missing;
       }
-      if (state.present && !shard.params.empty())
-        state.step = source.optimizer_step(shard.params.front().name).value_or(0);
+      if (state.present) {
+        // The shard's one step count: that of a parameter with state.
+        for (const auto& p : shard.params) {
+          if (std::find(fresh.begin(), fresh.end(), p.name) != fresh.end()) continue;
+          if (auto step = source.optimizer_step(p.name)) {
+            state.step = *step;
+            break;
+          }
+        }
+        // Its step is the others' where PyTorch's would start at 0: Adam's bias correction of
+        // its first updates differs, so say so.
+        if (warn && kind != OptimizerKind::kSgd) {
+          for (const auto& name : fresh) {
+            DTRAIN_LOG(kWarn, source.describe()
+                                  << " holds no optimizer state for parameter '" << name
+                                  << "' (PyTorch keeps none for a parameter that never had a "
+                                     "gradient): it starts from zero moments, as a fresh state "
+                                     "does, but at its flat shard's step "
+                                  << state.step << ", where PyTorch's would start at 0");
+          }
+        }
+      }
     }
     states.push_back(std::move(state));
   }

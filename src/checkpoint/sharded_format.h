@@ -146,9 +146,11 @@ class FullState : public StateSource {
 };
 
 // Resharding: fills every shard tensor (in place) and, with an optimizer, its state from source,
-// after checking that everything fits (then nothing was changed when it throws UsageError).
+// after checking that everything fits (then nothing was changed when it throws UsageError). A
+// parameter without optimizer state where others of its shard have some gets zeros (warn: one
+// warning line per such parameter).
 void fill_shards(StateSource& source, std::vector<FlatShard>& shards,
-                 torch::optim::Optimizer* optimizer);
+                 torch::optim::Optimizer* optimizer, bool warn = true);
 // Fills a plain module's parameters and, with an optimizer over them, its state from source.
 void fill_module(StateSource& source, torch::nn::Module& module,
                  torch::optim::Optimizer* optimizer);

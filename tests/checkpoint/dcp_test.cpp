@@ -1,7 +1,9 @@
 // DCP safetensors folders (Note [DCP safetensors] in dtrain/dcp.h), dtrain alone: a flat range cut
 // into boxes; a ZeRO run exported at N ranks and loaded at M ranks in every stage, into a plain
 // module, and as whole tensors, equal to the run's state exactly; folders whose chunks do not tile
-// a tensor, and damaged exports, named and not loaded. PyTorch's side is dcp_interop_test.cpp.
+// a tensor, and damaged exports, named and not loaded; a re-export that fails leaves the earlier
+// one loadable; a parameter without optimizer state loads as a fresh one. PyTorch's side is
+// dcp_interop_test.cpp.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -134,6 +136,61 @@ TEST(Dcp, ExportAtFewerRanksReplacesTheEarlierExportsFiles) {
   fs::remove_all(dir + "-sharded");
 }
 
+// The staging and put-aside folders beside `dir` (Note [Replacing an export] in dcp.cpp).
+std::vector<std::string> export_siblings(const std::string& dir) {
+  const fs::path path(dir);
+  const std::string name = path.filename().string();
+  return {(path.parent_path() / ("." + name + ".dtrain-export")).string(),
+          (path.parent_path() / ("." + name + ".dtrain-old")).string()};
+}
+
+TEST(Dcp, AReExportThatFailsOnOneRankLeavesTheEarlierExportLoadable) {
+  const std::string dir = testing::temp_dir("dtrain-dcp-replace");
+  const TensorTable first = export_run(2, 3, dir);
+  std::ofstream(dir + "/config.json") << "{}\n";  // the user's own file beside the weights
+
+  // Another run's export: rank 0 writes all its files, rank 1 fails (an optimizer whose state an
+  // export cannot hold), as a rank whose disk is full would.
+  torch::manual_seed(8);
+  std::vector<std::string> errors(2);
+  testing::run_dcp_sharded(
+      2, 3, testing::make_dcp_model(), [&](int rank, DcpSdp& sdp, torch::optim::Adam& adam) {
+        testing::train_dcp_steps(sdp, adam, 1);
+        torch::optim::RMSprop rmsprop(sdp->parameters());
+        torch::optim::Optimizer* optimizer = &adam;
+        if (rank == 1) optimizer = &rmsprop;
+        try {
+          save_dcp_safetensors(dir, testing::dcp_shards(sdp, optimizer), sdp->group());
+        } catch (const UsageError& e) {
+          errors[rank] = e.what();
+        }
+      });
+  EXPECT_NE(errors[0].find("rank(s) {1} could not write their files"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("the folder is as it was"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("SGD, Adam and AdamW"), std::string::npos) << errors[1];
+  testing::expect_same_tables(first, load_dcp_safetensors(dir), "the export before the failed one");
+  for (const auto& sibling : export_siblings(dir))
+    EXPECT_FALSE(fs::exists(sibling)) << sibling << " is left";
+
+  // What an export that crashed between its two renames (where the file system cannot exchange
+  // two folders) leaves: the folder put aside, part of a staging folder. The next export puts the
+  // folder back first, and neither stops it nor ends up in it; the user's file stays.
+  const std::string staging = export_siblings(dir)[0], old = export_siblings(dir)[1];
+  fs::rename(dir, old);
+  fs::create_directories(staging);
+  save_safetensors_file(staging + "/shard-00007-part-0.safetensors",
+                        TensorTable{{"w", torch::ones({2})}});
+  const TensorTable second = export_run(3, 2, dir);
+  testing::expect_same_tables(second, load_dcp_safetensors(dir), "the export after it");
+  EXPECT_TRUE(fs::exists(dir + "/config.json")) << "the export removed the user's file";
+  EXPECT_FALSE(fs::exists(dir + "/shard-00007-part-0.safetensors"));
+  for (const auto& sibling : export_siblings(dir))
+    EXPECT_FALSE(fs::exists(sibling)) << sibling << " is left";
+  fs::remove_all(dir);
+  fs::remove_all(dir + "-sharded");
+}
+
 TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
   const std::string dir = testing::temp_dir("dtrain-dcp-foreign");
   fs::create_directories(dir);
@@ -214,6 +271,60 @@ TEST(Dcp, ChunksAreAssembledAndThoseThatDoNotTileATensorAreNamed) {
   EXPECT_NE(error.find("b.safetensors: tensor 'w' has no entry in the file's DCP_SHARDING_INFO"),
             std::string::npos)
       << error;
+  fs::remove_all(dir);
+}
+
+TEST(Dcp, AParameterWithoutOptimizerStateStartsFromZerosAndTheOthersKeepTheirs) {
+  // As FSDP2 saves a model one of whose parameters never had a gradient: PyTorch's Adam keeps no
+  // state for '3.bias'. At 2 ranks in stage 3, rank 1's shard of the last Linear holds part of
+  // '3.weight' and all of '3.bias'.
+  const std::string dir = testing::temp_dir("dtrain-dcp-stateless");
+  fs::create_directories(dir);
+  torch::manual_seed(4);
+  auto saved = testing::make_dcp_model();
+  TensorTable file;
+  for (const auto& item : saved->named_parameters()) {
+    const at::Tensor value = item.value().detach();
+    file.insert(item.key(), value.clone());
+    if (item.key() == "3.bias") continue;
+    file.insert("optim.state." + item.key() + ".exp_avg", torch::randn_like(value));
+    file.insert("optim.state." + item.key() + ".exp_avg_sq", torch::rand_like(value));
+    file.insert("optim.state." + item.key() + ".step", at::scalar_tensor(7.0, at::kFloat));
+  }
+  for (const auto& item : saved->named_buffers()) file.insert(item.key(), item.value().clone());
+  save_safetensors_file(dir + "/model.safetensors", file);  // whole tensors: no sharding info
+
+  ::testing::internal::CaptureStderr();
+  testing::run_dcp_sharded(
+      2, 3, testing::make_dcp_model(), [&](int rank, DcpSdp& sdp, torch::optim::Adam& adam) {
+        DcpShards state = testing::dcp_shards(sdp, &adam);
+        load_dcp_safetensors(dir, state, sdp->group());
+        for (const auto& shard : state.shards) {
+          SCOPED_TRACE("rank " + std::to_string(rank) + ", " + shard.key);
+          auto it = adam.state().find(shard.shard.unsafeGetTensorImpl());
+          ASSERT_NE(it, adam.state().end()) << "the shard's optimizer state was dropped";
+          const auto& s = static_cast<const torch::optim::AdamParamState&>(*it->second);
+          EXPECT_EQ(s.step(), 7);
+          const int64_t first = shard.offset, last = shard.offset + shard.shard.numel();
+          for (const auto& p : shard.params) {
+            const int64_t lo = std::max(first, p.offset),
+                          hi = std::min(last, p.offset + c10::multiply_integers(p.shape));
+            if (lo >= hi) continue;
+            for (const std::string field : {"exp_avg", "exp_avg_sq"}) {
+              const at::Tensor loaded = (field == "exp_avg" ? s.exp_avg() : s.exp_avg_sq())
+                                            .narrow(0, lo - first, hi - lo);
+              const at::Tensor expected =
+                  p.name == "3.bias"
+                      ? torch::zeros({hi - lo})
+                      : file["optim.state." + p.name + "." + field].reshape(-1).narrow(
+                            0, lo - p.offset, hi - lo);
+              EXPECT_TRUE(torch::equal(loaded, expected)) << p.name << " " << field;
+            }
+          }
+        }
+      });
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("holds no optimizer state for parameter '3.bias'"), std::string::npos) << log;
   fs::remove_all(dir);
 }
 
