@@ -14,8 +14,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
+#include <utility>
 
+#include "console/flag_checks.h"
 #include "dtrain/errors.h"
 #include "gpt/advise.h"
 #include "gpt/gpt.h"
@@ -40,23 +41,40 @@ struct Flags {
 Flags parse(int argc, char** argv) {
   Flags flags;
   CLI::App app("gpt_advise: the layouts of train_gpt's transformer that fit, fastest first");
-  app.add_option("--devices", flags.devices, "devices (ranks) the job gets")->required();
-  app.add_option("--memory-gb", flags.memory_gb, "memory per device, GB (1e9 bytes)")->required();
-  app.add_option("--bandwidth-gbps", flags.bandwidth_gbps, "link bandwidth, Gbit/s")->required();
-  app.add_option("--latency-us", flags.latency_us, "per-step latency of a collective, us");
-  app.add_option("--layers", flags.model.layers);
-  app.add_option("--width", flags.model.width);
-  app.add_option("--heads", flags.model.heads);
-  app.add_option("--kv-heads", flags.model.kv_heads);
-  app.add_option("--mlp-width", flags.model.mlp_width, "SwiGLU's hidden width (0: 8/3 x width)");
-  app.add_option("--vocab", flags.model.vocab, "vocabulary (train_gpt's is 256: bytes)");
-  app.add_option("--seq-len", flags.model.seq_len, "tokens per window");
-  app.add_option("--batch-size", flags.batch_size, "windows per data-parallel rank and step");
+  // Each bad value is one line: "gpt_advise: --flag 'value': expected ...".
+  const console::FlagChecks checks("gpt_advise");
+  const int64_t kMany = int64_t{1} << 30;
+  app.add_option("--devices", flags.devices, "devices (ranks) the job gets")
+      ->required()
+      ->transform(checks.integer_in("--devices", 1, kMany));
+  app.add_option("--memory-gb", flags.memory_gb, "memory per device, GB (1e9 bytes)")
+      ->required()
+      ->transform(checks.number("--memory-gb"));
+  app.add_option("--bandwidth-gbps", flags.bandwidth_gbps, "link bandwidth, Gbit/s")
+      ->required()
+      ->transform(checks.number("--bandwidth-gbps"));
+  app.add_option("--latency-us", flags.latency_us, "per-step latency of a collective, us")
+      ->transform(checks.number("--latency-us", /*zero_allowed=*/true));
+  // The model's sizes: GptConfig::check() says what does not go together.
+  for (auto [name, size] :
+       {std::pair{"--layers", &flags.model.layers}, std::pair{"--width", &flags.model.width},
+        std::pair{"--heads", &flags.model.heads}, std::pair{"--kv-heads", &flags.model.kv_heads},
+        std::pair{"--vocab", &flags.model.vocab}, std::pair{"--seq-len", &flags.model.seq_len}}) {
+    app.add_option(name, *size)->transform(checks.integer_in(name, 1, kMany));
+  }
+  app.add_option("--mlp-width", flags.model.mlp_width, "SwiGLU's hidden width (0: 8/3 x width)")
+      ->transform(checks.integer_in("--mlp-width", 0, kMany));
+  app.add_option("--batch-size", flags.batch_size, "windows per data-parallel rank and step")
+      ->transform(checks.integer_in("--batch-size", 1, kMany));
   app.add_option("--global-batch", flags.global_batch,
-                 "windows per step, split over the data-parallel ranks (instead of --batch-size)");
-  app.add_option("--threads", flags.threads, "threads the block is timed with (per rank)");
-  app.add_option("--repeats", flags.repeats, "timed iterations per measurement");
-  app.add_option("--top", flags.top, "layouts listed");
+                 "windows per step, split over the data-parallel ranks (instead of --batch-size)")
+      ->transform(checks.integer_in("--global-batch", 0, kMany));
+  app.add_option("--threads", flags.threads, "threads the block is timed with (per rank)")
+      ->transform(checks.integer_in("--threads", 1, 4096));
+  app.add_option("--repeats", flags.repeats, "timed iterations per measurement")
+      ->transform(checks.integer_in("--repeats", 1, 1 << 20));
+  app.add_option("--top", flags.top, "layouts listed")
+      ->transform(checks.integer_in("--top", 1, 1 << 20));
   app.add_flag("--all", flags.all, "list every layout, the ones that do not fit as well");
   app.add_flag("--json", flags.json, "one JSON document instead of the table");
   try {
@@ -66,28 +84,6 @@ Flags parse(int argc, char** argv) {
     std::exit(0);
   } catch (const CLI::ParseError& e) {
     throw dtrain::UsageError(std::string("gpt_advise: ") + e.what() + " (see --help)");
-  }
-  auto positive = [](const char* flag, double value, const char* what) {
-    if (!(value > 0)) {
-      std::ostringstream line;
-      line << "gpt_advise: " << flag << " " << value << ": expected " << what;
-      throw dtrain::UsageError(line.str());
-    }
-  };
-  positive("--devices", flags.devices, "a positive number of devices");
-  positive("--memory-gb", flags.memory_gb, "the memory of one device in GB, above 0");
-  positive("--bandwidth-gbps", flags.bandwidth_gbps, "the link bandwidth in Gbit/s, above 0");
-  positive("--batch-size", static_cast<double>(flags.batch_size), "at least 1 window");
-  positive("--threads", flags.threads, "at least 1");
-  positive("--repeats", flags.repeats, "at least 1");
-  if (flags.latency_us < 0) {
-    std::ostringstream line;
-    line << "gpt_advise: --latency-us " << flags.latency_us << ": expected 0 or more microseconds";
-    throw dtrain::UsageError(line.str());
-  }
-  if (flags.global_batch < 0) {
-    throw dtrain::UsageError("gpt_advise: --global-batch " + std::to_string(flags.global_batch) +
-                             ": expected windows per step (0: use --batch-size per rank)");
   }
   try {
     flags.model.check();

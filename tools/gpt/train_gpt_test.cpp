@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <sstream>
@@ -289,6 +290,24 @@ TEST(TrainGpt, FlagsThatDoNotFitAreOneLineAndExit2) {
     EXPECT_EQ(rank0[0].rfind("train_gpt: ", 0), 0u) << rank0[0];
     EXPECT_NE(rank0[0].find(says), std::string::npos) << rank0[0];
     EXPECT_LT(rank0[0].size(), 250u) << rank0[0];
+  }
+}
+
+// gpt_advise's values the same way: one line, the flag, the value, what it takes; exit code 2.
+// (CLI11 said "Could not convert: --devices = x" and took --top 0 for an empty table.)
+TEST(GptAdvise, BadValuesAreOneLineAndExit2) {
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {" --devices x", "--devices 'x': expected an integer in 1.."},
+           {" --devices 2 --top 0", "--top '0': expected an integer in 1.."},
+           {" --devices 2 --layers -1", "--layers '-1': expected an integer in 1.."},
+           {" --devices 2 --latency-us -1",
+            "--latency-us '-1': expected a finite number of at "
+            "least 0"}}) {
+    SCOPED_TRACE(flags);
+    auto run = run_command(bin("gpt_advise") + " --memory-gb 1 --bandwidth-gbps 1" + flags);
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_EQ(run.output.rfind("gpt_advise: " + says, 0), 0u) << run.output;
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << run.output;
   }
 }
 
