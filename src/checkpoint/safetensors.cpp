@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -359,6 +360,20 @@ ParsedHeader parse_header(const File& file, const std::string& path) {
   return result;
 }
 
+// Note [The CRC of a safetensors file]
+// dtrain_crc32 sums the tensors' bytes in the order of their names, not the file's: Python's
+// safetensors library lays a file out by dtype and name, so a file it re-saves with dtrain's
+// metadata kept (safe_open's metadata() passed to save_file) has the same data in another order,
+// and must not read as damaged. (Files dtrain wrote before summed in file order, which the reader
+// still takes.)
+uint32_t crc_by_name(const std::map<std::string, const at::Tensor*>& tensors) {
+  uint32_t crc = crc32_update(0, nullptr, 0);
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor->nbytes() > 0) crc = crc32_update(crc, tensor->data_ptr(), tensor->nbytes());
+  }
+  return crc;
+}
+
 }  // namespace
 
 void save_safetensors_file(const std::string& path, const TensorTable& tensors,
@@ -370,7 +385,6 @@ void save_safetensors_file(const std::string& path, const TensorTable& tensors,
   for (const auto& [key, value] : metadata)
     if (key != kCrcKey) meta[key] = value;
   uint64_t offset = 0;
-  uint32_t crc = crc32_update(0, nullptr, 0);
   std::set<std::string> seen;
   std::vector<std::pair<std::string, nlohmann::ordered_json>> entries;
   for (const auto& item : tensors) {
@@ -389,7 +403,6 @@ void save_safetensors_file(const std::string& path, const TensorTable& tensors,
     }
     at::Tensor bytes = tensor.detach().to(at::kCPU).contiguous();
     const uint64_t size = static_cast<uint64_t>(bytes.nbytes());
-    if (size > 0) crc = crc32_update(crc, bytes.data_ptr(), size);
     entries.push_back({item.key(),
                        {{"dtype", name},
                         {"shape", bytes.sizes().vec()},
@@ -397,7 +410,9 @@ void save_safetensors_file(const std::string& path, const TensorTable& tensors,
     offset += size;
     contiguous.push_back(std::move(bytes));
   }
-  meta[kCrcKey] = hex32(crc);
+  std::map<std::string, const at::Tensor*> by_name;
+  for (size_t i = 0; i < entries.size(); ++i) by_name[entries[i].first] = &contiguous[i];
+  meta[kCrcKey] = hex32(crc_by_name(by_name));
   header["__metadata__"] = meta;
   for (auto& [name, entry] : entries) header[name] = std::move(entry);
   std::string text = header.dump();
@@ -425,20 +440,30 @@ SafetensorsFile read_safetensors_file(const std::string& path) {
   result.metadata = std::move(parsed.metadata);
   const std::vector<Entry>& entries = parsed.entries;
 
-  uint32_t crc = crc32_update(0, nullptr, 0);
+  uint32_t in_file_order = crc32_update(0, nullptr, 0);
+  std::map<std::string, const at::Tensor*> by_name;
   for (const auto& entry : entries) {
     at::Tensor tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.type));
     const uint64_t bytes = entry.end - entry.begin;
     if (bytes > 0) {
       file.read(tensor.data_ptr(), bytes, 8 + header_size + entry.begin);
-      crc = crc32_update(crc, tensor.data_ptr(), bytes);
+      in_file_order = crc32_update(in_file_order, tensor.data_ptr(), bytes);
     }
     result.tensors.insert(entry.name, std::move(tensor));
   }
   auto expected = result.metadata.find(kCrcKey);
-  if (expected != result.metadata.end() && expected->second != hex32(crc)) {
-    fail(path, "the tensors' data has CRC-32 " + hex32(crc) + ", the header's " + kCrcKey +
-                   " says " + expected->second + ": a byte of the data is damaged");
+  if (expected != result.metadata.end() && expected->second != hex32(in_file_order)) {
+    // Before 2026-11-27 dtrain summed the data in file order; since then by name (Note [The CRC
+    // of a safetensors file]).
+    for (const auto& item : result.tensors) by_name[item.key()] = &item.value();
+    const uint32_t crc = crc_by_name(by_name);
+    if (expected->second != hex32(crc)) {
+      fail(path, "the tensors' data has CRC-32 " + hex32(crc) + ", the header's " + kCrcKey +
+                     " says " + expected->second +
+                     ": a byte of the data is damaged, or another program changed the tensors "
+                     "and kept dtrain's metadata (remove " +
+                     kCrcKey + " from its __metadata__ to load it unchecked)");
+    }
   }
   return result;
 }

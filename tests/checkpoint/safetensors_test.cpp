@@ -320,6 +320,27 @@ TEST(Safetensors, PythonReadsWhatDtrainWroteAndDtrainReadsWhatPythonWrote) {
   SafetensorsFile file = read_safetensors_file(dir + "/python.safetensors");
   expect_same(table, file.tensors);
   EXPECT_EQ(file.metadata.count("dtrain_crc32"), 0u);  // Python's own file: no CRC to check
+
+  // Re-saved by Python with dtrain's metadata kept: the library lays the data out in another
+  // order (by dtype, then name), the CRC still holds. Changed as well, it does not, and the line
+  // says what may have happened.
+  const std::string copy = "'" + python + "' " + DTRAIN_SOURCE_DIR +
+                           "/tests/python/hf_llama.py copy --keep-metadata " + dir +
+                           "/dtrain.safetensors ";
+  ASSERT_EQ(std::system((copy + dir + "/kept.safetensors").c_str()), 0);
+  SafetensorsFile kept = read_safetensors_file(dir + "/kept.safetensors");
+  expect_same(table, kept.tensors);
+  EXPECT_EQ(kept.metadata.count("dtrain_crc32"), 1u);
+  ASSERT_EQ(std::system((copy + dir + "/edited.safetensors --add-one f32").c_str()), 0);
+  try {
+    read_safetensors_file(dir + "/edited.safetensors");
+    ADD_FAILURE() << "an edited file with dtrain's CRC kept was read";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("or another program changed the tensors and kept "
+                                         "dtrain's metadata (remove dtrain_crc32"),
+              std::string::npos)
+        << e.what();
+  }
   fs::remove_all(dir);
 }
 

@@ -12,8 +12,10 @@ tests/checkpoint/safetensors_test.cpp), on the project environment's transformer
       Builds a random small LlamaForCausalLM, save_pretrained(DIR, safe_serialization=True,
       max_shard_size=...) (sharded), and writes REFERENCE: "tokens" and the model's "logits" on
       them, for dtrain to import DIR and compare.
-  hf_llama.py copy IN OUT
-      safetensors.torch.load_file(IN), save_file to OUT: Python reading and writing every dtype.
+  hf_llama.py copy IN OUT [--keep-metadata] [--add-one TENSOR]
+      safetensors.torch.load_file(IN), save_file to OUT: Python reading and writing every dtype;
+      with --keep-metadata, IN's __metadata__ written again (safe_open(IN).metadata()), as a
+      script that edits a file and keeps its metadata does; --add-one TENSOR adds 1 to that one.
 """
 
 import argparse
@@ -120,8 +122,16 @@ def make(args):
 
 
 def copy(args):
+    from safetensors import safe_open
+
     tensors = load_file(args.input)
-    save_file(tensors, args.output)
+    if args.add_one:
+        tensors[args.add_one] += 1
+    metadata = None
+    if args.keep_metadata:
+        with safe_open(args.input, framework="pt") as f:
+            metadata = f.metadata()
+    save_file(tensors, args.output, metadata=metadata)
     return 0
 
 
@@ -145,6 +155,8 @@ def main():
     p = commands.add_parser("copy")
     p.add_argument("input")
     p.add_argument("output")
+    p.add_argument("--keep-metadata", action="store_true")
+    p.add_argument("--add-one", metavar="TENSOR")
     args = parser.parse_args()
     return {"compare": compare, "make": make, "copy": copy}[args.command](args)
 
