@@ -253,9 +253,10 @@ std::vector<MemberRecord> Membership::form(int64_t generation,
             self_.label() + ": in-place recovery: generation " + std::to_string(generation) +
             " formed without this process: " + list_text(names) + " could not connect to it at " +
             self_.knock_address + ":" + std::to_string(self_.knock_port) +
-            " though it reaches them: connections coming into this host are dropped "
-            "(a firewall on it, or on the way, that lets out what it does not let in: "
-            "let in TCP from the job's other hosts). It exits; under `dtrain run "
+            " though it reached them when it knocked: connections coming into this host are "
+            "dropped (a firewall on it, or on the way, that lets out what it does not let in: "
+            "let in TCP from the job's other hosts), unless the network between them failed "
+            "since. It exits; under `dtrain run "
             "--recovery in-place` it is restarted as a newcomer and left out the same "
             "way until they can connect to it or its launcher's --max-restarts run "
             "out.");
