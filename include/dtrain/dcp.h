@@ -39,9 +39,11 @@
 // rank 0 writes dtrain_dcp_index.json there last (the files, each tensor's shape and dtype) and
 // puts the staging folder in the folder's place in one rename (Note [Replacing an export] in
 // src/checkpoint/dcp.cpp), so that an export that fails leaves an earlier one in the folder as it
-// was. A folder with dtrain's files and no index is a half-written export (of an older dtrain),
-// which dtrain refuses; Python's reader ignores files that are not *.safetensors. A folder without
-// dtrain's files (FSDP2 wrote it) needs no index.
+// was; a folder that cannot be renamed (a mount point, the working folder) stages inside itself,
+// in <dir>/.dtrain-export, and swaps files at the end. A folder with dtrain's files and no index is
+// a half-written export (an older dtrain's, or a swap that stopped: the next export puts the
+// earlier one back), which dtrain refuses; Python's reader ignores files that are not
+// *.safetensors. A folder without dtrain's files (FSDP2 wrote it) needs no index.
 // Loading reads every file's header, checks that the chunks of every tensor tile it exactly (no
 // gap, no overlap, one dtype, within the shape the index gives), and reads the data of only the
 // files that hold a chunk this rank needs (checking their CRC-32 where dtrain wrote one).
@@ -78,8 +80,9 @@ struct DcpShards {
 // Collective: every rank of `group` (null: one process holding every shard) writes its shards,
 // their optimizer state and (rank 0) the buffers into `dir` (created if missing) as Note [DCP
 // safetensors] lays them out; returns once rank 0 has put the export in place. The export
-// replaces `dir` as a whole (other files in it, a config.json, are kept), so `dir` must
-// not be a mount point or the working folder, and its parent must be writable. Throws UsageError
+// replaces `dir` as a whole (other files in it, a config.json, are kept), or, where `dir` cannot
+// be renamed (a mount point, the working folder, a parent that cannot be written), its export
+// files, by renames at the end (Note [Replacing an export] in dcp.cpp). Throws UsageError
 // on every rank, naming the rank and file that could not be written, with `dir` as it was, or
 // when `dir` holds .safetensors files that another program wrote (Python's reader would mix them
 // in). Blocks up to the group's timeout on the others.

@@ -176,6 +176,66 @@ ExportIndex read_index(const std::string& dir, const std::string& path) {
   }
 }
 
+// Note [Replacing an export]
+// PyTorch's reader takes every *.safetensors file of the folder, so an export cannot replace an
+// earlier one file by file without a moment when the folder mixes the two. So every rank writes
+// into a sibling folder, .<name>.dtrain-export (the staging folder); once all have, rank 0 writes
+// the index there and exchanges the two folders in one rename (renameat2's RENAME_EXCHANGE). The
+// earlier export, now under the staging name, hands back what else the folder held (a config.json
+// beside the weights) and is removed. Until the exchange the folder holds the earlier export,
+// whatever fails. Where the file system cannot exchange (NFS), two renames do it: the folder to
+// .<name>.dtrain-old, then the staging folder into its place; a crash between the two leaves the
+// earlier export in .<name>.dtrain-old, which the next export puts back first.
+// A folder that cannot be renamed (a mount point such as a docker volume's root, the working
+// folder, one whose parent cannot be written; rank 0 decides in prepare_export, for every rank)
+// stages inside itself, in <dir>/.dtrain-export, which PyTorch's reader does not look into (it
+// lists the folder's own files). Where a rename of the folder fails only at the end (overlayfs
+// gives EXDEV for a folder of its lower layer), the sibling staging folder is used the same way.
+// Then the commit swaps files: the earlier index out into <dir>/.dtrain-old first, its part files
+// after it, the staged part files in, the new index last. A failure before the commit still leaves
+// the earlier export as it was; during the swap (renames only) the folder holds no whole export,
+// and a crash there leaves the earlier one's index in .dtrain-old while the folder has none, which
+// tells the next export to put it back (put_back). Once the folder has an index, what is left
+// aside is only removed.
+constexpr const char* kInsideStaging = ".dtrain-export";
+constexpr const char* kInsideOld = ".dtrain-old";
+
+struct ExportPaths {
+  fs::path dir, staging, old;
+  bool inside = false;  // staging is <dir>/.dtrain-export, the earlier export goes to .dtrain-old
+};
+
+// The same on every rank: the folder (symbolic links resolved, so that the exchange replaces the
+// folder they lead to, not a link) and its two siblings.
+ExportPaths export_paths(const std::string& dir) {
+  std::error_code error;
+  fs::path path = fs::weakly_canonical(fs::absolute(dir, error), error);
+  if (error) fail(dir, "cannot be resolved (" + error.message() + "); check the path");
+  if (!path.has_filename()) path = path.parent_path();  // "export/"
+  if (path == path.root_path()) fail(dir, "is the root folder; export into a folder of its own");
+  const std::string name = path.filename().string();
+  return {path, path.parent_path() / ("." + name + ".dtrain-export"),
+          path.parent_path() / ("." + name + ".dtrain-old")};
+}
+
+// Where an export that stopped while it replaced `dir` left the earlier one, as the end of an
+// error ("" if nowhere): loading then finds no folder, or one without a whole export.
+std::string put_aside_hint(const std::string& dir) {
+  try {
+    const ExportPaths paths = export_paths(dir);
+    std::error_code error;
+    for (const fs::path& aside : {paths.old, paths.dir / kInsideOld}) {
+      if (fs::exists(aside / kDcpIndexName, error)) {
+        return "; an export that stopped midway left the earlier export in " + aside.string() +
+               ": the next export into " + dir +
+               " puts it back first (or move its files back into the folder by hand)";
+      }
+    }
+  } catch (const UsageError&) {
+  }
+  return "";
+}
+
 void fsync_folder(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd >= 0) {
@@ -209,7 +269,7 @@ bool is_dcp_part_name(const std::string& name) {
 
 DcpFolder::DcpFolder(std::string dir) : dir_(std::move(dir)) {
   std::error_code error;
-  if (!fs::is_directory(dir_, error)) fail(dir_, "is not a folder");
+  if (!fs::is_directory(dir_, error)) fail(dir_, "is not a folder" + put_aside_hint(dir_));
   // Every *.safetensors file, as HuggingFaceStorageReader takes them; by name.
   std::vector<std::string> names;
   bool ours = false;
@@ -241,9 +301,10 @@ DcpFolder::DcpFolder(std::string dir) : dir_(std::move(dir)) {
   } else if (ours) {
     fail(dir_, std::string("holds dtrain's shard files but no ") + kDcpIndexName +
                    ", which rank 0 writes after every rank has written its files: the export "
-                   "did not finish; export again");
+                   "did not finish; export again" +
+                   put_aside_hint(dir_));
   }
-  if (names.empty()) fail(dir_, "holds no .safetensors file");
+  if (names.empty()) fail(dir_, "holds no .safetensors file" + put_aside_hint(dir_));
 
   std::vector<std::string> order;
   for (const auto& name : names) {
@@ -472,37 +533,15 @@ std::string failed_ranks(const at::Tensor& flags, int world) {
   return list.empty() ? "" : "{" + list + "}";
 }
 
-// Note [Replacing an export]
-// PyTorch's reader takes every *.safetensors file of the folder, so an export cannot replace an
-// earlier one file by file without a moment when the folder mixes the two. So every rank writes
-// into a sibling folder, .<name>.dtrain-export (the staging folder); once all have, rank 0 writes
-// the index there and exchanges the two folders in one rename (renameat2's RENAME_EXCHANGE). The
-// earlier export, now under the staging name, hands back what else the folder held (a config.json
-// beside the weights) and is removed. Until the exchange the folder holds the earlier export,
-// whatever fails. Where the file system cannot exchange (NFS), two renames do it: the folder to
-// .<name>.dtrain-old, then the staging folder into its place; a crash between the two leaves the
-// earlier export in .<name>.dtrain-old, which the next export puts back first.
-struct ExportPaths {
-  fs::path dir, staging, old;
-};
-
-// The same on every rank: the folder (symbolic links resolved, so that the exchange replaces the
-// folder they lead to, not a link) and its two siblings.
-ExportPaths export_paths(const std::string& dir) {
-  std::error_code error;
-  fs::path path = fs::weakly_canonical(fs::absolute(dir, error), error);
-  if (error) fail(dir, "cannot be resolved (" + error.message() + "); check the path");
-  if (!path.has_filename()) path = path.parent_path();  // "export/"
-  if (path == path.root_path()) fail(dir, "is the root folder; export into a folder of its own");
-  const std::string name = path.filename().string();
-  return {path, path.parent_path() / ("." + name + ".dtrain-export"),
-          path.parent_path() / ("." + name + ".dtrain-old")};
-}
-
-// What an export writes into its folder: shard files, the index, their temporary files.
+// What an export writes into its folder: shard files, the index, and their temporary files
+// (write_file_durably's .<file>.tmp-<pid>); a user's own hidden file is none of them.
 bool is_export_file(const std::string& name) {
-  return ends_with(name, ".safetensors") || name == kDcpIndexName ||
-         (name[0] == '.' && name.find(".tmp-") != std::string::npos);
+  if (ends_with(name, ".safetensors") || name == kDcpIndexName) return true;
+  const std::size_t at = name.rfind(".tmp-");
+  if (name[0] != '.' || at == std::string::npos || at < 1) return false;
+  const std::string file = name.substr(1, at - 1), pid = name.substr(at + 5);
+  return (is_dcp_part_name(file) || file == kDcpIndexName) && !pid.empty() &&
+         std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 // Moves what `aside` (a folder an export put aside) holds besides an export's files back into
@@ -531,10 +570,75 @@ std::string clear_aside(const fs::path& aside, const fs::path& dir) {
   return "";
 }
 
+// Rank 0: `aside` holds an earlier export's index where `dir` holds none, so an export stopped
+// after it took the earlier one out of the folder and before its own was in (Note [Replacing an
+// export]). Puts the earlier export back: the stopped one's part files go (the earlier one's not
+// yet taken out stay), the earlier one's come back, its index last, so that a put-back that stops
+// is done again by the next export. Returns what went wrong ("" if nothing).
+std::string put_back(const fs::path& aside, const fs::path& dir) {
+  const ExportIndex index = read_index(aside.string(), (aside / kDcpIndexName).string());
+  const std::set<std::string> listed(index.files.begin(), index.files.end());
+  auto list = [](const fs::path& folder, std::vector<std::string>* names) {
+    std::error_code error;
+    for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error)) {
+      const std::string name = it->path().filename().string();
+      if (is_dcp_part_name(name)) names->push_back(name);
+    }
+    return error ? "cannot list " + folder.string() + " (" + error.message() + ")" : "";
+  };
+  std::vector<std::string> stopped, earlier;
+  std::string problem = list(dir, &stopped);
+  if (problem.empty()) problem = list(aside, &earlier);
+  if (!problem.empty()) return problem;
+  std::error_code error;
+  for (const auto& name : stopped) {
+    if (listed.count(name)) continue;
+    fs::remove(dir / name, error);
+    if (error) return "cannot remove " + (dir / name).string() + " (" + error.message() + ")";
+  }
+  for (const auto& name : earlier) {
+    fs::rename(aside / name, dir / name, error);
+    if (error) {
+      return "cannot move " + (aside / name).string() + " back (" + error.message() +
+             "); move the files of " + aside.string() + " back by hand";
+    }
+  }
+  fsync_folder(dir.string());
+  fs::rename(aside / kDcpIndexName, dir / kDcpIndexName, error);
+  if (error) {
+    return "cannot move " + (aside / kDcpIndexName).string() + " back (" + error.message() +
+           "); move it back by hand";
+  }
+  fsync_folder(dir.string());
+  fsync_folder(aside.string());
+  return "";
+}
+
+// Whether `dir` is the root of a mount (a docker volume; also a bind mount, which st_dev does not
+// tell apart): it cannot be renamed, nor can a file be renamed into it from beside it.
+bool is_mount_point(const fs::path& dir) {
+#ifdef STATX_MNT_ID
+  {
+    struct statx folder = {};
+    struct statx parent = {};
+    if (::statx(AT_FDCWD, dir.c_str(), 0, STATX_MNT_ID, &folder) == 0 &&
+        ::statx(AT_FDCWD, dir.parent_path().c_str(), 0, STATX_MNT_ID, &parent) == 0 &&
+        (folder.stx_mask & parent.stx_mask & STATX_MNT_ID) != 0)
+      return folder.stx_mnt_id != parent.stx_mnt_id;
+  }
+#endif
+  struct stat folder = {};
+  struct stat parent = {};
+  return ::stat(dir.c_str(), &folder) == 0 && ::stat(dir.parent_path().c_str(), &parent) == 0 &&
+         folder.st_dev != parent.st_dev;
+}
+
 // Rank 0, before any rank writes: the folder exists and holds no other program's .safetensors
 // files, what an interrupted export put aside is back or gone, and the staging folder is empty.
-void prepare_export(const ExportPaths& paths) {
+// Returns whether the export stages inside the folder (Note [Replacing an export]).
+bool prepare_export(const ExportPaths& paths) {
   const std::string dir = paths.dir.string();
+  const fs::path inside_old = paths.dir / kInsideOld, inside_staging = paths.dir / kInsideStaging;
   std::error_code error;
   if (!fs::exists(paths.dir, error) && fs::exists(paths.old, error)) {
     fs::rename(paths.old, paths.dir, error);  // a crash between the two renames left it there
@@ -547,18 +651,17 @@ void prepare_export(const ExportPaths& paths) {
   if (error) {
     fail(dir, "cannot be created (" + error.message() + "); check the path and its permissions");
   }
-  if (fs::equivalent(paths.dir, fs::current_path(error), error)) {
-    fail(dir,
-         "is the working folder, which an export replaces as a whole (Note [Replacing an "
-         "export]); export into a folder of its own");
-  }
-  struct stat folder = {};
-  struct stat parent = {};
-  if (::stat(paths.dir.c_str(), &folder) == 0 &&
-      ::stat(paths.dir.parent_path().c_str(), &parent) == 0 && folder.st_dev != parent.st_dev) {
-    fail(dir,
-         "is a mount point, which an export cannot replace as a whole (it keeps the earlier "
-         "export loadable until the new one is complete); export into a folder inside it");
+  // An index aside and none in the folder: the folder lost the earlier export midway (or was made
+  // again after a crash between the two renames, by a script writing its config.json), and the
+  // put-aside one is the only whole export there is.
+  for (const auto& aside : {paths.old, inside_old}) {
+    if (!fs::exists(aside / kDcpIndexName, error) || fs::exists(paths.dir / kDcpIndexName, error))
+      continue;
+    const std::string problem = put_back(aside, paths.dir);
+    if (!problem.empty()) {
+      fail(dir, "an earlier export was interrupted and is in " + aside.string() +
+                    ", which could not be put back: " + problem);
+    }
   }
   for (const auto& entry : fs::directory_iterator(paths.dir, error)) {
     const std::string name = entry.path().filename().string();
@@ -568,52 +671,143 @@ void prepare_export(const ExportPaths& paths) {
                     "export into another folder, or remove it");
     }
   }
-  for (const auto& aside : {paths.old, paths.staging}) {
+  for (const auto& aside : {paths.old, paths.staging, inside_old, inside_staging}) {
     const std::string problem = clear_aside(aside, paths.dir);
     if (!problem.empty()) fail(dir, "an earlier export was interrupted: " + problem);
   }
-  fs::create_directory(paths.staging, error);
-  if (error) {
-    fail(dir, "its staging folder " + paths.staging.string() + " cannot be created (" +
-                  error.message() + "); an export needs to write beside the folder");
+  // Beside the folder where it can be renamed; otherwise inside it (why: `inside`).
+  std::string inside;
+  const fs::path working = fs::current_path(error);
+  if (!error && fs::equivalent(paths.dir, working, error)) {
+    inside = "it is the working folder";
+  } else if (is_mount_point(paths.dir)) {
+    inside = "it is a mount point";
+  } else {
+    fs::create_directory(paths.staging, error);
+    if (error) inside = "a folder beside it cannot be created (" + error.message() + ")";
   }
-  const fs::file_status status = fs::status(paths.dir, error);  // the folder keeps its mode
-  if (!error) fs::permissions(paths.staging, status.permissions(), error);
-  fsync_folder(paths.dir.parent_path().string());
+  if (inside.empty()) {
+    const fs::file_status status = fs::status(paths.dir, error);  // the folder keeps its mode
+    if (!error) fs::permissions(paths.staging, status.permissions(), error);
+    fsync_folder(paths.dir.parent_path().string());
+    return false;
+  }
+  fs::create_directory(inside_staging, error);
+  if (error) {
+    fail(dir, "its staging folder " + inside_staging.string() + " cannot be created (" +
+                  error.message() + "); check the folder's permissions");
+  }
+  DTRAIN_LOG(kInfo, "DCP export into " << dir << ": " << inside
+                                       << ", so the export is staged inside it and its files "
+                                          "swapped in at the end (Note [Replacing an export])");
+  return true;
+}
+
+// Rank 0, where the export cannot replace the folder as a whole: swaps the folder's files for
+// those of `staged`, which holds the whole export and its index (Note [Replacing an export]).
+void swap_files(const ExportPaths& paths, const fs::path& staged) {
+  const std::string dir = paths.dir.string();
+  const fs::path old = paths.dir / kInsideOld;
+  std::error_code error;
+  fs::create_directory(old, error);  // prepare_export left none
+  if (error) {
+    fail(dir,
+         old.string() + " cannot be created (" + error.message() + "); the folder is as it was");
+  }
+  std::vector<std::string> earlier, parts;
+  for (const auto& [folder, names] : {std::pair{paths.dir, &earlier}, std::pair{staged, &parts}}) {
+    for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error)) {
+      const std::string name = it->path().filename().string();
+      if (is_dcp_part_name(name)) names->push_back(name);
+    }
+    if (error) {
+      fail(dir, "cannot list " + folder.string() + " (" + error.message() +
+                    "); the folder is as it was");
+    }
+  }
+  const bool had_index = fs::exists(paths.dir / kDcpIndexName, error);
+  // A rename that fails puts the earlier export back where it was already taken out.
+  auto move = [&](const fs::path& from, const fs::path& to) {
+    if (::rename(from.c_str(), to.c_str()) == 0) return;
+    const std::string why = std::strerror(errno);
+    std::string where = had_index
+                            ? "the folder is as it was"
+                            : "the folder held no finished export before either; export again";
+    std::error_code ignored;
+    if (fs::exists(old / kDcpIndexName, ignored)) {
+      std::string problem;
+      try {
+        problem = put_back(old, paths.dir);
+      } catch (const UsageError& e) {
+        problem = e.what();
+      }
+      if (problem.empty()) {
+        fs::remove_all(old, ignored);
+      } else {
+        where = "the earlier export is in " + old.string() + ", which the next export puts back (" +
+                problem + ")";
+      }
+    }
+    fail(dir, "cannot move " + from.string() + " to " + to.string() + " (" + why + "); " + where);
+  };
+  // The earlier index out first: from then on the folder has none and .dtrain-old has it, which
+  // tells the next export to put it back if this one stops; the new index in last.
+  if (had_index) move(paths.dir / kDcpIndexName, old / kDcpIndexName);
+  for (const auto& name : earlier) move(paths.dir / name, old / name);
+  fsync_folder(old.string());
+  fsync_folder(dir);
+  for (const auto& name : parts) move(staged / name, paths.dir / name);
+  fsync_folder(dir);
+  move(staged / kDcpIndexName, paths.dir / kDcpIndexName);
+  fsync_folder(dir);
+  for (const auto& aside : {old, staged}) {
+    fs::remove_all(aside, error);
+    if (error) {
+      DTRAIN_LOG(kWarn, "DCP export into " << dir << " is complete, but " << aside.string()
+                                           << " cannot be removed (" << error.message()
+                                           << "): remove it");
+    }
+  }
 }
 
 // Rank 0, once the staging folder holds the whole export and its index: puts it in the place of
 // the folder (Note [Replacing an export]), then clears what it replaced.
 void replace_export(const ExportPaths& paths) {
+  if (paths.inside) {
+    swap_files(paths, paths.staging);
+    return;
+  }
   const std::string dir = paths.dir.string();
   fs::path aside = paths.staging;
-  int exchanged = -1;
+  int exchanged = -1, why = ENOSYS;
 #ifdef RENAME_EXCHANGE
   exchanged =
       ::renameat2(AT_FDCWD, paths.staging.c_str(), AT_FDCWD, paths.dir.c_str(), RENAME_EXCHANGE);
-  const int exchange_error = errno;
-  if (exchanged != 0 && exchange_error != EINVAL && exchange_error != ENOSYS &&
-      exchange_error != ENOTSUP) {
-    fail(dir, "cannot be exchanged with its staging folder " + paths.staging.string() + " (" +
-                  std::strerror(exchange_error) + "); the folder is as it was");
-  }
+  why = errno;
 #endif
-  if (exchanged != 0) {
-    aside = paths.old;
+  if (exchanged != 0 && (why == EINVAL || why == ENOSYS || why == ENOTSUP)) {
     if (::rename(paths.dir.c_str(), paths.old.c_str()) != 0) {
-      const int why = errno;
-      fail(dir, "cannot be renamed to " + paths.old.string() + " (" + std::strerror(why) +
-                    "); the folder is as it was");
+      why = errno;
+    } else if (::rename(paths.staging.c_str(), paths.dir.c_str()) != 0) {
+      why = errno;
+      if (::rename(paths.old.c_str(), paths.dir.c_str()) != 0) {
+        fail(dir, "the staging folder " + paths.staging.string() + " cannot be renamed to it (" +
+                      std::strerror(why) + "); the folder's earlier content is in " +
+                      paths.old.string() + ", which the next export puts back");
+      }
+    } else {
+      exchanged = 0;
+      aside = paths.old;
     }
-    if (::rename(paths.staging.c_str(), paths.dir.c_str()) != 0) {
-      const std::string why = std::strerror(errno);
-      const bool back = ::rename(paths.old.c_str(), paths.dir.c_str()) == 0;
-      const std::string where = back ? "the folder is as it was"
-                                     : "the folder's earlier content is in " + paths.old.string() +
-                                           ", which the next export puts back";
-      fail(dir, "the staging folder " + paths.staging.string() + " cannot be renamed to it (" +
-                    why + "); " + where);
-    }
+  }
+  if (exchanged != 0) {
+    // The folder cannot be renamed after all (overlayfs gives EXDEV for a folder of its lower
+    // layer), and it is as it was: its files are swapped instead.
+    DTRAIN_LOG(kInfo, "DCP export into " << dir << ": the folder cannot be renamed ("
+                                         << std::strerror(why)
+                                         << "), so its files are swapped in instead");
+    swap_files(paths, paths.staging);
+    return;
   }
   fsync_folder(paths.dir.parent_path().string());
   const std::string problem = clear_aside(aside, paths.dir);
@@ -699,20 +893,29 @@ void save_dcp_safetensors(const std::string& dir, const DcpShards& state,
 
   std::string failure;
   std::optional<detail::ExportPaths> paths;
+  bool inside = false;
   try {
     paths = detail::export_paths(dir);
-    if (rank == 0) detail::prepare_export(*paths);
+    if (rank == 0) inside = detail::prepare_export(*paths);
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  at::Tensor prepared = torch::zeros({world}, torch::kInt64);
+  // Who failed, and where every rank stages: rank 0 decides (the others add 0), as a folder every
+  // rank looked at on its own could differ between hosts.
+  at::Tensor prepared = torch::zeros({world + 1}, torch::kInt64);
   prepared[rank] = failure.empty() ? 0 : 1;
+  prepared[world] = inside ? 1 : 0;
   ranks.all_reduce(prepared);
   if (!detail::failed_ranks(prepared, world).empty()) {
     throw UsageError(what + " failed: " +
                      (failure.empty() ? "rank(s) " + detail::failed_ranks(prepared, world) +
                                             " could not prepare the folder (see their errors)"
                                       : failure));
+  }
+  if (prepared[world].item<int64_t>() != 0) {
+    paths->staging = paths->dir / detail::kInsideStaging;
+    paths->old = paths->dir / detail::kInsideOld;
+    paths->inside = true;
   }
 
   // This rank's files: part k holds the k-th box of each parameter's range (and of its state).

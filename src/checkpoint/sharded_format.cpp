@@ -546,11 +546,19 @@ void fill_shards(StateSource& source, std::vector<FlatShard>& shards,
       // state holds (Adam's moments; SGD's momentum_buffer, which its first step sets to the
       // gradient, the same as from zeros unless dampening), and the others keep theirs. No state
       // for any of them (not stepped yet, SGD without momentum): none for the shard.
+      // A shard of padding only (a unit smaller than the world's shards) reads nothing, yet its
+      // state is the unit's like the others': zeros at their step, not a restart.
+      bool padding = true;
+      for (const auto& p : shard.params) {
+        padding =
+            padding && std::max(shard.offset, p.offset) >=
+                           std::min(shard.offset + value.numel(), p.offset + numel_of(p.shape));
+      }
       std::vector<std::string> fresh;
       for (const auto& field : optimizer_fields(kind)) {
         at::Tensor t = torch::zeros_like(value);
         std::vector<std::string> missing = fill_flat(source, shard, field, t, &found);
-        if (found) {
+        if (found || padding) {
           state.fields[field] = t.to(shard.shard.device());
           state.present = true;
         } else if (field == optimizer_fields(kind).front()) {

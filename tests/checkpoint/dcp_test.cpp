@@ -2,8 +2,9 @@
 // into boxes; a ZeRO run exported at N ranks and loaded at M ranks in every stage, into a plain
 // module, and as whole tensors, equal to the run's state exactly; folders whose chunks do not tile
 // a tensor, and damaged exports, named and not loaded; a re-export that fails leaves the earlier
-// one loadable; a parameter without optimizer state loads as a fresh one. PyTorch's side is
-// dcp_interop_test.cpp.
+// one loadable, beside the folder or inside it, and one that crashed is put back; a parameter
+// without optimizer state loads as a fresh one, a shard of padding only keeps its state. PyTorch's
+// side is dcp_interop_test.cpp.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -136,21 +137,24 @@ TEST(Dcp, ExportAtFewerRanksReplacesTheEarlierExportsFiles) {
   fs::remove_all(dir + "-sharded");
 }
 
-// The staging and put-aside folders beside `dir` (Note [Replacing an export] in dcp.cpp).
-std::vector<std::string> export_siblings(const std::string& dir) {
+// The staging and put-aside folders beside `dir` and inside it (Note [Replacing an export] in
+// dcp.cpp).
+std::vector<std::string> export_leftovers(const std::string& dir) {
   const fs::path path(dir);
   const std::string name = path.filename().string();
   return {(path.parent_path() / ("." + name + ".dtrain-export")).string(),
-          (path.parent_path() / ("." + name + ".dtrain-old")).string()};
+          (path.parent_path() / ("." + name + ".dtrain-old")).string(),
+          (path / ".dtrain-export").string(), (path / ".dtrain-old").string()};
 }
 
-TEST(Dcp, AReExportThatFailsOnOneRankLeavesTheEarlierExportLoadable) {
-  const std::string dir = testing::temp_dir("dtrain-dcp-replace");
-  const TensorTable first = export_run(2, 3, dir);
-  std::ofstream(dir + "/config.json") << "{}\n";  // the user's own file beside the weights
+void expect_no_leftovers(const std::string& dir) {
+  for (const auto& leftover : export_leftovers(dir))
+    EXPECT_FALSE(fs::exists(leftover)) << leftover << " is left";
+}
 
-  // Another run's export: rank 0 writes all its files, rank 1 fails (an optimizer whose state an
-  // export cannot hold), as a rank whose disk is full would.
+// Another run's export into `dir`: rank 0 writes all its files, rank 1 fails (an optimizer whose
+// state an export cannot hold), as a rank whose disk is full would. Returns each rank's error.
+std::vector<std::string> export_failing_on_rank_1(const std::string& dir) {
   torch::manual_seed(8);
   std::vector<std::string> errors(2);
   testing::run_dcp_sharded(
@@ -169,24 +173,138 @@ TEST(Dcp, AReExportThatFailsOnOneRankLeavesTheEarlierExportLoadable) {
       << errors[0];
   EXPECT_NE(errors[0].find("the folder is as it was"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("SGD, Adam and AdamW"), std::string::npos) << errors[1];
+  return errors;
+}
+
+std::string load_error(const std::string& dir) {
+  try {
+    load_dcp_safetensors(dir);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+TEST(Dcp, AReExportThatFailsOnOneRankLeavesTheEarlierExportLoadable) {
+  const std::string dir = testing::temp_dir("dtrain-dcp-replace");
+  const TensorTable first = export_run(2, 3, dir);
+  // The user's own files beside the weights, one of them hidden with ".tmp-" in its name (as an
+  // export's temporary files are, which the export does not keep).
+  std::ofstream(dir + "/config.json") << "{}\n";
+  std::ofstream(dir + "/.notes.tmp-1") << "mine\n";
+
+  export_failing_on_rank_1(dir);
   testing::expect_same_tables(first, load_dcp_safetensors(dir), "the export before the failed one");
-  for (const auto& sibling : export_siblings(dir))
-    EXPECT_FALSE(fs::exists(sibling)) << sibling << " is left";
+  expect_no_leftovers(dir);
 
   // What an export that crashed between its two renames (where the file system cannot exchange
-  // two folders) leaves: the folder put aside, part of a staging folder. The next export puts the
-  // folder back first, and neither stops it nor ends up in it; the user's file stays.
-  const std::string staging = export_siblings(dir)[0], old = export_siblings(dir)[1];
+  // two folders) leaves: the folder put aside, part of a staging folder. A load says where the
+  // earlier export is.
+  const std::string staging = export_leftovers(dir)[0], old = export_leftovers(dir)[1];
+  const std::string old_name = fs::path(old).filename().string();
   fs::rename(dir, old);
   fs::create_directories(staging);
   save_safetensors_file(staging + "/shard-00007-part-0.safetensors",
                         TensorTable{{"w", torch::ones({2})}});
+  std::string error = load_error(dir);
+  EXPECT_NE(error.find("is not a folder; an export that stopped midway left the earlier export in"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find(old_name), std::string::npos) << error;
+  // A script makes the folder again before the next export (writing its log): the folder holds
+  // no export, the one put aside is still the only whole one.
+  fs::create_directories(dir);
+  std::ofstream(dir + "/run.log") << "step 1\n";
+  error = load_error(dir);
+  EXPECT_NE(error.find("holds no .safetensors file; an export that stopped midway left the "
+                       "earlier export in"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find(old_name), std::string::npos) << error;
+
+  // The next export puts it back first, and the partial staging folder neither stops it nor ends
+  // up in it: even when that export fails, the earlier one loads.
+  export_failing_on_rank_1(dir);
+  testing::expect_same_tables(first, load_dcp_safetensors(dir), "the export put back");
+  expect_no_leftovers(dir);
   const TensorTable second = export_run(3, 2, dir);
   testing::expect_same_tables(second, load_dcp_safetensors(dir), "the export after it");
-  EXPECT_TRUE(fs::exists(dir + "/config.json")) << "the export removed the user's file";
+  for (const auto& file : {"config.json", ".notes.tmp-1", "run.log"})
+    EXPECT_TRUE(fs::exists(dir + "/" + file)) << "the export removed the user's " << file;
   EXPECT_FALSE(fs::exists(dir + "/shard-00007-part-0.safetensors"));
-  for (const auto& sibling : export_siblings(dir))
-    EXPECT_FALSE(fs::exists(sibling)) << sibling << " is left";
+  expect_no_leftovers(dir);
+  fs::remove_all(dir);
+  fs::remove_all(dir + "-sharded");
+}
+
+// Makes `dir` the working folder for its lifetime.
+class WorkingFolder {
+ public:
+  explicit WorkingFolder(const std::string& dir) : saved_(fs::current_path()) {
+    fs::current_path(dir);
+  }
+  ~WorkingFolder() { fs::current_path(saved_); }
+
+ private:
+  fs::path saved_;
+};
+
+TEST(Dcp, AFolderThatCannotBeRenamedIsStagedInsideAndSwappedFileByFile) {
+  // The working folder, which an export cannot rename away (as it cannot a docker volume's root):
+  // the export stages in <dir>/.dtrain-export and swaps files at the end (Note [Replacing an
+  // export] in dcp.cpp), with the same guarantees before the swap.
+  const std::string dir = testing::temp_dir("dtrain-dcp-inside");
+  fs::create_directories(dir);
+  {
+    const WorkingFolder working(dir);
+    const TensorTable first = export_run(2, 3, dir);
+    std::ofstream(dir + "/config.json") << "{}\n";
+    testing::expect_same_tables(first, load_dcp_safetensors(dir), "the first export");
+    EXPECT_TRUE(fs::equivalent(fs::current_path(), dir)) << "the working folder was moved";
+    expect_no_leftovers(dir);
+
+    export_failing_on_rank_1(dir);
+    testing::expect_same_tables(first, load_dcp_safetensors(dir),
+                                "the export before the failed one");
+    expect_no_leftovers(dir);
+
+    // A crash in the swap: the earlier index and part files moved out into .dtrain-old, some of the
+    // new part files in (one of them under a name of the earlier export). A load says where the
+    // earlier export is; the next export puts it back first, even when it then fails.
+    const std::string old = dir + "/.dtrain-old";
+    fs::create_directories(old);
+    std::vector<std::string> earlier;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name == "dtrain_dcp_index.json" || name.find(".safetensors") != std::string::npos)
+        earlier.push_back(name);
+    }
+    for (const auto& name : earlier) fs::rename(dir + "/" + name, old + "/" + name);
+    for (const auto& part : {"shard-00000-part-0.safetensors", "shard-00005-part-0.safetensors"})
+      save_safetensors_file(dir + "/" + part, TensorTable{{"w", torch::ones({2})}});
+    const std::string error = load_error(dir);
+    EXPECT_NE(error.find("the export did not finish; export again; an export that stopped midway "
+                         "left the earlier export in"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find(".dtrain-old: the next export"), std::string::npos) << error;
+    export_failing_on_rank_1(dir);
+    testing::expect_same_tables(first, load_dcp_safetensors(dir), "the export put back");
+    EXPECT_FALSE(fs::exists(dir + "/shard-00005-part-0.safetensors"));
+    expect_no_leftovers(dir);
+
+    // A crash once the new index is in: what is left aside is only removed.
+    const TensorTable second = export_run(3, 2, dir);
+    fs::create_directories(old);
+    fs::copy_file(dir + "/dtrain_dcp_index.json", old + "/dtrain_dcp_index.json");
+    save_safetensors_file(old + "/shard-00000-part-0.safetensors",
+                          TensorTable{{"w", torch::ones({2})}});
+    testing::expect_same_tables(second, load_dcp_safetensors(dir), "the export after it");
+    const TensorTable third = export_run(2, 1, dir);
+    testing::expect_same_tables(third, load_dcp_safetensors(dir), "the export after that");
+    EXPECT_TRUE(fs::exists(dir + "/config.json")) << "the export removed the user's file";
+    expect_no_leftovers(dir);
+  }
   fs::remove_all(dir);
   fs::remove_all(dir + "-sharded");
 }
@@ -221,15 +339,6 @@ void write_chunks(const std::string& path, const std::vector<Chunk>& chunks) {
     sharding[name] = {{"saved_offsets", offsets}};
   }
   save_safetensors_file(path, tensors, {{"DCP_SHARDING_INFO", sharding.dump()}});
-}
-
-std::string load_error(const std::string& dir) {
-  try {
-    load_dcp_safetensors(dir);
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "(loaded)";
 }
 
 TEST(Dcp, ChunksAreAssembledAndThoseThatDoNotTileATensorAreNamed) {
@@ -274,11 +383,9 @@ TEST(Dcp, ChunksAreAssembledAndThoseThatDoNotTileATensorAreNamed) {
   fs::remove_all(dir);
 }
 
-TEST(Dcp, AParameterWithoutOptimizerStateStartsFromZerosAndTheOthersKeepTheirs) {
-  // As FSDP2 saves a model one of whose parameters never had a gradient: PyTorch's Adam keeps no
-  // state for '3.bias'. At 2 ranks in stage 3, rank 1's shard of the last Linear holds part of
-  // '3.weight' and all of '3.bias'.
-  const std::string dir = testing::temp_dir("dtrain-dcp-stateless");
+// A folder as FSDP2 saves make_dcp_model's state (whole tensors: no sharding info), Adam's state
+// at step 7 for every parameter but `stateless` ("" for none). Returns what it holds.
+TensorTable write_whole_state(const std::string& dir, const std::string& stateless) {
   fs::create_directories(dir);
   torch::manual_seed(4);
   auto saved = testing::make_dcp_model();
@@ -286,17 +393,23 @@ TEST(Dcp, AParameterWithoutOptimizerStateStartsFromZerosAndTheOthersKeepTheirs) 
   for (const auto& item : saved->named_parameters()) {
     const at::Tensor value = item.value().detach();
     file.insert(item.key(), value.clone());
-    if (item.key() == "3.bias") continue;
+    if (item.key() == stateless) continue;
     file.insert("optim.state." + item.key() + ".exp_avg", torch::randn_like(value));
     file.insert("optim.state." + item.key() + ".exp_avg_sq", torch::rand_like(value));
     file.insert("optim.state." + item.key() + ".step", at::scalar_tensor(7.0, at::kFloat));
   }
   for (const auto& item : saved->named_buffers()) file.insert(item.key(), item.value().clone());
-  save_safetensors_file(dir + "/model.safetensors", file);  // whole tensors: no sharding info
+  save_safetensors_file(dir + "/model.safetensors", file);
+  return file;
+}
 
-  ::testing::internal::CaptureStderr();
+// Loads `dir` (write_whole_state's `file`) into a stage-3 ZeRO run of `world` ranks: every flat
+// shard has Adam's state at step 7, the file's moments where a parameter has them, and zeros for
+// `stateless` and the padding.
+void expect_shard_states(const std::string& dir, const TensorTable& file, int world,
+                         const std::string& stateless) {
   testing::run_dcp_sharded(
-      2, 3, testing::make_dcp_model(), [&](int rank, DcpSdp& sdp, torch::optim::Adam& adam) {
+      world, 3, testing::make_dcp_model(), [&](int rank, DcpSdp& sdp, torch::optim::Adam& adam) {
         DcpShards state = testing::dcp_shards(sdp, &adam);
         load_dcp_safetensors(dir, state, sdp->group());
         for (const auto& shard : state.shards) {
@@ -306,25 +419,43 @@ TEST(Dcp, AParameterWithoutOptimizerStateStartsFromZerosAndTheOthersKeepTheirs) 
           const auto& s = static_cast<const torch::optim::AdamParamState&>(*it->second);
           EXPECT_EQ(s.step(), 7);
           const int64_t first = shard.offset, last = shard.offset + shard.shard.numel();
-          for (const auto& p : shard.params) {
-            const int64_t lo = std::max(first, p.offset),
-                          hi = std::min(last, p.offset + c10::multiply_integers(p.shape));
-            if (lo >= hi) continue;
-            for (const std::string field : {"exp_avg", "exp_avg_sq"}) {
-              const at::Tensor loaded = (field == "exp_avg" ? s.exp_avg() : s.exp_avg_sq())
-                                            .narrow(0, lo - first, hi - lo);
-              const at::Tensor expected =
-                  p.name == "3.bias"
-                      ? torch::zeros({hi - lo})
-                      : file["optim.state." + p.name + "." + field].reshape(-1).narrow(
-                            0, lo - p.offset, hi - lo);
-              EXPECT_TRUE(torch::equal(loaded, expected)) << p.name << " " << field;
+          for (const std::string field : {"exp_avg", "exp_avg_sq"}) {
+            at::Tensor expected = torch::zeros({shard.shard.numel()});
+            for (const auto& p : shard.params) {
+              const int64_t lo = std::max(first, p.offset),
+                            hi = std::min(last, p.offset + c10::multiply_integers(p.shape));
+              if (lo >= hi || p.name == stateless) continue;
+              expected.narrow(0, lo - first, hi - lo)
+                  .copy_(file["optim.state." + p.name + "." + field].reshape(-1).narrow(
+                      0, lo - p.offset, hi - lo));
             }
+            const at::Tensor loaded = field == "exp_avg" ? s.exp_avg() : s.exp_avg_sq();
+            EXPECT_TRUE(torch::equal(loaded, expected)) << field;
           }
         }
       });
+}
+
+TEST(Dcp, AParameterWithoutOptimizerStateStartsFromZerosAndTheOthersKeepTheirs) {
+  // As FSDP2 saves a model one of whose parameters never had a gradient: PyTorch's Adam keeps no
+  // state for '3.bias'. At 2 ranks in stage 3, rank 1's shard of the last Linear holds part of
+  // '3.weight' and all of '3.bias'.
+  const std::string dir = testing::temp_dir("dtrain-dcp-stateless");
+  const TensorTable file = write_whole_state(dir, "3.bias");
+  ::testing::internal::CaptureStderr();
+  expect_shard_states(dir, file, 2, "3.bias");
   const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(log.find("holds no optimizer state for parameter '3.bias'"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
+TEST(Dcp, AShardOfPaddingOnlyKeepsItsOptimizerState) {
+  // At 6 ranks in stage 3, rank 5's shards of the first Linear (25 parameters, 5 a rank) and of
+  // the BatchNorm (10, 2 a rank) hold padding only: they read nothing, yet keep the unit's state
+  // (zeros at its step) rather than restart it.
+  const std::string dir = testing::temp_dir("dtrain-dcp-padding");
+  const TensorTable file = write_whole_state(dir, "");
+  expect_shard_states(dir, file, 6, "");
   fs::remove_all(dir);
 }
 
