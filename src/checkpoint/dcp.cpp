@@ -590,9 +590,13 @@ std::string put_back(const fs::path& aside, const fs::path& dir) {
   std::string problem = list(dir, &stopped);
   if (problem.empty()) problem = list(aside, &earlier);
   if (!problem.empty()) return problem;
+  // A part in the folder that the earlier export lists and still holds aside is the stopped one's
+  // (the earlier one's copy is aside): it goes too, so that a put-back that stops midway leaves
+  // part of the earlier export, never a mix of the two that PyTorch's reader would take for one.
+  const std::set<std::string> held(earlier.begin(), earlier.end());
   std::error_code error;
   for (const auto& name : stopped) {
-    if (listed.count(name)) continue;
+    if (listed.count(name) && !held.count(name)) continue;
     fs::remove(dir / name, error);
     if (error) return "cannot remove " + (dir / name).string() + " (" + error.message() + ")";
   }
@@ -651,6 +655,15 @@ bool prepare_export(const ExportPaths& paths) {
   if (error) {
     fail(dir, "cannot be created (" + error.message() + "); check the path and its permissions");
   }
+  // Another program's .safetensors first: a put-back into such a folder would mix the two.
+  for (const auto& entry : fs::directory_iterator(paths.dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (ends_with(name, ".safetensors") && !is_dcp_part_name(name)) {
+      fail(dir, "holds " + name +
+                    ", which is not a file of dtrain's export: PyTorch's reader would mix it in; "
+                    "export into another folder, or remove it");
+    }
+  }
   // An index aside and none in the folder: the folder lost the earlier export midway (or was made
   // again after a crash between the two renames, by a script writing its config.json), and the
   // put-aside one is the only whole export there is.
@@ -661,14 +674,6 @@ bool prepare_export(const ExportPaths& paths) {
     if (!problem.empty()) {
       fail(dir, "an earlier export was interrupted and is in " + aside.string() +
                     ", which could not be put back: " + problem);
-    }
-  }
-  for (const auto& entry : fs::directory_iterator(paths.dir, error)) {
-    const std::string name = entry.path().filename().string();
-    if (ends_with(name, ".safetensors") && !is_dcp_part_name(name)) {
-      fail(dir, "holds " + name +
-                    ", which is not a file of dtrain's export: PyTorch's reader would mix it in; "
-                    "export into another folder, or remove it");
     }
   }
   for (const auto& aside : {paths.old, paths.staging, inside_old, inside_staging}) {

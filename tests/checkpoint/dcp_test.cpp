@@ -325,6 +325,35 @@ TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
   fs::remove_all(dir);
 }
 
+// A crash between the two renames put the earlier export aside; the user then saved another
+// program's checkpoint into a new folder of that name. The next export refuses the folder, and
+// leaves it as the user made it: putting the earlier export back into it first would have mixed
+// dtrain's parts into a folder that PyTorch's reader takes whole.
+TEST(Dcp, AFolderWithAnotherProgramsFileGetsNoPutAsideExportBack) {
+  const std::string dir = testing::temp_dir("dtrain-dcp-foreign-after-crash");
+  const TensorTable first = export_run(2, 3, dir);
+  const std::string old = export_leftovers(dir)[1];
+  fs::rename(dir, old);
+  fs::create_directories(dir);
+  save_safetensors_file(dir + "/model.safetensors", TensorTable{{"w", torch::ones({2})}});
+  testing::run_dcp_sharded(
+      1, 1, testing::make_dcp_model(), [&](int, DcpSdp& sdp, torch::optim::Adam& adam) {
+        try {
+          save_dcp_safetensors(dir, testing::dcp_shards(sdp, &adam), sdp->group());
+          ADD_FAILURE() << "exported beside another program's file";
+        } catch (const UsageError& e) {
+          EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
+        }
+      });
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename());
+  EXPECT_EQ(names, std::vector<std::string>{"model.safetensors"});
+  EXPECT_TRUE(fs::exists(old + "/dtrain_dcp_index.json")) << "the put-aside export is gone";
+  fs::remove_all(dir);
+  fs::remove_all(old);
+  fs::remove_all(dir + "-sharded");
+}
+
 // A folder of hand-made chunks, as another program could write them.
 struct Chunk {
   std::string name;
