@@ -300,6 +300,11 @@ TEST(Dcp, AFolderThatCannotBeRenamedIsStagedInsideAndSwappedFileByFile) {
     save_safetensors_file(old + "/shard-00000-part-0.safetensors",
                           TensorTable{{"w", torch::ones({2})}});
     testing::expect_same_tables(second, load_dcp_safetensors(dir), "the export after it");
+    // A failed export then leaves the folder's own export: had the one aside been put back, the
+    // load would see its part of ones.
+    export_failing_on_rank_1(dir);
+    testing::expect_same_tables(second, load_dcp_safetensors(dir), "the export kept, not put back");
+    expect_no_leftovers(dir);
     const TensorTable third = export_run(2, 1, dir);
     testing::expect_same_tables(third, load_dcp_safetensors(dir), "the export after that");
     EXPECT_TRUE(fs::exists(dir + "/config.json")) << "the export removed the user's file";
