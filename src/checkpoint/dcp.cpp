@@ -570,6 +570,17 @@ std::string clear_aside(const fs::path& aside, const fs::path& dir) {
   return "";
 }
 
+// The names of the export part files in `folder` into `names`. Returns what went wrong ("" if
+// nothing).
+std::string list_part_files(const fs::path& folder, std::vector<std::string>* names) {
+  std::error_code error;
+  for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (is_dcp_part_name(name)) names->push_back(name);
+  }
+  return error ? "cannot list " + folder.string() + " (" + error.message() + ")" : "";
+}
+
 // Rank 0: `aside` holds an earlier export's index where `dir` holds none, so an export stopped
 // after it took the earlier one out of the folder and before its own was in (Note [Replacing an
 // export]). Puts the earlier export back: the stopped one's part files go (the earlier one's not
@@ -578,17 +589,9 @@ std::string clear_aside(const fs::path& aside, const fs::path& dir) {
 std::string put_back(const fs::path& aside, const fs::path& dir) {
   const ExportIndex index = read_index(aside.string(), (aside / kDcpIndexName).string());
   const std::set<std::string> listed(index.files.begin(), index.files.end());
-  auto list = [](const fs::path& folder, std::vector<std::string>* names) {
-    std::error_code error;
-    for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error)) {
-      const std::string name = it->path().filename().string();
-      if (is_dcp_part_name(name)) names->push_back(name);
-    }
-    return error ? "cannot list " + folder.string() + " (" + error.message() + ")" : "";
-  };
   std::vector<std::string> stopped, earlier;
-  std::string problem = list(dir, &stopped);
-  if (problem.empty()) problem = list(aside, &earlier);
+  std::string problem = list_part_files(dir, &stopped);
+  if (problem.empty()) problem = list_part_files(aside, &earlier);
   if (!problem.empty()) return problem;
   // A part in the folder that the earlier export lists and still holds aside is the stopped one's
   // (the earlier one's copy is aside): it goes too, so that a put-back that stops midway leaves
@@ -721,14 +724,8 @@ void swap_files(const ExportPaths& paths, const fs::path& staged) {
   }
   std::vector<std::string> earlier, parts;
   for (const auto& [folder, names] : {std::pair{paths.dir, &earlier}, std::pair{staged, &parts}}) {
-    for (fs::directory_iterator it(folder, error), end; !error && it != end; it.increment(error)) {
-      const std::string name = it->path().filename().string();
-      if (is_dcp_part_name(name)) names->push_back(name);
-    }
-    if (error) {
-      fail(dir, "cannot list " + folder.string() + " (" + error.message() +
-                    "); the folder is as it was");
-    }
+    const std::string problem = list_part_files(folder, names);
+    if (!problem.empty()) fail(dir, problem + "; the folder is as it was");
   }
   const bool had_index = fs::exists(paths.dir / kDcpIndexName, error);
   // A rename that fails puts the earlier export back where it was already taken out.

@@ -441,7 +441,6 @@ SafetensorsFile read_safetensors_file(const std::string& path) {
   const std::vector<Entry>& entries = parsed.entries;
 
   uint32_t in_file_order = crc32_update(0, nullptr, 0);
-  std::map<std::string, const at::Tensor*> by_name;
   for (const auto& entry : entries) {
     at::Tensor tensor = at::empty(entry.shape, at::TensorOptions().dtype(entry.type));
     const uint64_t bytes = entry.end - entry.begin;
@@ -455,6 +454,7 @@ SafetensorsFile read_safetensors_file(const std::string& path) {
   if (expected != result.metadata.end() && expected->second != hex32(in_file_order)) {
     // Before 2026-11-27 dtrain summed the data in file order; since then by name (Note [The CRC
     // of a safetensors file]).
+    std::map<std::string, const at::Tensor*> by_name;
     for (const auto& item : result.tensors) by_name[item.key()] = &item.value();
     const uint32_t crc = crc_by_name(by_name);
     if (expected->second != hex32(crc)) {

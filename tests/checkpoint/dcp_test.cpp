@@ -314,10 +314,8 @@ TEST(Dcp, AFolderThatCannotBeRenamedIsStagedInsideAndSwappedFileByFile) {
   fs::remove_all(dir + "-sharded");
 }
 
-TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
-  const std::string dir = testing::temp_dir("dtrain-dcp-foreign");
-  fs::create_directories(dir);
-  save_safetensors_file(dir + "/model.safetensors", TensorTable{{"w", torch::ones({2})}});
+// An export into `dir`, which holds another program's model.safetensors, is refused, naming it.
+void expect_refused_beside_model_safetensors(const std::string& dir) {
   testing::run_dcp_sharded(
       1, 1, testing::make_dcp_model(), [&](int, DcpSdp& sdp, torch::optim::Adam& adam) {
         try {
@@ -327,6 +325,13 @@ TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
           EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
         }
       });
+}
+
+TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
+  const std::string dir = testing::temp_dir("dtrain-dcp-foreign");
+  fs::create_directories(dir);
+  save_safetensors_file(dir + "/model.safetensors", TensorTable{{"w", torch::ones({2})}});
+  expect_refused_beside_model_safetensors(dir);
   fs::remove_all(dir);
 }
 
@@ -336,20 +341,12 @@ TEST(Dcp, RefusesToExportIntoAFolderWithAnotherProgramsSafetensors) {
 // dtrain's parts into a folder that PyTorch's reader takes whole.
 TEST(Dcp, AFolderWithAnotherProgramsFileGetsNoPutAsideExportBack) {
   const std::string dir = testing::temp_dir("dtrain-dcp-foreign-after-crash");
-  const TensorTable first = export_run(2, 3, dir);
+  export_run(2, 3, dir);
   const std::string old = export_leftovers(dir)[1];
   fs::rename(dir, old);
   fs::create_directories(dir);
   save_safetensors_file(dir + "/model.safetensors", TensorTable{{"w", torch::ones({2})}});
-  testing::run_dcp_sharded(
-      1, 1, testing::make_dcp_model(), [&](int, DcpSdp& sdp, torch::optim::Adam& adam) {
-        try {
-          save_dcp_safetensors(dir, testing::dcp_shards(sdp, &adam), sdp->group());
-          ADD_FAILURE() << "exported beside another program's file";
-        } catch (const UsageError& e) {
-          EXPECT_NE(std::string(e.what()).find("model.safetensors"), std::string::npos) << e.what();
-        }
-      });
+  expect_refused_beside_model_safetensors(dir);
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename());
   EXPECT_EQ(names, std::vector<std::string>{"model.safetensors"});
