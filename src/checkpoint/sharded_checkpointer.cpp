@@ -155,9 +155,11 @@ std::unique_ptr<SavedShards> find_latest_complete(const CheckpointOptions& optio
   }
 }
 
-// Sampler position, step, RNG and extras from one saved rank's file.
+// Refuses a saved rank's sampler position or RNG state that cannot be applied. Called before
+// anything of the caller's state changes, so a refusal leaves the model, the optimizer, the sampler
+// and the RNG as they were rather than half loaded.
 template <typename State>
-void apply_extras(const RankFile& file, const std::string& path, State& state) {
+void check_extras(const RankFile& file, const std::string& path, const State& state) {
   if (state.sampler) {
     if (!file.has_sampler) {
       throw UsageError("sharded checkpoint " + path +
@@ -171,8 +173,24 @@ void apply_extras(const RankFile& file, const std::string& path, State& state) {
                        std::to_string(state.sampler->dataset_size()) +
                        " samples; resume it with the dataset it was saved with");
     }
-    state.sampler->load_state(file.sampler);
   }
+  if (state.rng && file.rng.defined()) {
+    try {
+      detail::check_cpu_rng_state(file.rng);
+    } catch (const c10::Error& e) {
+      const std::string cause = e.what_without_backtrace();
+      throw UsageError("sharded checkpoint " + path +
+                       ": its RNG state is not a state of torch's CPU generator (" +
+                       cause.substr(0, cause.find('\n')) +
+                       "); load it with rng false, or move it aside to load the one before it");
+    }
+  }
+}
+
+// Sampler position, step, RNG and extras from one saved rank's file, checked by check_extras.
+template <typename State>
+void apply_extras(const RankFile& file, State& state) {
+  if (state.sampler) state.sampler->load_state(file.sampler);
   if (state.rng && file.rng.defined()) detail::set_cpu_rng_state(file.rng);
   state.step = file.step;
   state.tensors = file.tensors;
@@ -310,11 +328,12 @@ std::optional<LoadedCheckpoint> ShardedCheckpointer::load_latest(ShardedTraining
   auto saved = find_latest_complete(options_, ranks, &loaded.skipped);
   if (!saved) return std::nullopt;
   loaded.path = saved->describe().substr(std::string("sharded checkpoint ").size());
-  detail::fill_shards(*saved, state.shards, state.optimizer);
   // The RNG and extras of the saving rank of the same number; ranks beyond the saved world take
   // rank 0's (the sampler position is the same in all).
   const int64_t source = ranks.rank() < saved->metadata().world_size ? ranks.rank() : 0;
-  apply_extras(saved->file(source), loaded.path, state);
+  check_extras(saved->file(source), loaded.path, state);
+  detail::fill_shards(*saved, state.shards, state.optimizer);
+  apply_extras(saved->file(source), state);
   loaded.step = state.step;
   return loaded;
 }
@@ -326,6 +345,7 @@ std::optional<LoadedCheckpoint> load_sharded_as_full(const CheckpointOptions& op
   auto saved = find_latest_complete(options, Ranks{nullptr}, &loaded.skipped);
   if (!saved) return std::nullopt;
   loaded.path = saved->describe().substr(std::string("sharded checkpoint ").size());
+  check_extras(saved->file(0), loaded.path, full);
   if (full.model) {
     detail::fill_module(*saved, *full.model, full.optimizer);
   } else if (full.optimizer) {
@@ -333,7 +353,7 @@ std::optional<LoadedCheckpoint> load_sharded_as_full(const CheckpointOptions& op
         "load_sharded_as_full: TrainingState::optimizer needs TrainingState::model "
         "(the optimizer's parameters are found by their names in the model)");
   }
-  apply_extras(saved->file(0), loaded.path, full);
+  apply_extras(saved->file(0), full);
   loaded.step = full.step;
   return loaded;
 }

@@ -448,13 +448,15 @@ TEST(ShardedCheckpoint, CheckpointOfAnotherModelOrOptimizerIsAClearErrorAndChang
     auto optimizer = make_optimizer(Optim::kSgdMomentum, toy.shard_tensors());
     const Data data(1);
     toy_step(toy, *optimizer, data, 0, nullptr);
-    ShardedTrainingState state{toy.shards, 1, optimizer.get()};
+    DistributedSampler sampler(100, 1, 0);
+    sampler.advance(60);
+    ShardedTrainingState state{toy.shards, 1, optimizer.get(), &sampler, 1, /*rng=*/false};
     ShardedCheckpointer(options).save(state);
   }
   auto expect_error = [&](ToyShardedRank& toy, torch::optim::Optimizer* optimizer,
-                          const std::string& expected) {
+                          const std::string& expected, DistributedSampler* sampler = nullptr) {
     at::Tensor before = toy.shards[0].shard.detach().clone();
-    ShardedTrainingState state{toy.shards, 1, optimizer};
+    ShardedTrainingState state{toy.shards, 1, optimizer, sampler, 0, /*rng=*/false};
     try {
       ShardedCheckpointer(options).load_latest(state);
       FAIL() << "loaded into a state that does not fit";
@@ -462,6 +464,7 @@ TEST(ShardedCheckpoint, CheckpointOfAnotherModelOrOptimizerIsAClearErrorAndChang
       EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
     }
     EXPECT_TRUE(torch::equal(before, toy.shards[0].shard));
+    EXPECT_EQ(state.step, 0);
   };
   {
     ToyShardedRank toy(make_model(), Units::kOne, 0, 1);
@@ -473,6 +476,15 @@ TEST(ShardedCheckpoint, CheckpointOfAnotherModelOrOptimizerIsAClearErrorAndChang
                                 torch::nn::Linear(6, 3));
     ToyShardedRank toy(wider, Units::kOne, 0, 1);
     expect_error(toy, nullptr, "holds '0.weight' of shape [5, 4] but the model's is [6, 4]");
+  }
+  {
+    // The sampler position is refused before the shards are filled, not after.
+    ToyShardedRank toy(make_model(), Units::kOne, 0, 1);
+    auto sgd = make_optimizer(Optim::kSgdMomentum, toy.shard_tensors());
+    DistributedSampler smaller(50, 1, 0);
+    expect_error(toy, sgd.get(), "its sampler position does not fit a dataset of 50 samples",
+                 &smaller);
+    EXPECT_EQ(smaller.state().samples_consumed, 0);
   }
   fs::remove_all(options.dir);
 }
