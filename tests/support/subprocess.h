@@ -2,6 +2,7 @@
 // its exit code and combined output.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -84,11 +85,22 @@ inline CommandResult run_command(const std::string& command, int time_limit_s = 
   return result;
 }
 
-// The first `"key": <integer>` in a program's output (its JSON result line; a space after the
-// colon or none), or -1 when there is none.
+// Whether the output holds `"key": <integer>` (its JSON result line; a space after the colon or
+// none).
+inline bool json_has_int(const std::string& output, const std::string& key) {
+  return std::regex_search(output, std::regex("\"" + key + "\": *-?[0-9]+"));
+}
+
+// The first `"key": <integer>` in a program's output. A missing key fails the calling test, with
+// the output shown, and reads as -1: a sentinel alone would pass EXPECT_LT, EXPECT_NE and the
+// comparison of two runs that both printed nothing. Where no result line is the expected outcome,
+// ask json_has_int.
 inline int64_t json_int(const std::string& output, const std::string& key) {
   std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(-?[0-9]+)"))) return -1;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(-?[0-9]+)"))) {
+    ADD_FAILURE() << "no \"" << key << "\": <integer> in the program's output:\n" << output;
+    return -1;
+  }
   return std::stoll(match[1]);
 }
 
