@@ -35,10 +35,15 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/dtrain DESTINATION ${CMAKE_INSTA
   FILES_MATCHING PATTERN "*.h")
 install(EXPORT dtrainTargets NAMESPACE dtrain:: DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
 
+# Generated into a folder of their own, not the build tree's root: find_package searches <prefix>/ itself, and
+# a build tree on CMAKE_PREFIX_PATH then took this install-only config for a package and failed inside it
+# (its targets file and dtrainFindTorch.cmake exist only once installed). A project that builds dtrain
+# along with itself uses add_subdirectory, which gives the same target names.
+set(_dtrain_package_dir ${PROJECT_BINARY_DIR}/cmake-package)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dtrainConfig.cmake.in
-  ${PROJECT_BINARY_DIR}/dtrainConfig.cmake INSTALL_DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+  ${_dtrain_package_dir}/dtrainConfig.cmake INSTALL_DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
 # 0.x: a minor version may change the API, so only the same major.minor is compatible.
-write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
+write_basic_package_version_file(${_dtrain_package_dir}/dtrainConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
-install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
+install(FILES ${_dtrain_package_dir}/dtrainConfig.cmake ${_dtrain_package_dir}/dtrainConfigVersion.cmake
   ${PROJECT_SOURCE_DIR}/cmake/dtrainFindTorch.cmake DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})

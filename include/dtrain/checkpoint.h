@@ -7,7 +7,7 @@
 //   options.dir = "ckpt";
 //   options.async = true;                    // the loop waits only for a copy in memory
 //   dtrain::Checkpointer checkpointer(options, pg);  // pg: loads read the folder on rank 0 only
-//   dtrain::TrainingState state{&net, &optimizer, &sampler};
+//   dtrain::TrainingState state{net.get(), &optimizer, &sampler};  // net: a TORCH_MODULE holder
 //   if (auto loaded = checkpointer.load_latest(state)) start_step = state.step;
 //   for (...) {
 //     ...; state.step = step;

@@ -7,7 +7,10 @@
 //   for (auto& batch : *loader) {
 //     ...one step...
 //     if (dtrain::should_stop(pg)) {                 // every rank, once per step
-//       if (pg->rank() == 0) checkpointer.save(state);
+//       if (pg->rank() == 0) {
+//         checkpointer.save(state);
+//         checkpointer.wait();                       // an async save is on disk only now
+//       }
 //       pg->barrier();                               // exit once the checkpoint is on disk
 //       return dtrain::kStopExitCode;                // 143: stopped, not finished
 //     }

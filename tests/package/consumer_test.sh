@@ -11,6 +11,11 @@ cmake --install "$build" --prefix "$work/prefix" >"$work/install.log"
 for f in include/dtrain/ddp.h lib/cmake/dtrain/dtrainConfig.cmake bin/dtrain; do
   [ -e "$work/prefix/$f" ] || { echo "consumer_test: the install lacks $f" >&2; exit 1; }
 done
+# LibTorch's libraries come from the consumer's own find_package(Torch), not from paths of this build.
+if grep -l 'libc10' "$work/prefix"/lib/cmake/dtrain/dtrainTargets*.cmake; then
+  echo "consumer_test: the installed targets name LibTorch's libraries by this build's paths" >&2
+  exit 1
+fi
 if find "$work/prefix" -name '*_test*' -o -name 'bench_*' | grep -q .; then
   echo "consumer_test: tests or benchmarks were installed:" >&2
   find "$work/prefix" -name '*_test*' -o -name 'bench_*' >&2
