@@ -85,7 +85,10 @@ struct DistributedDataParallelOptions {
   // starts as early as possible in backward (PyTorch uses 1 MiB too).
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;
   // Allow parameters that get no gradient in a step (unused branches). Costs one small extra
-  // all-reduce per step and the overlap of buckets that wait for such parameters.
+  // all-reduce per step and the overlap of buckets that wait for such parameters. As in PyTorch, a
+  // parameter that any rank used in any backward since the last averaging one (no_sync() ones
+  // included) gets the average on every rank, a rank that did not use it counting its .grad as it
+  // stands (zeros if undefined); one no rank used keeps its .grad as it was.
   bool find_unused_parameters = false;
   // Broadcast rank 0's buffers (e.g. BatchNorm running statistics) before every forward.
   bool broadcast_buffers = true;
@@ -115,10 +118,11 @@ class Reducer;
 // wrapped module, registered as "module" (Note [DDP parameter names]).
 class DistributedDataParallelBase : public torch::nn::Module {
  public:
-  // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same
-  // parameters (names, shapes, dtypes); a mismatch is a UsageError naming the first differing
-  // parameter and the ranks that differ. Blocks until every rank of `group` has constructed its DDP
-  // (up to the timeout).
+  // Broadcasts parameters (frozen ones, requires_grad false, included, as PyTorch does) and
+  // buffers from rank 0 and checks that every rank has the same parameters (names, shapes, dtypes,
+  // which are frozen); a mismatch is a UsageError naming the first differing parameter and the
+  // ranks that differ. Blocks until every rank of `group` has constructed its DDP (up to the
+  // timeout).
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<ProcessGroup> group,
                               DistributedDataParallelOptions options = {});

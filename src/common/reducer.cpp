@@ -27,19 +27,26 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Proc
                      ": DistributedDataParallel: bucket_cap_bytes and first_bucket_cap_bytes must "
                      "be positive");
   }
+  // Every parameter, frozen ones included, is checked and broadcast, as PyTorch's
+  // _sync_module_states broadcasts them: a frozen layer initialised differently on each rank would
+  // otherwise make the replicas compute different functions for the whole run. Only trainable
+  // parameters get buckets and hooks. The " (frozen)" suffix puts requires_grad into the check:
+  // a parameter trainable on one rank and frozen on another would give the ranks different buckets.
+  std::vector<NamedParameter> named;
+  std::vector<at::Tensor> state;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
+    const at::Tensor& tensor = item.value();
+    named.emplace_back(tensor.requires_grad() ? item.key() : item.key() + " (frozen)", tensor);
+    state.push_back(tensor);
+    if (!tensor.requires_grad()) continue;
     Param p;
-    p.tensor = item.value();
+    p.tensor = tensor;
     p.name = item.key();
     params_.push_back(std::move(p));
   }
-  std::vector<NamedParameter> named;
-  for (const auto& p : params_) named.emplace_back(p.name, p.tensor);
+  // Before the broadcast: it packs the tensors by dtype, and a shape that differs on one rank
+  // would pair different elements across ranks instead of failing.
   check_same_parameters(*group_, named, "DistributedDataParallel");
-
-  std::vector<at::Tensor> state;
-  for (auto& p : params_) state.push_back(p.tensor);
   for (auto& buffer : module_->buffers(/*recurse=*/true)) state.push_back(buffer);
   broadcast_from_rank0(state);
 
@@ -203,6 +210,12 @@ void Reducer::finalize() {
 
 void Reducer::on_gradient_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Noted before the no_sync() return below, as PyTorch's autograd_hook marks local_used_map_: a
+  // parameter this rank used in any backward since the last averaging one holds a gradient the
+  // average must include, even when the averaging backward itself does not use it
+  // (finalize_backward()). Only a defined gradient counts (a hook may run for an output the loss
+  // does not use).
+  if (params_[index].tensor.grad().defined()) params_[index].used_since_sync = true;
   if (!sync_this_iteration_) return;  // inside no_sync(): gradients just accumulate locally
   if (!backward_started_) {
     backward_started_ = true;
@@ -307,7 +320,10 @@ void Reducer::finalize_backward() {
   // Whatever happens below, the next iteration starts clean.
   struct ResetOnExit {
     Reducer* reducer;
-    ~ResetOnExit() { reducer->reset_iteration(); }
+    ~ResetOnExit() {
+      reducer->reset_iteration();
+      for (auto& p : reducer->params_) p.used_since_sync = false;
+    }
   } reset{this};
 
   std::vector<size_t> missing;
@@ -346,11 +362,15 @@ void Reducer::finalize_backward() {
     return;
   }
   if (options_.find_unused_parameters) {
-    // Which parameters were used on any rank: a globally unused parameter keeps its .grad as it
-    // was.
-    used = at::ones({static_cast<int64_t>(params_.size())}, at::kInt);
+    // Which parameters any rank used since the last averaging backward, no_sync() backwards
+    // included: those get the average on every rank (a rank that did not use one contributes its
+    // gradient as it stands, or zeros), so the replicas' optimizers see the same gradients. A
+    // parameter no rank used keeps its .grad as it was.
+    used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
     auto flags = used.accessor<int, 1>();
-    for (size_t i : missing) flags[static_cast<int64_t>(i)] = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i].used_since_sync) flags[static_cast<int64_t>(i)] = 1;
+    }
   }
   launch_ready_buckets();
   {
@@ -377,8 +397,9 @@ void Reducer::finalize_backward() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (used_anywhere && used_anywhere[i] == 0) {
-      // Unused on every rank: .grad stays as it was. An optimizer skips a parameter without a
-      // gradient but would apply weight decay or momentum to a zero one.
+      // Unused on every rank since the last averaging backward: .grad stays as it was. An
+      // optimizer skips a parameter without a gradient but would apply weight decay or momentum
+      // to a zero one.
       if (options_.gradient_as_bucket_view && p.had_no_gradient)
         p.tensor.mutable_grad() = at::Tensor();
       continue;

@@ -68,6 +68,9 @@ class Reducer {
     at::Tensor slot;               // this parameter's view into its bucket
     bool ready = false;            // its gradient arrived in this backward
     bool had_no_gradient = false;  // .grad was undefined when it became ready
+    // A backward of this rank gave it a gradient since the last averaging backward, no_sync()
+    // ones included (PyTorch's local_used_map_); what find_unused_parameters all-reduces.
+    bool used_since_sync = false;
   };
 
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);

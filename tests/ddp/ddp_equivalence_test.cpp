@@ -167,8 +167,6 @@ TEST_P(DdpEquivalence, WithoutOverlap) {
   expect_equivalent(GetParam(), Optim::kSgd, options);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpEquivalence, ::testing::Values(1, 2, 3, 4));
-
 // The file this process has mapped at `address` (/proc/self/maps), or "" if anonymous or unmapped.
 std::string mapping_of(const void* address) {
   std::ifstream maps("/proc/self/maps");
@@ -183,6 +181,87 @@ std::string mapping_of(const void* address) {
   }
   return "";
 }
+
+// Gradient accumulation as many training loops write it: zero_grad(false) zeroes the gradients in
+// place, then several micro-batches, all but the last under no_sync(), add to them. With gradient
+// views backward then adds straight into the bucket's slices (the tests above set the gradients
+// to undefined, so backward always starts a new tensor that DDP copies in). Each micro-batch is a
+// global batch of its own; the loss is divided by their number.
+constexpr int kMicroBatches = 3;
+
+std::vector<torch::Tensor> train_single_accumulating() {
+  auto net = make_mlp();
+  auto optimizer = make_optimizer(Optim::kSgd, net->parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    optimizer->zero_grad(/*set_to_none=*/false);
+    for (int micro = 0; micro < kMicroBatches; ++micro) {
+      Data d = make_data(step * kMicroBatches + micro);
+      (torch::nn::functional::cross_entropy(net->forward(d.x), d.y) / kMicroBatches).backward();
+    }
+    optimizer->step();
+  }
+  std::vector<torch::Tensor> result;
+  for (auto& p : net->parameters()) result.push_back(p.detach().clone());
+  return result;
+}
+
+TEST_P(DdpEquivalence, ZeroGradInPlaceAndAccumulationUnderNoSync) {
+  const int world = GetParam();
+  auto want = train_single_accumulating();
+  auto initial = make_mlp();
+  std::vector<Data> data;  // drawn here: the global generator is not for concurrent use
+  for (int i = 0; i < kSteps * kMicroBatches; ++i) data.push_back(make_data(i));
+  for (bool views : {true, false}) {
+    for (bool shared_memory : {true, false}) {
+      DistributedDataParallelOptions options;
+      options.gradient_as_bucket_view = views;
+      options.first_bucket_cap_bytes = 100;  // several buckets, so several slices of each
+      options.bucket_cap_bytes = 600;
+      run_group(
+          world,
+          [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+            auto net = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(initial->clone());
+            DistributedDataParallel ddp(net, group, options);
+            auto optimizer = make_optimizer(Optim::kSgd, net->parameters());
+            auto [begin, count] = shard(kGlobalBatch, world, rank);
+            for (int step = 0; step < kSteps; ++step) {
+              optimizer->zero_grad(/*set_to_none=*/false);
+              for (int micro = 0; micro < kMicroBatches; ++micro) {
+                const Data& d = data[step * kMicroBatches + micro];
+                auto backward = [&] {
+                  (shard_loss(ddp->forward(d.x.narrow(0, begin, count)),
+                              d.y.narrow(0, begin, count), world) /
+                   kMicroBatches)
+                      .backward();
+                };
+                if (micro + 1 < kMicroBatches) {
+                  auto guard = ddp->no_sync();
+                  backward();
+                } else {
+                  backward();
+                }
+              }
+              optimizer->step();
+            }
+            if (views && world > 1) {
+              // The gradients kept across zero_grad(false) are still the buckets' slices: what
+              // this test is about.
+              const std::string file = mapping_of(net->parameters()[0].grad().data_ptr());
+              EXPECT_EQ(file.rfind("/dev/shm/dtrain-", 0) == 0, shared_memory)
+                  << "rank " << rank << ": gradient mapped from '" << file << "'";
+            }
+            std::vector<torch::Tensor> got;
+            for (auto& p : net->parameters()) got.push_back(p.detach().clone());
+            EXPECT_LT(relative_error(got, want), kTolerance)
+                << "world " << world << " rank " << rank << ", gradient_as_bucket_view " << views
+                << ", shared_memory " << shared_memory;
+          },
+          std::chrono::seconds(60), shared_memory);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpEquivalence, ::testing::Values(1, 2, 3, 4));
 
 TEST(Ddp, RanksOnOneHostReduceGradientsWhereTheyLieInSharedMemory) {
   // Note [Gradient buckets in shared memory]: each rank's gradients are its slice of a segment

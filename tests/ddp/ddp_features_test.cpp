@@ -1,6 +1,7 @@
 // DistributedDataParallel's features beyond the plain step: gradient accumulation with no_sync(),
-// unused parameters (the error and find_unused_parameters), the parameter check across ranks,
-// compression hooks, buffer broadcasting, and the number that rides on the gradients' all-reduce.
+// unused parameters (the error and find_unused_parameters, with and without no_sync()), frozen
+// parameters, the parameter check across ranks, compression hooks, buffer broadcasting, and the
+// number that rides on the gradients' all-reduce.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -143,6 +144,190 @@ TEST_F(DdpFeatures, FindUnusedParametersTrainsLikeOneProcess) {
     EXPECT_LT(relative_error(snapshot(*net), want), 1e-5);
     EXPECT_FALSE(net->unused->weight.grad().defined())
         << "a parameter unused everywhere keeps no gradient";
+  });
+}
+
+// A branch each call uses or not, as the caller says: a parameter some ranks use and others do not.
+struct Switchy : torch::nn::Module {
+  Switchy() {
+    torch::manual_seed(4);
+    trunk = register_module("trunk", torch::nn::Linear(6, 4));
+    branch = register_module("branch", torch::nn::Linear(6, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_branch) {
+    torch::Tensor out = trunk->forward(x);
+    return use_branch ? out + branch->forward(x) : out;
+  }
+  torch::nn::Linear trunk{nullptr}, branch{nullptr};
+};
+
+// find_unused_parameters with no_sync(): a parameter counts as used in a step when any rank used
+// it in any of the step's backwards, no_sync() ones included (PyTorch's local_used_map_), and every
+// rank then holds the average of what the ranks accumulated. Each step is a no_sync() micro-batch
+// and an averaging one; which ranks use the branch in each, kUses[step][micro][rank]:
+//   step 0: rank 0 only under no_sync(), no rank in the averaging micro-batch: rank 0's gradient
+//           must be averaged with rank 1's nothing, on both ranks, not kept on rank 0 alone;
+//   step 1: every rank, but only under no_sync(): the gradients must be averaged, not kept local;
+//   step 2: rank 1 under no_sync(), rank 0 in the averaging micro-batch.
+// SGD with momentum keeps any difference in a later step.
+TEST_F(DdpFeatures, BranchUsedOnSomeRanksOnlyUnderNoSyncTrainsLikeOneProcess) {
+  constexpr int kWorld = 2, kSteps = 3, kMicro = 2;
+  constexpr int64_t kRows = 3;  // per rank and micro-batch
+  constexpr bool kUses[kSteps][kMicro][kWorld] = {{{true, false}, {false, false}},
+                                                  {{true, true}, {false, false}},
+                                                  {{false, true}, {true, false}}};
+  torch::manual_seed(17);
+  auto x = torch::randn({kSteps, kMicro, kWorld * kRows, 6});
+  auto rows = [&](int step, int micro, int rank) {
+    return x[step][micro].narrow(0, rank * kRows, kRows);
+  };
+  auto make_optimizer = [](Switchy& net) {
+    return torch::optim::SGD(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+
+  // One process: every rank's micro-batches, each loss weighted as DDP's averaging weighs it.
+  Switchy single;
+  auto single_opt = make_optimizer(single);
+  for (int step = 0; step < kSteps; ++step) {
+    single_opt.zero_grad();
+    for (int micro = 0; micro < kMicro; ++micro) {
+      for (int rank = 0; rank < kWorld; ++rank) {
+        (single.forward(rows(step, micro, rank), kUses[step][micro][rank]).pow(2).mean() /
+         (kMicro * kWorld))
+            .backward();
+      }
+    }
+    single_opt.step();
+  }
+  auto want = snapshot(single);
+
+  for (bool bucket_view : {true, false}) {
+    for (bool shared_memory : {true, false}) {
+      SCOPED_TRACE("gradient_as_bucket_view " + std::to_string(bucket_view) + ", shared_memory " +
+                   std::to_string(shared_memory));
+      // Built here, not in the rank threads: the global generator is not for concurrent use.
+      std::vector<std::shared_ptr<Switchy>> nets;
+      for (int rank = 0; rank < kWorld; ++rank) nets.push_back(std::make_shared<Switchy>());
+      run_group(
+          kWorld,
+          [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+            auto net = nets[rank];
+            DistributedDataParallelOptions options;
+            options.find_unused_parameters = true;
+            options.gradient_as_bucket_view = bucket_view;
+            DistributedDataParallel ddp(net, group, options);
+            auto opt = make_optimizer(*net);
+            for (int step = 0; step < kSteps; ++step) {
+              opt.zero_grad();  // to undefined: LibTorch 2.x's default
+              for (int micro = 0; micro < kMicro; ++micro) {
+                auto backward = [&] {
+                  (ddp->forward(rows(step, micro, rank), kUses[step][micro][rank]).pow(2).mean() /
+                   kMicro)
+                      .backward();
+                };
+                if (micro + 1 < kMicro) {
+                  auto guard = ddp->no_sync();
+                  backward();
+                } else {
+                  backward();
+                }
+              }
+              opt.step();
+            }
+            EXPECT_LT(relative_error(snapshot(*net), want), 1e-5)
+                << "rank " << rank << ", gradient_as_bucket_view " << bucket_view
+                << ", shared_memory " << shared_memory;
+          },
+          std::chrono::seconds(60), shared_memory);
+    }
+  }
+}
+
+// Frozen parameters (requires_grad false) get no gradient, so nothing averaging could ever make
+// them agree: the constructor must broadcast them with the rest, as PyTorch's DDP does.
+TEST_F(DdpFeatures, FrozenParametersFollowRankZeroAndTrainLikeOneProcess) {
+  constexpr int kWorld = 3, kSteps = 2;
+  constexpr int64_t kRows = 2;  // per rank
+  auto make = [](int seed) {
+    torch::manual_seed(seed);
+    torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 2));
+    net[0]->as<torch::nn::LinearImpl>()->weight.requires_grad_(false);
+    return net;
+  };
+  torch::manual_seed(12);
+  auto x = torch::randn({kSteps, kWorld * kRows, 8});
+
+  auto single = make(0);  // rank 0's model: the one DDP must give every rank
+  torch::optim::SGD single_opt(single->parameters(), 0.2);
+  for (int step = 0; step < kSteps; ++step) {
+    single_opt.zero_grad();
+    single->forward(x[step]).pow(2).mean().backward();
+    single_opt.step();
+  }
+  auto want = snapshot(*single);
+  const torch::Tensor frozen_on_rank0 = make(0)[0]->as<torch::nn::LinearImpl>()->weight.clone();
+
+  std::vector<torch::nn::Sequential> nets;  // each rank seeded with its rank: all tensors differ
+  for (int rank = 0; rank < kWorld; ++rank) nets.push_back(make(rank));
+  ASSERT_FALSE(torch::equal(nets[1][0]->as<torch::nn::LinearImpl>()->weight, frozen_on_rank0));
+  run_group(kWorld, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    auto net = nets[rank];
+    DistributedDataParallel ddp(net, group);
+    const torch::Tensor& frozen = net[0]->as<torch::nn::LinearImpl>()->weight;
+    EXPECT_FALSE(frozen.requires_grad()) << "DDP unfroze the parameter";
+    EXPECT_TRUE(torch::equal(frozen, frozen_on_rank0))
+        << "rank " << rank << ": the frozen weight is not rank 0's after construction";
+    torch::optim::SGD opt(net->parameters(), 0.2);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      ddp->forward(x[step].narrow(0, rank * kRows, kRows)).pow(2).mean().backward();
+      opt.step();
+    }
+    EXPECT_LT(relative_error(snapshot(*net), want), 1e-5) << "rank " << rank;
+  });
+}
+
+TEST_F(DdpFeatures, AFrozenParameterThatDiffersBetweenRanksIsNamed) {
+  // Another shape on one rank: the broadcast would pair different elements across ranks.
+  std::vector<std::shared_ptr<torch::nn::Module>> nets;
+  for (int rank = 0; rank < 3; ++rank) {
+    nets.push_back(std::make_shared<Branchy>());
+    nets.back()->register_parameter("scale", torch::ones({rank == 1 ? 5 : 4}),
+                                    /*requires_grad=*/false);
+  }
+  run_group(3, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    try {
+      DistributedDataParallelBase ddp(nets[rank], group);
+      ADD_FAILURE() << "a frozen parameter of another shape on rank 1 was accepted";
+    } catch (const UsageError& e) {
+      std::string what = e.what();
+      // The module's own parameters come before its children's: 'scale' is #0.
+      EXPECT_NE(what.find("parameter #0 differs between ranks: ranks {1} do not match rank 0"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("rank 0 has 'scale (frozen)' [4] Float, rank 1 has 'scale (frozen)' [5] "
+                          "Float"),
+                std::string::npos)
+          << what;
+    }
+  });
+  // Frozen on one rank, trained on the others: the ranks' buckets would differ.
+  nets.clear();
+  for (int rank = 0; rank < 2; ++rank) {
+    auto net = std::make_shared<Branchy>();
+    if (rank == 1) net->used->weight.requires_grad_(false);
+    nets.push_back(net);
+  }
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    try {
+      DistributedDataParallelBase ddp(nets[rank], group);
+      ADD_FAILURE() << "a parameter frozen on rank 1 only was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 0 has 'used.weight' [4, 6] Float, rank 1 has "
+                                           "'used.weight (frozen)' [4, 6] Float"),
+                std::string::npos)
+          << e.what();
+    }
   });
 }
 
