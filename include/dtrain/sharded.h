@@ -50,7 +50,9 @@
 // all-gathers, 1.5x; stage 2 reduce-scatters and all-gathers, 1x; stage 3 gathers twice, 1.5x.
 // Between steps the module's parameters are views of the flat buffers (stages 1-2) or empty
 // tensors of shape {0} (stage 3, outside its forward and backward). Forward must go through
-// ShardedDataParallel; gradient accumulation goes through no_sync().
+// ShardedDataParallel; gradient accumulation goes through no_sync(). Parameters that do not
+// require gradients (frozen) are in no unit: every rank keeps them whole at every stage, starting
+// from rank 0's values as the buffers do.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -119,7 +121,7 @@ struct ShardedCommStats {
   int64_t all_reduce_bytes = 0;      // stage 1 gradients
   int64_t reduce_scatter_bytes = 0;  // stages 2-3 gradients
   int64_t all_gather_bytes = 0;      // parameters
-  int64_t broadcast_bytes = 0;       // rank 0's initial parameters
+  int64_t broadcast_bytes = 0;       // rank 0's initial parameters, frozen ones included
 };
 
 namespace detail {
@@ -131,10 +133,11 @@ struct ShardedPipelineSteps;  // src/sharded/pipeline_steps.h: DistributedPipeli
 // rank's shards (Note [Sharded parameter names]).
 class ShardedDataParallelBase : public torch::nn::Module {
  public:
-  // Broadcasts rank 0's parameters and buffers, checks every rank has the same parameters, builds
-  // the units and the shards. Blocks until every rank of `group` has constructed it (up to the
-  // timeout). Throws UsageError for a module that cannot be sharded as asked (a parameter shared
-  // between two units, a stage-3 unit without parameters, a stage outside 1..3).
+  // Checks every rank has the same parameters (names, shapes, dtypes; frozen ones too), broadcasts
+  // rank 0's parameters (frozen ones included) and buffers, builds the units and the shards. Blocks
+  // until every rank of `group` has constructed it (up to the timeout). Throws UsageError for a
+  // module that cannot be sharded as asked (a parameter shared between two units, a stage-3 unit
+  // without parameters, a stage outside 1..3).
   ShardedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                           std::shared_ptr<ProcessGroup> group,
                           ShardedDataParallelOptions options = {});
@@ -162,10 +165,13 @@ class ShardedDataParallelBase : public torch::nn::Module {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
-  // Makes the module's full parameters hold the current shards now (all-gathers; collective: every
-  // rank calls it). Stages 1-2 do this lazily before the next forward anyway; call it to evaluate
-  // or save the full module right after a step. Stage 3: the full parameters stay materialized (the
-  // whole model's memory) until release_full_parameters() or the next forward.
+  // Makes the module's full parameters hold the current shards now (always all-gathers; collective:
+  // every rank calls it). Stages 1-2 do this lazily before the next forward anyway; call it to
+  // evaluate or save the full module right after a step. Any time is safe, between backward and
+  // step too: the forward after a reduction gathers again whether or not this was called (dtrain
+  // cannot see the optimizer's step), so that step costs one all-gather more. Stage 3: the full
+  // parameters stay materialized (the whole model's memory), holding the shards as of this call,
+  // until release_full_parameters() or the next forward, which gathers afresh.
   void gather_full_parameters();
   // Stage 3: frees what gather_full_parameters() materialized (no communication). Else a no-op.
   void release_full_parameters();
@@ -174,7 +180,9 @@ class ShardedDataParallelBase : public torch::nn::Module {
   std::vector<FlatShard> flat_shards() const;
   // After the shard parameters were overwritten in place (a checkpoint load), make the full
   // parameters (stages 1-2) or the next gathers (stage 3) reflect them. Local; the gather happens
-  // lazily.
+  // lazily. Stages 1-2's next forward also notices writes through the shard tensors by their
+  // version counters, not writes through .data() or other tensors over their memory; stage 3 frees
+  // the full parameters gathered before the write.
   void shards_changed();
 
   // Collective payload bytes issued so far (for measuring communication per step).

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "common/format.h"
 #include "common/gradient_sync.h"
@@ -99,7 +100,10 @@ struct Unit {
   Work reduction;
   Work gather;  // stage 3: the all-gather in flight
   bool gathering = false;
-  bool gathered = true;                   // the flat buffer holds the full parameters
+  bool gathered = true;  // the flat buffer holds the full parameters
+  // shard._version() when the flat buffer last took every rank's shard (stages 1-2): an in-place
+  // change since (the optimizer's step, a load) makes the next forward gather again.
+  int64_t gathered_version = 0;
   size_t first_child = 0, end_child = 0;  // stage 3 over a Sequential: its children [first, end)
 };
 
@@ -129,6 +133,10 @@ class ShardedState {
   std::shared_ptr<ProcessGroup> group_;
   ShardedDataParallelOptions options_;
   std::vector<ShardedParam> params_;
+  // Parameters that do not require gradients: never sharded or reduced, but every rank must hold
+  // rank 0's values (as PyTorch's DDP and FSDP's sync_module_states), so they are broadcast with the
+  // buffers. Stage 3 keeps them whole on every rank.
+  std::vector<NamedParameter> frozen_;
   std::vector<Unit> units_;
   std::atomic<int> no_sync_depth_{0};
   ShardedCommStats stats_;
@@ -136,13 +144,15 @@ class ShardedState {
  private:
   void collect_parameters();
   void check_same_parameters_everywhere();
+  void broadcast_unsharded_state();
   void build_buckets();
   void build_wrapped_units();
   void build_flat_buffers();
   void register_hooks();
   void check_full_parameters();
   void record_versions();
-  void all_gather_stale_units();
+  bool shards_moved() const;
+  void all_gather_units();
   void start_gather(size_t unit);
   void materialize(size_t unit);
   void park(size_t unit);
@@ -165,7 +175,11 @@ class ShardedState {
   bool sync_this_backward_ = true;
   bool backward_started_ = false;
   size_t next_to_launch_ = 0;  // stages 1-2 launch reductions in unit order, as DDP does buckets
-  bool full_params_stale_ = false;  // stages 1-2: the shards changed since the last all-gather
+  // Stages 1-2: a reduction (which the optimizer's step follows) or shards_changed() since the
+  // last all-gather before a forward. Only that gather clears it, not gather_full_parameters(): the
+  // library cannot see opt.step(), so a gather between backward and step must not count as the
+  // gather after the step (Note [When stages 1-2 gather]).
+  bool shards_may_have_changed_ = false;
   // Inside a pipeline step (pipeline_steps.h): stage 3's units stay gathered until it ends, and the
   // reductions its last backward launched are waited for by finish_pipeline_step, not by that
   // backward's end (reductions_to_finish_).
@@ -226,12 +240,13 @@ ShardedState::~ShardedState() {
 }
 
 void ShardedState::collect_parameters() {
-  std::unordered_map<const void*, size_t>
-      seen;  // a parameter registered twice (tied) is one parameter
+  std::unordered_set<const void*> seen;  // a parameter registered twice (tied) is one parameter
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
-    if (seen.count(item.value().unsafeGetTensorImpl())) continue;
-    seen[item.value().unsafeGetTensorImpl()] = params_.size();
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    if (!item.value().requires_grad()) {
+      frozen_.emplace_back(item.key(), item.value());
+      continue;
+    }
     ShardedParam p;
     p.tensor = item.value();
     p.name = item.key();
@@ -247,6 +262,9 @@ void ShardedState::collect_parameters() {
 void ShardedState::check_same_parameters_everywhere() {
   std::vector<NamedParameter> named;
   for (const auto& p : params_) named.emplace_back(p.name, p.tensor);
+  // The frozen ones after them (a trainable parameter keeps its number in the message): their
+  // shapes must agree too, or the broadcast of rank 0's values could not fill them.
+  named.insert(named.end(), frozen_.begin(), frozen_.end());
   check_same_parameters(*group_, named, "ShardedDataParallel");
 }
 
@@ -398,9 +416,26 @@ void ShardedState::build_flat_buffers() {
     }
     unit.pending = unit.params.size();
   }
-  // Buffers (e.g. BatchNorm statistics) start from rank 0's too.
-  if (world_ > 1) {
-    for (auto& buffer : module_->buffers(/*recurse=*/true)) group_->broadcast(buffer, 0);
+  for (auto& unit : units_) unit.gathered_version = unit.shard._version();
+  broadcast_unsharded_state();
+}
+
+// Frozen parameters and buffers (e.g. BatchNorm statistics) start from rank 0's too: a frozen
+// layer that differed per rank would give each rank another model, whose gradients the
+// reductions would then average.
+void ShardedState::broadcast_unsharded_state() {
+  if (world_ == 1) return;
+  torch::autograd::AutoGradMode no_grad(false);
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, tensor] : frozen_) tensors.push_back(tensor);
+  for (auto& buffer : module_->buffers(/*recurse=*/true)) tensors.push_back(buffer);
+  for (auto& tensor : tensors) {
+    at::Tensor staged = tensor.contiguous();  // the collectives take dense tensors
+    group_->broadcast(staged, 0);
+    if (!staged.is_same(tensor)) tensor.copy_(staged);
+  }
+  for (const auto& [name, tensor] : frozen_) {
+    stats_.broadcast_bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
   }
 }
 
@@ -485,10 +520,21 @@ void ShardedState::prepare_forward() {
   check_full_parameters();
   sync_this_backward_ = no_sync_depth_.load() == 0;
   if (options_.stage < 3) {
-    all_gather_stale_units();
-  } else if (!sequential_) {
-    materialize(0);
+    if (shards_may_have_changed_ || shards_moved()) {
+      shards_may_have_changed_ = false;
+      all_gather_units();
+    }
+    return;
   }
+  if (!in_pipeline_step_) {
+    // Every forward and backward frees the units it gathered, so a unit still gathered here was
+    // gathered by gather_full_parameters(), maybe before the optimizer's step: gather it again
+    // (as that forward would have, had it not been called).
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].gathered || units_[u].gathering) park(u);
+    }
+  }
+  if (!sequential_) materialize(0);
 }
 
 at::Tensor ShardedState::finish_forward(const at::Tensor& output) {
@@ -537,10 +583,30 @@ void ShardedState::before_unit_backward(size_t unit) {
 
 // ---- gathering ----
 
-void ShardedState::all_gather_stale_units() {
-  if (!full_params_stale_) return;
-  full_params_stale_ = false;
-  if (world_ == 1) return;  // the shard is the whole flat buffer
+// Note [When stages 1-2 gather]
+// The optimizer updates this rank's slice of each flat buffer in place (the shard aliases it); the
+// other ranks' slices must be all-gathered before the next forward. dtrain cannot see opt.step(),
+// so the forward gathers on either of two signals: shards_may_have_changed_ (a reduction, after
+// which the optimizer steps, or shards_changed(), since the last gather before a forward) and the
+// shards' version counters (moved since the last gather: a step, a load, any in-place write).
+// gather_full_parameters() may run between backward and step, so it does not clear the first
+// signal: it always gathers, and the next forward after a reduction gathers again. That costs one
+// all-gather more on the steps where the user gathered; version counters alone would save it, but
+// an optimizer that writes through .data() does not move them. Both signals move alike
+// on every rank (the reductions are collective; every rank's optimizer steps its own shard), so
+// every rank takes part in the same gathers.
+bool ShardedState::shards_moved() const {
+  for (const auto& unit : units_) {
+    if (unit.shard._version() != unit.gathered_version) return true;
+  }
+  return false;
+}
+
+void ShardedState::all_gather_units() {
+  if (world_ == 1) {  // the shard is the whole flat buffer: nothing to gather
+    for (auto& unit : units_) unit.gathered_version = unit.shard._version();
+    return;
+  }
   torch::autograd::AutoGradMode no_grad(false);
   std::vector<Work> works;
   for (auto& unit : units_) {
@@ -551,6 +617,7 @@ void ShardedState::all_gather_stale_units() {
     stats_.all_gather_bytes += unit.padded_numel * static_cast<int64_t>(unit.flat.element_size());
   }
   for (auto& work : works) work.wait();
+  for (auto& unit : units_) unit.gathered_version = unit.shard._version();
 }
 
 void ShardedState::start_gather(size_t u) {
@@ -588,9 +655,14 @@ void ShardedState::park(size_t u) {
 
 void ShardedState::gather_full_parameters() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  // Always gathers: whether the optimizer stepped since the last gather is not visible here
+  // (Note [When stages 1-2 gather]); the caller asked for the current shards.
   if (options_.stage < 3) {
-    all_gather_stale_units();
+    all_gather_units();
     return;
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].gathered || units_[u].gathering) park(u);  // maybe from before a step
   }
   for (size_t u = 0; u < units_.size(); ++u) start_gather(u);
   for (size_t u = 0; u < units_.size(); ++u) materialize(u);
@@ -605,7 +677,7 @@ void ShardedState::release_full_parameters() {
 void ShardedState::shards_changed() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (options_.stage < 3) {
-    full_params_stale_ = true;
+    shards_may_have_changed_ = true;
   } else {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].gathered) park(u);
@@ -817,7 +889,7 @@ void ShardedState::complete_reductions() {
       unit.flat_grad = at::Tensor();
     }
   }
-  full_params_stale_ = options_.stage < 3;
+  if (options_.stage < 3) shards_may_have_changed_ = true;
   record_versions();
 }
 

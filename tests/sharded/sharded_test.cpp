@@ -2,8 +2,9 @@
 // global batch, the ranks other than 0 from other parameters (the broadcast must replace them);
 // after k optimizer steps the sharded run's full parameters must equal one process's trained on the
 // whole batch (relative error < 1e-5, float32) for every stage, world sizes 1..4 and parameter
-// counts that do not divide by the world size. Plus: stage 3 really frees gathered parameters, and
-// the usage errors.
+// counts that do not divide by the world size; also with a frozen layer (which the ranks other than
+// 0 hold differently too) and with gather_full_parameters() between backward and step. Plus: stage 3
+// really frees gathered parameters, and the usage errors.
 #include "dtrain/sharded.h"
 
 #include <gtest/gtest.h>
@@ -96,8 +97,22 @@ struct RunConfig {
   int world = 1;
   Optim optim = Optim::kAdam;
   bool shared_memory = true;
-  int micro_batches = 1;  // >1: gradient accumulation, all but the last under no_sync()
+  int micro_batches = 1;             // >1: gradient accumulation, all but the last under no_sync()
+  bool freeze_first_weight = false;  // the first Linear's weight does not require gradients
+  bool gather_before_step = false;   // gather_full_parameters() between backward and step
+  bool plain_module = false;         // wrap a module that is not a Sequential (stage 3: one unit)
   ShardedDataParallelOptions options;
+};
+
+void freeze_first_weight(const torch::nn::Sequential& net) {
+  net->ptr<torch::nn::LinearImpl>(0)->weight.requires_grad_(false);
+}
+
+// A module that only holds the MLP: not a Sequential, so stage 3 gathers it whole around forward().
+struct PlainImpl : torch::nn::Module {
+  explicit PlainImpl(torch::nn::Sequential inner) : net(register_module("net", inner)) {}
+  torch::Tensor forward(torch::Tensor x) { return net->forward(x); }
+  torch::nn::Sequential net;
 };
 
 // One process trained on the whole global batch, micro-batch by micro-batch: what every rank's
@@ -106,7 +121,8 @@ struct RunConfig {
 std::vector<torch::Tensor> train_single(const RunConfig& setup,
                                         const std::vector<torch::Tensor>& start) {
   auto net = make_mlp_from(start);
-  auto opt = make_optimizer(setup.optim, net->parameters());
+  if (setup.freeze_first_weight) freeze_first_weight(net);
+  auto opt = make_optimizer(setup.optim, net->parameters());  // skips the frozen weight: no grad
   for (int step = 0; step < kSteps; ++step) {
     opt->zero_grad();
     for (int micro = 0; micro < setup.micro_batches; ++micro) {
@@ -132,24 +148,34 @@ double sharded_vs_single(RunConfig setup, const std::vector<torch::Tensor>& star
         auto net = make_mlp_from(start);
         {
           torch::NoGradGuard no_grad;
-          for (auto& p : net->parameters()) p.add_(0.5 * rank);
+          for (auto& p : net->parameters()) p.add_(0.5 * rank);  // the frozen weight too
         }
-        ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, setup.options);
-        auto opt = make_optimizer(setup.optim, sdp->parameters());
-
-        for (int step = 0; step < kSteps; ++step) {
-          opt->zero_grad();
-          for (int micro = 0; micro < setup.micro_batches; ++micro) {
-            Batch b = local_batch(step * setup.micro_batches + micro, setup.world, rank);
-            std::optional<ShardedDataParallelBase::NoSyncGuard> guard;
-            if (micro + 1 < setup.micro_batches) guard.emplace(*sdp);
-            torch::mse_loss(sdp->forward(b.x), b.y).backward();
+        if (setup.freeze_first_weight) freeze_first_weight(net);
+        auto train = [&](auto& sdp) {
+          auto opt = make_optimizer(setup.optim, sdp->parameters());
+          for (int step = 0; step < kSteps; ++step) {
+            opt->zero_grad();
+            for (int micro = 0; micro < setup.micro_batches; ++micro) {
+              Batch b = local_batch(step * setup.micro_batches + micro, setup.world, rank);
+              std::optional<ShardedDataParallelBase::NoSyncGuard> guard;
+              if (micro + 1 < setup.micro_batches) guard.emplace(*sdp);
+              torch::mse_loss(sdp->forward(b.x), b.y).backward();
+            }
+            if (setup.gather_before_step) sdp->gather_full_parameters();
+            opt->step();
           }
-          opt->step();
+          sdp->gather_full_parameters();
+          errors[rank] = relative_error(net->parameters(), want);
+          sdp->release_full_parameters();
+        };
+        if (setup.plain_module) {
+          ShardedDataParallel<PlainImpl> sdp(std::make_shared<PlainImpl>(net), group,
+                                             setup.options);
+          train(sdp);
+        } else {
+          ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, setup.options);
+          train(sdp);
         }
-        sdp->gather_full_parameters();
-        errors[rank] = relative_error(net->parameters(), want);
-        sdp->release_full_parameters();
       },
       std::chrono::seconds(30), setup.shared_memory);
   return *std::max_element(errors.begin(), errors.end());
@@ -231,6 +257,48 @@ TEST(ShardedDataParallel, GlooTransportAndSmallBucketsAndUnitsWithoutPrefetch) {
   EXPECT_LT(sharded_vs_single(merged, start), kTolerance) << "stage 3, one unit";
 }
 
+// Frozen parameters are no unit's, but every rank must start from rank 0's: here rank r's frozen
+// weight is rank 0's + 0.5 r, which, were it kept, gives each rank another model (and other
+// gradients to average), and differs from one process's weight itself.
+TEST(ShardedDataParallel, FrozenParametersStartFromRankZeroAtEveryStage) {
+  const auto start = initial_parameters();
+  for (int stage : {1, 2, 3}) {
+    for (int world : {2, 3}) {
+      for (bool plain : {false, true}) {
+        RunConfig setup;
+        setup.stage = stage;
+        setup.world = world;
+        setup.freeze_first_weight = true;
+        setup.plain_module = plain;
+        EXPECT_LT(sharded_vs_single(setup, start), kTolerance)
+            << describe(stage, world, setup.optim) << ", frozen first weight"
+            << (plain ? ", not a Sequential" : "");
+      }
+    }
+  }
+}
+
+// gather_full_parameters() between backward and step gathers the shards from before the step: the
+// next forward must still see the stepped ones (stages 1-2: every rank's slice, not only its own;
+// stage 3: not the units that call left gathered), and so must the gather after the last step.
+TEST(ShardedDataParallel, GatherBetweenBackwardAndStepLeavesNoStaleParameters) {
+  const auto start = initial_parameters();
+  for (int stage : {1, 2, 3}) {
+    for (int world : {2, 3}) {
+      for (bool plain : {false, true}) {
+        RunConfig setup;
+        setup.stage = stage;
+        setup.world = world;
+        setup.gather_before_step = true;
+        setup.plain_module = plain;
+        EXPECT_LT(sharded_vs_single(setup, start), kTolerance)
+            << describe(stage, world, setup.optim) << ", gather before step"
+            << (plain ? ", not a Sequential" : "");
+      }
+    }
+  }
+}
+
 // The layout the sharded checkpoints rely on: shards tile each unit's flat buffer in rank order,
 // and writing into them then calling shards_changed() changes the module.
 TEST(ShardedDataParallel, FlatShardsTileTheFlatBuffersAndShardsChangedReachesTheModule) {
@@ -274,6 +342,28 @@ TEST(ShardedDataParallel, FlatShardsTileTheFlatBuffersAndShardsChangedReachesThe
         EXPECT_TRUE(((p == 1) | (p == 2) | (p == 3)).all().item<bool>()) << "stage " << stage;
       }
       sdp->release_full_parameters();
+    });
+  }
+}
+
+// Stages 1-2: the forward also gathers after an in-place write into the shards that no reduction
+// and no shards_changed() announced (a second optimizer step, a write before shards_changed() was
+// called): the shards' version counters moved.
+TEST(ShardedDataParallel, ForwardGathersShardsWrittenInPlace) {
+  const auto start = initial_parameters();
+  for (int stage : {1, 2}) {
+    run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+      auto net = make_mlp_from(start);
+      ShardedDataParallelOptions options;
+      options.stage = stage;
+      ShardedDataParallel<torch::nn::SequentialImpl> sdp(net.ptr(), group, options);
+      torch::NoGradGuard no_grad;
+      sdp->forward(torch::ones({2, kInputs}));
+      for (auto& shard : sdp->parameters()) shard.fill_(static_cast<float>(rank + 1));
+      sdp->forward(torch::ones({2, kInputs}));
+      for (auto& p : net->parameters()) {
+        EXPECT_TRUE(((p == 1) | (p == 2)).all().item<bool>()) << "stage " << stage;
+      }
     });
   }
 }
