@@ -147,6 +147,9 @@ class SingleProcessPipeline {
     devices_ = devices;
     timeout_ = options_.timeout.count() > 0 ? options_.timeout : kDefaultTimeout;
     boxes_ = std::make_unique<Mailboxes>(devices_, timeout_);
+    // The stages draw from the process's default generators side by side: with recompute their
+    // forwards take turns (Note [Recompute and random draws] in stage_runner.cpp).
+    auto rng_mutex = std::make_shared<std::mutex>();
     for (int s = 0; s < stages; ++s) {
       std::vector<torch::nn::Sequential> mine;
       for (int c = s; c < schedule_.chunks(); c += stages) {
@@ -154,7 +157,7 @@ class SingleProcessPipeline {
         mine.push_back(chunks[c]);
       }
       runners_.push_back(std::make_unique<StageRunner>(s, schedule_, std::move(mine), devices_[s],
-                                                       options_.recompute));
+                                                       options_.recompute, rng_mutex));
     }
     threads_.resize(stages);
     try {

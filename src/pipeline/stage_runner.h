@@ -4,10 +4,13 @@
 // the distributed one through the comm layer's isend/irecv.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "dtrain/pipeline.h"
@@ -64,9 +67,12 @@ struct StepData {
 
 class StageRunner {
  public:
-  // chunks[i] is chunk stage + i·stages of the model; `device` is where they live.
+  // chunks[i] is chunk stage + i·stages of the model; `device` is where they live. rng_mutex:
+  // shared by the runners of stages that run side by side in one process (Note [Recompute and
+  // random draws] in stage_runner.cpp); null gives this runner one of its own.
   StageRunner(int stage, const PipelineSchedule& schedule,
-              std::vector<torch::nn::Sequential> chunks, c10::Device device, bool recompute);
+              std::vector<torch::nn::Sequential> chunks, c10::Device device, bool recompute,
+              std::shared_ptr<std::mutex> rng_mutex = nullptr);
 
   // Called before each pass that accumulates parameter gradients into a local chunk (a whole
   // backward, or the W of a split one; a B accumulates none): local index, and whether it is that
@@ -93,16 +99,27 @@ class StageRunner {
     // With its graph (the weighted loss on the last chunk); undefined with recompute.
     at::Tensor output;
     WeightGradStore weight_pass;  // between the B and the W of a split backward
+    // With recompute: per generator of generators_, its state before the first forward, or
+    // undefined where that forward drew nothing from it.
+    std::vector<at::Tensor> rng_states;
   };
   size_t local(int chunk) const { return static_cast<size_t>(chunk / schedule_.stages); }
   at::Tensor forward_chunk(int chunk, int micro_batch, const at::Tensor& input,
                            const StepData& data);
+  // Forward of a chunk whose backward will recompute it: notes the generators' states in `slot`.
+  at::Tensor first_forward(int chunk, int micro_batch, Slot& slot, const StepData& data);
+  // The forward again, with gradients, drawing what first_forward drew.
+  at::Tensor recomputed_forward(int chunk, int micro_batch, Slot& slot, const StepData& data);
 
   int stage_;
   const PipelineSchedule& schedule_;
   std::vector<torch::nn::Sequential> chunks_;
   c10::Device device_;
   bool recompute_;
+  // With recompute: the default generators a chunk's forward may draw from (the CPU's, and the
+  // stage's CUDA device's), and the lock that keeps stages sharing them from drawing at once.
+  std::vector<at::Generator> generators_;
+  std::shared_ptr<std::mutex> rng_mutex_;
   std::vector<std::vector<Slot>> slots_;  // [local chunk][micro-batch]
   // Per local chunk: index in the stage's actions of its last whole backward or W.
   std::vector<int> last_backward_;

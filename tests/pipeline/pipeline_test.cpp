@@ -1,9 +1,10 @@
 // Pipelines against single-process training of the same model on the same data: after k optimizer
 // steps the parameters must be equal (relative error < 1e-5, float32), for every schedule, 2..4
 // stages and 1..8 micro-batches (13 rows: most counts do not divide it). Single-process pipelines
-// run stages on threads; distributed ones run ranks as threads over an in-memory store. The
-// zero-bubble schedule, whose backward is split in two passes, must also equal 1F1B within 1e-6.
-// Also the pre-flight's errors, on every rank.
+// run stages on threads; distributed ones run ranks as threads over an in-memory store, data
+// replicas other than the first starting from other parameters. The zero-bubble schedule, whose
+// backward is split in two passes, must also equal 1F1B within 1e-6. Recompute with dropout must
+// equal no recompute within 1e-6. Also the pre-flight's errors, on every rank.
 #include "dtrain/pipeline.h"
 
 #include <gtest/gtest.h>
@@ -123,6 +124,138 @@ TEST(Pipeline, RecomputeGivesTheSameGradients) {
   const auto want = train_single();
   EXPECT_LT(relative_error(train_pipeline(ScheduleKind::k1F1B, 3, 5, 1, true), want), kTolerance);
   EXPECT_LT(relative_error(train_pipeline(ScheduleKind::kGPipe, 2, 4, 1, true), want), kTolerance);
+}
+
+// ---- Recompute and random draws (Note [Recompute and random draws] in stage_runner.cpp) ----
+
+// make_model's layers with dropout after the second and the third Linear.
+torch::nn::Sequential make_dropout_model() {
+  std::lock_guard<std::mutex> lock(rng_mutex);
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(kInputs, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 16), torch::nn::Dropout(0.5),
+                               torch::nn::Linear(16, 12), torch::nn::Tanh(),
+                               torch::nn::Dropout(0.5), torch::nn::Linear(12, kClasses));
+}
+
+struct DropoutLayout {
+  std::string name;
+  ScheduleKind kind;
+  int stages;
+  int virtual_stages;
+  std::vector<int64_t> cut;  // every chunk with a dropout on the same stage: one stage draws
+};
+
+// Trains the dropout model in a training-mode pipeline; the masks are drawn from a stream seeded
+// with `seed` once, after the batches were made.
+std::vector<torch::Tensor> train_with_dropout(const DropoutLayout& layout, bool recompute,
+                                              uint64_t seed) {
+  auto model = make_dropout_model();
+  PipelineOptions options;
+  options.schedule = layout.kind;
+  options.micro_batches = 5;
+  options.virtual_stages = layout.virtual_stages;
+  options.recompute = recompute;
+  Pipeline pipe(split_sequential(model, layout.cut), {}, options, layout.stages);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<Batch> batches;
+  for (int step = 0; step < kSteps; ++step) batches.push_back(make_batch(step));
+  torch::manual_seed(seed);
+  for (const Batch& b : batches) {
+    opt.zero_grad();
+    auto loss = pipe.forward_backward(b.x, b.y, mean_loss);
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    opt.step();
+  }
+  return snapshot(model->parameters());
+}
+
+// The recomputed forward draws the masks the first drew, and the stream of draws goes on as
+// without recompute: in layouts where one stage draws (so the order of draws is fixed), recompute
+// trains the same numbers as no recompute under the same seed. Before the recompute kept the
+// generators' states, it drew new masks: gradients of masks other than the loss's.
+TEST(Pipeline, RecomputeWithDropoutEqualsNoRecompute) {
+  const std::vector<DropoutLayout> layouts = {
+      {"1 stage 1F1B", ScheduleKind::k1F1B, 1, 1, {}},
+      {"2 stages 1F1B", ScheduleKind::k1F1B, 2, 1, {2}},
+      {"2 stages GPipe", ScheduleKind::kGPipe, 2, 1, {2}},
+      {"3 stages ZB-H1", ScheduleKind::kZeroBubbleH1, 3, 1, {2, 3}},
+      // Chunks 1 and 3 (stage 1) hold the dropouts; stage 0 draws nothing.
+      {"2 stages interleaved", ScheduleKind::kInterleaved1F1B, 2, 2, {2, 4, 6}},
+  };
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    EXPECT_LT(
+        relative_error(train_with_dropout(layout, true, 7), train_with_dropout(layout, false, 7)),
+        kSplitTolerance);
+  }
+  // Other masks train other numbers: the comparison above sees a mask that differs.
+  EXPECT_GT(relative_error(train_with_dropout(layouts[1], false, 7),
+                           train_with_dropout(layouts[1], false, 8)),
+            100 * kTolerance);
+}
+
+// Dropout that records each call's input, mask and whether gradients were on (the recomputed
+// forward runs with them, the first without).
+struct RecordingDropoutImpl : torch::nn::Module {
+  struct Call {
+    torch::Tensor input, mask;
+    bool grad = false;
+  };
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto mask = torch::bernoulli(torch::full_like(x, 0.5));  // the default generator, as Dropout
+    std::lock_guard<std::mutex> lock(mutex);
+    calls.push_back({x.detach().clone(), mask, torch::GradMode::is_enabled()});
+    return x * mask * 2;
+  }
+  std::mutex mutex;
+  std::vector<Call> calls;
+};
+TORCH_MODULE(RecordingDropout);
+
+// Every stage draws, on its own thread, from the one CPU generator: each recomputed forward must
+// still draw the mask of its first forward (matched by the input, the same in both), whatever the
+// other stages drew in between.
+TEST(Pipeline, RecomputeDrawsEachFirstForwardsMasksWhileEveryStageDraws) {
+  constexpr int kMicroBatches = 6;
+  for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kGPipe, ScheduleKind::kZeroBubbleH1}) {
+    SCOPED_TRACE(to_string(kind));
+    std::vector<RecordingDropout> dropouts = {RecordingDropout(), RecordingDropout(),
+                                              RecordingDropout()};
+    torch::nn::Sequential model;
+    {
+      std::lock_guard<std::mutex> lock(rng_mutex);
+      torch::manual_seed(3);
+      model = torch::nn::Sequential(torch::nn::Linear(kInputs, 16), dropouts[0],
+                                    torch::nn::Linear(16, 16), dropouts[1],
+                                    torch::nn::Linear(16, kClasses), dropouts[2]);
+    }
+    PipelineOptions options;
+    options.schedule = kind;
+    options.micro_batches = kMicroBatches;
+    options.recompute = true;
+    Pipeline pipe(split_sequential(model, {2, 4}), {}, options, 3);
+    for (int step = 0; step < 2; ++step) {
+      Batch b = make_batch(step);
+      pipe.forward_backward(b.x, b.y, mean_loss);
+    }
+    for (size_t d = 0; d < dropouts.size(); ++d) {
+      const auto& calls = dropouts[d]->calls;
+      ASSERT_EQ(calls.size(), 2u * 2 * kMicroBatches) << "dropout " << d;
+      int matched = 0;
+      for (const auto& again : calls) {
+        if (!again.grad) continue;
+        for (const auto& first : calls) {
+          if (!first.grad && torch::equal(first.input, again.input)) {
+            EXPECT_TRUE(torch::equal(first.mask, again.mask)) << "dropout " << d;
+            ++matched;
+            break;
+          }
+        }
+      }
+      EXPECT_EQ(matched, 2 * kMicroBatches) << "dropout " << d << ": recomputed on other inputs";
+    }
+  }
 }
 
 TEST(Pipeline, ZeroBubbleEqualsOneF1BAndSingleDevice) {
@@ -325,6 +458,12 @@ std::vector<std::vector<torch::Tensor>> train_distributed(const DistributedRun& 
       [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
         auto mesh = make_rank_mesh(group, run.stages);
         auto model = make_model();
+        if (mesh.data_index > 0) {
+          // Replicas other than the first start from other parameters, which the set-up's
+          // broadcast of replica 0's (DDP's, or ZeRO's) must replace.
+          torch::NoGradGuard no_grad;
+          for (auto& p : model->parameters()) p.add_(0.5 * mesh.data_index);
+        }
         // Which of the model's parameters this stage holds (by identity, before the split hands
         // them out).
         auto all_params = model->parameters();
