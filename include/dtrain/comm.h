@@ -163,8 +163,9 @@ class ProcessGroup {
   Work broadcast_async(at::Tensor& tensor, int root, const CollectiveOptions& = {});
   // As all_gather / reduce_scatter (the outputs / inputs may be views into one flat buffer). Among
   // ranks on one host, CPU tensors go through shared memory, each rank moving only its share;
-  // elsewhere through Gloo, whose LibTorch 1.13 backend has no reduce-scatter: there it is an
-  // all-reduce of the stacked inputs (N times a ring reduce-scatter's traffic).
+  // CUDA tensors through NCCL; elsewhere through Gloo, where a reduce-scatter is an all-to-all
+  // (each rank sends and receives (N-1)/N of its inputs, as a ring would) and the reduction runs
+  // on this rank's thread in wait(): Note [Reduce-scatter over Gloo] in src/comm/process_group.cpp.
   Work all_gather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input,
                         const CollectiveOptions& = {});
   Work reduce_scatter_async(at::Tensor& output, const std::vector<at::Tensor>& inputs,

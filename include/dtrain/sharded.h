@@ -115,8 +115,9 @@ struct FlatShard {
 };
 
 // What ShardedDataParallel sent through collectives since it was built: payload bytes per kind (the
-// full, padded flat buffers). Per rank on the wire a ring moves (N-1)/N of an all-gather's or
-// reduce-scatter's payload and twice that of an all-reduce's.
+// full, padded flat buffers). Per rank on the wire each transport moves (N-1)/N of an all-gather's
+// or reduce-scatter's payload and twice that of an all-reduce's (over Gloo the reduce-scatter is an
+// all-to-all, which moves the same: Note [Reduce-scatter over Gloo] in src/comm/process_group.cpp).
 struct ShardedCommStats {
   int64_t all_reduce_bytes = 0;      // stage 1 gradients
   int64_t reduce_scatter_bytes = 0;  // stages 2-3 gradients

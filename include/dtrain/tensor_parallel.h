@@ -78,8 +78,8 @@
 // tensors go through shared memory, each rank moving and summing only its share (bfloat16 and
 // float16 CPU tensors travel as float32 there, the transport's type); on CUDA tensors NCCL's
 // all-gather and reduce-scatter. Only CPU tensors between hosts (or with DTRAIN_SHM=0) go through
-// Gloo, whose c10d backend has a real all-gather but no reduce-scatter
-// (ProcessGroup::reduce_scatter_async says what it does there). The sequence length must divide
+// Gloo: its all-gather, and a reduce-scatter made of its all-to-all, each moving a ring's share
+// (ProcessGroup::reduce_scatter_async). The sequence length must divide
 // by T: a sequence that does not is one UsageError naming the length and the degree.
 #pragma once
 

@@ -85,6 +85,69 @@ void check_average(const GroupState& group, const at::Tensor& tensor, ReduceOp o
   }
 }
 
+// Note [Reduce-scatter over Gloo]
+// Among ranks on one host a reduce-scatter of CPU tensors runs in shared memory (ShmTransport), and
+// on CUDA tensors in NCCL; this is the path of every other case: groups that span hosts (every
+// ZeRO-2/3 or sequence-parallel group of a multi-host job), DTRAIN_SHM=0, dtypes the shared-memory
+// transport does not carry (bfloat16, float16, int8, uint8, bool) and DTRAIN_CUDA_BACKEND=gloo.
+// With N ranks and pieces of C bytes, a reduce-scatter needs each rank to send and receive (N-1) C
+// bytes. An all-to-all does that: rank j sends its piece r to rank r, keeps its own, and each rank
+// then reduces the N pieces it holds. c10d's Gloo reduce_scatter (LibTorch 2.15 has one) does not:
+// measured with two to four processes over loopback, each rank wrote 2 (N-1) C bytes to its
+// sockets, exactly as much as an all-reduce of all N pieces (dtrain's previous way, for the same
+// reason), while Gloo's all-to-all wrote (N-1) C. The pieces are reduced in rank order, as the
+// shared-memory transport does, so both give the same bits.
+
+// The inputs as one flat tensor without a copy, when they are adjacent contiguous views of one
+// storage in rank order (ShardedDataParallel's pieces of a flat gradient buffer); undefined if not.
+at::Tensor flat_view_of(const std::vector<at::Tensor>& inputs) {
+  const at::Tensor& first = inputs.front();
+  const int64_t numel = first.numel();
+  const auto bytes = static_cast<int64_t>(first.nbytes());
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    const at::Tensor& input = inputs[r];
+    if (input.layout() != at::kStrided || !input.is_contiguous() ||
+        !input.storage().is_alias_of(first.storage()) ||
+        static_cast<const char*>(input.const_data_ptr()) !=
+            static_cast<const char*>(first.const_data_ptr()) + static_cast<int64_t>(r) * bytes) {
+      return {};
+    }
+  }
+  return first.as_strided({numel * static_cast<int64_t>(inputs.size())}, {1},
+                          first.storage_offset());
+}
+
+// Reduces the pieces of `received` (piece r, output.numel() elements, came from rank r) into
+// `output`, in rank order. kAvg sums; the Work's finish step divides.
+void reduce_pieces_in_rank_order(at::Tensor& output, const at::Tensor& received, ReduceOp op,
+                                 int size) {
+  const int64_t n = output.numel();
+  // Reduce in place when the output is host memory laid out as the pieces are; else on the host,
+  // then one copy.
+  const bool in_place = output.device().is_cpu() && output.is_contiguous();
+  at::Tensor result = in_place ? output.view({-1}) : at::empty({n}, received.options());
+  result.copy_(received.narrow(0, 0, n));
+  for (int r = 1; r < size; ++r) {
+    const at::Tensor piece = received.narrow(0, r * n, n);
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        result.add_(piece);
+        break;
+      case ReduceOp::kProduct:
+        result.mul_(piece);
+        break;
+      case ReduceOp::kMin:
+        at::minimum_out(result, result, piece);
+        break;
+      case ReduceOp::kMax:
+        at::maximum_out(result, result, piece);
+        break;
+    }
+  }
+  if (!in_place) output.copy_(result.view(output.sizes()));
+}
+
 }  // namespace
 
 // ---- ProcessGroup ----
@@ -232,17 +295,30 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at
           w.in_flight = c10d_in_flight(backend_for(group, output).reduce_scatter(out, in, opts));
           return;
         }
-        // Gloo has no reduce-scatter in c10d 1.13: all-reduce every rank's inputs stacked, keep
-        // this rank's slice once it is done.
-        at::Tensor stacked = at::stack(inputs);
-        check_gloo_dtype(group, "reduce_scatter", stacked);
-        c10d::AllreduceOptions opts;
-        opts.reduceOp = to_c10d(op);
+        // Note [Reduce-scatter over Gloo]: an all-to-all hands piece r of every rank to rank r,
+        // which reduces the N pieces it got once the Work is waited for.
+        at::Tensor send = flat_view_of(inputs);
+        if (!send.defined()) {
+          std::vector<at::Tensor> flat;
+          flat.reserve(inputs.size());
+          for (const auto& input : inputs) flat.push_back(input.reshape({-1}));
+          send = at::cat(flat);
+        }
+        // Gloo moves host memory only (see isend): under DTRAIN_CUDA_BACKEND=gloo a CUDA tensor
+        // goes through a host copy, and the reduction runs on the host.
+        if (send.is_cuda()) send = send.to(at::kCPU);
+        check_gloo_dtype(group, "reduce_scatter", send);
+        at::Tensor received = at::empty({send.numel()}, send.options());
+        std::vector<int64_t> equal_splits;  // empty: numel / size() elements to and from each rank
+        c10d::AllToAllOptions opts;
         opts.timeout = w.timeout;
-        std::vector<at::Tensor> tensors{stacked};
-        w.in_flight = c10d_in_flight(backend_for(group, output).allreduce(tensors, opts));
-        finish = [target = output, stacked, rank = group.rank]() mutable {
-          target.copy_(stacked[rank].view_as(target));
+        // alltoall_base: the name every supported LibTorch has (2.15 calls it all_to_all_single and
+        // forwards the old name to it).
+        c10d::Backend& gloo = backend_for(group, send);
+        w.in_flight =
+            c10d_in_flight(gloo.alltoall_base(received, send, equal_splits, equal_splits, opts));
+        finish = [target = output, received, op, size = group.size]() mutable {
+          reduce_pieces_in_rank_order(target, received, op, size);
         };
       });
   int size = group.size;
