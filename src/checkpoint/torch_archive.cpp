@@ -20,6 +20,19 @@
 //   Unpickler takes only 8. So a shorter LONG1 is widened to 8 bytes.
 // - LibTorch's Unpickler trusts a storage's element count; nothing checks it against the bytes of
 //   the record. So load_torch_archive does.
+// - For the dtypes of kUntypedDtypes (float8 and float4, uint16/32/64, complex32, bits), Python
+//   pickles _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[,
+//   metadata]) over the persistent id ('storage', torch.storage.UntypedStorage, key, location,
+//   count of bytes); LibTorch's Pickler writes _rebuild_tensor_v2 over "torch.<ScalarType>Storage"
+//   (torch.Float8_e4m3fnStorage, torch.UInt16Storage), classes Python does not have, with a count
+//   of elements, and LibTorch's Unpickler knows neither _rebuild_tensor_v3 nor UntypedStorage. So
+//   each side's form becomes the other's, when the tensor's last argument is read: the dtype goes
+//   from the storage's class into the arguments or back, the count from elements to bytes or back.
+//   (bool, int8, bfloat16, complex64 and the other older dtypes have a storage class on both sides:
+//   torch.BoolStorage, torch.CharStorage, ...) A storage that LibTorch's Pickler memoizes is written
+//   once, with the dtype of its first tensor: a tensor that viewed it as another dtype would be
+//   read as that one, by LibTorch and Python alike. So save_torch_archive refuses such tensors, as
+//   Python's torch.save does.
 // Neither LibTorch nor Python checks the zip's CRC-32s when reading (LibTorch builds miniz without
 // its CRC checks), and those do not cover the zip's own headers and padding anyway. So dtrain
 // seals what it writes with a CRC-32 of every byte before it, in the zip's comment (which zip
@@ -96,6 +109,111 @@ std::optional<std::size_t> argument_size(unsigned char opcode, const char* at, c
 // The key under which a BUILD's state lands (Note [torch.save's format]); no state dict has it.
 constexpr std::string_view kBuildStateKey = "\x01pickle-build-state";
 
+// The dtypes that Python's torch.save pickles as _rebuild_tensor_v3 over an untyped storage
+// (torch.storage._new_dtypes() of PyTorch 2.15), by their names in Python's torch module. LibTorch
+// pickles them as _rebuild_tensor_v2 over "torch.<ScalarType>Storage", a class Python lacks.
+struct UntypedDtype {
+  c10::ScalarType type;
+  std::string_view python_name;
+};
+constexpr UntypedDtype kUntypedDtypes[] = {
+    {c10::ScalarType::Float8_e5m2, "float8_e5m2"},
+    {c10::ScalarType::Float8_e4m3fn, "float8_e4m3fn"},
+    {c10::ScalarType::Float8_e5m2fnuz, "float8_e5m2fnuz"},
+    {c10::ScalarType::Float8_e4m3fnuz, "float8_e4m3fnuz"},
+    {c10::ScalarType::Float8_e8m0fnu, "float8_e8m0fnu"},
+    {c10::ScalarType::Float4_e2m1fn_x2, "float4_e2m1fn_x2"},
+    {c10::ScalarType::Bits8, "bits8"},
+    {c10::ScalarType::Bits16, "bits16"},
+    {c10::ScalarType::Bits1x8, "bits1x8"},
+    {c10::ScalarType::Bits2x4, "bits2x4"},
+    {c10::ScalarType::Bits4x2, "bits4x2"},
+    {c10::ScalarType::ComplexHalf, "complex32"},
+    {c10::ScalarType::BComplex32, "bcomplex32"},
+    {c10::ScalarType::UInt16, "uint16"},
+    {c10::ScalarType::UInt32, "uint32"},
+    {c10::ScalarType::UInt64, "uint64"},
+};
+
+// GLOBAL arguments, "module\nname\n".
+constexpr std::string_view kRebuildTensorV2 = "torch._utils\n_rebuild_tensor_v2\n";
+constexpr std::string_view kRebuildTensorV3 = "torch._utils\n_rebuild_tensor_v3\n";
+constexpr std::string_view kUntypedStorage = "torch.storage\nUntypedStorage\n";
+
+// LibTorch's storage class of a dtype ("torch\nFloat8_e4m3fnStorage\n"), which its Unpickler reads.
+std::string storage_class_of(c10::ScalarType type) {
+  return "torch\n" + std::string(c10::toString(type)) + "Storage\n";
+}
+
+// Python's global of a dtype ("torch\nfloat8_e4m3fn\n").
+std::string dtype_global_of(const UntypedDtype& dtype) {
+  return "torch\n" + std::string(dtype.python_name) + "\n";
+}
+
+// The dtype of kUntypedDtypes whose LibTorch storage class (by_storage_class) or Python dtype
+// global (!by_storage_class) `global` is, or nullptr.
+const UntypedDtype* untyped_dtype_of(std::string_view global, bool by_storage_class) {
+  for (const UntypedDtype& dtype : kUntypedDtypes) {
+    if (global == (by_storage_class ? storage_class_of(dtype.type) : dtype_global_of(dtype))) {
+      return &dtype;
+    }
+  }
+  return nullptr;
+}
+
+// The value and the size of the int opcode at `at` (BININT1, BININT2, BININT, LONG1 of up to 8
+// bytes), or nullopt for anything else.
+std::optional<std::pair<int64_t, std::size_t>> int_opcode_at(const char* at, const char* end) {
+  if (at >= end) return std::nullopt;
+  auto fixed = [&](int width, bool is_signed) -> std::optional<std::pair<int64_t, std::size_t>> {
+    if (end - at < 1 + width) return std::nullopt;
+    uint64_t n = read_le(at + 1, width);
+    if (is_signed && width < 8 && (n >> (8 * width - 1)) & 1) n |= ~uint64_t{0} << (8 * width);
+    return std::make_pair(static_cast<int64_t>(n), static_cast<std::size_t>(1 + width));
+  };
+  switch (*at) {
+    case 'K':
+      return fixed(1, false);
+    case 'M':
+      return fixed(2, false);
+    case 'J':
+      return fixed(4, true);
+    case '\x8a': {
+      if (end - at < 2) return std::nullopt;
+      const auto n = static_cast<unsigned char>(at[1]);
+      if (n == 0 || n > 8 || end - at < 2 + n) return std::nullopt;
+      uint64_t value = read_le(at + 2, n);
+      if (n < 8 && (value >> (8 * n - 1)) & 1) value |= ~uint64_t{0} << (8 * n);
+      return std::make_pair(static_cast<int64_t>(value), static_cast<std::size_t>(2 + n));
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+// The opcode of an int as LibTorch's Pickler writes it (LibTorch's Unpickler takes a LONG1 of 8
+// bytes only).
+std::string int_opcode(int64_t value) {
+  std::string op;
+  auto le = [&](uint64_t n, int width) {
+    for (int i = 0; i < width; ++i) op.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  };
+  if (value >= 0 && value < 256) {
+    op = "K";
+    le(static_cast<uint64_t>(value), 1);
+  } else if (value >= 0 && value < 65536) {
+    op = "M";
+    le(static_cast<uint64_t>(value), 2);
+  } else if (value >= INT32_MIN && value <= INT32_MAX) {
+    op = "J";
+    le(static_cast<uint64_t>(value), 4);
+  } else {
+    op = "\x8a\x08";
+    le(static_cast<uint64_t>(value), 8);
+  }
+  return op;
+}
+
 // The stack effect of a pickle opcode, for the rewrite below: how many items it pops (kToMark:
 // down to and with the topmost MARK) and whether it pushes one. nullopt: not expected in a
 // weights_only pickle.
@@ -142,35 +260,114 @@ std::optional<StackEffect> stack_effect(unsigned char opcode) {
   }
 }
 
-// Note [torch.save's format]: rewrites Python's OrderedDict() into an empty dict, and BUILD into
-// SETITEM under kBuildStateKey (LibTorch's Unpickler has no POP to drop the state with, and the
-// state may memoize values that later parts of the pickle refer to, so it must stay). Walks the
-// opcodes (a byte inside a string or a number is not an opcode) keeping, for each stack item, where
-// its bytes begin in the output, so that the key can go in front of the state. "GLOBAL collections
-// OrderedDict [BINPUT n]", or later "BINGET n", followed by an empty tuple and a REDUCE (the call
-// OrderedDict()) becomes EMPTY_DICT. A LONG1 of fewer than 8 bytes becomes one of 8. Returns the
-// pickle as it was where it meets anything it cannot tell: LibTorch's Unpickler then says what it
-// cannot read. Throws c10::Error for an int beyond int64.
-std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
+// "module.name" of a GLOBAL argument "module\nname\n".
+std::string global_name(std::string_view global) {
+  std::string name(global.substr(0, global.empty() ? 0 : global.size() - 1));
+  std::replace(name.begin(), name.end(), '\n', '.');
+  return name;
+}
+
+// Whom rewrite_pickle rewrites a pickle for.
+enum class PickleReader { kLibTorch, kPython };
+
+// A stack item of rewrite_pickle's walk: where its bytes begin in the output, and what the tensor
+// rewrites need to know of it.
+struct WalkItem {
+  static constexpr std::size_t kElsewhere = std::string::npos;
+  std::size_t begins = 0;  // in out
+  bool mark = false;
+  bool dict = false;   // an empty dict (that SETITEM or SETITEMS fill)
+  std::string global;  // "module\nname\n" of a GLOBAL, as the input says it (or a BINGET of one)
+  std::string text;    // a string's characters
+  // A persistent id ('storage', class, key, location, count), as a tuple or as the storage
+  // BINPERSID makes of it: its class (input's), its key, its dtype where known, and where in out
+  // its class and count opcodes are (kElsewhere: it came out of the memo).
+  bool storage = false;
+  std::string storage_class;
+  std::string key;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  std::size_t class_at = kElsewhere, count_at = kElsewhere;
+  std::vector<uint64_t> memo;  // the slots that hold it
+};
+
+// Note [torch.save's format]: for kLibTorch (load_torch_archive), rewrites Python's OrderedDict()
+// into an empty dict, and BUILD into SETITEM under kBuildStateKey (LibTorch's Unpickler has no POP
+// to drop the state with, and the state may memoize values that later parts of the pickle refer
+// to, so it must stay); a LONG1 of fewer than 8 bytes becomes one of 8; _rebuild_tensor_v3 over an
+// untyped storage becomes _rebuild_tensor_v2 over LibTorch's storage class of the dtype. For
+// kPython (save_torch_archive), _rebuild_tensor_v2 over LibTorch's storage class of a dtype in
+// kUntypedDtypes becomes Python's _rebuild_tensor_v3 over an untyped storage. Walks the opcodes (a
+// byte inside a string or a number is not an opcode) keeping, for each stack item, where its bytes
+// begin in the output, so that the key can go in front of a BUILD's state and a tensor's arguments
+// can be rewritten when the last of them is known; and, for each memo slot, what it holds, for the
+// BINGETs of globals, strings and storages. "GLOBAL collections OrderedDict [BINPUT n]", or later
+// "BINGET n", followed by an empty tuple and a REDUCE (the call OrderedDict()) becomes EMPTY_DICT.
+// Returns the pickle as it was where it meets anything it cannot tell: LibTorch's Unpickler then
+// says what it cannot read. Throws c10::Error for an int beyond int64, a dtype as a value, a
+// storage read as two dtypes, or an untyped storage of a size its dtype does not divide.
+std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader reader) {
+  const bool for_libtorch = reader == PickleReader::kLibTorch;
   const char* p = pickle.data();
   const char* const end = p + pickle.size();
   std::vector<char> out;
   out.reserve(pickle.size() + 1024);
-  struct Item {
-    std::size_t begins;  // in out
-    bool mark;
-  };
-  std::vector<Item> stack;
+  std::vector<WalkItem> stack;
+  std::map<uint64_t, WalkItem> memo;        // what each memo slot holds
+  std::map<uint64_t, std::string> pending;  // kPython: slots whose GLOBAL went (see below)
   std::vector<uint64_t> ordered_dict_memo;  // memo slots that hold the class OrderedDict
   static constexpr std::string_view kOrderedDict = "collections\nOrderedDict\n";
+  auto push_item = [&](WalkItem item) {
+    item.begins = out.size();
+    stack.push_back(std::move(item));
+  };
+  auto append = [&](std::string_view bytes) { out.insert(out.end(), bytes.begin(), bytes.end()); };
+  auto append_global = [&](std::string_view global) {
+    out.push_back('c');
+    append(global);
+  };
   // At `at`: an empty tuple and a REDUCE (the call with no arguments)? Then past them.
   auto call_without_arguments = [&](const char* at) -> const char* {
     return end - at >= 2 && at[0] == ')' && at[1] == 'R' ? at + 2 : nullptr;
   };
   auto empty_dict = [&](const char* after) {
-    stack.push_back({out.size(), false});
+    WalkItem dict;
+    dict.dict = true;
+    push_item(dict);
     out.push_back('}');
     return after;
+  };
+  // The size of the opcode at out[at] with its argument.
+  auto opcode_size_in_out = [&](std::size_t at) -> std::size_t {
+    auto size = argument_size(static_cast<unsigned char>(out[at]), out.data() + at + 1,
+                              out.data() + out.size());
+    TORCH_INTERNAL_ASSERT(size.has_value(), "rewrite_pickle: an opcode it wrote is cut short");
+    return 1 + *size;
+  };
+  // out[at, at + size) becomes `bytes`.
+  auto replace_in_out = [&](std::size_t at, std::size_t size, std::string_view bytes) {
+    out.erase(out.begin() + static_cast<std::ptrdiff_t>(at),
+              out.begin() + static_cast<std::ptrdiff_t>(at + size));
+    out.insert(out.begin() + static_cast<std::ptrdiff_t>(at), bytes.begin(), bytes.end());
+  };
+  // For the messages: "'key'" when stack[i] is a value going into a dict (SETITEM: [dict, key,
+  // value]; SETITEMS: [dict, MARK, key, value, ...]), else "". (A string and a dict before it in a
+  // list read as a key too: a message names the key wrongly there.)
+  auto key_of = [&](std::size_t i) -> std::string {
+    std::size_t j = i;  // stack[j - 1]: the nearest mark below i
+    while (j > 0 && !stack[j - 1].mark) --j;
+    const bool in_setitem = i >= 2 && i - 2 >= j && stack[i - 2].dict;
+    const bool in_setitems = j >= 2 && stack[j - 2].dict && (i - j) % 2 == 1;
+    return (in_setitem || in_setitems) && !stack[i - 1].text.empty() ? "'" + stack[i - 1].text + "'"
+                                                                     : "";
+  };
+  // A dtype of kUntypedDtypes that a tensor rewrite did not take, stack[i]: LibTorch has no value
+  // for it, and its GLOBAL may have gone with the tensor whose dtype it was.
+  auto refuse_dtype_value = [&](std::size_t i) {
+    const WalkItem& item = stack[i];
+    TORCH_CHECK(!for_libtorch || item.global.empty() || !untyped_dtype_of(item.global, false),
+                "data.pkl holds ", global_name(item.global), " as a value",
+                key_of(i).empty() ? "" : " (key " + key_of(i) + ")",
+                ", which LibTorch cannot read; store the dtype's name as a string");
   };
   while (p < end) {
     const auto opcode = static_cast<unsigned char>(*p);
@@ -178,7 +375,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
     auto effect = stack_effect(opcode);
     if (!size || !effect) return pickle;
     const char* next = p + 1 + *size;
-    if (opcode == 'c' && std::string_view(p + 1, *size) == kOrderedDict) {
+    if (for_libtorch && opcode == 'c' && std::string_view(p + 1, *size) == kOrderedDict) {
       if (next < end && (*next == 'q' || *next == 'r')) {  // memoized for later calls
         const int width = *next == 'q' ? 1 : 4;
         if (end - next <= width) return pickle;
@@ -190,7 +387,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       p = empty_dict(after);
       continue;
     }
-    if ((opcode == 'h' || opcode == 'j') &&
+    if (for_libtorch && (opcode == 'h' || opcode == 'j') &&
         std::find(ordered_dict_memo.begin(), ordered_dict_memo.end(),
                   read_le(p + 1, opcode == 'h' ? 1 : 4)) != ordered_dict_memo.end()) {
       const char* after = call_without_arguments(next);
@@ -198,7 +395,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       p = empty_dict(after);
       continue;
     }
-    if (opcode == 0x8a) {
+    if (for_libtorch && opcode == 0x8a) {
       // LONG1: Python writes an int outside int32 in as few bytes as its two's complement needs
       // (5 for 3'000'000'000); LibTorch's Unpickler takes 8 bytes only. So it gets 8,
       // sign-extended.
@@ -209,24 +406,199 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       char wide[8];
       std::memcpy(wide, p + 2, n);
       std::memset(wide + n, n > 0 && (p[1 + n] & 0x80) ? 0xff : 0, 8 - n);
-      stack.push_back({out.size(), false});
+      push_item({});
       out.push_back(static_cast<char>(0x8a));
       out.push_back(8);
       out.insert(out.end(), wide, wide + 8);
       p = next;
       continue;
     }
+    if (opcode == 'q' || opcode == 'r') {  // BINPUT, LONG_BINPUT: the top item into the memo
+      if (stack.empty()) return pickle;
+      const uint64_t slot = read_le(p + 1, opcode == 'q' ? 1 : 4);
+      pending.erase(slot);
+      stack.back().memo.push_back(slot);
+      memo[slot] = stack.back();
+      out.insert(out.end(), p, next);
+      p = next;
+      continue;
+    }
+    if (opcode == 'h' || opcode == 'j') {  // BINGET, LONG_BINGET
+      const uint64_t slot = read_le(p + 1, opcode == 'h' ? 1 : 4);
+      WalkItem item;
+      if (auto held = memo.find(slot); held != memo.end()) item = held->second;
+      item.mark = false;
+      item.class_at = item.count_at = WalkItem::kElsewhere;
+      item.memo = {slot};
+      push_item(item);
+      if (auto global = pending.find(slot); global != pending.end()) {
+        // kPython: the GLOBAL that filled this slot became _rebuild_tensor_v3; it fills it here.
+        append_global(global->second);
+        out.push_back('r');
+        for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((slot >> (8 * i)) & 0xff));
+        pending.erase(global);
+      } else {
+        out.insert(out.end(), p, next);
+      }
+      p = next;
+      continue;
+    }
+    if (opcode == 'c') {
+      // Rewritten where the rewrite needs no context: every _rebuild_tensor_v3 call and every
+      // storage class of kUntypedDtypes is a tensor's; the items keep what the input said.
+      WalkItem item;
+      item.global = std::string(p + 1, *size);
+      push_item(item);
+      if (for_libtorch && item.global == kRebuildTensorV3) {
+        append_global(kRebuildTensorV2);
+      } else if (!for_libtorch && untyped_dtype_of(item.global, /*by_storage_class=*/true)) {
+        append_global(kUntypedStorage);
+      } else {
+        out.insert(out.end(), p, next);
+      }
+      p = next;
+      continue;
+    }
+    if (opcode == 'X' || opcode == 0x8c) {  // BINUNICODE, SHORT_BINUNICODE
+      const int width = opcode == 'X' ? 4 : 1;
+      WalkItem item;
+      item.text = std::string(p + 1 + width, *size - width);
+      push_item(item);
+      out.insert(out.end(), p, next);
+      p = next;
+      continue;
+    }
+    if (opcode == '}') {
+      WalkItem dict;
+      dict.dict = true;
+      push_item(dict);
+      out.push_back('}');
+      p = next;
+      continue;
+    }
+    if (opcode == 't') {
+      auto mark =
+          std::find_if(stack.rbegin(), stack.rend(), [](const WalkItem& i) { return i.mark; });
+      if (mark == stack.rend()) return pickle;
+      const std::size_t m = static_cast<std::size_t>(stack.rend() - mark) - 1;
+      const std::size_t count = stack.size() - m - 1;
+      WalkItem* children = stack.data() + m + 1;
+      WalkItem tuple;
+      if (count == 5 && children[0].text == "storage" && !children[1].global.empty()) {
+        // A persistent id: ('storage', class, key, location, element count).
+        tuple.storage = true;
+        tuple.storage_class = children[1].global;
+        tuple.key = children[2].text;
+        tuple.class_at = children[1].begins;
+        tuple.count_at = children[4].begins;
+        if (!for_libtorch) {
+          if (const UntypedDtype* dtype = untyped_dtype_of(tuple.storage_class, true)) {
+            // An untyped storage counts bytes.
+            auto n = int_opcode_at(out.data() + tuple.count_at, out.data() + out.size());
+            if (!n) return pickle;
+            replace_in_out(
+                tuple.count_at, n->second,
+                int_opcode(n->first * static_cast<int64_t>(c10::elementSize(dtype->type))));
+            tuple.dtype = dtype->type;
+          }
+        }
+      } else if (m > 0 && (count == 6 || count == 7 || count == 8) && children[0].storage) {
+        WalkItem& callable = stack[m - 1];
+        WalkItem& storage = children[0];
+        if (for_libtorch && callable.global == kRebuildTensorV3 && count >= 7) {
+          // (storage, offset, size, stride, requires_grad, hooks, dtype[, metadata]): the dtype goes
+          // into the storage's class, and the count from bytes to elements.
+          const UntypedDtype* dtype = untyped_dtype_of(children[6].global, false);
+          if (!dtype) return pickle;
+          const std::size_t dtype_ends = count == 8 ? children[7].begins : out.size();
+          out.erase(out.begin() + static_cast<std::ptrdiff_t>(children[6].begins),
+                    out.begin() + static_cast<std::ptrdiff_t>(dtype_ends));
+          children[6].global.clear();  // gone, not a dtype used as a value
+          // For the messages: "data.pkl: tensor 'w' (storage data/3)".
+          const std::string key = key_of(m - 1);
+          const std::string tensor = "data.pkl: tensor" + (key.empty() ? "" : " " + key) +
+                                     " (storage data/" + (storage.key.empty() ? "?" : storage.key) +
+                                     ")";
+          if (storage.class_at != WalkItem::kElsewhere) {
+            TORCH_CHECK(storage.storage_class == kUntypedStorage, tensor,
+                        " has a typed storage under _rebuild_tensor_v3, which torch.save does not "
+                        "write; the file is damaged or was not written by torch.save");
+            auto n = int_opcode_at(out.data() + storage.count_at, out.data() + out.size());
+            if (!n) return pickle;
+            const auto itemsize = static_cast<int64_t>(c10::elementSize(dtype->type));
+            TORCH_CHECK(n->first % itemsize == 0, tensor, " is ", dtype->python_name,
+                        " but its storage holds ", n->first,
+                        " bytes, not a whole number of its elements (", itemsize,
+                        " bytes each); the file is damaged or was not written by torch.save");
+            replace_in_out(storage.count_at, n->second, int_opcode(n->first / itemsize));
+            replace_in_out(storage.class_at, opcode_size_in_out(storage.class_at),
+                           "c" + storage_class_of(dtype->type));
+            for (uint64_t slot : storage.memo) memo[slot].dtype = dtype->type;
+          } else {
+            // Python writes one dtype per storage that has bytes; LibTorch gives a tensor the
+            // dtype of its storage.
+            TORCH_CHECK(storage.dtype == dtype->type, tensor, " is ", dtype->python_name,
+                        " but an earlier tensor of its storage is another dtype (",
+                        storage.dtype == c10::ScalarType::Undefined
+                            ? global_name(storage.storage_class)
+                            : std::string(c10::toString(storage.dtype)),
+                        "), and LibTorch gives each storage one; torch.save a clone() of one of "
+                        "the tensors that share it");
+          }
+        } else if (!for_libtorch && callable.global == kRebuildTensorV2 && count <= 7 &&
+                   storage.dtype != c10::ScalarType::Undefined) {
+          // (storage, offset, size, stride, requires_grad, hooks[, metadata]): Python's
+          // _rebuild_tensor_v3 takes the dtype after the hooks. The _rebuild_tensor_v2 GLOBAL
+          // goes; where it filled a memo slot that other tensors' BINGET, the first of those
+          // BINGETs fills it instead.
+          const UntypedDtype* dtype = nullptr;
+          for (const UntypedDtype& d : kUntypedDtypes) {
+            if (d.type == storage.dtype) dtype = &d;
+          }
+          TORCH_INTERNAL_ASSERT(dtype != nullptr);
+          const std::string dtype_global = "c" + dtype_global_of(*dtype);
+          const std::size_t dtype_at = count == 7 ? children[6].begins : out.size();
+          out.insert(out.begin() + static_cast<std::ptrdiff_t>(dtype_at), dtype_global.begin(),
+                     dtype_global.end());
+          const std::size_t callable_size = stack[m].begins - callable.begins;
+          for (std::size_t at = callable.begins; at < stack[m].begins;
+               at += opcode_size_in_out(at)) {
+            if (out[at] == 'q' || out[at] == 'r') {
+              pending[read_le(out.data() + at + 1, out[at] == 'q' ? 1 : 4)] =
+                  std::string(kRebuildTensorV2);
+            }
+          }
+          const std::string v3 = "c" + std::string(kRebuildTensorV3);
+          replace_in_out(callable.begins, callable_size, v3);
+          stack[m].begins = callable.begins + v3.size();
+          callable.global = kRebuildTensorV3;
+        }
+      }
+      for (std::size_t i = m + 1; i < stack.size(); ++i) refuse_dtype_value(i);
+      tuple.begins = stack[m].begins;
+      stack.resize(m);
+      stack.push_back(std::move(tuple));
+      out.push_back('t');
+      p = next;
+      continue;
+    }
     // Where the item this opcode pushes begins: its first popped item's start, or here.
     std::size_t begins = out.size();
     if (effect->pops == kToMark) {
-      while (!stack.empty() && !stack.back().mark) stack.pop_back();
+      while (!stack.empty() && !stack.back().mark) {
+        refuse_dtype_value(stack.size() - 1);
+        stack.pop_back();
+      }
       if (stack.empty()) return pickle;
       begins = stack.back().begins;
       stack.pop_back();
     } else {
       if (stack.size() < static_cast<std::size_t>(effect->pops)) return pickle;
       if (effect->pops > 0) begins = stack[stack.size() - effect->pops].begins;
-      if (opcode == 'b') {
+      for (std::size_t i = stack.size() - effect->pops; i < stack.size(); ++i) {
+        refuse_dtype_value(i);
+      }
+      if (for_libtorch && opcode == 'b') {
         // [.., dict, state] BUILD -> [.., dict, key, state] SETITEM.
         const std::size_t state_begins = stack.back().begins;
         char key[5 + kBuildStateKey.size()] = {'X'};
@@ -241,7 +613,12 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
       }
       stack.resize(stack.size() - effect->pops);
     }
-    if (effect->pushes) stack.push_back({begins, opcode == '('});
+    if (effect->pushes) {
+      WalkItem item;
+      item.begins = begins;
+      item.mark = opcode == '(';
+      stack.push_back(std::move(item));
+    }
     out.insert(out.end(), p, next);
     if (opcode == '.') break;
     p = next;
@@ -249,7 +626,7 @@ std::vector<char> readable_by_libtorch(const std::vector<char>& pickle) {
   return out;
 }
 
-// Drops what readable_by_libtorch filed under kBuildStateKey, in every dict of value.
+// Drops what rewrite_pickle filed under kBuildStateKey, in every dict of value.
 void drop_build_states(const c10::IValue& value) {
   if (value.isGenericDict()) {
     auto dict = value.toGenericDict();
@@ -320,9 +697,47 @@ void check_tensors_within_records(const c10::IValue& value, const std::string& w
   }
 }
 
+// Throws c10::Error where two tensors of value view one storage as two dtypes. The pickle has one
+// storage class per storage (Note [torch.save's format]), so LibTorch and Python would read both
+// as the first one's dtype; Python's torch.save refuses such a file too (where the storage has
+// bytes; an empty one it pickles again for each tensor, LibTorch's Pickler once). `seen`:
+// each storage's first tensor, its dtype and where it is ("root['tensors']['w']").
+void check_one_dtype_per_storage(
+    const c10::IValue& value, const std::string& where,
+    std::map<const void*, std::pair<c10::ScalarType, std::string>>& seen) {
+  if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) {
+      const c10::IValue& key = item.key();
+      check_one_dtype_per_storage(
+          item.value(),
+          where + "[" + (key.isString() ? "'" + key.toStringRef() + "'" : "...") + "]", seen);
+    }
+  } else if (value.isList()) {
+    std::size_t i = 0;
+    for (const c10::IValue& item : value.toListRef())
+      check_one_dtype_per_storage(item, where + "[" + std::to_string(i++) + "]", seen);
+  } else if (value.isTuple()) {
+    std::size_t i = 0;
+    for (const c10::IValue& item : value.toTupleRef().elements())
+      check_one_dtype_per_storage(item, where + "[" + std::to_string(i++) + "]", seen);
+  } else if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
+    if (tensor.layout() != at::kStrided) return;
+    auto [first, added] =
+        seen.try_emplace(tensor.storage().unsafeGetStorageImpl(), tensor.scalar_type(), where);
+    TORCH_CHECK(added || first->second.first == tensor.scalar_type(), "save_torch_archive: tensor ",
+                where, " (", tensor.scalar_type(), ") views the storage of tensor ",
+                first->second.second, " (", first->second.first,
+                "), and torch.save's format keeps one dtype per storage; save a clone() of one "
+                "of them");
+  }
+}
+
 }  // namespace
 
 std::vector<char> save_torch_archive(const c10::IValue& value) {
+  std::map<const void*, std::pair<c10::ScalarType, std::string>> storage_dtypes;
+  check_one_dtype_per_storage(value, "root", storage_dtypes);
   std::vector<char> pickle;
   torch::jit::Pickler pickler(
       [&](const char* data, std::size_t size) { pickle.insert(pickle.end(), data, data + size); },
@@ -331,6 +746,7 @@ std::vector<char> save_torch_archive(const c10::IValue& value) {
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
+  pickle = rewrite_pickle(pickle, PickleReader::kPython);
 
   std::vector<char> archive;
   archive.reserve(pickle.size() + 4096);
@@ -480,8 +896,8 @@ c10::IValue load_torch_archive(const std::vector<char>& bytes) {
   }
   auto [pickle_data, pickle_size] = reader.getRecord("data.pkl");
   const char* pickle_bytes = static_cast<const char*>(pickle_data.get());
-  const std::vector<char> pickle =
-      readable_by_libtorch(std::vector<char>(pickle_bytes, pickle_bytes + pickle_size));
+  const std::vector<char> pickle = rewrite_pickle(
+      std::vector<char>(pickle_bytes, pickle_bytes + pickle_size), PickleReader::kLibTorch);
   std::size_t read = 0;
   std::map<const void*, StorageRecord> records;
   torch::jit::Unpickler unpickler(
