@@ -87,12 +87,15 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
   // restarted alone spends from this node's own budget instead.
   RestartBudget node_restarts(options.max_restarts);
   if (is_elastic(options)) {
-    rendezvous = join_elastic_rendezvous(options);
+    int exit_code = 1;
+    rendezvous = join_elastic_rendezvous(options, signals, &exit_code);
+    if (!rendezvous) return exit_code;  // a signal came while joining
     if (recovers_in_place(options)) {
       in_place.emplace(/*auto_port=*/false, node_restarts, /*one_node_job=*/options.nnodes == 1);
     }
   } else {
-    auto fixed = std::make_unique<StaticRendezvous>(options, plan.auto_port);
+    auto fixed =
+        std::make_unique<StaticRendezvous>(options, plan.auto_port, plan.master_unresolved);
     if (recovers_in_place(options)) {
       in_place.emplace(plan.auto_port, fixed->restarts(), /*one_node_job=*/options.nnodes == 1);
     }
@@ -181,7 +184,9 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
               kGraceAfterALoss,
               std::chrono::milliseconds(static_cast<long long>(options.grace_period_s * 1000.0)));
         }
-        group.stop(signals.fd(), grace);
+        // A signal while they stop: they keep their grace; it ends this node's part below.
+        int signo = 0;
+        group.stop(signals, &signo, grace);
         const bool killed = group.last_stop_killed();
         const std::string stopped =
             "; stopped " + std::to_string(running) + " worker(s) of this node in " +
@@ -190,6 +195,7 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
                                    ": they cannot stop together with a lost peer)"
                              : "");
         say(verdict.message + stopped);
+        if (signo != 0) return end_on_signal(signo, {}, *round);
         if (verdict.kind == Verdict::Kind::kShutdown) {
           rendezvous->leave_ended_job();
           return 1;
@@ -212,11 +218,16 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
             std::to_string(group.running()) + " worker(s) of this node");
       }
       std::vector<elastic::WorkerExit> ended = result.failures;
-      for (elastic::WorkerExit& exit : group.stop(signals.fd())) ended.push_back(std::move(exit));
-      print_failure_summary(result, *round);
-      if (int signo = signals.take(); signo != 0) {
-        return end_on_signal(signo, std::move(ended), *round);
+      // The others got SIGTERM for the failure before any signal came: a first signal meanwhile
+      // leaves them their grace (a trainer may be saving a checkpoint on that SIGTERM), only a
+      // second cuts it short, as for a stop that a signal began.
+      int signo = 0;
+      for (elastic::WorkerExit& exit : group.stop(signals, &signo)) {
+        ended.push_back(std::move(exit));
       }
+      print_failure_summary(result, *round);
+      if (signo == 0) signo = signals.take();
+      if (signo != 0) return end_on_signal(signo, std::move(ended), *round);
       Verdict verdict = rendezvous->report_failure(root);
       if (verdict.kind == Verdict::Kind::kShutdown) {
         say(verdict.message + "; exiting with code " + std::to_string(root.launcher_exit_code()));

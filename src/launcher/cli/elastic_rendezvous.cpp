@@ -3,6 +3,7 @@
 // workers.
 #include "launcher/cli/elastic_rendezvous.h"
 
+#include <poll.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -71,14 +72,23 @@ std::string rendezvous_endpoint(const RunOptions& options) {
              : options.rdzv_host + ":" + std::to_string(options.rdzv_port);
 }
 
-// The backend for the flags, after its first successful contact. c10d: hosts the store when this
+// Whether `fd` becomes readable within `timeout_ms` (the signal pipe: a signal for the launcher).
+bool readable_within(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, timeout_ms) > 0;
+}
+
+// The backend for the flags, after its first successful contact, or nullptr when a signal made
+// `signal_fd` readable first (not read: the caller takes it). c10d: hosts the store when this
 // process can bind the endpoint, then waits up to join_timeout for the store to answer (its host
-// may start after this agent). Throws CommError (exit 1) when nothing answers in time (the flags
-// may be right and the store's node only late or down: a scheduler retries a 1, not a 2),
-// UsageError (exit 2) when the token is refused, and elastic::NotAStoreError (exit 1) at once when
-// another program answers at the endpoint.
+// may start after this agent, and its host name may not resolve before it does: a scheduler
+// registers a node's name once that node runs). Throws CommError (exit 1) when nothing answers in
+// time, or the name never resolved (the flags may be right and the store's node only late or down:
+// a scheduler retries a 1, not a 2), UsageError (exit 2) when the token is refused or the host can
+// be no host's name at all, and elastic::NotAStoreError (exit 1) at once when another program
+// answers at the endpoint. A signal ends the wait at once, a store call in flight included.
 std::unique_ptr<elastic::RendezvousBackend> connect_backend(
-    const RunOptions& options, const std::string& token,
+    const RunOptions& options, const std::string& token, int signal_fd,
     std::unique_ptr<elastic::C10dStoreServer>* server) {
   const std::string endpoint = rendezvous_endpoint(options);
   std::chrono::milliseconds join_timeout = to_ms(options.rdzv_conf.join_timeout_s);
@@ -104,45 +114,79 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
 #endif
   }
 
-  *server = elastic::C10dStoreServer::try_host(options.rdzv_host, options.rdzv_port, token,
-                                               [](const std::string& line) { say(line); });
-  if (*server) {
-    say("hosting the c10d rendezvous store at " + (*server)->address() +
-        " (the job ends if this agent dies; --rdzv-backend etcd has no such single point of "
-        "failure)");
+  if (!elastic::plausible_host(options.rdzv_host)) {
+    throw UsageError("dtrain run: --rdzv-endpoint " + endpoint + ": '" + options.rdzv_host +
+                     "' is not a host name or address; expected HOST:PORT of the node hosting "
+                     "the store");
   }
-  if (token.empty()) {
-    say("the rendezvous at " + endpoint +
-        " is open: any process that can reach it can join this job; set DTRAIN_RDZV_TOKEN on "
-        "every node to require a token");
-  }
-  auto backend = std::make_unique<elastic::C10dBackend>(options.rdzv_host, options.rdzv_port,
-                                                        options.run_id, token, call_timeout);
-  Clock::time_point deadline = Clock::now() + join_timeout;
+  std::unique_ptr<elastic::C10dBackend> backend;
+  Clock::time_point start = Clock::now();
+  Clock::time_point deadline = start + join_timeout;
   std::string last_error;
+  bool unresolved = false;      // the last try found no address for the host name
+  bool said_unresolved = false;
   for (;;) {
     try {
+      if (!backend) {
+        // Hosting is tried once, as soon as the name resolves: then this agent either has the
+        // endpoint's address or does not.
+        *server = elastic::C10dStoreServer::try_host(options.rdzv_host, options.rdzv_port, token,
+                                                     [](const std::string& line) { say(line); });
+        if (*server) {
+          say("hosting the c10d rendezvous store at " + (*server)->address() +
+              " (the job ends if this agent dies; --rdzv-backend etcd has no such single point "
+              "of failure)");
+        }
+        if (token.empty()) {
+          say("the rendezvous at " + endpoint +
+              " is open: any process that can reach it can join this job; set DTRAIN_RDZV_TOKEN "
+              "on every node to require a token");
+        }
+        backend = std::make_unique<elastic::C10dBackend>(options.rdzv_host, options.rdzv_port,
+                                                         options.run_id, token, call_timeout);
+        backend->set_interrupt_fd(signal_fd);
+      }
       backend->get_state();
+      backend->set_interrupt_fd(-1);  // from now on the heartbeats share it
       return backend;
+    } catch (const elastic::InterruptedError&) {
+      return nullptr;
     } catch (const elastic::NotAStoreError&) {
       // Another program holds the port (its message says so): waiting cannot help. It ends this
       // agent with exit code 1, the code of a rendezvous that failed (run_usage()), through
       // run_main's handler of every error that is not a UsageError; not 2 ("fix the flags"): the
       // flags may well be right and the port only taken for now, and a scheduler retries a 1.
       throw;
+    } catch (const elastic::UnresolvedHostError& error) {
+      last_error = strip_prefix(error.what());
+      unresolved = true;
+      if (!said_unresolved) {
+        say(last_error + "; retrying for up to " +
+            detail::seconds_text(options.rdzv_conf.join_timeout_s) +
+            " (--rdzv-conf join_timeout): its node may not be registered yet");
+        said_unresolved = true;
+      }
     } catch (const TimeoutError& error) {
       last_error = strip_prefix(error.what());
+      unresolved = false;
     } catch (const CommError& error) {
       last_error = strip_prefix(error.what());  // refused: its host may not have started yet
+      unresolved = false;
     }
     if (Clock::now() >= deadline) {
+      if (unresolved) {
+        throw CommError("dtrain run: " + last_error + " after trying for " +
+                        detail::seconds_text(Clock::now() - start) +
+                        " (--rdzv-conf join_timeout); check the endpoint's name, or allow its "
+                        "node longer to register it");
+      }
       throw CommError("dtrain run: --rdzv-endpoint " + endpoint +
                       ": no rendezvous store answered within " +
                       detail::seconds_text(options.rdzv_conf.join_timeout_s) + " (" + last_error +
                       "); start the agent on the node that has this address, or fix the "
                       "endpoint");
     }
-    usleep(200 * 1000);
+    if (readable_within(signal_fd, 200)) return nullptr;
   }
 }
 
@@ -555,7 +599,9 @@ class ElasticRendezvous final : public AgentRendezvous {
 
 }  // namespace
 
-std::unique_ptr<AgentRendezvous> join_elastic_rendezvous(const RunOptions& options) {
+std::unique_ptr<AgentRendezvous> join_elastic_rendezvous(const RunOptions& options,
+                                                         elastic::SignalPipe& signals,
+                                                         int* exit_code) {
   // The token: --rdzv-token, or DTRAIN_RDZV_TOKEN which stays out of process listings. Removed from
   // this process's environment so that the workers never see it.
   std::string token = options.rdzv_token;
@@ -568,7 +614,14 @@ std::unique_ptr<AgentRendezvous> join_elastic_rendezvous(const RunOptions& optio
         "DTRAIN_RDZV_TOKEN");
   }
   std::unique_ptr<elastic::C10dStoreServer> server;
-  std::unique_ptr<elastic::RendezvousBackend> backend = connect_backend(options, token, &server);
+  std::unique_ptr<elastic::RendezvousBackend> backend =
+      connect_backend(options, token, signals.fd(), &server);
+  if (!backend) {
+    const int signo = signals.take();
+    say("received " + elastic::signal_name(signo) + " while joining the rendezvous; leaving");
+    *exit_code = 128 + signo;
+    return nullptr;
+  }
   return std::make_unique<ElasticRendezvous>(options, std::move(server), std::move(backend));
 }
 

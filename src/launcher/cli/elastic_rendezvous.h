@@ -13,9 +13,13 @@
 namespace dtrain::cli {
 
 // Connects to the rendezvous store of --rdzv-endpoint (waiting up to the join timeout for it to
-// answer) and starts this node's heartbeats. Throws dtrain::UsageError for bad flags found late (a
-// store that refuses this node's token, no etcd backend built in), dtrain::CommError (exit 1) when
-// no store answers in time or another program holds the endpoint.
-std::unique_ptr<AgentRendezvous> join_elastic_rendezvous(const RunOptions& options);
+// answer, and for its host name to resolve) and starts this node's heartbeats. Returns nullptr when
+// a signal came first (taken from `signals`, said, *exit_code 128 + signal). Throws
+// dtrain::UsageError for bad flags found late (a store that refuses this node's token, no etcd
+// backend built in), dtrain::CommError (exit 1) when no store answers in time, its name never
+// resolved, or another program holds the endpoint.
+std::unique_ptr<AgentRendezvous> join_elastic_rendezvous(const RunOptions& options,
+                                                         elastic::SignalPipe& signals,
+                                                         int* exit_code);
 
 }  // namespace dtrain::cli

@@ -196,7 +196,12 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
     }
     say(who + "; restarting it alone as a newcomer, the other workers keep running (restart " +
         std::to_string(restarts_.spent()) + " of " + std::to_string(restarts_.max()) + ")");
-    group.restart_worker(failure.local_rank, restarts_.spent());
+    // Its TORCHELASTIC_RESTART_COUNT: the restarts spent, which under a static rendezvous is every
+    // restart of this node so far; under an elastic one the budget is this node's own while the
+    // round number counts the job's, so the count never goes below the failed run's and the new
+    // run never shares an earlier attempt's number (and error-file folder) with it.
+    group.restart_worker(failure.local_rank,
+                         std::max(restarts_.spent(), failure.restart_count + 1));
   }
   return true;
 }

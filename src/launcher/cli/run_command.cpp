@@ -179,19 +179,26 @@ LaunchPlan prepare_launch(const RunOptions& options) {
 
   plan.auto_port = options.master_port == 0;
   if (!plan.auto_port && !is_elastic(options)) {
+    if (!elastic::plausible_host(options.master_addr)) {
+      fail("--master-addr: '" + options.master_addr +
+           "' is not a host name or address; expected one of the node running rank 0");
+    }
     elastic::PortProbe probe = elastic::probe_port(options.master_addr, options.master_port);
-    if (probe == elastic::PortProbe::kUnresolvable) {
-      fail("--master-addr: cannot resolve '" + options.master_addr +
-           "'; expected a host name or address of the node running rank 0");
-    }
-    // Only the node whose rank 0 will host the store checks: elsewhere the port is the master's
-    // business.
-    if (probe == elastic::PortProbe::kInUse && options.node_rank == 0) {
-      fail("--master-port " + std::to_string(options.master_port) + ": port is already in use on " +
-           options.master_addr + "; pick another or pass 0 for a free one");
-    }
+    // A name that does not resolve yet is waited for, as torchrun's store does: a scheduler may
+    // register the master's name only once its node runs, after this one started.
+    plan.master_unresolved = probe == elastic::PortProbe::kUnresolvable;
+    check_master_port_free(options, probe);
   }
   return plan;
+}
+
+void check_master_port_free(const RunOptions& options, elastic::PortProbe probe) {
+  // Only the node whose rank 0 will host the store checks: elsewhere the port is the master's
+  // business.
+  if (probe == elastic::PortProbe::kInUse && options.node_rank == 0) {
+    fail("--master-port " + std::to_string(options.master_port) + ": port is already in use on " +
+         options.master_addr + "; pick another or pass 0 for a free one");
+  }
 }
 
 std::string oversubscription_warning(int ranks, int cores) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "launcher/cli/run_options.h"
+#include "launcher/elastic/ports.h"
 #include "launcher/elastic/worker_group.h"
 
 namespace dtrain::cli {
@@ -17,12 +18,20 @@ struct LaunchPlan {
   std::vector<std::string> command;
   // Whether a fresh free port is picked for every attempt (no --master-port on a single node).
   bool auto_port = false;
+  // --master-addr's name did not resolve when checked: the static rendezvous waits for it before
+  // the first round (static_rendezvous.h), and node 0 checks the port then.
+  bool master_unresolved = false;
 };
 
 // Checks what parse_run_options cannot: the program (or interpreter) exists and is executable, the
 // log folder can be created, and an explicit master port can be bound when this node hosts the
-// master. Throws dtrain::UsageError with a one-line message.
+// master (once --master-addr resolves: a name that does not resolve yet is no bad flag, a host
+// that can be nobody's name is). Throws dtrain::UsageError with a one-line message.
 LaunchPlan prepare_launch(const RunOptions& options);
+
+// Node 0's check that the store's port is free at --master-addr, given probe_port()'s answer.
+// Throws dtrain::UsageError when it is in use.
+void check_master_port_free(const RunOptions& options, elastic::PortProbe probe);
 
 // The warning `dtrain run` gives when `ranks` workers on this node outnumber the `cores` CPU cores
 // the launcher may use (usable_cpus()), or "" when they fit.

@@ -34,10 +34,15 @@ class RestartBudget {
 class StaticRendezvous final : public AgentRendezvous {
  public:
   // `auto_port`: a fresh free MASTER_PORT for every round (no --master-port, a single node).
-  StaticRendezvous(const RunOptions& options, bool auto_port);
+  // `master_unresolved`: --master-addr did not resolve when the flags were checked.
+  StaticRendezvous(const RunOptions& options, bool auto_port, bool master_unresolved = false);
 
-  // The round of the flags, at once: node rank --node-rank of --nnodes, WORLD_SIZE --nnodes *
-  // --nproc-per-node, TORCHELASTIC_RESTART_COUNT the restarts spent so far.
+  // The round of the flags: node rank --node-rank of --nnodes, WORLD_SIZE --nnodes *
+  // --nproc-per-node, TORCHELASTIC_RESTART_COUNT the restarts spent so far. At once, except the
+  // first round while --master-addr does not resolve: its name is waited for up to --rdzv-conf
+  // join_timeout (a scheduler may register the master's name only once its node runs, as
+  // torchrun's store waits for it), then the job ends with exit code 1 (a scheduler retries it,
+  // and the flag may be right), or at once on a signal (128 + signal).
   std::optional<elastic::WorkerGroupRound> next_round(elastic::SignalPipe& signals,
                                                       int* exit_code) override;
   // A new round while a restart is left (spending it), else the end of the job; a usage error (exit
@@ -48,8 +53,13 @@ class StaticRendezvous final : public AgentRendezvous {
   RestartBudget& restarts() { return restarts_; }
 
  private:
+  // Waits for --master-addr to resolve (see next_round()); false, with *exit_code, when the job
+  // ends first. Node 0 then checks the port (UsageError when in use).
+  bool wait_for_master(elastic::SignalPipe& signals, int* exit_code);
+
   RunOptions options_;
   bool auto_port_;
+  bool master_unresolved_;
   RestartBudget restarts_;
 };
 

@@ -122,9 +122,11 @@ std::string describe_peer(const sockaddr_storage& address) {
   return std::string(host) + ":" + port;
 }
 
-// One resolved address of `host` (IPv4 preferred: what the other nodes most likely use).
-bool resolve(const std::string& host, int port, sockaddr_storage* out, socklen_t* length) {
-  const std::vector<SocketAddress> found = resolve_addresses(host, port);
+// One resolved address of `host` (IPv4 preferred: what the other nodes most likely use); false,
+// with *why (gai_strerror's text), when it does not resolve.
+bool resolve(const std::string& host, int port, sockaddr_storage* out, socklen_t* length,
+             std::string* why) {
+  const std::vector<SocketAddress> found = resolve_addresses(host, port, why);
   if (found.empty()) return false;
   auto chosen = std::find_if(found.begin(), found.end(), [](const SocketAddress& address) {
     return address.address.ss_family == AF_INET;
@@ -138,6 +140,25 @@ bool resolve(const std::string& host, int port, sockaddr_storage* out, socklen_t
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return left.count() <= 0 ? 0 : static_cast<int>(left.count());
+}
+
+// "--rdzv-endpoint HOST:PORT: the host name 'HOST' does not resolve (WHY)": the message of an
+// UnresolvedHostError, after "dtrain run: ".
+std::string unresolved(const std::string& host, int port, const std::string& why) {
+  std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
+  return "--rdzv-endpoint " + shown + ":" + std::to_string(port) + ": the host name '" + host +
+         "' does not resolve (" + why + ")";
+}
+
+// poll() of one descriptor for `events`, which also gives up, throwing InterruptedError, once
+// `interrupt_fd` (when >= 0) is readable: a signal for the launcher ends a call at once.
+int poll_one(int fd, short events, int timeout_ms, int interrupt_fd) {
+  pollfd fds[2] = {{fd, events, 0}, {interrupt_fd, POLLIN, 0}};
+  int ready = poll(fds, interrupt_fd >= 0 ? 2 : 1, timeout_ms);
+  if (ready > 0 && interrupt_fd >= 0 && (fds[1].revents & POLLIN) != 0) {
+    throw InterruptedError("dtrain run: the call to the rendezvous store was interrupted");
+  }
+  return ready;
 }
 
 }  // namespace
@@ -308,9 +329,8 @@ std::unique_ptr<C10dStoreServer> C10dStoreServer::try_host(
     std::function<void(const std::string&)> log) {
   sockaddr_storage address{};
   socklen_t length = 0;
-  if (!resolve(host, port, &address, &length)) {
-    throw UsageError("dtrain run: --rdzv-endpoint: cannot resolve '" + host +
-                     "'; expected a host name or address of the node hosting the rendezvous");
+  if (std::string why; !resolve(host, port, &address, &length, &why)) {
+    throw UnresolvedHostError("dtrain run: " + unresolved(host, port, why));
   }
   int fd = socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return nullptr;
@@ -396,14 +416,16 @@ void C10dStoreServer::serve() {
 namespace {
 
 // Sends everything before the deadline; false when the connection broke.
-bool send_until(int fd, const std::string& data, Clock::time_point deadline) {
+// `interrupt_fd`, here and below: see poll_one().
+bool send_until(int fd, const std::string& data, Clock::time_point deadline, int interrupt_fd) {
   std::size_t sent = 0;
   while (sent < data.size()) {
     ssize_t n = send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd out{fd, POLLOUT, 0};
-      if (poll(&out, 1, remaining_ms(deadline)) <= 0) throw TimeoutError("send");
+      if (poll_one(fd, POLLOUT, remaining_ms(deadline), interrupt_fd) <= 0) {
+        throw TimeoutError("send");
+      }
       continue;
     }
     if (n <= 0) return false;
@@ -413,11 +435,11 @@ bool send_until(int fd, const std::string& data, Clock::time_point deadline) {
 }
 
 // Reads exactly n bytes before the deadline (TimeoutError("receive")); false when the peer closed.
-bool receive_until(int fd, std::size_t n, std::string* out, Clock::time_point deadline) {
+bool receive_until(int fd, std::size_t n, std::string* out, Clock::time_point deadline,
+                   int interrupt_fd) {
   out->clear();
   while (out->size() < n) {
-    pollfd in{fd, POLLIN, 0};
-    int ready = poll(&in, 1, remaining_ms(deadline));
+    int ready = poll_one(fd, POLLIN, remaining_ms(deadline), interrupt_fd);
     if (ready < 0 && errno == EINTR) continue;
     if (ready == 0) throw TimeoutError("receive");
     char buffer[65536];
@@ -458,12 +480,11 @@ std::string preview(const std::string& bytes) {
 // complete greeting by `greeting_deadline`; TimeoutError("receive") at `deadline` when that comes
 // first.
 bool receive_greeting(int fd, std::string* hello, Clock::time_point greeting_deadline,
-                      Clock::time_point deadline) {
+                      Clock::time_point deadline, int interrupt_fd) {
   hello->clear();
   Clock::time_point until = std::min(greeting_deadline, deadline);
   while (hello->size() < kServerHelloBytes) {
-    pollfd in{fd, POLLIN, 0};
-    int ready = poll(&in, 1, remaining_ms(until));
+    int ready = poll_one(fd, POLLIN, remaining_ms(until), interrupt_fd);
     if (ready < 0 && errno == EINTR) continue;
     if (ready == 0) {
       if (deadline < greeting_deadline) throw TimeoutError("receive");
@@ -488,13 +509,13 @@ bool receive_greeting(int fd, std::string* hello, Clock::time_point greeting_dea
   return true;
 }
 
-bool receive_frame(int fd, std::string* payload, Clock::time_point deadline) {
+bool receive_frame(int fd, std::string* payload, Clock::time_point deadline, int interrupt_fd) {
   std::string header;
-  if (!receive_until(fd, 4, &header, deadline)) return false;
+  if (!receive_until(fd, 4, &header, deadline, interrupt_fd)) return false;
   Reader reader(header);
   std::size_t length = reader.uint(4);
   if (length > kMaxFrame) return false;
-  return receive_until(fd, length, payload, deadline);
+  return receive_until(fd, length, payload, deadline, interrupt_fd);
 }
 
 }  // namespace
@@ -529,8 +550,11 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
   std::string where = "the c10d rendezvous store at " + endpoint_text();
   sockaddr_storage address{};
   socklen_t length = 0;
-  if (!resolve(host_, port_, &address, &length)) {
-    throw UsageError("dtrain run: --rdzv-endpoint: cannot resolve '" + host_ + "'");
+  // Resolved anew for each connection (a store's node that moved may have a new address). A name
+  // that does not resolve is a failed call like a refused connection: the agent retries it while
+  // joining, and rides it out mid-job as any store trouble.
+  if (std::string why; !resolve(host_, port_, &address, &length, &why)) {
+    throw UnresolvedHostError("dtrain run: " + unresolved(host_, port_, why));
   }
   int fd = socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) throw CommError("dtrain run: " + where + ": cannot create a socket");
@@ -541,8 +565,14 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
       disconnect();
       throw CommError("dtrain run: " + where + ": " + std::strerror(error));
     }
-    pollfd out{fd, POLLOUT, 0};
-    if (poll(&out, 1, remaining_ms(deadline)) <= 0) {
+    int ready = 0;
+    try {
+      ready = poll_one(fd, POLLOUT, remaining_ms(deadline), interrupt_fd_);
+    } catch (const InterruptedError&) {
+      disconnect();
+      throw;
+    }
+    if (ready <= 0) {
       disconnect();
       throw TimeoutError("dtrain run: " + where + ": no answer within the call's " +
                          detail::seconds_text(timeout_) + " timeout");
@@ -561,7 +591,8 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
   try {
     std::string hello;
     try {
-      if (!receive_greeting(fd, &hello, Clock::now() + kGreetingTimeout, deadline)) {
+      if (!receive_greeting(fd, &hello, Clock::now() + kGreetingTimeout, deadline,
+                            interrupt_fd_)) {
         throw CommError("dtrain run: " + where + " closed the connection before its greeting");
       }
     } catch (const NotAStoreError& cause) {
@@ -588,8 +619,8 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
     std::string message(1, 'H');
     message += client_nonce + mac_of(token_, "dtrain-rdzv-client", server_nonce, client_nonce);
     std::string reply;
-    if (!send_until(fd, framed(message), deadline) || !receive_frame(fd, &reply, deadline) ||
-        reply.size() != 1 + kMacBytes) {
+    if (!send_until(fd, framed(message), deadline, interrupt_fd_) ||
+        !receive_frame(fd, &reply, deadline, interrupt_fd_) || reply.size() != 1 + kMacBytes) {
       throw CommError("dtrain run: " + where + " closed the connection during the handshake");
     }
     if (reply[0] == static_cast<char>(kTokenRequired)) {
@@ -627,9 +658,13 @@ std::string C10dBackend::call(const std::string& request) {
     if (fresh) connect_and_authenticate(deadline);
     std::string reply;
     try {
-      if (send_until(fd_, framed(request), deadline) && receive_frame(fd_, &reply, deadline)) {
+      if (send_until(fd_, framed(request), deadline, interrupt_fd_) &&
+          receive_frame(fd_, &reply, deadline, interrupt_fd_)) {
         return reply;
       }
+    } catch (const InterruptedError&) {
+      disconnect();  // a request half sent or half answered
+      throw;
     } catch (const TimeoutError&) {
       disconnect();
       throw TimeoutError("dtrain run: " + where + ": no answer within the call's " +

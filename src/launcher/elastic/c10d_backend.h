@@ -49,13 +49,29 @@ class NotAStoreError : public CommError {
   using CommError::CommError;
 };
 
+// The endpoint's host name does not resolve: not yet, maybe (a scheduler registers the name of the
+// store's node once that node runs, after the others may have started). A CommError, not a
+// UsageError: the flags may well be right, so the agent retries until its join timeout and then
+// exits 1, which a scheduler retries; mid-job it is one more store call that failed.
+class UnresolvedHostError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+// A client call given up because its interrupt fd became readable (a signal for the launcher:
+// C10dBackend::set_interrupt_fd).
+class InterruptedError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // Serves the store on a thread of its own until destroyed.
 class C10dStoreServer {
  public:
   // Binds host:port (host resolved to one address of this machine) and starts serving, or returns
   // nullptr when this process cannot host it: the port is taken (another agent hosts it) or the
   // address is not this machine's. `log` receives one line per refused peer. An empty token means
-  // an open store. Throws dtrain::UsageError when `host` does not resolve.
+  // an open store. Throws UnresolvedHostError when `host` does not resolve (yet).
   static std::unique_ptr<C10dStoreServer> try_host(const std::string& host, int port,
                                                    std::string token,
                                                    std::function<void(const std::string&)> log);
@@ -87,6 +103,11 @@ class C10dBackend : public RendezvousBackend {
   ~C10dBackend() override;
 
   std::string name() const override { return "c10d"; }
+  // From the next call on, a call also gives up, throwing InterruptedError, as soon as `fd` is
+  // readable (-1: never): the agent's join at start, where a signal must not wait out a store that
+  // is silent or not up yet. Only while no other thread uses the backend (the heartbeats must not
+  // fail on a signal the agent is about to handle).
+  void set_interrupt_fd(int fd) { interrupt_fd_ = fd; }
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   Knock knock(std::chrono::milliseconds timeout) override;
   std::optional<VersionedState> get_state() override;
@@ -113,6 +134,7 @@ class C10dBackend : public RendezvousBackend {
   // the same cut may have put out of reach.
   std::vector<SocketAddress> addresses_;
   int fd_ = -1;
+  int interrupt_fd_ = -1;
 };
 
 // HMAC-SHA256 of `message` under `key` (32 bytes), exposed for tests.

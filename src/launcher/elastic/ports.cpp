@@ -169,12 +169,18 @@ LocalRoute route_to(const std::string& host, int family) {
 }
 
 std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) {
+  return resolve_addresses(host, port, nullptr);
+}
+
+std::vector<SocketAddress> resolve_addresses(const std::string& host, int port, std::string* why) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* results = nullptr;
   std::vector<SocketAddress> addresses;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results) != 0) {
+  if (int status = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &results);
+      status != 0) {
+    if (why != nullptr) *why = status == EAI_SYSTEM ? std::strerror(errno) : gai_strerror(status);
     return addresses;
   }
   for (addrinfo* result = results; result != nullptr; result = result->ai_next) {
@@ -185,7 +191,37 @@ std::vector<SocketAddress> resolve_addresses(const std::string& host, int port) 
     addresses.push_back(address);
   }
   freeaddrinfo(results);
+  if (addresses.empty() && why != nullptr) *why = "no address";
   return addresses;
+}
+
+bool plausible_host(const std::string& host) {
+  in6_addr ignored{};
+  if (inet_pton(AF_INET, host.c_str(), &ignored) == 1) return true;
+  if (host.find(':') != std::string::npos) {
+    // IPv6, maybe with its zone ("fe80::1%eth0"), which getaddrinfo takes and inet_pton does not.
+    return inet_pton(AF_INET6, host.substr(0, host.find('%')).c_str(), &ignored) == 1;
+  }
+  std::string name = host;
+  if (!name.empty() && name.back() == '.') name.pop_back();  // a fully qualified name's root
+  if (name.empty() || name.size() > 253) return false;
+  std::size_t label = 0;
+  for (char c : name) {
+    if (c == '.') {
+      if (label == 0) return false;
+      label = 0;
+      continue;
+    }
+    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                         (c >= '0' && c <= '9') || c == '-' || c == '_';
+    if (!allowed || ++label > 63) return false;
+  }
+  return label > 0;
+}
+
+std::string resolve_failure(const std::string& host) {
+  std::string why;
+  return resolve_addresses(host, 0, &why).empty() ? why : std::string();
 }
 
 std::vector<Knock> knock_each(const std::vector<std::vector<SocketAddress>>& targets,

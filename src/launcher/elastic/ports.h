@@ -21,8 +21,19 @@ enum class PortProbe {
   kFree,      // `addr` is an address of this machine and `port` can be bound there
   kInUse,     // `addr` is local and something already listens on `port` (there or on every address)
   kNotLocal,  // `addr` belongs to another machine: nothing to check here
-  kUnresolvable,  // `addr` is not a valid address or host name
+  kUnresolvable,  // `addr` does not resolve (now: a name may resolve later)
 };
+
+// Whether `host` can name a machine at all: an IPv4 or IPv6 address (an IPv6 one with its zone, if
+// any), or a name of letters, digits, '-', '_' and '.' (labels of 1 to 63 characters, 253 in all;
+// one trailing dot allowed).
+// One that is not can never resolve: a bad flag. One that is may only not resolve yet (a scheduler
+// registers a node's name once it runs), which a launcher waits out. Never blocks.
+bool plausible_host(const std::string& host);
+
+// Why `host` does not resolve now (gai_strerror's text of getaddrinfo's answer), or "" when it
+// resolves to at least one address. Blocks on name resolution.
+std::string resolve_failure(const std::string& host);
 
 // Whether the store that rank 0 will host at addr:port can bind it. PyTorch's TCPStore binds the
 // wildcard address with SO_REUSEADDR, so the probe binds both addr and the wildcard the same way: a
@@ -73,6 +84,8 @@ struct SocketAddress {
 // not resolve. Blocks on name resolution: resolve while the network is known to work, and knock
 // at the addresses later.
 std::vector<SocketAddress> resolve_addresses(const std::string& host, int port);
+// The same; when it returns none, *why (when given) says why (gai_strerror's text).
+std::vector<SocketAddress> resolve_addresses(const std::string& host, int port, std::string* why);
 
 // One connection attempt to each of `addresses` at once, closed at once; waits at most `timeout`.
 // kAccepted if any accepted, else kRefused if any refused, else kSilent if any was tried, else

@@ -446,6 +446,9 @@ std::string WorkerGroup::make_error_file(int restart_count, int local_rank) {
                      " for TORCHELASTIC_ERROR_FILE: " + error.message() +
                      "; set TMPDIR to a writable directory");
   }
+  // A number may come again (an elastic round numbered like a worker's earlier restart alone):
+  // what that run left is not this one's error.
+  fs::remove(folder / "error.json", error);
   return (folder / "error.json").string();
 }
 
@@ -597,6 +600,18 @@ WaitResult WorkerGroup::wait(int interrupt_fd) {
 
 std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd,
                                           std::optional<std::chrono::milliseconds> grace) {
+  return stop_workers(interrupt_fd, grace, nullptr, nullptr);
+}
+
+std::vector<WorkerExit> WorkerGroup::stop(SignalPipe& signals, int* signo,
+                                          std::optional<std::chrono::milliseconds> grace) {
+  *signo = 0;
+  return stop_workers(signals.fd(), grace, &signals, signo);
+}
+
+std::vector<WorkerExit> WorkerGroup::stop_workers(int interrupt_fd,
+                                                  std::optional<std::chrono::milliseconds> grace,
+                                                  SignalPipe* signals, int* signo) {
   std::vector<WorkerExit> exits;
   reap(&exits);
   signal_groups(SIGTERM);
@@ -628,7 +643,16 @@ std::vector<WorkerExit> WorkerGroup::stop(int interrupt_fd,
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     int timeout = static_cast<int>(std::clamp<long long>(left, 1, kPollFallbackMs));
     bool interrupted = pump(timeout, killed ? -1 : interrupt_fd);
-    if (interrupted && !killed) {
+    if (interrupted && !killed && signals != nullptr && *signo == 0) {
+      // The first signal of a stop the launcher began: the workers already have the SIGTERM it
+      // asks for, and keep their grace. (0: woken with nothing to read; nothing to count.)
+      *signo = signals->take();
+      if (*signo != 0) {
+        write_all(options_.err_fd, options_.name + ": received " + signal_name(*signo) +
+                                       " while stopping the workers; they keep their grace " +
+                                       "period (a second signal kills them at once)\n");
+      }
+    } else if (interrupted && !killed) {
       // A second Ctrl-C while waiting out the grace period: the user does not want to wait.
       signal_groups(SIGKILL);
       killed = true;

@@ -30,6 +30,8 @@
 
 namespace dtrain::elastic {
 
+class SignalPipe;  // signal_pipe.h
+
 // What stays fixed for the lifetime of the group, across restarts.
 struct WorkerGroupOptions {
   // argv of every worker; command[0] is a path or a name looked up on PATH when start() runs.
@@ -176,6 +178,13 @@ class WorkerGroup {
   // stop. Returns how each worker that was still running ended.
   std::vector<WorkerExit> stop(int interrupt_fd = -1,
                                std::optional<std::chrono::milliseconds> grace = std::nullopt);
+  // The same for a stop the launcher began on its own (a worker failed, a new round), with the
+  // launcher's signal pipe: the workers had their SIGTERM before any signal came, so the first
+  // signal that arrives meanwhile is taken from `signals` into *signo (0 when none came) and they
+  // keep their grace (a trainer may be saving a checkpoint); only a second one cuts it short with
+  // SIGKILL, as it does for a stop that a signal began.
+  std::vector<WorkerExit> stop(SignalPipe& signals, int* signo,
+                               std::optional<std::chrono::milliseconds> grace = std::nullopt);
   // Whether the last stop() had to send SIGKILL (a worker outlived its grace).
   bool last_stop_killed() const { return last_stop_killed_; }
 
@@ -200,6 +209,10 @@ class WorkerGroup {
   // rank>/error.json, the folders created (the root on first use). Throws dtrain::UsageError when
   // they cannot be.
   std::string make_error_file(int restart_count, int local_rank);
+  // Both stop()s: `signals` null for the first (interrupt_fd's first readiness SIGKILLs).
+  std::vector<WorkerExit> stop_workers(int interrupt_fd,
+                                       std::optional<std::chrono::milliseconds> grace,
+                                       SignalPipe* signals, int* signo);
   // Opens <log_dir>/rank<R>.log for appending when there is a log folder. Throws
   // dtrain::UsageError when it cannot.
   void open_log(Worker& worker);

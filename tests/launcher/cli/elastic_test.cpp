@@ -15,7 +15,9 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <memory>
 #include <regex>
@@ -487,6 +489,62 @@ TEST_P(C10dElasticTest, UnreachableEndpointEndsAsAFailedRendezvous) {
   EXPECT_NE(err(0).find("--rdzv-endpoint 192.0.2.1:29400: no rendezvous store answered within 1 s"),
             std::string::npos)
       << err(0);
+}
+
+// A c10d endpoint whose host name does not resolve yet (a scheduler registers the name of the
+// store's node once that node runs) is waited for up to join_timeout like one that refuses, then
+// ends the agent with one line naming the host, the resolver's answer and how long it tried, and
+// exit code 1, which a scheduler retries. It used to be exit code 2 at once.
+TEST_P(C10dElasticTest, EndpointThatDoesNotResolveIsWaitedForThenEndsWithExitCodeOne) {
+  backend_.endpoint = "master-0.svc.invalid:29400";
+  ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=2"});
+  ASSERT_TRUE(a.wait(kExitTimeout)) << err(0);
+  EXPECT_EQ(a.exit_code(), 1) << err(0);
+  EXPECT_GE(a.seconds(), 2) << err(0);
+  EXPECT_NE(err(0).find("dtrain run: --rdzv-endpoint master-0.svc.invalid:29400: the host name "
+                        "'master-0.svc.invalid' does not resolve ("),
+            std::string::npos)
+      << err(0);
+  EXPECT_NE(err(0).find(") after trying for 2"), std::string::npos) << err(0);
+  EXPECT_TRUE(starts().empty());
+}
+
+// A signal during the first join ends it at once with 128 + signal, whether the agent waits
+// between tries (the endpoint refuses: a port bound on 127.0.0.1 but not listening, which this
+// agent cannot host the store on either) or inside a call (a program that accepts and says
+// nothing: the store's greeting is waited for), not after join_timeout or the call's timeout.
+TEST_P(C10dElasticTest, SignalDuringTheFirstJoinEndsItAtOnce) {
+  int bound = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(bound, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(bind(bound, reinterpret_cast<sockaddr*>(&address), length), 0);
+  ASSERT_EQ(getsockname(bound, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ForeignListener silent("");
+  for (const std::string& endpoint :
+       {"127.0.0.1:" + std::to_string(ntohs(address.sin_port)), silent.endpoint()}) {
+    SCOPED_TRACE(endpoint);
+    backend_.endpoint = endpoint;
+    const std::size_t agent = agents_.size();
+    ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=60"});
+    // Said just before the first call to the store.
+    ASSERT_TRUE(wait_until(
+        [&] { return err(agent).find(" is open: ") != std::string::npos; }, kEventTimeout))
+        << err(agent);
+    std::this_thread::sleep_for(500ms);  // into the wait between tries, or the call
+    Clock::time_point sent = Clock::now();
+    kill(a.pid(), SIGINT);
+    ASSERT_TRUE(a.wait(kExitTimeout)) << err(agent);
+    EXPECT_EQ(a.exit_code(), 128 + SIGINT) << err(agent);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - sent).count(), 3) << err(agent);
+    EXPECT_NE(err(agent).find("received SIGINT while joining the rendezvous; leaving"),
+              std::string::npos)
+        << err(agent);
+  }
+  close(bound);
+  EXPECT_TRUE(starts().empty());
 }
 
 // Another program holds the c10d endpoint's port (issue 21: an HTTP server, or a program that

@@ -329,6 +329,68 @@ TEST_F(LauncherTest, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
   expect_all_gone({stubborn}, "rank 1, which ignores SIGTERM");
 }
 
+// Rank 1 fails; rank 0, told to stop with SIGTERM, saves a checkpoint (`save_s` seconds) and
+// exits 143. Each rank writes its pid to pid.<rank>; rank 1 fails only once rank 0's trap is set.
+Args saving_on_sigterm_workers(int save_s) {
+  return {"/bin/sh", "-c",
+          "if [ $RANK = 1 ]; then echo $$ > \"$1/pid.1\";"
+          "  while [ ! -e \"$1/ready\" ]; do sleep 0.05; done; exit 3;"
+          "fi;"
+          "trap 'echo saving; sleep " + std::to_string(save_s) + "; echo saved; exit 143' TERM;"
+          "echo $$ > \"$1/pid.0\"; touch \"$1/ready\"; sleep 300 & wait",
+          "sh"};
+}
+
+// A signal to the launcher while it stops the other workers after a failure (they have their
+// SIGTERM already) is the first signal, not a second: the workers keep their --grace-period, so
+// rank 0 finishes saving its checkpoint, and the launcher exits with 128 + SIGTERM. It used to
+// SIGKILL them at once, as for a second Ctrl-C.
+TEST_F(LauncherTest, SignalWhileStoppingAfterAFailureKeepsTheGracePeriod) {
+  Args argv = concat({DTRAIN_LAUNCHER, "run", "--nproc-per-node", "2", "--recovery", "restart",
+                      "--grace-period", "10", "--"},
+                     concat(saving_on_sigterm_workers(2), {dir_.path().string()}));
+  ChildProcess launcher(argv, dir_ / "launcher.out", dir_ / "launcher.err");
+  std::vector<pid_t> pids = wait_for_pids("pid", 2);
+  ASSERT_TRUE(wait_until(
+      [&] { return read_file(dir_ / "launcher.out").find("saving") != std::string::npos; },
+      kRunTimeout))
+      << read_file(dir_ / "launcher.err");
+  kill(launcher.pid(), SIGTERM);
+  ASSERT_TRUE(launcher.wait(kRunTimeout)) << read_file(dir_ / "launcher.err");
+  const std::string out = read_file(dir_ / "launcher.out");
+  const std::string err = read_file(dir_ / "launcher.err");
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << err;
+  EXPECT_EQ(lines_of(out, 0), (std::vector<std::string>{"saving", "saved"}))
+      << "rank 0 was killed while it saved:\n"
+      << out << err;
+  EXPECT_NE(err.find("received SIGTERM"), std::string::npos) << err;
+  expect_all_gone(pids, "workers");
+}
+
+// A second signal still cuts the grace short (SIGKILL), and the exit code is the first signal's.
+TEST_F(LauncherTest, SecondSignalWhileStoppingAfterAFailureKillsAtOnce) {
+  Args argv = concat({DTRAIN_LAUNCHER, "run", "--nproc-per-node", "2", "--recovery", "restart",
+                      "--grace-period", "20", "--"},
+                     concat(saving_on_sigterm_workers(15), {dir_.path().string()}));
+  ChildProcess launcher(argv, dir_ / "launcher.out", dir_ / "launcher.err");
+  std::vector<pid_t> pids = wait_for_pids("pid", 2);
+  ASSERT_TRUE(wait_until(
+      [&] { return read_file(dir_ / "launcher.out").find("saving") != std::string::npos; },
+      kRunTimeout))
+      << read_file(dir_ / "launcher.err");
+  kill(launcher.pid(), SIGTERM);
+  std::this_thread::sleep_for(300ms);
+  Clock::time_point second = Clock::now();
+  kill(launcher.pid(), SIGINT);
+  ASSERT_TRUE(launcher.wait(kRunTimeout)) << read_file(dir_ / "launcher.err");
+  const double after_second = std::chrono::duration<double>(Clock::now() - second).count();
+  const std::string err = read_file(dir_ / "launcher.err");
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << err;
+  EXPECT_LT(after_second, 10) << "the second signal did not cut the grace period short\n" << err;
+  EXPECT_EQ(read_file(dir_ / "launcher.out").find("saved"), std::string::npos);
+  expect_all_gone(pids, "workers");
+}
+
 TEST_F(LauncherTest, SignalDeathIsNamedInTheSummary) {
   RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--grace-period", "1", "--"},
                                 sh("if [ $RANK = 0 ]; then echo 'about to die' >&2; kill -9 $$; fi;"
@@ -487,6 +549,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"run", "--recovery", "sometimes", "/bin/true"},
                "dtrain run: --recovery: expected one of restart, in-place, got 'sometimes'"},
         BadRun{{"run", "--grace-period", "-1", "/bin/true"}, "dtrain run: --grace-period"},
+        // A name that can never resolve is a bad flag; one that may resolve later is waited for.
+        BadRun{{"run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no such host",
+                "--master-port", "29500", "/bin/true"},
+               "dtrain run: --master-addr: 'no such host' is not a host name or address"},
         BadRun{{"run", "--nproc-per-node", "2"}, "dtrain run: no program given"},
         BadRun{{"run", "dtrain-no-such-program"},
                "dtrain run: program 'dtrain-no-such-program': not found on PATH"},
@@ -520,6 +586,49 @@ TEST_F(LauncherTest, PortInUseOnTheMasterIsRejected) {
       dtrain({"run", "--nnodes", "2", "--node-rank", "1", "--master-port", port, "/bin/true"});
   EXPECT_EQ(other_node.exit_code, 0) << other_node.err;
   close(listener);
+}
+
+// A master whose name does not resolve yet (a scheduler such as Kubernetes registers a pod's name
+// once it runs, maybe after the other nodes started) is no bad flag: another node waits for it up
+// to --rdzv-conf join_timeout, as torchrun's store retries the lookup, then ends with one line that
+// names the host, the resolver's answer and how long it tried, and exit code 1, which a scheduler
+// retries. It used to be exit code 2 at once.
+TEST_F(LauncherTest, MasterThatDoesNotResolveIsWaitedForThenEndsWithExitCodeOne) {
+  RunResult run = dtrain({"run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                          "master-0.svc.invalid", "--master-port", "29500", "--rdzv-conf",
+                          "join_timeout=2", "/bin/true"});
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_GE(run.seconds, 2) << run.err;
+  EXPECT_NE(run.err.find("dtrain run: --master-addr: the host name 'master-0.svc.invalid' did not "
+                         "resolve ("),
+            std::string::npos)
+      << run.err;
+  EXPECT_NE(run.err.find(") after trying for 2"), std::string::npos) << run.err;
+  EXPECT_EQ(count(run.err, "did not resolve"), 1) << run.err;
+}
+
+// A signal ends that wait at once, with 128 + signal.
+TEST_F(LauncherTest, SignalWhileWaitingForTheMastersNameEndsAtOnce) {
+  Args argv = {DTRAIN_LAUNCHER, "run",         "--nnodes",      "2",
+               "--node-rank",   "1",           "--master-addr", "master-0.svc.invalid",
+               "--master-port", "29500",       "--rdzv-conf",   "join_timeout=60",
+               "/bin/true"};
+  ChildProcess launcher(argv, dir_ / "launcher.out", dir_ / "launcher.err");
+  ASSERT_TRUE(wait_until(
+      [&] {
+        return read_file(dir_ / "launcher.err").find("does not resolve") != std::string::npos;
+      },
+      kRunTimeout))
+      << read_file(dir_ / "launcher.err");
+  Clock::time_point sent = Clock::now();
+  kill(launcher.pid(), SIGINT);
+  ASSERT_TRUE(launcher.wait(kRunTimeout)) << read_file(dir_ / "launcher.err");
+  const std::string err = read_file(dir_ / "launcher.err");
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGINT) << err;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - sent).count(), 5) << err;
+  EXPECT_NE(err.find("received SIGINT while waiting for --master-addr to resolve"),
+            std::string::npos)
+      << err;
 }
 
 TEST_F(LauncherTest, BadDtrainPythonIsRejected) {

@@ -12,6 +12,7 @@
 
 #include "launcher/elastic/worker_store.h"
 #include "launcher_fixture.h"
+#include "support/subprocess.h"
 #include "test_support.h"
 
 namespace {
@@ -316,6 +317,41 @@ TEST_F(RecoveryTest, AUsageErrorIsNotRestarted) {
   EXPECT_NE(run.err.find("not restarting: exit code 2 is a usage error"), std::string::npos)
       << run.err;
   EXPECT_TRUE(env_of(1, 1).empty());
+}
+
+// Under an elastic rendezvous TORCHELASTIC_RESTART_COUNT is the round number, while a worker
+// restarted alone spends from this node's own budget: the newcomer's count must still come after
+// the run it replaces (never below, never the same attempt and error-file folder). Round 0's
+// workers form no in-place group, so rank 1's failure starts round 1 (count 1); there they do, and
+// rank 1's failure restarts it alone: count 2. It used to get the node's restarts spent, 1.
+TEST_F(RecoveryTest, UnderAnElasticRendezvousAWorkerRestartedAloneCountsOnFromItsRound) {
+  const std::string script =
+      "if [ \"${DTRAIN_RECOVERY_JOIN-}\" = 1 ]; then"
+      "  echo $TORCHELASTIC_RESTART_COUNT > \"$1/joined_rc\";"
+      "  env > \"$1/env.joined\"; exit 0;"
+      "fi;"
+      "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then " +
+      recorded_only("if [ $RANK = 1 ]; then " + wait_for("pid.0.0") +
+                    " exit 3; fi; exec sleep 300;") +
+      "fi;" +
+      recorded("if [ $RANK = 1 ]; then " + wait_for("pid.0.1") + " exit 3; fi;" +
+               wait_for("joined_rc") + " exit 0");
+  RunResult run = dtrain(concat(
+      {"run", "--nnodes", "1:1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+       "127.0.0.1:" + std::to_string(dtrain::testing::free_port()), "--rdzv-conf",
+       "keep_alive_interval=0.2,join_timeout=10", "--monitor-interval", "0.1",
+       "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3",
+       "--grace-period", "2", "--"},
+      sh(script)));
+  clean_up("pid.0.0");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(env_of(1, 1)["TORCHELASTIC_RESTART_COUNT"], "1") << run.err;  // round 1's start
+  EXPECT_NE(run.err.find("exited with code 3 on attempt 1; restarting it alone"), std::string::npos)
+      << run.err;
+  EXPECT_EQ(read_file(dir_ / "joined_rc"), "2\n") << run.err;
+  const std::string error_file =
+      parse_env(read_file(dir_ / "env.joined"))["TORCHELASTIC_ERROR_FILE"];
+  EXPECT_TRUE(error_file.ends_with("/attempt_2/1/error.json")) << error_file;
 }
 
 }  // namespace
