@@ -339,6 +339,7 @@ class ElasticRendezvous final : public AgentRendezvous {
     // IPv4: what Gloo and TCPStore reach everywhere (MASTER_ADDR is given from it).
     self.addr = elastic::route_to(options.rdzv_host, AF_INET).address;
     if (self.addr.empty()) self.addr = self.host;
+    if (!options.local_addr.empty()) self.addr = options.local_addr;  // torchrun's --local-addr
     self.nproc = options.nproc_per_node;
     self.hosts_rendezvous = server_ != nullptr;
 

@@ -119,6 +119,9 @@ elastic::WorkerGroupOptions worker_group_options(const RunOptions& options,
   group_options.max_restarts = options.max_restarts;
   group_options.recovery = options.recovery;
   group_options.log_dir = options.log_dir;
+  group_options.console_streams = options.console_streams;
+  group_options.log_streams = options.log_streams;
+  group_options.role = options.role;
   group_options.grace_period =
       std::chrono::milliseconds(static_cast<long long>(options.grace_period_s * 1000.0 + 0.5));
   // torchrun's rule: several workers on one node each get one OpenMP thread unless the user chose,
@@ -232,6 +235,7 @@ int run_main(const std::vector<std::string>& args) {
       !warning.empty()) {
     say(warning);
   }
+  for (const std::string& warning : options.warnings) say(warning);
   try {
     return run_agent(options, plan);
   } catch (const UsageError& error) {

@@ -3,10 +3,14 @@
 // torchrun also takes.
 #include "launcher/cli/run_options.h"
 
+#include <dlfcn.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <deque>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -123,10 +127,14 @@ void parse_endpoint(const std::string& value, RunOptions& options) {
 }
 
 // --rdzv-conf key=value,key=value.
-void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
+// torchrun's keys: join_timeout and read_timeout are not torchrun's meaning (RendezvousConf), the
+// keys without a meaning here are accepted with a warning, so that torchrun's command lines run.
+void parse_rdzv_conf(const std::string& value, RendezvousConf& conf,
+                     std::vector<std::string>& warnings) {
   constexpr std::string_view kFlag = "--rdzv-conf";
   constexpr std::string_view kKeys =
-      "timeout, last_call_timeout, join_timeout, keep_alive_interval, keep_alive_max_attempt";
+      "timeout, last_call_timeout, join_timeout, read_timeout, keep_alive_interval, "
+      "keep_alive_max_attempt, close_timeout, is_host";
   std::string_view rest = value;
   while (!rest.empty()) {
     std::size_t comma = rest.find(',');
@@ -152,7 +160,8 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
       conf.timeout_s = seconds(0, kWeek, kSeconds);
     } else if (key == "last_call_timeout") {
       conf.last_call_timeout_s = seconds(0, kWeek, "a number of seconds", true);
-    } else if (key == "join_timeout") {
+    } else if (key == "join_timeout" || key == "read_timeout") {
+      // torchrun's read_timeout bounds each call to the store, as this does.
       conf.join_timeout_s = seconds(0, kWeek, kSeconds);
     } else if (key == "keep_alive_interval") {
       conf.keep_alive_interval_s = seconds(0.009, 3600, "seconds in 0.01..3600");
@@ -160,6 +169,22 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
       std::optional<long long> attempts = integer_in(text, 1, 1000);
       if (!attempts) bad_value(name, "an integer in 1..1000", text);
       conf.keep_alive_max_attempt = static_cast<int>(*attempts);
+    } else if (key == "close_timeout") {
+      seconds(0, kWeek, kSeconds);
+      warnings.push_back("warning: " + name + "=" + text +
+                         " is ignored: dtrain's rendezvous does not wait for its closing (the "
+                         "agents leave when their workers end)");
+    } else if (key == "is_host") {
+      // torchrun's get_as_bool spellings.
+      std::string lower = text;
+      std::transform(lower.begin(), lower.end(), lower.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      const std::vector<std::string> known = {"1", "0", "true", "false", "yes", "no", "y", "n"};
+      if (std::find(known.begin(), known.end(), lower) == known.end()) {
+        bad_value(name, "true or false (1, 0, yes, no)", text);
+      }
+      warnings.push_back("warning: " + name + "=" + text +
+                         " is ignored: the agent that can bind --rdzv-endpoint hosts the store");
     } else {
       fail(std::string(kFlag) + ": unknown key '" + key +
            "'; expected one of: " + std::string(kKeys));
@@ -167,14 +192,116 @@ void parse_rdzv_conf(const std::string& value, RendezvousConf& conf) {
   }
 }
 
-// --nproc-per-node 'auto' or 'cpu': one worker per usable CPU (then checked as any number).
-CLI::Validator usable_cpus_for_auto() {
+constexpr std::string_view kWorkersExpected = "a positive integer, 'auto', 'cpu' or 'gpu'";
+
+// --nproc-per-node as torchrun counts it: 'cpu' one worker per usable CPU, 'gpu' one per CUDA
+// device (an error without one), 'auto' one per device where there are any, else per CPU. The
+// count is then checked as any number.
+CLI::Validator workers_per_node() {
   return CLI::Validator(
       [](std::string& text) -> std::string {
-        if (text == "auto" || text == "cpu") text = std::to_string(usable_cpus());
+        if (text == "cpu") text = std::to_string(usable_cpus());
+        if (text == "auto") {
+          int gpus = visible_gpus();
+          text = std::to_string(gpus > 0 ? gpus : usable_cpus());
+        }
+        if (text == "gpu") {
+          int gpus = visible_gpus();
+          if (gpus == 0) {
+            return expected_but_got(kWorkersExpected, text) +
+                   "; 'gpu' counts CUDA devices, and this node shows none (no NVIDIA driver, or "
+                   "CUDA_VISIBLE_DEVICES hides them): give a number, or 'cpu'";
+          }
+          text = std::to_string(gpus);
+        }
         return {};
       },
       "");
+}
+
+// torchrun's --redirects/--tee value for each of `local_ranks` ranks: one bit set for all
+// ("0".."3"), or LOCAL_RANK:BITS,... (ranks not named: 0).
+std::vector<int> parse_streams(std::string_view flag, const std::string& value, int local_ranks) {
+  constexpr std::string_view kExpected =
+      "0..3 (1 stdout, 2 stderr, 3 both) for every rank, or LOCAL_RANK:0..3,... for some";
+  if (std::optional<long long> all = integer_in(value, 0, 3); all && value.size() == 1) {
+    return std::vector<int>(static_cast<std::size_t>(local_ranks), static_cast<int>(*all));
+  }
+  std::vector<int> streams(static_cast<std::size_t>(local_ranks), 0);
+  std::string_view rest = value;
+  while (true) {
+    std::size_t comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    std::size_t colon = item.find(':');
+    std::optional<long long> rank = colon == std::string_view::npos
+                                        ? std::nullopt
+                                        : integer_in(item.substr(0, colon), 0, 1 << 20);
+    std::optional<long long> bits =
+        colon == std::string_view::npos ? std::nullopt : integer_in(item.substr(colon + 1), 0, 3);
+    if (!rank || !bits || item.size() - colon != 2) bad_value(flag, kExpected, value);
+    // A rank this node does not run matters to no worker, as in torchrun's mapping.
+    if (*rank < local_ranks) streams[static_cast<std::size_t>(*rank)] = static_cast<int>(*bits);
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return streams;
+}
+
+// --local-ranks-filter R,R,...: the local ranks whose lines reach the console.
+std::vector<long long> parse_rank_list(const std::string& value) {
+  std::vector<long long> ranks;
+  std::string_view rest = value;
+  while (true) {
+    std::size_t comma = rest.find(',');
+    std::optional<long long> rank = integer_in(rest.substr(0, comma), 0, 1 << 20);
+    if (!rank) {
+      bad_value("--local-ranks-filter", "local ranks separated by commas, e.g. 0 or 0,2", value);
+    }
+    ranks.push_back(*rank);
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return ranks;
+}
+
+// Where each local rank's streams go (RunOptions::console_streams, log_streams): --redirects sends
+// a stream to the log file instead of the console, --tee to both, --local-ranks-filter keeps the
+// other ranks off the console. Without --redirects and --tee, dtrain's --log-dir keeps its own
+// rule: every stream to the console and to the file.
+void route_output(const std::optional<std::string>& redirects,
+                  const std::optional<std::string>& tee, const std::optional<std::string>& filter,
+                  RunOptions& options) {
+  if (!redirects && !tee && !filter) return;
+  const int ranks = options.nproc_per_node;
+  const std::vector<int> none(static_cast<std::size_t>(ranks), 0);
+  std::vector<int> redirected = redirects ? parse_streams("--redirects", *redirects, ranks) : none;
+  std::vector<int> teed = tee ? parse_streams("--tee", *tee, ranks) : none;
+  const int both = kStdoutStream | kStderrStream;
+  options.console_streams.assign(static_cast<std::size_t>(ranks), both);
+  options.log_streams.assign(static_cast<std::size_t>(ranks), both);
+  for (std::size_t rank = 0; rank < static_cast<std::size_t>(ranks); ++rank) {
+    options.console_streams[rank] = both & ~redirected[rank];
+    if (redirects || tee) options.log_streams[rank] = redirected[rank] | teed[rank];
+  }
+  if (filter) {
+    std::vector<long long> shown = parse_rank_list(*filter);
+    for (std::size_t rank = 0; rank < static_cast<std::size_t>(ranks); ++rank) {
+      if (std::find(shown.begin(), shown.end(), static_cast<long long>(rank)) == shown.end()) {
+        options.console_streams[rank] = 0;
+      }
+    }
+  }
+  // torchrun writes to a temporary folder without --log-dir; dtrain writes only where it is told.
+  auto needs_log_dir = [&](const char* flag, const std::optional<std::string>& value,
+                           const std::vector<int>& streams) {
+    bool writes = std::any_of(streams.begin(), streams.end(), [](int bits) { return bits != 0; });
+    if (writes && options.log_dir.empty()) {
+      fail(std::string(flag) + ": '" + *value + "' writes to <dir>/rank<R>.log, but no --log-dir " +
+           "was given; add --log-dir DIR (torchrun would pick a temporary folder)");
+    }
+  };
+  needs_log_dir("--redirects", redirects, redirected);
+  needs_log_dir("--tee", tee, teed);
 }
 
 void check_combinations(RunOptions& options, bool port_given, bool node_rank_given,
@@ -243,7 +370,7 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     return add_valued_flag(app, with_underscores(name), target, std::move(checks));
   };
   valued("--nproc-per-node", options.nproc_per_node,
-         {usable_cpus_for_auto(), integer(1, 1 << 20, "a positive integer or 'auto'")});
+         {workers_per_node(), integer(1, 1 << 20, std::string(kWorkersExpected))});
   std::string nnodes;
   CLI::Option* nnodes_flag = valued("--nnodes", nnodes);
   CLI::Option* node_rank =
@@ -260,8 +387,14 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
       add_valued_flag(app, with_underscores("--run-id") + "," + with_underscores("--rdzv-id"),
                       options.run_id, {non_empty("a non-empty id")});
   // A day is far beyond any sane grace period; the bound also keeps the milliseconds in range.
-  valued("--grace-period", options.grace_period_s,
-         {number(0, 86400, "a number of seconds in 0..86400", /*low_inclusive=*/true)});
+  CLI::Option* grace_period =
+      valued("--grace-period", options.grace_period_s,
+             {number(0, 86400, "a number of seconds in 0..86400", /*low_inclusive=*/true)});
+  // torchrun's name for the same wait (an integer there).
+  double shutdown_timeout_s = 0;
+  CLI::Option* shutdown_timeout =
+      valued("--shutdown-timeout", shutdown_timeout_s,
+             {number(0, 86400, "a number of seconds in 0..86400", /*low_inclusive=*/true)});
   valued("--rdzv-backend", options.rdzv_backend, {one_of({"c10d", "etcd", "static"})});
   std::string endpoint;
   CLI::Option* endpoint_flag = valued("--rdzv-endpoint", endpoint);
@@ -272,6 +405,52 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
          {number(0.009, 3600, "a number of seconds in 0.01..3600")});
   add_switch(app, with_underscores("--no-python"), options.no_python);
   add_switch(app, "--standalone", options.standalone);
+  // torchrun's output flags (route_output). CLI11 takes "-r3" as "-r 3", as argparse does.
+  std::string redirects;
+  std::string tee;
+  std::string ranks_filter;
+  CLI::Option* redirects_flag = add_valued_flag(app, "-r,--redirects", redirects);
+  CLI::Option* tee_flag = add_valued_flag(app, "-t,--tee", tee);
+  CLI::Option* filter_flag = valued("--local-ranks-filter", ranks_filter);
+  valued("--role", options.role, {non_empty("a role name")});
+  CLI::Option* local_addr =
+      valued("--local-addr", options.local_addr, {non_empty("a host name or address")});
+  valued("--start-method", options.start_method, {one_of({"spawn", "fork", "forkserver"})});
+  // torchrun's Python-only switches: known, so that the refusal can say why.
+  bool module = false;
+  bool run_path = false;
+  add_switch(app, "-m,--module", module);
+  add_switch(app, with_underscores("--run-path"), run_path);
+  // torchrun's flags dtrain does not implement, refused after the parse with the reason.
+  // torchrun's default value (`harmless`, when it has one) is accepted: it asks for nothing.
+  struct Refused {
+    std::string why;
+    std::string harmless;
+    std::string value;
+    CLI::Option* option = nullptr;
+  };
+  std::deque<Refused> refused;  // a deque: the options hold references to the values
+  auto refuse = [&](std::string_view name, std::string why, std::string harmless = {}) {
+    Refused& flag = refused.emplace_back();
+    flag.why = std::move(why);
+    flag.harmless = std::move(harmless);
+    flag.option = valued(name, flag.value);
+  };
+  refuse("--event-log-handler",
+         "names a Python event handler registered with torchrun; dtrain run logs to stderr only",
+         "null");
+  refuse("--log-line-prefix-template",
+         "not implemented; every relayed line starts with [rank<R>]: (its global rank)");
+  refuse("--duplicate-stdout-filters", "not implemented; filter the console output with grep");
+  refuse("--duplicate-stderr-filters", "not implemented; filter the console output with grep");
+  refuse("--logs-specs", "names a Python LogsSpecs entry point; use --log-dir, --redirects, --tee");
+  refuse("--numa-binding", "not implemented; bind the program itself (numactl, taskset)");
+  refuse("--signals-to-handle",
+         "not implemented; dtrain run forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the workers",
+         "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
+  bool virtual_local_rank = false;
+  CLI::Option* virtual_flag =
+      add_switch(app, with_underscores("--virtual-local-rank"), virtual_local_rank);
 
   std::optional<std::vector<std::string>> command = parse_command_line(app, args);
   if (!command) {
@@ -279,12 +458,60 @@ RunOptions parse_run_options(const std::vector<std::string>& args) {
     return options;
   }
   options.command = std::move(*command);
+  const std::string program = options.command.empty() ? "" : options.command.front();
+  if (module) {
+    fail("-m/--module: runs Python module '" + program + "' with torchrun's interpreter; dtrain " +
+         "run is not Python: run `dtrain run [flags] python3 -u -m " +
+         (program.empty() ? "MODULE" : program) + " [args...]` instead");
+  }
+  if (run_path) {
+    fail("--run-path: runs '" + program + "' inside torchrun's own Python interpreter (runpy), " +
+         "which dtrain run does not have; drop it: a .py program runs under $DTRAIN_PYTHON " +
+         "(default python3) in a process of its own");
+  }
+  for (const Refused& flag : refused) {
+    if (flag.option->count() > 0 && (flag.harmless.empty() || flag.value != flag.harmless)) {
+      fail(
+          flag.option->get_name() + ": torchrun's flag is not supported, got '" + flag.value +
+          "': " + flag.why +
+          (flag.harmless.empty() ? "" : " (accepted: torchrun's default '" + flag.harmless + "')"));
+    }
+  }
+  if (virtual_flag->count() > 0) {
+    fail(
+        "--virtual-local-rank: torchrun's flag is not supported: not implemented; each worker "
+        "sees every GPU, LOCAL_RANK says which is its own");
+  }
+  if (shutdown_timeout->count() > 0) {
+    if (grace_period->count() > 0) {
+      fail(
+          "--shutdown-timeout: the same wait as --grace-period (torchrun's name); give one of "
+          "the two");
+    }
+    options.grace_period_s = shutdown_timeout_s;
+  }
+  // Output routing needs the number of workers and --log-dir.
+  auto given = [](const CLI::Option* flag, const std::string& value) {
+    return flag->count() > 0 ? std::optional<std::string>(value) : std::nullopt;
+  };
+  route_output(given(redirects_flag, redirects), given(tee_flag, tee),
+               given(filter_flag, ranks_filter), options);
+  if (options.start_method != "spawn") {
+    options.warnings.push_back("warning: --start-method " + options.start_method +
+                               " has no effect: every worker is started as a new program (fork "
+                               "and exec), as spawn starts a Python worker");
+  }
   if (nnodes_flag->count() > 0) parse_nnodes(nnodes, options);
   if (endpoint_flag->count() > 0) parse_endpoint(endpoint, options);
-  if (conf_flag->count() > 0) parse_rdzv_conf(conf, options.rdzv_conf);
+  if (conf_flag->count() > 0) parse_rdzv_conf(conf, options.rdzv_conf, options.warnings);
   options.run_id_given = run_id->count() > 0;
   check_combinations(options, master_port->count() > 0, node_rank->count() > 0,
                      master_addr->count() > 0);
+  if (local_addr->count() > 0 && !is_elastic(options)) {
+    options.warnings.push_back("warning: --local-addr " + options.local_addr +
+                               " has no effect with --rdzv-backend static: the workers reach the "
+                               "store at --master-addr, as in torchrun");
+  }
   return options;
 }
 
@@ -293,6 +520,28 @@ std::string node_rank_problem(int node_rank, int nnodes) {
   return "--node-rank: expected an integer in 0.." + std::to_string(nnodes - 1) +
          " (below --nnodes " + std::to_string(nnodes) + "), got '" + std::to_string(node_rank) +
          "'";
+}
+
+int visible_gpus() {
+  // The launcher stays free of LibTorch and CUDA (it builds and starts in seconds, and runs on CPU
+  // nodes), so it cannot ask torch::cuda::device_count(). It asks the driver itself instead:
+  // libcuda.so.1 comes with the NVIDIA driver on every GPU node and is opened only here, when
+  // 'gpu' or 'auto' is given. cuDeviceGetCount honours CUDA_VISIBLE_DEVICES, as
+  // torch.cuda.device_count() does. cuInit in the launcher is harmless to the workers: they are
+  // started with exec, which leaves the driver's state behind.
+  void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver == nullptr) return 0;
+  using Init = int (*)(unsigned int);
+  using DeviceCount = int (*)(int*);
+  auto init = reinterpret_cast<Init>(dlsym(driver, "cuInit"));
+  auto device_count = reinterpret_cast<DeviceCount>(dlsym(driver, "cuDeviceGetCount"));
+  int devices = 0;
+  // 0 is CUDA_SUCCESS; any error (no device, driver too old for the card) counts as none.
+  if (init == nullptr || device_count == nullptr || init(0) != 0 || device_count(&devices) != 0) {
+    devices = 0;
+  }
+  // Left loaded: the driver may not be unloaded once initialised.
+  return devices;
 }
 
 int usable_cpus() {
@@ -312,8 +561,11 @@ stops them all when one fails and restarts them up to --max-restarts times (unde
 in-place, the default, only the failed one where the program recovers in place).
 A program ending in .py runs under $DTRAIN_PYTHON (default: python3 on PATH) unless --no-python.
 
-flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
-  --nproc-per-node N     workers on this node; 'auto' or 'cpu': one per usable CPU (default 1)
+flags (also as --flag=value, and with '_' for '-' as torchrun spells them; torchrun's flags
+and what dtrain run does with each: doc/launcher.md):
+  --nproc-per-node N     workers on this node (default 1); 'cpu': one per usable CPU; 'gpu': one
+                         per visible CUDA device (none: an error); 'auto': 'gpu' where there
+                         are CUDA devices, else 'cpu'
   --nnodes N|MIN:MAX     nodes in the job; a range MIN:MAX makes it elastic (default 1)
   --max-restarts K       worker failures the job restarts from (default 0)
   --recovery MODE        in-place (default): only the failed worker restarts and joins the
@@ -323,12 +575,23 @@ flags (also as --flag=value, and with '_' for '-' as torchrun spells them):
                          running round in place too (not node 0's loss, nor a SIGTERM);
                          restart: a failure restarts every worker of the node
   --log-dir DIR          also append each rank's output to DIR/rank<R>.log
+  -r, --redirects S      streams only to DIR/rank<R>.log, not the console (needs --log-dir):
+                         0 none, 1 stdout, 2 stderr, 3 both; or per local rank: 0:3,1:2
+  -t, --tee S            streams to DIR/rank<R>.log and the console (same values). With either
+                         of the two, the log files hold only the streams they name
+  --local-ranks-filter R,...  only these local ranks' lines reach the console (not the files)
+  --role NAME            the workers' ROLE_NAME (default 'default')
   --run-id ID            TORCHELASTIC_RUN_ID and the rendezvous job id (alias --rdzv-id)
   --grace-period SECS    time between SIGTERM and SIGKILL when stopping workers (default 5;
                          elastic: at most 0.5 when a peer node was lost, as they cannot stop
                          together with it)
+  --shutdown-timeout S   torchrun's name for --grace-period
   --no-python            run a .py program directly instead of through python
   --standalone           single node with a free port (torchrun compatibility)
+  --start-method M       spawn, fork or forkserver: no effect (a worker is always a new program,
+                         as spawn starts a Python one)
+  -m/--module and --run-path are refused: they run Python inside torchrun's interpreter; run
+  `dtrain run [flags] python3 -u -m MODULE ...` instead of -m.
   -h, --help             this text
 
 static nodes (--rdzv-backend static, the default):
@@ -345,9 +608,13 @@ elastic nodes (one `dtrain run` agent per node, all with the same flags):
   --rdzv-id JOB          the job's id: agents with the same id form one job
   --rdzv-conf K=V,...    timeout=900 (s a round may take to complete), last_call_timeout=30 (s
                          to wait for more nodes once MIN joined), join_timeout=60 (s to reach the
-                         store at start; any later call at most 15 s), keep_alive_interval=1
-                         (s between heartbeats), keep_alive_max_attempt=3 (missed heartbeats =
-                         node dead)
+                         store at start; any later call at most 15 s; NOT torchrun's, which
+                         bounds the whole rendezvous: use timeout), read_timeout (torchrun's
+                         name, sets join_timeout), keep_alive_interval=1 (s between
+                         heartbeats), keep_alive_max_attempt=3 (missed heartbeats = node dead);
+                         close_timeout and is_host are accepted and ignored (a warning)
+  --local-addr HOST      the address this node gives the others (MASTER_ADDR when it runs rank
+                         0); default: its address on the route to --rdzv-endpoint
   --monitor-interval S   how often the agent looks at the rendezvous while workers run (0.5)
   --rdzv-token TOKEN     require this token from every agent (c10d); better: the variable
                          DTRAIN_RDZV_TOKEN, which stays out of process listings
@@ -378,6 +645,8 @@ Exit code: 0 when every worker succeeds (for a worker restarted alone: its last 
 failing worker's exit code (128 + signal if a signal killed it); 128 + signal when dtrain run
 itself is interrupted; 1 when the elastic job ends for another reason (lost nodes, no rendezvous
 store answering in time, another program on the c10d endpoint's port); 2 for bad flags.
+A worker that exits with code 2 (a usage error: bad flag, variable or file) is not restarted,
+whatever --max-restarts says, on static and elastic nodes alike: a restart cannot fix it.
 )";
 }
 

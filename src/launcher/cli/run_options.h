@@ -15,15 +15,22 @@ struct RendezvousConf {
   // After MIN nodes have joined, how long the first round stays open for more (torchrun's 30 s).
   double last_call_timeout_s = 30;
   // Longest wait to reach the rendezvous store at start (the agent hosting it may start later); any
-  // one call to it later waits at most min(this, 15 s).
+  // one call to it later waits at most min(this, 15 s). Not torchrun's join_timeout, which bounds
+  // the whole rendezvous (600 s; dtrain's `timeout`): torchrun's read_timeout (60 s) sets this too.
   double join_timeout_s = 60;
   // Heartbeat period, and missed heartbeats after which a node counts as dead.
   double keep_alive_interval_s = 1;
   int keep_alive_max_attempt = 3;
 };
 
+// Bits of a worker's streams in RunOptions::console_streams and log_streams, as torchrun's
+// --redirects and --tee number them (3: both).
+constexpr int kStdoutStream = 1;
+constexpr int kStderrStream = 2;
+
 struct RunOptions {
-  // Workers on this node: --nproc-per-node N, or 'auto'/'cpu' for the CPUs this process may run on.
+  // Workers on this node: --nproc-per-node N; 'cpu': the CPUs this process may run on; 'gpu': the
+  // CUDA devices it sees; 'auto': the devices if there are any, else the CPUs (torchrun's rules).
   int nproc_per_node = 1;
   // Nodes in the job: --nnodes N, or MIN:MAX for an elastic job (then nnodes is MAX).
   int nnodes = 1;
@@ -59,6 +66,24 @@ struct RunOptions {
   std::string recovery = "in-place";
   // When not empty, each rank's output is also appended to <log_dir>/rank<R>.log: --log-dir.
   std::string log_dir;
+  // Which streams of local rank i go to the console and to its log file (bits kStdoutStream,
+  // kStderrStream), from torchrun's --redirects (file only), --tee (file and console) and
+  // --local-ranks-filter (the console shows only these ranks). Empty when none of the three is
+  // given: every stream to the console, and to the log with --log-dir.
+  std::vector<int> console_streams;
+  std::vector<int> log_streams;
+  // ROLE_NAME of the workers: --role (torchrun's default "default").
+  std::string role = "default";
+  // The address this node advertises to the other agents of an elastic job, which becomes
+  // MASTER_ADDR when it runs rank 0: --local-addr. Empty: the address of the route to the
+  // rendezvous endpoint.
+  std::string local_addr;
+  // --start-method spawn|fork|forkserver: accepted for torchrun's command lines; every worker is a
+  // new program (fork and exec), which is what spawn gives a Python worker.
+  std::string start_method = "spawn";
+  // One line each (without "dtrain run: ") for flags that were accepted but change nothing here;
+  // run_main prints them.
+  std::vector<std::string> warnings;
   // TORCHELASTIC_RUN_ID: --run-id or torchrun's --rdzv-id; torchrun's default is "none" (a single
   // node with a free port gets a random one instead, see run_command.cpp).
   std::string run_id = "none";
@@ -77,8 +102,8 @@ struct RunOptions {
 };
 
 // Parses the arguments that follow "dtrain run". Throws dtrain::UsageError whose what() is the one
-// line to print, e.g. "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got
-// '0'".
+// line to print, e.g. "dtrain run: --nproc-per-node: expected a positive integer, 'auto', 'cpu'
+// or 'gpu', got '0'".
 RunOptions parse_run_options(const std::vector<std::string>& args);
 
 // "--node-rank: expected an integer in 0..N-1 (below --nnodes N), got 'R'" when R >= N, else "":
@@ -94,6 +119,10 @@ inline bool recovers_in_place(const RunOptions& options) { return options.recove
 // The CPUs this process may run on (its affinity mask, which taskset and container limits narrow):
 // what --nproc-per-node auto means on a machine without GPUs.
 int usable_cpus();
+
+// The CUDA devices this process sees (CUDA_VISIBLE_DEVICES narrows them), 0 without an NVIDIA
+// driver: what --nproc-per-node gpu means, and auto where there are any.
+int visible_gpus();
 
 // The text `dtrain run --help` prints.
 std::string run_usage();

@@ -796,8 +796,12 @@ void WorkerGroup::emit_lines(Worker& worker, Stream& stream, std::string_view da
     stream.partial.clear();
   }
   if (batch.empty()) return;
-  write_all(stream.target_fd, batch);
-  if (worker.log_fd >= 0) write_all(worker.log_fd, batch);
+  auto routed = [&](const std::vector<int>& streams) {
+    const auto rank = static_cast<std::size_t>(worker.local_rank);
+    return rank >= streams.size() || (streams[rank] & (stream.is_stderr ? 2 : 1)) != 0;
+  };
+  if (routed(options_.console_streams)) write_all(stream.target_fd, batch);
+  if (worker.log_fd >= 0 && routed(options_.log_streams)) write_all(worker.log_fd, batch);
 }
 
 void WorkerGroup::reap(std::vector<WorkerExit>* exits) {

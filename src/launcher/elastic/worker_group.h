@@ -52,6 +52,11 @@ struct WorkerGroupOptions {
   // Where the prefixed worker lines go: stdout lines to out_fd, stderr lines to err_fd.
   int out_fd = 1;
   int err_fd = 2;
+  // By local rank, which streams (bit 1: stdout, bit 2: stderr) go to out_fd/err_fd and which to
+  // the log file: torchrun's --redirects, --tee and --local-ranks-filter. Empty: all of them.
+  // The stderr tail of the failure summary keeps every line either way.
+  std::vector<int> console_streams;
+  std::vector<int> log_streams;
   // How many of each worker's last stderr lines are kept for the failure summary.
   std::size_t stderr_tail_lines = 20;
   // Set when this process is a child subreaper (prctl PR_SET_CHILD_SUBREAPER) and every child it

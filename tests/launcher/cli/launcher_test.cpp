@@ -290,6 +290,52 @@ TEST_F(LauncherTest, LogDirHoldsEachRanksStdoutAndStderr) {
   }
 }
 
+// torchrun's --redirects 1 (stdout to the file only), --local-ranks-filter 1 (the console shows
+// local rank 1 only): each stream lands where the two flags say, and nowhere else. These flags
+// used to be refused as unknown.
+TEST_F(LauncherTest, RedirectsAndLocalRanksFilterRouteEachStream) {
+  std::string log_dir = dir_ / "logs";
+  RunResult run = dtrain(concat({"run", "--nproc-per-node", "2", "--log-dir", log_dir,
+                                 "--redirects", "1", "--local-ranks-filter", "1", "--"},
+                                sh("echo \"out $RANK\"; echo \"err $RANK\" >&2")));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "");                            // stdout: redirected to the files
+  EXPECT_EQ(lines_of(run.err, 1), Args({"err 1"}));  // stderr: rank 1's only
+  EXPECT_EQ(lines_of(run.err, 0), Args()) << run.err;
+  for (std::string rank : {"0", "1"}) {
+    std::string log = read_file(log_dir + "/rank" + rank + ".log");
+    EXPECT_NE(log.find("[rank" + rank + "]: out " + rank + "\n"), std::string::npos) << log;
+    EXPECT_EQ(log.find("err " + rank), std::string::npos) << log;  // not redirected nor teed
+  }
+}
+
+// --role sets ROLE_NAME (torchrun's), and a flag that changes nothing here says so in one line.
+TEST_F(LauncherTest, RoleIsTheWorkersRoleNameAndStartMethodWarns) {
+  RunResult run = dtrain(concat({"run", "--role", "trainer", "--start-method", "fork", "--"},
+                                sh("env > \"$1/env.$RANK\"")));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(parse_env(read_file(dir_ / "env.0"))["ROLE_NAME"], "trainer");
+  EXPECT_EQ(run.err.rfind("dtrain run: warning: --start-method fork has no effect", 0), 0u)
+      << run.err;
+  EXPECT_EQ(count(run.err, "\n"), 1) << run.err;
+}
+
+// torchrun's 'gpu' on a node without CUDA devices: one line naming the value, exit code 2 (it used
+// to be refused as a value 'gpu' is not, "expected a positive integer or 'auto'").
+TEST_F(LauncherTest, NprocPerNodeGpuWithoutCudaIsOneLine) {
+  if (dtrain::cli::visible_gpus() > 0) GTEST_SKIP() << "this node has CUDA devices";
+  RunResult run = dtrain({"run", "--nproc-per-node", "gpu", "/bin/true"});
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_EQ(count(run.err, "\n"), 1) << run.err;
+  EXPECT_EQ(run.err.rfind("dtrain run: --nproc-per-node: expected a positive integer, 'auto', "
+                          "'cpu' or 'gpu', got 'gpu'; 'gpu' counts CUDA devices",
+                          0),
+            0u)
+      << run.err;
+  RunResult cpu = dtrain({"run", "--nproc-per-node", "cpu", "--", "/bin/true"});
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
+}
+
 // ---- failures
 // ------------------------------------------------------------------------------------
 
@@ -520,9 +566,19 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"run", "--bogus", "/bin/true"}, "dtrain run: unknown flag '--bogus'"},
         BadRun{{"run", "--nproc-per-node"}, "dtrain run: --nproc-per-node: missing value"},
         BadRun{{"run", "--nproc-per-node", "two", "/bin/true"},
-               "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got 'two'"},
+               "dtrain run: --nproc-per-node: expected a positive integer, 'auto', 'cpu' or "
+               "'gpu', got 'two'"},
         BadRun{{"run", "--nproc-per-node", "0", "/bin/true"},
-               "dtrain run: --nproc-per-node: expected a positive integer or 'auto', got '0'"},
+               "dtrain run: --nproc-per-node: expected a positive integer, 'auto', 'cpu' or "
+               "'gpu', got '0'"},
+        BadRun{{"run", "--redirects", "3", "/bin/true"},
+               "dtrain run: --redirects: '3' writes to <dir>/rank<R>.log, but no --log-dir"},
+        BadRun{{"run", "--tee", "9", "--log-dir", "{dir}/logs", "/bin/true"},
+               "dtrain run: --tee: expected 0..3"},
+        BadRun{{"run", "-m", "mymod"}, "dtrain run: -m/--module: runs Python module 'mymod'"},
+        BadRun{{"run", "--run-path", "{dir}/train.py"}, "dtrain run: --run-path: runs '"},
+        BadRun{{"run", "--start-method", "thread", "/bin/true"},
+               "dtrain run: --start-method: expected one of spawn, fork, forkserver"},
         BadRun{{"run", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "/bin/true"},
                "dtrain run: --node-rank: expected an integer in 0..1 (below --nnodes 2), got '2'"},
         BadRun{{"run", "--nnodes", "1:2", "/bin/true"},
