@@ -20,7 +20,7 @@
 //   Unpickler takes only 8. So a shorter LONG1 is widened to 8 bytes.
 // - LibTorch's Unpickler trusts a storage's element count; nothing checks it against the bytes of
 //   the record. So load_torch_archive does.
-// - For the dtypes of kUntypedDtypes (float8 and float4, uint16/32/64, complex32, bits), Python
+// - For the dtypes of untyped_dtypes() (float8 and float4, uint16/32/64, complex32, bits), Python
 //   pickles _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[,
 //   metadata]) over the persistent id ('storage', torch.storage.UntypedStorage, key, location,
 //   count of bytes); LibTorch's Pickler writes _rebuild_tensor_v2 over "torch.<ScalarType>Storage"
@@ -29,10 +29,10 @@
 //   each side's form becomes the other's, when the tensor's last argument is read: the dtype goes
 //   from the storage's class into the arguments or back, the count from elements to bytes or back.
 //   (bool, int8, bfloat16, complex64 and the other older dtypes have a storage class on both sides:
-//   torch.BoolStorage, torch.CharStorage, ...) A storage that LibTorch's Pickler memoizes is written
-//   once, with the dtype of its first tensor: a tensor that viewed it as another dtype would be
-//   read as that one, by LibTorch and Python alike. So save_torch_archive refuses such tensors, as
-//   Python's torch.save does.
+//   torch.BoolStorage, torch.CharStorage, ...) A storage that LibTorch's Pickler memoizes is
+//   written once, with the dtype of its first tensor: a tensor that viewed it as another dtype
+//   would be read as that one, by LibTorch and Python alike. So save_torch_archive refuses such
+//   tensors, as Python's torch.save does.
 // Neither LibTorch nor Python checks the zip's CRC-32s when reading (LibTorch builds miniz without
 // its CRC checks), and those do not cover the zip's own headers and padding anyway. So dtrain
 // seals what it writes with a CRC-32 of every byte before it, in the zip's comment (which zip
@@ -48,11 +48,14 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "checkpoint/checkpoint_file.h"
 
@@ -114,26 +117,34 @@ constexpr std::string_view kBuildStateKey = "\x01pickle-build-state";
 // pickles them as _rebuild_tensor_v2 over "torch.<ScalarType>Storage", a class Python lacks.
 struct UntypedDtype {
   c10::ScalarType type;
-  std::string_view python_name;
+  std::string python_name;
 };
-constexpr UntypedDtype kUntypedDtypes[] = {
-    {c10::ScalarType::Float8_e5m2, "float8_e5m2"},
-    {c10::ScalarType::Float8_e4m3fn, "float8_e4m3fn"},
-    {c10::ScalarType::Float8_e5m2fnuz, "float8_e5m2fnuz"},
-    {c10::ScalarType::Float8_e4m3fnuz, "float8_e4m3fnuz"},
-    {c10::ScalarType::Float8_e8m0fnu, "float8_e8m0fnu"},
-    {c10::ScalarType::Float4_e2m1fn_x2, "float4_e2m1fn_x2"},
-    {c10::ScalarType::Bits8, "bits8"},
-    {c10::ScalarType::Bits16, "bits16"},
-    {c10::ScalarType::Bits1x8, "bits1x8"},
-    {c10::ScalarType::Bits2x4, "bits2x4"},
-    {c10::ScalarType::Bits4x2, "bits4x2"},
-    {c10::ScalarType::ComplexHalf, "complex32"},
-    {c10::ScalarType::BComplex32, "bcomplex32"},
-    {c10::ScalarType::UInt16, "uint16"},
-    {c10::ScalarType::UInt32, "uint32"},
-    {c10::ScalarType::UInt64, "uint64"},
-};
+
+// Those of kUntypedDtypeNames that this LibTorch has. Found by name among c10's scalar types, not
+// listed as enumerators: the supported releases (2.11 to 2.15) do not all have every one
+// (bcomplex32 is new), and a dtype this LibTorch lacks is one its files cannot hold either.
+const std::vector<UntypedDtype>& untyped_dtypes() {
+  static const std::vector<UntypedDtype> dtypes = [] {
+    constexpr std::string_view kUntypedDtypeNames[] = {
+        "float8_e5m2",    "float8_e4m3fn",    "float8_e5m2fnuz", "float8_e4m3fnuz",
+        "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8",           "bits16",
+        "bits1x8",        "bits2x4",          "bits4x2",         "complex32",
+        "bcomplex32",     "uint16",           "uint32",          "uint64"};
+    std::vector<UntypedDtype> found;
+    for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+      const auto type = static_cast<c10::ScalarType>(i);
+      // Python's name is c10's in lower case, but for ComplexHalf, which Python calls complex32.
+      std::string name = type == c10::ScalarType::ComplexHalf ? "complex32" : c10::toString(type);
+      std::transform(name.begin(), name.end(), name.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      for (std::string_view wanted : kUntypedDtypeNames) {
+        if (name == wanted) found.push_back({type, name});
+      }
+    }
+    return found;
+  }();
+  return dtypes;
+}
 
 // GLOBAL arguments, "module\nname\n".
 constexpr std::string_view kRebuildTensorV2 = "torch._utils\n_rebuild_tensor_v2\n";
@@ -150,10 +161,10 @@ std::string dtype_global_of(const UntypedDtype& dtype) {
   return "torch\n" + std::string(dtype.python_name) + "\n";
 }
 
-// The dtype of kUntypedDtypes whose LibTorch storage class (by_storage_class) or Python dtype
+// The dtype of untyped_dtypes() whose LibTorch storage class (by_storage_class) or Python dtype
 // global (!by_storage_class) `global` is, or nullptr.
 const UntypedDtype* untyped_dtype_of(std::string_view global, bool by_storage_class) {
-  for (const UntypedDtype& dtype : kUntypedDtypes) {
+  for (const UntypedDtype& dtype : untyped_dtypes()) {
     if (global == (by_storage_class ? storage_class_of(dtype.type) : dtype_global_of(dtype))) {
       return &dtype;
     }
@@ -292,19 +303,20 @@ struct WalkItem {
 
 // Note [torch.save's format]: for kLibTorch (load_torch_archive), rewrites Python's OrderedDict()
 // into an empty dict, and BUILD into SETITEM under kBuildStateKey (LibTorch's Unpickler has no POP
-// to drop the state with, and the state may memoize values that later parts of the pickle refer
-// to, so it must stay); a LONG1 of fewer than 8 bytes becomes one of 8; _rebuild_tensor_v3 over an
+// to drop the state with, and the state may memoize values that later parts of the pickle refer to,
+// so it must stay); a LONG1 of fewer than 8 bytes becomes one of 8; _rebuild_tensor_v3 over an
 // untyped storage becomes _rebuild_tensor_v2 over LibTorch's storage class of the dtype. For
 // kPython (save_torch_archive), _rebuild_tensor_v2 over LibTorch's storage class of a dtype in
-// kUntypedDtypes becomes Python's _rebuild_tensor_v3 over an untyped storage. Walks the opcodes (a
-// byte inside a string or a number is not an opcode) keeping, for each stack item, where its bytes
-// begin in the output, so that the key can go in front of a BUILD's state and a tensor's arguments
-// can be rewritten when the last of them is known; and, for each memo slot, what it holds, for the
-// BINGETs of globals, strings and storages. "GLOBAL collections OrderedDict [BINPUT n]", or later
-// "BINGET n", followed by an empty tuple and a REDUCE (the call OrderedDict()) becomes EMPTY_DICT.
-// Returns the pickle as it was where it meets anything it cannot tell: LibTorch's Unpickler then
-// says what it cannot read. Throws c10::Error for an int beyond int64, a dtype as a value, a
-// storage read as two dtypes, or an untyped storage of a size its dtype does not divide.
+// untyped_dtypes() becomes Python's _rebuild_tensor_v3 over an untyped storage. Walks the opcodes
+// (a byte inside a string or a number is not an opcode) keeping, for each stack item, where its
+// bytes begin in the output, so that the key can go in front of a BUILD's state and a tensor's
+// arguments can be rewritten when the last of them is known; and, for each memo slot, what it
+// holds, for the BINGETs of globals, strings and storages. "GLOBAL collections OrderedDict [BINPUT
+// n]", or later "BINGET n", followed by an empty tuple and a REDUCE (the call OrderedDict())
+// becomes EMPTY_DICT. Returns the pickle as it was where it meets anything it cannot tell:
+// LibTorch's Unpickler then says what it cannot read. Throws c10::Error for an int beyond int64, a
+// dtype as a value, a storage read as two dtypes, or an untyped storage of a size its dtype does
+// not divide.
 std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader reader) {
   const bool for_libtorch = reader == PickleReader::kLibTorch;
   const char* p = pickle.data();
@@ -360,7 +372,7 @@ std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader r
     return (in_setitem || in_setitems) && !stack[i - 1].text.empty() ? "'" + stack[i - 1].text + "'"
                                                                      : "";
   };
-  // A dtype of kUntypedDtypes that a tensor rewrite did not take, stack[i]: LibTorch has no value
+  // A dtype of untyped_dtypes() that a tensor rewrite did not take, stack[i]: LibTorch has no value
   // for it, and its GLOBAL may have gone with the tensor whose dtype it was.
   auto refuse_dtype_value = [&](std::size_t i) {
     const WalkItem& item = stack[i];
@@ -445,7 +457,7 @@ std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader r
     }
     if (opcode == 'c') {
       // Rewritten where the rewrite needs no context: every _rebuild_tensor_v3 call and every
-      // storage class of kUntypedDtypes is a tensor's; the items keep what the input said.
+      // storage class of untyped_dtypes() is a tensor's; the items keep what the input said.
       WalkItem item;
       item.global = std::string(p + 1, *size);
       push_item(item);
@@ -506,8 +518,8 @@ std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader r
         WalkItem& callable = stack[m - 1];
         WalkItem& storage = children[0];
         if (for_libtorch && callable.global == kRebuildTensorV3 && count >= 7) {
-          // (storage, offset, size, stride, requires_grad, hooks, dtype[, metadata]): the dtype goes
-          // into the storage's class, and the count from bytes to elements.
+          // (storage, offset, size, stride, requires_grad, hooks, dtype[, metadata]): the dtype
+          // goes into the storage's class, and the count from bytes to elements.
           const UntypedDtype* dtype = untyped_dtype_of(children[6].global, false);
           if (!dtype) return pickle;
           const std::size_t dtype_ends = count == 8 ? children[7].begins : out.size();
@@ -552,7 +564,7 @@ std::vector<char> rewrite_pickle(const std::vector<char>& pickle, PickleReader r
           // goes; where it filled a memo slot that other tensors' BINGET, the first of those
           // BINGETs fills it instead.
           const UntypedDtype* dtype = nullptr;
-          for (const UntypedDtype& d : kUntypedDtypes) {
+          for (const UntypedDtype& d : untyped_dtypes()) {
             if (d.type == storage.dtype) dtype = &d;
           }
           TORCH_INTERNAL_ASSERT(dtype != nullptr);

@@ -134,8 +134,8 @@ class ShardedState {
   ShardedDataParallelOptions options_;
   std::vector<ShardedParam> params_;
   // Parameters that do not require gradients: never sharded or reduced, but every rank must hold
-  // rank 0's values (as PyTorch's DDP and FSDP's sync_module_states), so they are broadcast with the
-  // buffers. Stage 3 keeps them whole on every rank.
+  // rank 0's values (as PyTorch's DDP and FSDP's sync_module_states), so they are broadcast with
+  // the buffers. Stage 3 keeps them whole on every rank.
   std::vector<NamedParameter> frozen_;
   std::vector<Unit> units_;
   std::atomic<int> no_sync_depth_{0};

@@ -202,7 +202,8 @@ TEST(TorchArchive, TensorReachingPastItsRecordIsRefused) {
 
 // The dtypes of torch_file_variants.py's DTYPES, in its order: those Python pickles with
 // _rebuild_tensor_v3 over an untyped storage and LibTorch with a storage class Python lacks
-// (torch.Float8_e4m3fnStorage, torch.UInt16Storage), between ones with a storage class on both sides.
+// (torch.Float8_e4m3fnStorage, torch.UInt16Storage), between ones with a storage class on both
+// sides.
 struct DtypeCase {
   const char* name;  // Python's
   at::ScalarType type;
@@ -292,9 +293,9 @@ TEST(TorchArchive, PyTorchLoadsEveryDtypeDtrainSaves) {
   fs::remove_all(dir);
 }
 
-// Python pickles a float8 or uint16 tensor as _rebuild_tensor_v3 over a torch.storage.UntypedStorage,
-// which LibTorch's Unpickler does not know ("Unpickler found unknown type
-// torch._utils._rebuild_tensor_v3").
+// Python pickles a float8 or uint16 tensor as _rebuild_tensor_v3 over a
+// torch.storage.UntypedStorage, which LibTorch's Unpickler does not know ("Unpickler found unknown
+// type torch._utils._rebuild_tensor_v3").
 TEST(TorchArchive, DtrainLoadsEveryDtypePyTorchSaves) {
   if (testing::python_with_torch().empty()) GTEST_SKIP() << testing::kNoPythonWithTorch;
   const std::string dir = testing::temp_dir("dtrain-archive-dtypes-in");

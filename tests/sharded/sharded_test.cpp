@@ -2,9 +2,9 @@
 // global batch, the ranks other than 0 from other parameters (the broadcast must replace them);
 // after k optimizer steps the sharded run's full parameters must equal one process's trained on the
 // whole batch (relative error < 1e-5, float32) for every stage, world sizes 1..4 and parameter
-// counts that do not divide by the world size; also with a frozen layer (which the ranks other than
-// 0 hold differently too) and with gather_full_parameters() between backward and step. Plus: stage 3
-// really frees gathered parameters, and the usage errors.
+// counts that do not divide by the world size; also with a frozen layer (which the ranks other
+// than 0 hold differently too) and with gather_full_parameters() between backward and step. Plus:
+// stage 3 really frees gathered parameters, and the usage errors.
 #include "dtrain/sharded.h"
 
 #include <gtest/gtest.h>

@@ -123,7 +123,7 @@ std::unique_ptr<elastic::RendezvousBackend> connect_backend(
   Clock::time_point start = Clock::now();
   Clock::time_point deadline = start + join_timeout;
   std::string last_error;
-  bool unresolved = false;      // the last try found no address for the host name
+  bool unresolved = false;  // the last try found no address for the host name
   bool said_unresolved = false;
   for (;;) {
     try {

@@ -591,8 +591,7 @@ void C10dBackend::connect_and_authenticate(Clock::time_point deadline) {
   try {
     std::string hello;
     try {
-      if (!receive_greeting(fd, &hello, Clock::now() + kGreetingTimeout, deadline,
-                            interrupt_fd_)) {
+      if (!receive_greeting(fd, &hello, Clock::now() + kGreetingTimeout, deadline, interrupt_fd_)) {
         throw CommError("dtrain run: " + where + " closed the connection before its greeting");
       }
     } catch (const NotAStoreError& cause) {

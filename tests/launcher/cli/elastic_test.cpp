@@ -530,8 +530,8 @@ TEST_P(C10dElasticTest, SignalDuringTheFirstJoinEndsItAtOnce) {
     const std::size_t agent = agents_.size();
     ChildProcess& a = start_agent("1:2", {"--rdzv-conf", "join_timeout=60"});
     // Said just before the first call to the store.
-    ASSERT_TRUE(wait_until(
-        [&] { return err(agent).find(" is open: ") != std::string::npos; }, kEventTimeout))
+    ASSERT_TRUE(wait_until([&] { return err(agent).find(" is open: ") != std::string::npos; },
+                           kEventTimeout))
         << err(agent);
     std::this_thread::sleep_for(500ms);  // into the wait between tries, or the call
     Clock::time_point sent = Clock::now();

@@ -382,8 +382,10 @@ Args saving_on_sigterm_workers(int save_s) {
           "if [ $RANK = 1 ]; then echo $$ > \"$1/pid.1\";"
           "  while [ ! -e \"$1/ready\" ]; do sleep 0.05; done; exit 3;"
           "fi;"
-          "trap 'echo saving; sleep " + std::to_string(save_s) + "; echo saved; exit 143' TERM;"
-          "echo $$ > \"$1/pid.0\"; touch \"$1/ready\"; sleep 300 & wait",
+          "trap 'echo saving; sleep " +
+              std::to_string(save_s) +
+              "; echo saved; exit 143' TERM;"
+              "echo $$ > \"$1/pid.0\"; touch \"$1/ready\"; sleep 300 & wait",
           "sh"};
 }
 
@@ -650,9 +652,9 @@ TEST_F(LauncherTest, PortInUseOnTheMasterIsRejected) {
 // names the host, the resolver's answer and how long it tried, and exit code 1, which a scheduler
 // retries. It used to be exit code 2 at once.
 TEST_F(LauncherTest, MasterThatDoesNotResolveIsWaitedForThenEndsWithExitCodeOne) {
-  RunResult run = dtrain({"run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                          "master-0.svc.invalid", "--master-port", "29500", "--rdzv-conf",
-                          "join_timeout=2", "/bin/true"});
+  RunResult run =
+      dtrain({"run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "master-0.svc.invalid",
+              "--master-port", "29500", "--rdzv-conf", "join_timeout=2", "/bin/true"});
   EXPECT_EQ(run.exit_code, 1) << run.err;
   EXPECT_GE(run.seconds, 2) << run.err;
   EXPECT_NE(run.err.find("dtrain run: --master-addr: the host name 'master-0.svc.invalid' did not "
@@ -665,9 +667,9 @@ TEST_F(LauncherTest, MasterThatDoesNotResolveIsWaitedForThenEndsWithExitCodeOne)
 
 // A signal ends that wait at once, with 128 + signal.
 TEST_F(LauncherTest, SignalWhileWaitingForTheMastersNameEndsAtOnce) {
-  Args argv = {DTRAIN_LAUNCHER, "run",         "--nnodes",      "2",
-               "--node-rank",   "1",           "--master-addr", "master-0.svc.invalid",
-               "--master-port", "29500",       "--rdzv-conf",   "join_timeout=60",
+  Args argv = {DTRAIN_LAUNCHER, "run",   "--nnodes",      "2",
+               "--node-rank",   "1",     "--master-addr", "master-0.svc.invalid",
+               "--master-port", "29500", "--rdzv-conf",   "join_timeout=60",
                "/bin/true"};
   ChildProcess launcher(argv, dir_ / "launcher.out", dir_ / "launcher.err");
   ASSERT_TRUE(wait_until(

@@ -336,13 +336,27 @@ TEST_F(RecoveryTest, UnderAnElasticRendezvousAWorkerRestartedAloneCountsOnFromIt
       "fi;" +
       recorded("if [ $RANK = 1 ]; then " + wait_for("pid.0.1") + " exit 3; fi;" +
                wait_for("joined_rc") + " exit 0");
-  RunResult run = dtrain(concat(
-      {"run", "--nnodes", "1:1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-       "127.0.0.1:" + std::to_string(dtrain::testing::free_port()), "--rdzv-conf",
-       "keep_alive_interval=0.2,join_timeout=10", "--monitor-interval", "0.1",
-       "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "3",
-       "--grace-period", "2", "--"},
-      sh(script)));
+  RunResult run = dtrain(concat({"run",
+                                 "--nnodes",
+                                 "1:1",
+                                 "--rdzv-backend",
+                                 "c10d",
+                                 "--rdzv-endpoint",
+                                 "127.0.0.1:" + std::to_string(dtrain::testing::free_port()),
+                                 "--rdzv-conf",
+                                 "keep_alive_interval=0.2,join_timeout=10",
+                                 "--monitor-interval",
+                                 "0.1",
+                                 "--nproc-per-node",
+                                 "2",
+                                 "--recovery",
+                                 "in-place",
+                                 "--max-restarts",
+                                 "3",
+                                 "--grace-period",
+                                 "2",
+                                 "--"},
+                                sh(script)));
   clean_up("pid.0.0");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(env_of(1, 1)["TORCHELASTIC_RESTART_COUNT"], "1") << run.err;  // round 1's start
