@@ -48,7 +48,10 @@
 // elementwise -> Row pair costs exactly one all-reduce of Y's size forward and one of X's size
 // backward, and none when X needs no gradient (the model's first layer). gather_output and
 // input_is_parallel = false break this pairing and cost an all-gather each (forward, resp.
-// backward); they are for layers that stand alone.
+// backward); they are for layers that stand alone. Several column-parallel layers reading one X
+// (attention's q, k and v; SwiGLU's two) keep the one backward all-reduce only if X enters the
+// region once for all of them: column_parallel_forward (each layer's own forward would all-reduce
+// its share of dX separately).
 //
 // Note [Sequence parallelism]
 // Megatron-LM's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation
@@ -107,7 +110,7 @@ struct ColumnParallelLinearOptions {
   // [.., seq / n, in_features] of the sequence; the layer all-gathers the sequence and its output
   // is [.., seq, local_size()]. Backward reduce-scatters the input's gradient and all-gathers the
   // input again for the weight's gradient. Several layers on one input (query, key and value) share
-  // one all-gather through sequence_parallel_column_linear.
+  // one all-gather through column_parallel_forward.
   bool sequence_parallel = false;
 };
 
@@ -196,6 +199,23 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   int64_t local_size_ = 0;
 };
 TORCH_MODULE(ColumnParallelLinear);
+
+// Several column-parallel layers on one input, entering the tensor-parallel region once: a
+// transformer's query, key and value projections, SwiGLU's gate and up projections. Each
+// ColumnParallelLinear::forward enters the region on its own, and its backward all-reduces its
+// share of the input's gradient, so k layers called one by one on the same x cost k all-reduces
+// in backward. The input's gradient is the sum of the k shares, and an all-reduce is a sum: here
+// autograd adds the shares first and one all-reduce serves all k (under sequence parallelism, one
+// all-gather forward and one reduce-scatter plus one all-gather backward, as
+// sequence_parallel_column_linear), which restores one all-reduce each way per sub-layer (Note
+// [Tensor-parallel MLP: one all-reduce each way]). Returns what each layer's forward would, in
+// order (its bias added, its gather_output applied); the results equal the layers' own forwards up
+// to the order of floating-point additions in the input's gradient. Collective over the layers'
+// group, as their forwards are. Throws UsageError for no layers, an empty holder, layers that do
+// not share one group (the same object), in_features and sequence_parallel (naming the first
+// layer that differs), or an input whose last dimension is not in_features.
+std::vector<at::Tensor> column_parallel_forward(const at::Tensor& input,
+                                                const std::vector<ColumnParallelLinear>& layers);
 
 // y = x W^T + b with W [out_features, in_features] split by columns (the input features) over
 // `group`: each rank multiplies its slice of x by its columns of W, and an all-reduce (sum) of

@@ -6,6 +6,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "common/format.h"
 #include "dtrain/tensor_parallel.h"
@@ -111,23 +112,94 @@ void ColumnParallelLinearImpl::reset_parameters() {
   if (options_.bias) bias.copy_(full->bias.narrow(0, local_begin_, local_size_));
 }
 
-at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+namespace {
+
+// The input check of a column-parallel layer's forward, alone or in column_parallel_forward.
+void check_column_input(const ColumnParallelLinearImpl& layer, const at::Tensor& input) {
   check_input(
-      "ColumnParallelLinear", in_features_, out_features_, *group_, input, in_features_,
-      "in_features",
+      "ColumnParallelLinear", layer.in_features(), layer.out_features(), *layer.group(), input,
+      layer.in_features(), "in_features",
       "Every rank of the group must get the whole input (the same on every rank); a slice of the "
       "features is the input of a RowParallelLinear.");
-  at::Tensor local;
-  if (options_.sequence_parallel) {
+}
+
+// The layers' outputs on one input, which enters the tensor-parallel region once: one
+// copy_to_tensor_parallel (whose backward all-reduces the sum of the layers' input gradients,
+// which autograd adds before it runs), or under sequence parallelism one all-gather for all the
+// weights. The layers share group, in_features and sequence_parallel (checked by the callers).
+std::vector<at::Tensor> column_outputs(const at::Tensor& input,
+                                       const std::vector<const ColumnParallelLinearImpl*>& layers) {
+  const ColumnParallelLinearImpl& first = *layers.front();
+  const std::shared_ptr<ProcessGroup>& group = first.group();
+  std::vector<at::Tensor> outputs;
+  if (first.options().sequence_parallel) {
     // The all-gather's backward reduce-scatters the input's gradient: no all-reduce here.
-    local = sequence_parallel_column_linear(input, {weight}, group_)[0];
-    if (bias.defined()) local = local + bias;
+    std::vector<at::Tensor> weights;
+    for (const ColumnParallelLinearImpl* layer : layers) weights.push_back(layer->weight);
+    outputs = sequence_parallel_column_linear(input, weights, group);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i]->bias.defined()) outputs[i] = outputs[i] + layers[i]->bias;
+    }
   } else {
-    local = at::linear(detail::copy_to_tensor_parallel(input, group_), weight,
-                       bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    const at::Tensor entered = detail::copy_to_tensor_parallel(input, group);
+    for (const ColumnParallelLinearImpl* layer : layers) {
+      outputs.push_back(at::linear(
+          entered, layer->weight,
+          layer->bias.defined() ? c10::optional<at::Tensor>(layer->bias) : c10::nullopt));
+    }
   }
-  if (!options_.gather_output) return local;
-  return detail::gather_from_tensor_parallel(local, group_, out_features_);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i]->options().gather_output) {
+      outputs[i] =
+          detail::gather_from_tensor_parallel(outputs[i], group, layers[i]->out_features());
+    }
+  }
+  return outputs;
+}
+
+}  // namespace
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+  check_column_input(*this, input);
+  return column_outputs(input, {this})[0];
+}
+
+std::vector<at::Tensor> column_parallel_forward(const at::Tensor& input,
+                                                const std::vector<ColumnParallelLinear>& layers) {
+  if (layers.empty()) {
+    throw UsageError(
+        "column_parallel_forward: no layers; pass the ColumnParallelLinear layers that read the "
+        "input");
+  }
+  std::vector<const ColumnParallelLinearImpl*> impls;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].is_empty()) {
+      throw UsageError("column_parallel_forward: layer " + std::to_string(i) +
+                       " is an empty (null) ColumnParallelLinear; pass built layers");
+    }
+    impls.push_back(layers[i].get());
+  }
+  const ColumnParallelLinearImpl& first = *impls.front();
+  for (size_t i = 1; i < impls.size(); ++i) {
+    const ColumnParallelLinearImpl& layer = *impls[i];
+    if (layer.group() == first.group() && layer.in_features() == first.in_features() &&
+        layer.options().sequence_parallel == first.options().sequence_parallel) {
+      continue;
+    }
+    auto describe = [](const ColumnParallelLinearImpl& l) {
+      return layer_label("ColumnParallelLinear", l.in_features(), l.out_features()) +
+             " on group '" + l.group()->name() + "'" +
+             (l.options().sequence_parallel ? " with sequence_parallel" : "");
+    };
+    throw UsageError(detail::rank_text(*first.group()) + ": column_parallel_forward: layer " +
+                     std::to_string(i) + ", " + describe(layer) + ", does not match layer 0, " +
+                     describe(first) +
+                     ": layers that share one input must share its process group (the same "
+                     "object), in_features and sequence_parallel; call the forward of a layer "
+                     "that differs on its own.");
+  }
+  check_column_input(first, input);
+  return column_outputs(input, impls);
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {

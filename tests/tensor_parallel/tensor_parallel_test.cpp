@@ -1,13 +1,15 @@
 // ColumnParallelLinear -> ReLU -> RowParallelLinear on 1..4 thread-ranks against the unsplit
 // Linear -> ReLU -> Linear built under the same seed and trained on the same data: forward outputs,
 // input gradients and (after k SGD-with-momentum steps) parameters must agree within a relative
-// error of 1e-5 in float32. 10 hidden features split unevenly over 3 and 4 ranks.
+// error of 1e-5 in float32. 10 hidden features split unevenly over 3 and 4 ranks. Several column
+// layers on one input (column_parallel_forward) enter the tensor-parallel region once.
 #include "dtrain/tensor_parallel.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <functional>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -257,6 +259,111 @@ TEST(TensorParallel, BadArgumentsAreUsageErrorsNamingRankLayerAndSizes) {
     // The group still works: the layers' checks left no collective half-issued.
     torch::Tensor y = row(torch::relu(column(torch::ones({2, 12}))));
     EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 5}));
+  });
+}
+
+// column_parallel_forward: k layers on one input enter the tensor-parallel region once. Against
+// the same layers' own forwards on the same x: equal outputs, the same gradients (x's within 1e-6:
+// only the order of the additions differs), and backward's collectives fall from k to 1 (from 2k
+// to 2 under sequence parallelism: a reduce-scatter of x's gradient and an all-gather of x). Three
+// ranks, uneven shards (10 and 7 features), a bias, and a gathered output.
+void expect_one_entry_for_several_layers(bool sequence_parallel) {
+  torch::set_num_threads(1);
+  constexpr int kWorld = 3;
+  torch::manual_seed(21);
+  const torch::Tensor input = torch::randn({2, 6, 12});  // [batch, seq, features]
+  run_group(kWorld, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    std::vector<ColumnParallelLinear> layers;
+    {
+      std::lock_guard<std::mutex> lock(testing::seed_mutex());
+      torch::manual_seed(22);
+      for (int64_t out : {10, 6, 7}) {
+        ColumnParallelLinearOptions options;
+        options.sequence_parallel = sequence_parallel;
+        options.gather_output = out == 7 && !sequence_parallel;
+        layers.push_back(ColumnParallelLinear(12, out, group, options));
+      }
+    }
+    const torch::Tensor mine = sequence_parallel ? input.narrow(1, 2 * rank, 2) : input;
+    struct Pass {
+      std::vector<torch::Tensor> outputs, grads;  // grads: x's, then every parameter's
+      uint64_t backward_ops = 0;
+    };
+    auto pass = [&](bool shared) {
+      for (auto& layer : layers) layer->zero_grad();
+      torch::Tensor x = mine.clone().requires_grad_(true);
+      std::vector<torch::Tensor> outputs;
+      if (shared) {
+        outputs = column_parallel_forward(x, layers);
+      } else {
+        for (auto& layer : layers) outputs.push_back(layer->forward(x));
+      }
+      torch::Tensor loss = torch::zeros({});
+      for (size_t i = 0; i < outputs.size(); ++i)
+        loss = loss + outputs[i].pow(2).sum() * static_cast<double>(i + 1);
+      const uint64_t before = group->stats().ops;
+      loss.backward();
+      Pass result;
+      result.backward_ops = group->stats().ops - before;
+      result.outputs = detached(outputs);
+      result.grads.push_back(x.grad().clone());
+      for (auto& layer : layers)
+        for (const auto& p : layer->parameters()) result.grads.push_back(p.grad().clone());
+      return result;
+    };
+    const Pass separate = pass(false);
+    const Pass shared = pass(true);
+    ASSERT_EQ(shared.outputs.size(), 3u);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_TRUE(torch::equal(shared.outputs[i], separate.outputs[i])) << "output " << i;
+    EXPECT_EQ(shared.outputs[2].size(-1), sequence_parallel ? layers[2]->local_size() : 7)
+        << "gather_output holds";
+    EXPECT_LT(relative_error(shared.grads, separate.grads), 1e-6);
+    EXPECT_EQ(separate.backward_ops, sequence_parallel ? 6u : 3u) << "each layer its own";
+    EXPECT_EQ(shared.backward_ops, sequence_parallel ? 2u : 1u) << "one for the three";
+  });
+}
+
+TEST(TensorParallel, SeveralColumnLayersOnOneInputAllReduceItsGradientOnce) {
+  expect_one_entry_for_several_layers(/*sequence_parallel=*/false);
+}
+
+TEST(TensorParallel, SeveralSequenceParallelColumnLayersOnOneInputGatherItOnce) {
+  expect_one_entry_for_several_layers(/*sequence_parallel=*/true);
+}
+
+TEST(TensorParallel, ColumnLayersThatCannotShareAnInputAreNamed) {
+  expect_contains(usage_error_of([] {
+                    column_parallel_forward(torch::ones({2, 4}), {});
+                  }),
+                  {"column_parallel_forward", "no layers"});
+  expect_contains(usage_error_of([] {
+                    column_parallel_forward(torch::ones({2, 4}), {ColumnParallelLinear(nullptr)});
+                  }),
+                  {"column_parallel_forward", "layer 0", "empty"});
+  torch::set_num_threads(1);
+  run_group(2, [&](int rank, const std::shared_ptr<ProcessGroup>& group) {
+    const std::string me = "rank " + std::to_string(rank) + "/2";
+    ColumnParallelLinear a(12, 10, group), b(12, 6, group), narrow(8, 6, group);
+    ColumnParallelLinearOptions sequence;
+    sequence.sequence_parallel = true;
+    ColumnParallelLinear c(12, 6, group, sequence);
+    const torch::Tensor x = torch::ones({2, 4, 12});
+    expect_contains(usage_error_of([&] {
+                      column_parallel_forward(x, {a, b, narrow});
+                    }),
+                    {me, "layer 2", "ColumnParallelLinear(in_features=8, out_features=6)",
+                     "does not match layer 0", "in_features"});
+    expect_contains(usage_error_of([&] {
+                      column_parallel_forward(x, {a, c});
+                    }),
+                    {me, "layer 1", "with sequence_parallel", "sequence_parallel"});
+    expect_contains(usage_error_of([&] {
+                      column_parallel_forward(torch::ones({2, 11}), {a, b});
+                    }),
+                    {me, "last dimension 11", "expected last dimension 12"});
+    // Every rank threw before any collective: the group still works.
+    EXPECT_EQ(column_parallel_forward(x, {a, b})[1].sizes(), (std::vector<int64_t>{2, 4, 3}));
   });
 }
 

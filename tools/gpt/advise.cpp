@@ -94,17 +94,20 @@ int64_t in_flight(const Layout& layout, int s) {
 }
 
 // Floats autograd saves per token of one block (Note [What the advisor's model leaves out]):
-// whole: each RMSNorm's input and normalized input before the weight (2 x width + 1, twice), and
-// the normalized input every projection of a sub-layer reads (width, twice: whole under sequence
-// parallelism too, as the all-gathered input is what the matmuls save). Split over tp: queries and
-// keys after the rotation, keys and values repeated to the query heads, the attention's output
+// each RMSNorm's input and normalized input before the weight (2 x width + 1, twice), and the
+// normalized input every projection of a sub-layer reads (width, twice), whole on every rank, or
+// 1/tp of them under sequence parallelism: the norms work on this rank's slice of the sequence,
+// and the column-parallel projections keep only that slice, all-gathering it again in backward
+// (SequenceParallelColumnLinear in src/tensor_parallel/parallel_ops.cpp). Split over tp: queries
+// and keys after the rotation, keys and values repeated to the query heads, the attention's output
 // (4 x heads x head_dim) and its log-sum-exp (heads); SwiGLU's w1 x, w3 x, silu(w1 x) and the
 // product (4 x hidden).
 double block_floats_per_token(const GptConfig& c, const Layout& layout) {
   const double norms = 2 * (2.0 * c.width + 1), inputs = 2.0 * c.width;
   const double split = 4.0 * c.heads * c.head_dim() + c.heads + 4.0 * c.hidden();
-  return norms / (layout.sp ? layout.tp : 1) + inputs + split / layout.tp;
+  return (norms + inputs) / (layout.sp ? layout.tp : 1) + split / layout.tp;
 }
+
 // The final norm (2 x width + 1), the head's input (width), the logits and their log-softmax.
 double ends_floats_per_token(const GptConfig& c) { return 3.0 * c.width + 1 + 2.0 * c.vocab; }
 
@@ -114,6 +117,38 @@ double ring_s(double bytes, int n, double fraction, const Machine& m, int64_t op
   if (n <= 1) return 0;
   return static_cast<double>(ops) * fraction * (n - 1) * m.latency_s +
          fraction * (n - 1) / n * bytes / m.bandwidth;
+}
+
+// Seconds of one block's tensor-parallel collectives per micro-batch, counted as
+// GptTensorParallel.ABlockAllReducesOnceEachWayPerSubLayer and
+// GptSequenceParallel.ABlocksCollectivesAreTheAdvisorsCount (gpt_test.cpp) count them; `bytes`:
+// the whole [tokens, width] activation.
+//   plain tensor parallelism (Note [Tensor-parallel blocks] in gpt.h): 2 all-reduces forward
+//     (wo's and w2's output), 2 backward (each sub-layer's input gradient: q, k, v share one, w1
+//     and w3 another, through dtrain::column_parallel_forward); recomputation runs the forward's 2
+//     again: 4, or 6.
+//   sequence parallelism (Note [Sequence-parallel blocks]): forward, an all-gather in and a
+//     reduce-scatter out of each sub-layer (4); backward, per sub-layer, a reduce-scatter of the
+//     input's gradient, the input all-gathered again for the weights' gradients, and the output's
+//     gradient all-gathered (6), each a ring moving half an all-reduce's bytes: 10 halves, 5
+//     all-reduces' worth (7 with recomputation's 4 more halves), where plain tensor parallelism
+//     moves 4. And the 2 norms' weight gradients, all-reduced over the group: `width` floats each,
+//     mostly latency.
+double block_tensor_s(const GptConfig& c, const Layout& layout, double bytes, const Machine& m) {
+  if (!layout.sp) return (layout.recompute ? 6 : 4) * ring_s(bytes, layout.tp, 2, m);
+  const double halves = layout.recompute ? 14 : 10;
+  return halves * ring_s(bytes, layout.tp, 1, m) + 2 * ring_s(c.width * kFloat, layout.tp, 2, m);
+}
+
+// The sequence-parallel collectives outside the blocks, per micro-batch (Note [Sequence-parallel
+// blocks]): the first stage's embedding output is scattered without communication, its gradient
+// all-gathered in backward; the last stage's final norm all-gathers its output for the whole head
+// and all-reduces its weight's gradient. Plain tensor parallelism has none there.
+double ends_tensor_s(const GptConfig& c, const Layout& layout, bool first, bool last, double bytes,
+                     const Machine& m) {
+  if (!layout.sp) return 0;
+  return (first ? ring_s(bytes, layout.tp, 1, m) : 0) +
+         (last ? ring_s(bytes, layout.tp, 1, m) + ring_s(c.width * kFloat, layout.tp, 2, m) : 0);
 }
 
 }  // namespace
@@ -221,10 +256,9 @@ Prediction predict(const GptConfig& config, const Layout& layout, int64_t rows,
                      (stage.last ? Costs::at(costs.ends_s, micro) : 0);
     const double r =
         layout.recompute ? blocks * Costs::at(costs.block_forward_s, micro) / layout.tp : 0;
-    // Two all-reduces forward and two backward per block (reduce-scatter + all-gather under sp:
-    // the same bytes), two more when the forward is recomputed.
     const double t =
-        blocks * (layout.recompute ? 6 : 4) * ring_s(activation_bytes, layout.tp, 2, machine);
+        blocks * block_tensor_s(config, layout, activation_bytes, machine) +
+        ends_tensor_s(config, layout, stage.first, stage.last, activation_bytes, machine);
     const double s = layout.pp > 1 ? (stage.first || stage.last ? 1 : 2) *
                                          (machine.latency_s + activation_bytes / machine.bandwidth)
                                    : 0;

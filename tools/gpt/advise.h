@@ -5,8 +5,8 @@
 // predicted tokens/s, each with the cost that dominates its step. It extends `dtrain scale`'s "will
 // more devices help" (doc/scale.md) to model parallelism, and models time the same way: measured
 // compute (here one block's forward and backward, timed on this machine with LibTorch), plus a
-// ring all-reduce of 2(N-1) alpha + 2(N-1)/N bytes / bandwidth for every collective, none of it
-// overlapped.
+// ring of 2(N-1) alpha + 2(N-1)/N bytes / bandwidth for every all-reduce, half of that for an
+// all-gather or a reduce-scatter, none of it overlapped.
 //
 //   gpt::Costs costs = gpt::measure_costs(config, {8});           // rows per micro-batch timed
 //   gpt::Machine machine{/*devices=*/8, /*memory_bytes=*/16e9, /*bandwidth=*/12.5e9};

@@ -113,6 +113,22 @@ TEST(GptAdvise, MemoryFallsWithShardingAndRecomputation) {
   EXPECT_LT(memory_per_rank(config, sp, 8).activations, memory_per_rank(config, tp, 8).activations);
 }
 
+// Under --sp a block keeps 1/tp of what lies outside the attention and MLP cores: the norms'
+// tensors (2 x (2 width + 1) floats per token) and the normalized input the projections read
+// (2 x width), which the sequence-parallel column layers keep as this rank's slice only (they
+// all-gather it again in backward).
+TEST(GptAdvise, SequenceParallelismSplitsEverythingOutsideTheCores) {
+  const GptConfig config = tiny();
+  const int64_t rows = 8;
+  Layout tp = make(1, 2, 1), sp = make(1, 2, 1);
+  sp.sp = true;
+  const double tokens = static_cast<double>(rows * config.seq_len);
+  const double outside = (2 * (2.0 * config.width + 1) + 2.0 * config.width) * 4 * tokens;
+  EXPECT_DOUBLE_EQ(
+      memory_per_rank(config, tp, rows).activations - memory_per_rank(config, sp, rows).activations,
+      static_cast<double>(config.layers) * outside / 2);
+}
+
 Costs flat_costs(double block_s_per_row) {
   Costs costs;
   costs.block_s[1] = block_s_per_row;
@@ -180,6 +196,41 @@ TEST(GptAdvise, TheRankingsReasonsFollowTheCosts) {
     plain.recompute = false;
     EXPECT_GT(p.step_s, predict(config, plain, 8, machine, flat_costs(1e-4)).step_s);
   }
+}
+
+// The tensor-parallel term counts the collectives that
+// GptTensorParallel.ABlockAllReducesOnceEachWayPerSubLayer and
+// GptSequenceParallel.ABlocksCollectivesAreTheAdvisorsCount (gpt_test.cpp) count. Without latency
+// a ring all-reduce over 2 ranks moves the activation's bytes once per rank, an all-gather or a
+// reduce-scatter half of them: 4 all-reduces per block (6 with recomputation); under --sp 10
+// halves per block (14) and the norms' 2 small all-reduces, plus the embedding's and the final
+// norm's all-gathers and the final norm's all-reduce.
+TEST(GptAdvise, TensorParallelTrafficIsTheBlocksCollectives) {
+  const GptConfig config = tiny();
+  const int64_t rows = 8;
+  Machine machine;
+  machine.devices = 2;
+  machine.bandwidth = 1e9;
+  machine.latency_s = 0;
+  auto term = [&](bool sp, bool recompute) {
+    Layout layout = make(1, 2, 1);
+    layout.sp = sp;
+    layout.recompute = recompute;
+    for (const auto& [name, s] : predict(config, layout, rows, machine, flat_costs(1e-3)).terms)
+      if (name == "tensor-parallel all-reduces") return s;
+    return -1.0;
+  };
+  const double layers = static_cast<double>(config.layers);
+  const double all_reduce = rows * config.seq_len * config.width * 4 / machine.bandwidth;
+  const double norm = config.width * 4 / machine.bandwidth;
+  double want = layers * 4 * all_reduce;
+  EXPECT_NEAR(term(false, false), want, 1e-9 * want) << "--tp 2";
+  want = layers * 6 * all_reduce;
+  EXPECT_NEAR(term(false, true), want, 1e-9 * want) << "--tp 2 --recompute";
+  want = layers * (10 * all_reduce / 2 + 2 * norm) + all_reduce + norm;
+  EXPECT_NEAR(term(true, false), want, 1e-9 * want) << "--tp 2 --sp";
+  want = layers * (14 * all_reduce / 2 + 2 * norm) + all_reduce + norm;
+  EXPECT_NEAR(term(true, true), want, 1e-9 * want) << "--tp 2 --sp --recompute";
 }
 
 TEST(GptAdvise, PipelineBubbleShrinksWithMoreMicroBatches) {

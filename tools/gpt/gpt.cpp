@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <typeinfo>
 #include <vector>
 
 #include "dtrain/amp.h"
@@ -99,12 +100,21 @@ torch::nn::AnyModule row(int64_t in, int64_t out,
   return torch::nn::AnyModule(dtrain::row_parallel_from(whole, group, options));
 }
 
-// The column-parallel projections' weights, for one all-gather that serves all of them.
-std::vector<at::Tensor> column_weights(std::initializer_list<const torch::nn::AnyModule*> layers) {
-  std::vector<at::Tensor> weights;
+// The projections that read one input x, in order: unsplit Linears, or column-parallel shards
+// that enter the tensor-parallel region once for all of them (dtrain::column_parallel_forward), so
+// that backward all-reduces x's gradient once per sub-layer, not once per projection (under
+// sequence parallelism: one all-gather of x forward, one reduce-scatter and one all-gather back).
+std::vector<at::Tensor> project(const at::Tensor& x,
+                                std::initializer_list<torch::nn::AnyModule*> layers) {
+  std::vector<at::Tensor> outputs;
+  if ((*layers.begin())->type_info() != typeid(dtrain::ColumnParallelLinearImpl)) {
+    for (torch::nn::AnyModule* layer : layers) outputs.push_back(layer->forward(x));
+    return outputs;
+  }
+  std::vector<dtrain::ColumnParallelLinear> split;
   for (const torch::nn::AnyModule* layer : layers)
-    weights.push_back(layer->get<dtrain::ColumnParallelLinear>()->weight);
-  return weights;
+    split.push_back(layer->get<dtrain::ColumnParallelLinear>());
+  return dtrain::column_parallel_forward(x, split);
 }
 
 // The group sequence parallelism splits the sequence over, or null.
@@ -181,13 +191,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   auto split = [&](const at::Tensor& t, int64_t heads) {
     return t.view({batch, seq, heads, head_dim_}).transpose(1, 2);
   };
-  std::vector<at::Tensor> qkv;
-  if (sequence_group_) {  // one all-gather for the three (Note [Sequence-parallel blocks])
-    qkv = dtrain::sequence_parallel_column_linear(x, column_weights({&wq, &wk, &wv}),
-                                                  sequence_group_);
-  } else {
-    qkv = {wq.forward(x), wk.forward(x), wv.forward(x)};
-  }
+  // One entry into the tensor-parallel region for the three (Note [Tensor-parallel blocks]).
+  const std::vector<at::Tensor> qkv = project(x, {&wq, &wk, &wv});
   at::Tensor q = rotate(split(qkv[0], heads_), cos, sin);
   at::Tensor k = rotate(split(qkv[1], kv_heads_), cos, sin);
   at::Tensor v = split(qkv[2], kv_heads_);
@@ -201,8 +206,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
 }
 
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,
-                 bool sequence_parallel)
-    : sequence_group_(sequence_group_of(tensor_group, sequence_parallel)) {
+                 bool sequence_parallel) {
   // Drawn in the single-device order w1, w2, w3 so that every split holds the same weights.
   w1 = column(config.width, config.hidden(), tensor_group, sequence_parallel);
   w2 = row(config.hidden(), config.width, tensor_group, sequence_parallel);
@@ -213,12 +217,9 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> 
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  if (sequence_group_) {  // one all-gather for w1 and w3 (Note [Sequence-parallel blocks])
-    std::vector<at::Tensor> h =
-        dtrain::sequence_parallel_column_linear(x, column_weights({&w1, &w3}), sequence_group_);
-    return w2.forward(at::silu(h[0]) * h[1]);
-  }
-  return w2.forward(at::silu(w1.forward(x)) * w3.forward(x));
+  // One entry into the tensor-parallel region for w1 and w3 (Note [Tensor-parallel blocks]).
+  const std::vector<at::Tensor> h = project(x, {&w1, &w3});
+  return w2.forward(at::silu(h[0]) * h[1]);
 }
 
 BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<dtrain::ProcessGroup> tensor_group,

@@ -22,7 +22,11 @@
 // Given a tensor group of T ranks, every block is split Megatron-style: attention by heads (q, k, v
 // column-parallel, o row-parallel), the MLP by hidden features (w1, w3 column-parallel, w2
 // row-parallel): one all-reduce forward and one backward per sub-layer (Note [Tensor-parallel
-// MLP: one all-reduce each way] in dtrain/tensor_parallel.h). The embedding, the norms and the head
+// MLP: one all-reduce each way] in dtrain/tensor_parallel.h), 4 per block and step (6 with
+// recompute, whose backward runs the forward again). q, k and v (and w1, w3) enter the
+// tensor-parallel region together through dtrain::column_parallel_forward: each layer's own
+// forward would all-reduce its share of the input's gradient, 3 + 2 backward all-reduces per block
+// where 2 suffice. The embedding, the norms and the head
 // are whole on every rank, and so are their gradients (every rank computes them from the same
 // activations). Every rank must build the model under the same torch::manual_seed: each layer
 // draws what the unsplit one would and keeps its shard, so the T ranks hold exactly the unsplit
@@ -43,7 +47,11 @@
 // cross-entropy over vocabulary shards). The norms' weights see 1/T of the positions on a rank:
 // RMSNorm passes them through dtrain::sequence_parallel_parameter, whose backward all-reduces
 // their gradient over the tensor group (2 x layers + 1 all-reduces of `width` floats per
-// backward). The sequence length must divide by T.
+// backward). Per block and step: forward 2 all-gathers and 2 reduce-scatters of
+// [batch, seq, width]; backward 2 reduce-scatters (the inputs' gradients), 4 all-gathers (the
+// outputs' gradients, and the inputs again for the weights' gradients) and the norms' 2 small
+// all-reduces; the recomputed forward of --recompute adds the forward's 4 again. The sequence
+// length must divide by T.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -136,9 +144,6 @@ class MlpImpl : public torch::nn::Module {
           bool sequence_parallel = false);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::AnyModule w1, w2, w3;
-
- private:
-  std::shared_ptr<dtrain::ProcessGroup> sequence_group_;  // null without sequence parallelism
 };
 TORCH_MODULE(Mlp);
 

@@ -2,8 +2,9 @@
 // of issue 20: DDP and ZeRO stages 1-3 over 2 and 3 thread-ranks, each on its share of the batch,
 // end with the same parameters as one process trained on the whole batch; a single-process pipeline
 // over its blocks gives the whole batch's gradients under every schedule; tensor parallelism inside
-// the blocks equals one process, and so does sequence parallelism on top of it, whose blocks keep
-// 1/T of their activations outside the tensor-parallel matmuls.
+// the blocks equals one process, with one all-reduce each way per sub-layer, and so does sequence
+// parallelism on top of it, whose blocks keep 1/T of their activations outside the tensor-parallel
+// matmuls.
 #include "gpt/gpt.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -298,6 +299,85 @@ TEST(GptTensorParallel, PlainMultiHeadAttentionAndAnOddHiddenWidthPerRank) {
   config.kv_heads = 4;    // plain multi-head attention: 2 query and 2 key/value heads per rank
   config.mlp_width = 90;  // 45 hidden features per rank
   expect_tensor_parallel_equals_one_process(2, config);
+}
+
+TEST(GptTensorParallel, SeveralKeyValueHeadsPerRank) {
+  GptConfig config = tiny();
+  config.heads = 8;     // head dimension 4
+  config.kv_heads = 4;  // 4 query and 2 key/value heads per rank: each rank's query heads must
+                        // map to its own key/value heads, 2 each, as the unsplit model maps them
+  expect_tensor_parallel_equals_one_process(2, config);
+}
+
+// The collectives one block starts on each of `tensor_size` ranks: in its forward, and in the
+// backward of the sum of its output with its input requiring a gradient (as every block's does in
+// the model: the embedding's output needs one). Every rank counts the same.
+struct BlockCollectives {
+  uint64_t forward = 0, backward = 0;              // operations
+  uint64_t forward_bytes = 0, backward_bytes = 0;  // CommStats::bytes
+};
+
+BlockCollectives block_collectives(int tensor_size, bool sequence_parallel, bool recompute) {
+  const GptConfig config = tiny();
+  torch::manual_seed(5);
+  const at::Tensor input = torch::randn({4, config.seq_len, config.width});
+  std::vector<BlockCollectives> counted(tensor_size);
+  std::mutex seed_mutex;  // the thread-ranks share one generator: one draws at a time
+  dtrain::testing::run_group(
+      tensor_size, [&](int rank, const std::shared_ptr<dtrain::ProcessGroup>& pg) {
+        Block block{nullptr};
+        {
+          std::lock_guard<std::mutex> lock(seed_mutex);
+          block = Block(config, pg, sequence_parallel);
+        }
+        block->recompute = recompute;
+        const int64_t size = config.seq_len / tensor_size;
+        const at::Tensor x = (sequence_parallel ? input.narrow(1, rank * size, size) : input)
+                                 .clone()
+                                 .requires_grad_(true);
+        const dtrain::CommStats start = pg->stats();
+        at::Tensor y = block(x);
+        const dtrain::CommStats forward = pg->stats();
+        y.sum().backward();
+        const dtrain::CommStats end = pg->stats();
+        counted[rank] = {forward.ops - start.ops, end.ops - forward.ops,
+                         forward.bytes - start.bytes, end.bytes - forward.bytes};
+      });
+  for (int rank = 1; rank < tensor_size; ++rank) {
+    EXPECT_EQ(counted[rank].forward, counted[0].forward) << "rank " << rank;
+    EXPECT_EQ(counted[rank].backward, counted[0].backward) << "rank " << rank;
+  }
+  return counted[0];
+}
+
+// Note [Tensor-parallel blocks]: 2 all-reduces of [batch, seq, width] forward (wo's and w2's) and
+// 2 backward (the attention's and the MLP's input gradient; q, k, v share one, w1 and w3 another,
+// where each projection's own all-reduce made it 5, 7 per block in all). Recomputation runs the
+// forward's 2 again in backward. The advisor's model (advise.cpp, predict) counts these.
+TEST(GptTensorParallel, ABlockAllReducesOnceEachWayPerSubLayer) {
+  const GptConfig config = tiny();
+  const uint64_t activation = 4 * config.seq_len * config.width * sizeof(float);
+  const BlockCollectives plain = block_collectives(2, false, false);
+  EXPECT_EQ(plain.forward, 2u);
+  EXPECT_EQ(plain.backward, 2u) << "one all-reduce of the input's gradient per sub-layer";
+  EXPECT_EQ(plain.forward_bytes, 2 * activation) << "all of them activation-sized";
+  EXPECT_EQ(plain.backward_bytes, 2 * activation);
+  const BlockCollectives recomputed = block_collectives(2, false, true);
+  EXPECT_EQ(recomputed.forward, 2u);
+  EXPECT_EQ(recomputed.backward, 4u) << "the forward's 2 again, then the backward's 2";
+}
+
+// Note [Sequence-parallel blocks]: forward, an all-gather into and a reduce-scatter out of each
+// sub-layer (4); backward, per sub-layer, a reduce-scatter of the input's gradient, the input
+// all-gathered again, the output's gradient all-gathered and the norm's weight gradient
+// all-reduced (8). Recomputation adds the forward's 4. The advisor counts these too.
+TEST(GptSequenceParallel, ABlocksCollectivesAreTheAdvisorsCount) {
+  const BlockCollectives plain = block_collectives(2, true, false);
+  EXPECT_EQ(plain.forward, 4u);
+  EXPECT_EQ(plain.backward, 8u);
+  const BlockCollectives recomputed = block_collectives(2, true, true);
+  EXPECT_EQ(recomputed.forward, 4u);
+  EXPECT_EQ(recomputed.backward, 12u);
 }
 
 TEST(GptTensorParallel, ADegreeThatDoesNotDivideTheKeyValueHeadsIsNamed) {
