@@ -74,12 +74,15 @@ int train(bool demo_failure) {
         std::raise(SIGKILL);
       }
     }
-    if (rdp.group()->rank() == 0) {
+    // (A replacement admitted at an epoch's very end trained no step of it here.)
+    if (rdp.group()->rank() == 0 && loss.defined()) {
       std::cout << "epoch " << epoch + 1 << ": loss " << loss.item<double>() << std::endl;
     }
   }
-  rdp.finish();            // stop watching for replacements; tell late ones the job is over
-  rdp.group()->barrier();  // everyone done with the store before anyone leaves
+  // The end, agreed among the live ranks like a step: a rank whose last step failed is healed and
+  // ends with the others, a dead one is not waited for; late replacements are told the job is over.
+  // No barrier of our own after it: one could not re-form.
+  rdp.finish();
   const auto stats = rdp.stats();
   if (rdp.group()->rank() == 0) {
     std::cout << "done: " << stats.steps << " steps, " << stats.recoveries << " recovery(ies), "

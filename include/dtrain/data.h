@@ -69,9 +69,10 @@ struct SamplerState {
 // samples consumed are the first k * W entries of the epoch order.
 //
 // Resuming: the position moves as next() hands out batches (the loader's path), or by advance(W *
-// per-rank batch) after every step (a loop over indices(), as the example trainer's); a checkpoint
-// stores state(). Loading that state, at this or any other world size, makes indices() and next()
-// return the remaining positions [samples_consumed, dataset_size) of the epoch order, interleaved
+// the count this rank took) after every step (a loop over indices(); an epoch's last step may take
+// fewer than the per-rank batch, the same fewer on every rank); a checkpoint stores state().
+// Loading that state, at this or any other world size, makes indices() and next() return the
+// remaining positions [samples_consumed, dataset_size) of the epoch order, interleaved
 // over THIS sampler's world size and then padded (by repeating the remainder from its start) or cut
 // per drop_last. Without drop_last every sample of the epoch is therefore seen exactly once across
 // the old and new runs, plus padding duplicates at the end. state() clamps samples_consumed to
@@ -116,9 +117,10 @@ class DistributedSampler {
   // Python's sampler.total_size.
   int64_t total_size() const;
 
-  // Records that all ranks together consumed global_samples more samples of this epoch (usually
-  // world_size times the per-rank batch size). Throws UsageError if global_samples is negative or
-  // more than total_size().
+  // Records that all ranks together consumed global_samples more samples of this epoch: world_size
+  // times the count each rank took in the step, which an epoch's short last step makes less than
+  // the per-rank batch (not clamped as next() is: more than is left is a miscount or a missing
+  // set_epoch). Throws UsageError if global_samples is negative or more than total_size().
   void advance(int64_t global_samples);
 
   // Deals the rest of this epoch over another world size, keeping state(): indices() and next()

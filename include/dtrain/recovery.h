@@ -22,6 +22,7 @@
 //       return true;
 //     })) {}
 //   }
+//   rdp.finish();  // the end, agreed among the live members: no barrier of your own after it
 //
 // Note [In-place recovery]
 // - A step commits on every survivor or on none, in effect. A ring all-reduce can finish on one
@@ -33,7 +34,17 @@
 //   stream); a laggard keeps its own.
 // - The sampler follows committed steps: step() notes its position before the body runs, and a
 //   failed step puts it back. The survivors then deal what is left of the epoch over the new size
-//   (DistributedSampler::reshard), so every sample is used exactly once.
+//   (DistributedSampler::reshard), so every sample is used exactly once. A laggard takes the
+//   sender's position right after the step it missed, not where the sender's next step began: at
+//   an epoch's end its step() returns false, as the sender's did, and its own loop calls set_epoch
+//   and finish() as the sender's did, so an epoch loop of any shape (a count of its own, as above,
+//   or on sampler.epoch()) stays in step on every member (Note [Where the sampler stands],
+//   src/recovery/resilient_data_parallel.cpp).
+// - The end is agreed like a step (finish(), Note [The end of training] in the same file): a
+//   member that failed the last step is healed and ends with the others; one that died after it
+//   is not waited for, and the survivors end at their size with the last step standing. Nothing
+//   collective should run outside step() and finish() (a barrier of the program's own cannot
+//   re-form).
 // - A group that failed is never used again (Gloo has no abort: a stuck operation may still write
 //   into its buffers). Each generation gets its own store prefix ("dtrain/gen<G>/"), shared-memory
 //   segments and gradient buckets; the old ones are released on a background thread.
@@ -216,9 +227,14 @@ class ResilientDataParallelBase {
   const std::shared_ptr<ProcessGroup>& group() const;
   RecoveryStats stats() const;
   ReadinessCost readiness_cost() const;
-  // Stops watching for newcomers and tells those still waiting that the job is over. Call when
-  // training is over, before the final barrier: after it rank 0 may exit and take the store with
-  // it. (The destructor stops watching too.)
+  // Ends training, collectively: call it on every member once its training loop is over (step()
+  // returned false at the last epoch's end), instead of a barrier of the program's own. The live
+  // members agree on the end; a failure meanwhile re-forms the group as in step() (a member whose
+  // last step failed is healed and ends with the others; a dead one is not waited for). Then it
+  // stops watching, tells newcomers still waiting that the job is over, and, where rank 0 hosts the
+  // store, keeps it until the others are done with the store. group() and stats() afterwards are
+  // the final ones (world size, committed steps). Throws CommError as step() does. Once called,
+  // step() returns false. (The destructor stops watching too.)
   void finish();
   // False once some process has begun forming the next generation: this one is being abandoned,
   // with or without this process. One store round trip. Check it before acting for the whole job

@@ -120,6 +120,7 @@ class RecoveryCore {
   bool newcomer_ = false;              // holds no state until the first transfer
   bool departed_ = false;              // left on SIGTERM (agree_to_stop): no longer a member
   bool admitted_as_newcomer_ = false;  // joined a running job and received its state
+  bool finished_ = false;              // finish() was called: training is over
   int64_t newcomers_admitted_ = 0;     // newcomer numbers 1..this are admitted (or gone)
   // The step count at the members' last agreement on the newcomers (admit_newcomers), or at the
   // formation of this generation: the same on every member.
@@ -128,7 +129,11 @@ class RecoveryCore {
   // `carried` count when admit_newcomers() last read it.
   std::shared_ptr<RidingNumber> riding_;
   int64_t riding_read_ = 0;
-  SamplerState committed_;   // the sampler at the last committed step
+  // Note [Where the sampler stands] (step()): where it stood when this step began (what a failed
+  // step puts back, and what a newcomer takes), and right after the last committed step (what a
+  // laggard takes).
+  SamplerState step_start_;
+  SamplerState after_commit_;
   ReadinessCost readiness_;  // the admission checks' part; the heartbeats' is below
   // The heartbeat thread's CPU time so far, which it writes after every round.
   std::shared_ptr<std::atomic<int64_t>> heartbeat_cpu_ns_ =
@@ -278,7 +283,7 @@ void RecoveryCore::start() {
       throw UsageError(who() + ": in-place recovery: " + problem + ".");
     }
     watch(0);
-    committed_ = sampler_.state();
+    step_start_ = after_commit_ = sampler_.state();
     try {
       // Note [A link cut between members]: a pair cut before the job started (a firewall between
       // two hosts) is found here too, and the first generation re-forms as any other would.
@@ -300,7 +305,9 @@ void RecoveryCore::start() {
       reform(Reason::kFailure, 0, e.what());
     }
   }
-  committed_ = sampler_.state();
+  step_start_ = sampler_.state();
+  // (A newcomer keeps the sender's after_commit_, which the transfer gave it.)
+  if (!admitted_as_newcomer_) after_commit_ = step_start_;
 }
 
 void RecoveryCore::watch(int64_t generation) { heartbeats_->watch(generation, members_); }
@@ -480,8 +487,9 @@ void RecoveryCore::transfer_state() {
                     "job cannot go on in place; restart it from its last checkpoint.");
   }
   if (most == least && !newcomers) {
-    // The common case: every survivor committed the same steps and holds the same state.
-    sampler_.load_state(committed_);
+    // The common case: every survivor committed the same steps and holds the same state; each
+    // stands where its own step began (Note [Where the sampler stands]).
+    sampler_.load_state(step_start_);
     sampler_.reshard(group_->size(), group_->rank());
     return;
   }
@@ -534,14 +542,14 @@ void RecoveryCore::transfer_state() {
     archive.save_to(out);
     optimizer_bytes = out.str();
   }
-  const SamplerState position = committed_;
   // (The admission counts came with the first all-reduce, above.)
   auto counters = torch::tensor(
-      {stats_.steps, position.epoch, position.samples_consumed, stats_.recoveries,
-       stats_.steps_redone, stats_.departed, static_cast<int64_t>(optimizer_bytes.size())},
+      {stats_.steps, step_start_.epoch, step_start_.samples_consumed, after_commit_.epoch,
+       after_commit_.samples_consumed, stats_.recoveries, stats_.steps_redone, stats_.departed,
+       static_cast<int64_t>(optimizer_bytes.size())},
       torch::kInt64);
   group_->broadcast(counters, source);
-  auto bytes = torch::empty({counters[6].item<int64_t>()}, torch::kUInt8);
+  auto bytes = torch::empty({counters[8].item<int64_t>()}, torch::kUInt8);
   if (sending) std::memcpy(bytes.data_ptr(), optimizer_bytes.data(), optimizer_bytes.size());
   group_->broadcast(bytes, source);
 
@@ -562,22 +570,41 @@ void RecoveryCore::transfer_state() {
     archive.load_from(in);
     optimizer_.load(archive);
     auto c = counters.accessor<int64_t, 1>();
+    // Note [Where the sampler stands] (step()): a newcomer begins where the sender's step began;
+    // a laggard goes on from right after the step it missed, and replays what the sender did since
+    // (an epoch's end, set_epoch); a member at the sender's step keeps its own.
+    const SamplerState sender_start{c[1], c[2]}, sender_after_commit{c[3], c[4]};
+    if (newcomer_) {
+      step_start_ = sender_start;
+      after_commit_ = sender_after_commit;
+    } else if (mine < most) {
+      step_start_ = after_commit_ = sender_after_commit;
+    }
     stats_.steps = c[0];
-    committed_ = SamplerState{c[1], c[2]};
-    stats_.recoveries = c[3];
-    stats_.steps_redone = c[4];
-    stats_.departed = c[5];
+    stats_.recoveries = c[5];
+    stats_.steps_redone = c[6];
+    stats_.departed = c[7];
   }
   stats_.generation = generation_;
-  sampler_.load_state(committed_);
+  sampler_.load_state(step_start_);
   sampler_.reshard(group_->size(), group_->rank());
 }
 
+// Note [Where the sampler stands]
+// A member keeps two positions of the sampler: where its current step began (step_start_: a failed
+// step puts the sampler back there, and a newcomer begins there) and where it stood right after its
+// last committed step (after_commit_). They differ when the program moved the sampler between two
+// steps: at an epoch's end, where step() returned false and the loop called set_epoch. A laggard
+// (its step failed where the others' finished: it is one step behind) takes the sender's
+// after_commit_, not its step_start_: its step() then runs the body from there, as the sender's
+// did, and returns false at an epoch's end as the sender's did, so its own loop reaches set_epoch,
+// and finish(), as the sender's loop did. Given the sender's step_start_ instead (its next epoch),
+// the laggard would train that epoch inside the one its loop is still in, and a loop that counts
+// epochs itself would then call set_epoch once more than the others (a repeated epoch, a skipped
+// one, and a hang at the end).
 bool RecoveryCore::step(const std::function<bool()>& body) {
-  if (job_finished_ || departed_) return false;
-  // Where the sampler stands after the last committed step: what a transfer sends, and where a
-  // failed step puts it back.
-  committed_ = sampler_.state();
+  if (job_finished_ || departed_ || finished_) return false;
+  step_start_ = sampler_.state();
   admit_newcomers();
   // Rank 0's count of the newcomers that asked rides on this step's gradients; the next step's
   // admit_newcomers() reads the same sum on every member.
@@ -586,12 +613,15 @@ bool RecoveryCore::step(const std::function<bool()>& body) {
   for (;;) {
     try {
       const bool stepped = body();
-      if (stepped) ++stats_.steps;
+      if (stepped) {
+        ++stats_.steps;
+        after_commit_ = sampler_.state();
+      }
       return stepped;
     } catch (const CommError& e) {
-      // Note [In-place recovery]: back to the last committed position, then re-form; the
-      // transfer settles who is ahead.
-      sampler_.load_state(committed_);
+      // Note [In-place recovery]: back to where the step began, then re-form; the transfer settles
+      // who is ahead.
+      sampler_.load_state(step_start_);
       ++stats_.steps_redone;
       reform(Reason::kFailure, 0, e.what());
     }
@@ -728,11 +758,46 @@ void RecoveryCore::start_watching() {
       });
 }
 
+// Note [The end of training]
+// Training ends on every member at once only in effect: the last step's all-reduce can finish on
+// some members and fail on another, and a member can die after the last step. So the end is agreed
+// like a step: a barrier that, when it fails, re-forms the group among the live members, heals a
+// laggard (whose step() returns false, the sampler being at the end, so its loop reaches finish()
+// too: Note [Where the sampler stands]) and is tried again; a member that died is not waited for.
+// Only once the members agreed do they stop watching (the heartbeats tell a lost member during the
+// barrier), retire their counters, and does rank 0 tell waiting newcomers that the job is over.
+// Where this job's rank 0 hosts the store (not under `dtrain run`), a last barrier keeps it until
+// the others are done with the store; training is over by then, so a failure there is only logged.
 void RecoveryCore::finish() {
-  if (departed_) return;  // nothing to tell: the job goes on without this process
+  if (departed_ || finished_) return;  // a member that left has nothing to tell
+  finished_ = true;
+  if (job_finished_ || !group_) {  // a newcomer that came after the end: joined nothing
+    stop_watching();
+    if (heartbeats_) heartbeats_->retire();
+    return;
+  }
+  step_start_ = sampler_.state();
+  for (;;) {
+    try {
+      group_->barrier();
+      break;
+    } catch (const CommError& e) {
+      reform(Reason::kFailure, 0, e.what());
+    }
+  }
   stop_watching();
-  if (heartbeats_) heartbeats_->retire();
-  if (group_ && group_->rank() == 0 && !job_finished_) membership_->mark_finished();
+  heartbeats_->retire();
+  if (group_->rank() == 0) membership_->mark_finished();
+  if (!launcher_hosts_store() && group_->size() > 1) {
+    try {
+      group_->barrier();
+    } catch (const CommError& e) {
+      DTRAIN_LOG(kWarn,
+                 "in-place recovery: training is over and agreed; the last barrier before "
+                 "exiting failed: "
+                     << e.what());
+    }
+  }
 }
 
 void RecoveryCore::stop_watching() {

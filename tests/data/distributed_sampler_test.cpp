@@ -335,6 +335,37 @@ TEST(DistributedSamplerTest, PaddingOfTheOldWorldSizeDoesNotLeak) {
   resumed.advance(0);
 }
 
+TEST(DistributedSamplerTest, TheLoopByHandOfDataMdAdvancesByWhatEachStepTook) {
+  // doc/data.md's loop over indices() with advance(): 10 samples, 3 ranks, 3 per rank per step.
+  // The epoch pads to 12: a step of 3 per rank, then a short one of 1, and the loop advances by
+  // what each took (9, then 3). It used to advance by the full global batch every step, which the
+  // short step's advance(9) refuses: only 3 are left.
+  const size_t batch_size = 3;
+  const int world_size = 3;
+  std::vector<Indices> taken(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    DistributedSampler sampler(10, world_size, rank, {});
+    sampler.set_epoch(0);
+    const Indices mine = sampler.indices();
+    int steps = 0;
+    for (size_t begin = 0; begin < mine.size(); begin += batch_size) {
+      const size_t count = std::min(batch_size, mine.size() - begin);
+      taken[rank].insert(taken[rank].end(), mine.begin() + begin, mine.begin() + begin + count);
+      sampler.advance(static_cast<int64_t>(count) * world_size);
+      ++steps;
+    }
+    EXPECT_EQ(steps, 2);
+    EXPECT_EQ(sampler.total_size(), 0);
+    EXPECT_EQ(sampler.state().samples_consumed, 10);
+  }
+  const auto counts = count(taken);
+  EXPECT_EQ(counts.size(), 10u);  // every sample, the padding's 2 repeats besides
+
+  DistributedSampler full_batch(10, world_size, 0, {});
+  full_batch.advance(9);
+  EXPECT_THROW(full_batch.advance(9), UsageError);
+}
+
 TEST(DistributedSamplerTest, InvalidArgumentsThrowUsageError) {
   std::string message = usage_error_message([] { DistributedSampler(0, 2, 0); });
   EXPECT_NE(message.find("dataset_size is 0"), std::string::npos) << message;

@@ -439,6 +439,103 @@ TEST(InPlaceRecoveryLaggard, AStepCommittedOnSomeMembersOnlyStandsAndTheOthersAr
   fs::remove_all(dir);
 }
 
+// Steps per epoch and in all at three ranks: every step takes kBatch samples per rank.
+constexpr int64_t kStepsPerEpoch = kSamples / (3 * recovery_model::kBatch);
+constexpr int64_t kLastStep = kEpochs * kStepsPerEpoch;
+static_assert(kSamples % (3 * recovery_model::kBatch) == 0, "an epoch of whole steps at 3 ranks");
+
+// Three workers under `dtrain run --recovery in-place --max-restarts 0` with `flags`; a hang ends
+// at DTRAIN_TIMEOUT_S (60 s), and the test requires less than that.
+testing::CommandResult run_three(const std::string& dir, const std::string& flags) {
+  const auto begun = std::chrono::steady_clock::now();
+  auto result = run_command("env DTRAIN_TIMEOUT_S=60 " + bin("dtrain") +
+                                " run --nproc-per-node 3 --recovery in-place --max-restarts 0 -- " +
+                                bin("recovery_worker") + " " + dir + " " + flags,
+                            120);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  EXPECT_LT(took.count(), 50) << "something waited for the collective timeout (60 s)";
+  return result;
+}
+
+TEST(InPlaceRecoveryLaggard, AtAnEpochsLastStepTheLaggardEndsThatEpochWithTheOthers) {
+  // Note [Where the sampler stands] (src/recovery/resilient_data_parallel.cpp): rank 2's step 20,
+  // epoch 0's last, fails after its all-reduce finished everywhere. Ranks 0 and 1 commit it, leave
+  // their step loop, call set_epoch(1), and fail epoch 1's first step; rank 2, whose loop is still
+  // in epoch 0, must take the position at epoch 0's end and leave its loop as they did. Given where
+  // their epoch-1 step began (as before), it trained epoch 1 inside its epoch-0 iteration, then set
+  // epoch 1 again while the others set epoch 2, and the job hung at the end.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_three(dir, "--fail-rank 2 --fail-step " + std::to_string(kStepsPerEpoch));
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  const std::string before = std::to_string(kStepsPerEpoch - 1),
+                    at = std::to_string(kStepsPerEpoch);
+  EXPECT_NE(result.output.find("members stand at steps " + before + " and " + at + " (step " + at +
+                               " committed on some members only)"),
+            std::string::npos);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 1);
+  EXPECT_EQ(json_int(result.output, "steps"), kLastStep);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  auto steps = read_steps(dir);
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kLastStep));
+  EXPECT_EQ(steps.at(kStepsPerEpoch).indices.size(), 3u * recovery_model::kBatch);  // once
+  EXPECT_EQ(steps.at(kStepsPerEpoch + 1).world, 3);
+  expect_sound_job(dir, steps, 3);
+  fs::remove_all(dir);
+}
+
+// Note [The end of training] (src/recovery/resilient_data_parallel.cpp): the end is agreed like a
+// step, by ResilientDataParallel::finish(), with no barrier of the program's own after it.
+TEST(InPlaceRecoveryEnd, ALastStepThatFailedOnOneMemberStandsAndTheJobEndsAtFullSize) {
+  // Rank 2's last step fails after its all-reduce finished everywhere: ranks 0 and 1 commit it and
+  // finish. Before, their barrier after finish() threw and both exited 1, and rank 2 redid the step
+  // alone (world size 1). Now rank 2 is healed with the last step, which stands once, and all three
+  // end together.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_three(dir, "--fail-rank 2 --fail-step " + std::to_string(kLastStep));
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.output.find("exited with code"), std::string::npos) << "a worker failed";
+  EXPECT_NE(result.output.find("members stand at steps " + std::to_string(kLastStep - 1) + " and " +
+                               std::to_string(kLastStep)),
+            std::string::npos);
+  EXPECT_EQ(json_int(result.output, "recoveries"), 1);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 0);  // the last step stands
+  EXPECT_EQ(json_int(result.output, "steps"), kLastStep);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  auto steps = read_steps(dir);
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kLastStep));
+  EXPECT_EQ(steps.at(kLastStep).world, 3);
+  EXPECT_EQ(steps.at(kLastStep).indices.size(), 3u * recovery_model::kBatch);  // once, all shares
+  expect_sound_job(dir, steps, 3);
+  fs::remove_all(dir);
+}
+
+TEST(InPlaceRecoveryEnd, AMemberThatDiesAfterTheLastStepIsNotWaitedFor) {
+  // Rank 2 dies (SIGKILL) right after committing the last step, with no restart left. The two
+  // survivors' end fails on it, they re-form without it and end at two ranks, exit 0, with the last
+  // step standing. Before, their barrier after finish() threw and the job failed after training
+  // was complete.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_three(dir, "--kill-rank 2 --kill-after " + std::to_string(kLastStep));
+  SCOPED_TRACE(result.output);
+  ASSERT_EQ(result.exit_code, 0);
+  EXPECT_EQ(occurrences(result.output, "exited with code 1"), 0u) << "a survivor failed";
+  EXPECT_EQ(json_int(result.output, "recoveries"), 1);
+  EXPECT_EQ(json_int(result.output, "steps_redone"), 0);
+  EXPECT_EQ(json_int(result.output, "steps"), kLastStep);
+  EXPECT_EQ(json_int(result.output, "world_size"), 2);
+  auto steps = read_steps(dir);
+  ASSERT_EQ(steps.size(), static_cast<size_t>(kLastStep));
+  EXPECT_EQ(steps.at(kLastStep).world, 3);
+  EXPECT_EQ(steps.at(kLastStep).indices.size(), 3u * recovery_model::kBatch);
+  expect_sound_job(dir, steps, 2);
+  fs::remove_all(dir);
+}
+
 TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   // Four workers; rank 3 dies after step 5 and rank 1 after step 9, with no restarts allowed: the
   // job goes on at 3, then at 2 ranks, each failed step redone, and still equals one process.

@@ -224,9 +224,8 @@ int run(int argc, char** argv) {
               << " after step " << rdp.stats().steps << std::endl;
     return stop == dtrain::StopAgreement::kLeave ? dtrain::kLeftExitCode : dtrain::kStopExitCode;
   }
-  rdp.finish();
+  rdp.finish();  // the end, agreed like a step (Note [The end of training]): no barrier after it
   auto group = rdp.group();
-  group->barrier();
   const auto stats = rdp.stats();
   std::ofstream(out + "/counted-" + std::to_string(::getpid()) + ".txt")
       << counted.item<int64_t>() << " " << stats.steps << std::endl;
@@ -242,7 +241,6 @@ int run(int argc, char** argv) {
               << ", \"admission_checks\": " << rdp.readiness_cost().admission_checks << "}"
               << std::endl;
   }
-  group->barrier();  // where rank 0 hosts the store, nobody may still need it when it exits
   return 0;
 }
 

@@ -61,8 +61,11 @@ using Clock = std::chrono::steady_clock;
 //   inside the body, before anything of the step changes (otherwise after the step, as before);
 //   nothing else collective runs outside rdp.step (the test accuracy is computed by rank 0 alone,
 //   Strategy::test_accuracy) until the end.
-// - The loop follows the sampler's epoch, not a count of its own: a survivor that receives the
-//   state of one that already began the next epoch goes on in that epoch.
+// - The loop follows the sampler's epoch. A laggard (its last step failed where the others'
+//   finished) receives the sampler as it stood right after that step, so at an epoch's end its
+//   run_step returns false and it moves to the next epoch here, as the others did (Note [Where the
+//   sampler stands], src/recovery/resilient_data_parallel.cpp).
+// - The end goes through rdp->finish(), not a barrier of the loop's own (end_together below).
 // - --amp is refused in place (in_place_unsupported_reason): the loss scaler agrees on skipped
 //   steps over one fixed group.
 
@@ -407,11 +410,21 @@ int train(const Flags& flags) {
               << "; the others go on without it and hold the whole state" << std::endl;
     return dtrain::kLeftExitCode;
   }
-  if (strategy.rdp) strategy.rdp->finish();  // before the barrier: newcomers still waiting go
+  // In place the end is agreed like a step (ResilientDataParallel::finish, Note [The end of
+  // training]): a rank whose last step failed is healed and ends with the others, a dead one is not
+  // waited for, and newcomers still waiting are told the job is over. A barrier of our own could
+  // not re-form: a rank dying after the last step would fail every survivor's.
+  auto end_together = [&] {
+    if (strategy.rdp) {
+      strategy.rdp->finish();
+    } else {
+      strategy.group()->barrier();
+    }
+  };
   if (preempted) {
     std::string path = save();
     checkpoints.wait();
-    strategy.group()->barrier();  // every rank exits once the checkpoint is on disk
+    end_together();  // every rank exits once the checkpoint is on disk
     if (leader()) {
       std::cout << "stopped by SIGTERM after step " << at.steps << ": saved " << path
                 << "; a restart by the launcher, or --resume, continues from it" << std::endl;
@@ -419,8 +432,8 @@ int train(const Flags& flags) {
     return dtrain::kStopExitCode;
   }
   checkpoints.wait();
-  const auto group = strategy.group();
-  group->barrier();  // rank 0's checkpoint is on disk before anyone reports success
+  end_together();  // rank 0's checkpoint is on disk before anyone reports success
+  const auto group = strategy.group();  // in place: the final generation's
   if (at.epoch >= flags.epochs && samples_processed == 0) {
     // Resumed from a checkpoint that already finished --epochs: nothing to train, but report the
     // model.
@@ -486,9 +499,7 @@ int train(const Flags& flags) {
     }
     std::cout << result.dump() << std::endl;
   }
-  // In place, where rank 0 hosts the store (started without `dtrain run`), nobody may still need
-  // it when it exits.
-  if (strategy.rdp) group->barrier();
+  // (In place, where rank 0 hosts the store, finish() kept it until the others were done with it.)
   return 0;
 }
 
