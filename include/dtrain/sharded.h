@@ -12,6 +12,7 @@
 //   loss.backward();                                   // reductions overlap with backward
 //   opt.step();                                        // updates this rank's shards only
 //   sdp->gather_full_parameters();                     // to evaluate or save the full module now
+//   if (rank == 0) evaluate(sdp->module());            // the module itself: sdp(x) is collective
 //
 // Note [Sharded parameter names]
 // As FSDP's sharded state dict, the module's parameters are this rank's shards: sdp->parameters()
@@ -172,7 +173,9 @@ class ShardedDataParallelBase : public torch::nn::Module {
   // step too: the forward after a reduction gathers again whether or not this was called (dtrain
   // cannot see the optimizer's step), so that step costs one all-gather more. Stage 3: the full
   // parameters stay materialized (the whole model's memory), holding the shards as of this call,
-  // until release_full_parameters() or the next forward, which gathers afresh.
+  // until release_full_parameters() or the next forward, which gathers afresh. To evaluate on some
+  // ranks only, run sdp->module()'s forward there: a forward through the wrapper may gather, which
+  // every rank must join.
   void gather_full_parameters();
   // Stage 3: frees what gather_full_parameters() materialized (no communication). Else a no-op.
   void release_full_parameters();

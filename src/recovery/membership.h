@@ -292,8 +292,11 @@ class Membership {
   enum class Readiness { kReady, kJobFinished, kStopRequested };
   Readiness wait_until_members_answer(const std::function<bool()>& stop_requested);
   std::optional<int64_t> wait_for_admission(int64_t number);
-  // Member side, at the end of training: tells newcomers still waiting that there is nothing left.
+  // Member side, at the end of training: tells newcomers still waiting that there is nothing left,
+  // and members whose end-of-training barrier failed that another member's completed.
   void mark_finished();
+  // Whether a member marked the job finished. Throws when the store does not answer.
+  bool finished() { return exists("finished"); }
 
   // Member side, before registering for `generation` after a failure: marks it failed, so that the
   // members still waiting on the last generation's collectives stop (Note [Heartbeats]).

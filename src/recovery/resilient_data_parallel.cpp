@@ -768,6 +768,12 @@ void RecoveryCore::start_watching() {
 // barrier), retire their counters, and does rank 0 tell waiting newcomers that the job is over.
 // Where this job's rank 0 hosts the store (not under `dtrain run`), a last barrier keeps it until
 // the others are done with the store; training is over by then, so a failure there is only logged.
+// Gloo's barrier is a dissemination barrier: a member dying partway through it can complete it on
+// some members and fail it on others, and those that completed it have left. So every member that
+// completes it marks the job finished at once, and a member whose barrier failed looks for that
+// mark before it re-forms. A member in finish() has committed every step; if the others cannot be
+// agreed with (they left, the store is gone, fewer than min_size remain), it says so and ends
+// rather than throw away a finished training.
 void RecoveryCore::finish() {
   if (departed_ || finished_) return;  // a member that left has nothing to tell
   finished_ = true;
@@ -777,18 +783,41 @@ void RecoveryCore::finish() {
     return;
   }
   step_start_ = sampler_.state();
+  auto marked_finished = [this] {
+    try {
+      return membership_->finished();
+    } catch (const std::exception&) {
+      return false;  // the store did not answer: re-forming will say what is wrong
+    }
+  };
+  bool agreed = false;
   for (;;) {
     try {
       group_->barrier();
+      agreed = true;
       break;
     } catch (const CommError& e) {
-      reform(Reason::kFailure, 0, e.what());
+      if (marked_finished()) break;  // another member completed the barrier and left
+      try {
+        reform(Reason::kFailure, 0, e.what());
+      } catch (const std::exception& failure) {
+        DTRAIN_LOG(kWarn, who() << ": in-place recovery: training is over here (every step "
+                                   "committed), but the end could not be agreed with the others: "
+                                << failure.what());
+        break;
+      }
+    }
+  }
+  if (agreed) {
+    try {
+      membership_->mark_finished();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kWarn, "in-place recovery: could not mark the job finished: " << e.what());
     }
   }
   stop_watching();
   heartbeats_->retire();
-  if (group_->rank() == 0) membership_->mark_finished();
-  if (!launcher_hosts_store() && group_->size() > 1) {
+  if (agreed && !launcher_hosts_store() && group_->size() > 1) {
     try {
       group_->barrier();
     } catch (const CommError& e) {
