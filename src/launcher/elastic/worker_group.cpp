@@ -20,6 +20,8 @@
 #include <ctime>
 #include <deque>
 #include <filesystem>
+#include <fstream>
+#include <string>
 #include <system_error>
 
 #include "dtrain/errors.h"
@@ -93,6 +95,27 @@ void write_all(int fd, std::string_view data) {
       return;
     }
   }
+}
+
+// For a script whose #! line names an interpreter that cannot run (a typo, a Python not installed
+// on this node): what is wrong with it, else "". exec fails then with the script's own path in
+// errno's words ("No such file or directory"), which blames the script, and every restart fails
+// the same way.
+std::string interpreter_problem(const std::string& script) {
+  std::ifstream in(script, std::ios::binary);
+  std::string line(256, '\0');  // the kernel reads no more of a #! line either
+  in.read(line.data(), static_cast<std::streamsize>(line.size()));
+  line.resize(static_cast<std::size_t>(in.gcount()));
+  line = line.substr(0, line.find('\n'));
+  if (line.rfind("#!", 0) != 0) return "";
+  std::size_t begin = line.find_first_not_of(" \t", 2);
+  if (begin == std::string::npos) return "its #! line names no interpreter";
+  std::size_t end = line.find_first_of(" \t\r", begin);
+  const std::string interpreter = line.substr(begin, end == std::string::npos ? end : end - begin);
+  if (access(interpreter.c_str(), X_OK) == 0) return "";
+  return "its #! line asks for the interpreter '" + interpreter + "', which " +
+         (errno == ENOENT ? std::string("does not exist on this node")
+                          : std::string("cannot run: ") + std::strerror(errno));
 }
 
 // Async-signal-safe text for the errno values exec can realistically fail with (strerror is not on
@@ -308,6 +331,12 @@ void WorkerGroup::start(const WorkerGroupRound& round) {
                                             : options_.executable;
   if (executable_.empty()) {
     throw UsageError(options_.name + ": program '" + options_.command[0] + "': " + why);
+  }
+  if (const std::string problem = interpreter_problem(executable_); !problem.empty()) {
+    throw UsageError(options_.name + ": program '" + options_.command[0] + "': " + problem +
+                     "; fix that line, or run the interpreter yourself: dtrain run ... -- "
+                     "INTERPRETER " +
+                     options_.command[0]);
   }
   if (dev_null_ < 0) {
     dev_null_ = open("/dev/null", O_RDONLY | O_CLOEXEC);

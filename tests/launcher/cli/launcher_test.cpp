@@ -457,6 +457,18 @@ TEST_F(LauncherTest, ExecFailureIsReportedAsAWorkerFailure) {
   EXPECT_NE(run.err.find("Exec format error"), std::string::npos) << run.err;
 }
 
+TEST_F(LauncherTest, AScriptWhoseInterpreterIsMissingIsOneLineAndNotRestarted) {
+  write_file(dir_ / "bad.sh", "#!/usr/bin/no-such-shell -e\necho never\n", /*executable=*/true);
+  RunResult run = dtrain({"run", "--max-restarts", "3", dir_ / "bad.sh"});
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_NE(run.err.find("bad.sh': its #! line asks for the interpreter '/usr/bin/no-such-shell', "
+                         "which does not exist on this node"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(run.err.find("restart"), std::string::npos) << run.err;
+  EXPECT_EQ(run.err.find("No such file or directory"), std::string::npos) << run.err;
+}
+
 TEST_F(LauncherTest, RestartsUntilAnAttemptSucceeds) {
   std::string log_dir = dir_ / "logs";
   RunResult run = dtrain(
