@@ -219,6 +219,18 @@ CLI::Validator workers_per_node() {
       "");
 }
 
+// The items of a comma-separated list, empty ones included ("" is one empty item), for the
+// parsers to refuse.
+std::vector<std::string_view> comma_items(std::string_view value) {
+  std::vector<std::string_view> items;
+  for (;;) {
+    std::size_t comma = value.find(',');
+    items.push_back(value.substr(0, comma));
+    if (comma == std::string_view::npos) return items;
+    value = value.substr(comma + 1);
+  }
+}
+
 // torchrun's --redirects/--tee value for each of `local_ranks` ranks: one bit set for all
 // ("0".."3"), or LOCAL_RANK:BITS,... (ranks not named: 0).
 std::vector<int> parse_streams(std::string_view flag, const std::string& value, int local_ranks) {
@@ -228,10 +240,7 @@ std::vector<int> parse_streams(std::string_view flag, const std::string& value, 
     return std::vector<int>(static_cast<std::size_t>(local_ranks), static_cast<int>(*all));
   }
   std::vector<int> streams(static_cast<std::size_t>(local_ranks), 0);
-  std::string_view rest = value;
-  while (true) {
-    std::size_t comma = rest.find(',');
-    std::string_view item = rest.substr(0, comma);
+  for (std::string_view item : comma_items(value)) {
     std::size_t colon = item.find(':');
     std::optional<long long> rank = colon == std::string_view::npos
                                         ? std::nullopt
@@ -241,8 +250,6 @@ std::vector<int> parse_streams(std::string_view flag, const std::string& value, 
     if (!rank || !bits || item.size() - colon != 2) bad_value(flag, kExpected, value);
     // A rank this node does not run matters to no worker, as in torchrun's mapping.
     if (*rank < local_ranks) streams[static_cast<std::size_t>(*rank)] = static_cast<int>(*bits);
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
   }
   return streams;
 }
@@ -250,16 +257,12 @@ std::vector<int> parse_streams(std::string_view flag, const std::string& value, 
 // --local-ranks-filter R,R,...: the local ranks whose lines reach the console.
 std::vector<long long> parse_rank_list(const std::string& value) {
   std::vector<long long> ranks;
-  std::string_view rest = value;
-  while (true) {
-    std::size_t comma = rest.find(',');
-    std::optional<long long> rank = integer_in(rest.substr(0, comma), 0, 1 << 20);
+  for (std::string_view item : comma_items(value)) {
+    std::optional<long long> rank = integer_in(item, 0, 1 << 20);
     if (!rank) {
       bad_value("--local-ranks-filter", "local ranks separated by commas, e.g. 0 or 0,2", value);
     }
     ranks.push_back(*rank);
-    if (comma == std::string_view::npos) break;
-    rest = rest.substr(comma + 1);
   }
   return ranks;
 }
