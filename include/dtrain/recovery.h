@@ -93,10 +93,10 @@
 //   member again.
 //   Every generation, the first included, is knocked at before it connects (Note [A link cut
 //   between members], src/recovery/membership.h).
-// - Limits (today): the store is a single point of failure (node 0's launcher). A group that uses
-//   NCCL waits in one call (no heartbeat check inside the wait); its communicator is aborted when
-//   its generation is left (compiled, not yet run on a GPU): in place on GPUs has not run yet (the
-//   example trainer restarts instead on a CUDA device).
+// - Limits (today): the store is a single point of failure (node 0's launcher). On GPUs, NCCL's
+//   waits poll and ask the heartbeats as Gloo's do, and a failed generation's communicator is
+//   aborted (Note [Waiting for NCCL], src/comm/work.cpp); run on one H100 with two ranks, not yet
+//   on several GPUs or hosts.
 //
 // Note [Leaving in place]
 // SIGTERM reaches one node of a job (a scheduler takes it back) or all of them (the job is

@@ -17,6 +17,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/c10d_backends.h"  // first of c10d's headers: it sets the macros their backends need
+#ifdef DTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>  // getDeviceProperties
+#include <c10/util/env.h>
+#endif
 #include "comm/device_check.h"
 #include "comm/shm_p2p.h"
 #include "comm/shm_transport.h"
@@ -284,9 +288,18 @@ bool all_on_one_host(GroupState& group) {
 #ifdef DTRAIN_WITH_CUDA
 // Before NCCL starts, every rank of the group announces the GPU it drives; two ranks on one GPU
 // become one clear line on every rank (see comm/device_check.h) instead of NCCL's "Duplicate GPU
-// detected" at the first collective.
+// detected" at the first collective. The GPU is named as NCCL names it, by its PCI address (two
+// processes given one GPU each through CUDA_VISIBLE_DEVICES both train on cuda:0), and the host by
+// NCCL_HOSTID where it is set, which NCCL takes for the host's identity.
 void check_one_process_per_gpu(GroupState& group, int device) {
-  group.store->set("cuda_device/" + std::to_string(group.rank), bytes_of(std::to_string(device)));
+  const cudaDeviceProp* properties = at::cuda::getDeviceProperties(device);
+  char pci[32];
+  std::snprintf(pci, sizeof pci, "%04x:%02x:%02x", properties->pciDomainID, properties->pciBusID,
+                properties->pciDeviceID);
+  const char* nccl_host = std::getenv("NCCL_HOSTID");
+  group.store->set("cuda_device/" + std::to_string(group.rank),
+                   bytes_of(std::to_string(device) + "|" + pci + "|" +
+                            (nccl_host && *nccl_host ? nccl_host : "")));
   std::vector<RankDevice> ranks;
   for (int r = 0; r < group.size; ++r) {
     const std::string key = "cuda_device/" + std::to_string(r);
@@ -300,10 +313,18 @@ void check_one_process_per_gpu(GroupState& group, int device) {
           ". Likely cause: it took a different code path, is stuck or died; see its log.");
     }
     auto host = group.store->get("host/" + std::to_string(r));
-    auto index = group.store->get(key);
+    auto announced = group.store->get(key);
     std::string host_text(host.begin(), host.end());
-    ranks.push_back({group.global_ranks[r], host_text.substr(0, host_text.rfind('|')),
-                     std::stoi(std::string(index.begin(), index.end()))});
+    // "index|pci|nccl_hostid"
+    std::istringstream fields(std::string(announced.begin(), announced.end()));
+    std::string index, gpu, nccl_host_id;
+    std::getline(fields, index, '|');
+    std::getline(fields, gpu, '|');
+    std::getline(fields, nccl_host_id);
+    RankDevice rank{group.global_ranks[r], host_text.substr(0, host_text.rfind('|')),
+                    std::stoi(index), gpu};
+    if (!nccl_host_id.empty()) rank.host = "NCCL_HOSTID=" + nccl_host_id;
+    ranks.push_back(rank);
   }
   const std::string shared = describe_shared_device(ranks);
   if (!shared.empty())
@@ -432,11 +453,21 @@ std::shared_ptr<GroupState> connect_group(std::unique_ptr<GroupState> group) {
   return std::shared_ptr<GroupState>(std::move(group));
 }
 
+bool uses_nccl(const GroupState& group, const at::Tensor& tensor) {
+  return tensor.is_cuda() && !group.cuda_through_gloo;
+}
+
 c10d::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
-  if (tensor.is_cuda() && !group.cuda_through_gloo) {
+  if (uses_nccl(group, tensor)) {
 #ifdef DTRAIN_WITH_CUDA
     std::call_once(group.nccl_once, [&] {
       check_one_process_per_gpu(group, tensor.get_device());
+      // A group whose waits ask abandon_check (in-place recovery) must outlive a failed
+      // collective: c10d's watchdog, by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), takes the
+      // whole process down when NCCL reports an error, such as a peer's closed connection. 2
+      // aborts the communicator and leaves the error to the waiting thread, which re-forms the
+      // group. Read by ProcessGroupNCCL's constructor; a value the user set is kept.
+      if (group.abandon_check) c10::utils::set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", false);
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = group.timeout;
       auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl", group.store);

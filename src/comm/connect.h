@@ -43,5 +43,7 @@ std::string gloo_address(const std::string& master_addr);
 // Which backend carries this tensor: Gloo for CPU, NCCL for CUDA in a CUDA build (or Gloo with
 // DTRAIN_CUDA_BACKEND=gloo). NCCL is created on the first CUDA tensor.
 c10d::Backend& backend_for(GroupState& group, const at::Tensor& tensor);
+// Whether backend_for() gives NCCL for this tensor (its waits poll: see c10d_in_flight()).
+bool uses_nccl(const GroupState& group, const at::Tensor& tensor);
 
 }  // namespace dtrain::detail

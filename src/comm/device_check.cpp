@@ -11,10 +11,14 @@
 namespace dtrain::detail {
 
 std::string describe_shared_device(const std::vector<RankDevice>& ranks) {
-  std::map<std::pair<std::string, int>, std::vector<int>> users;
-  for (const RankDevice& rank : ranks) users[{rank.host, rank.device}].push_back(rank.global_rank);
+  auto gpu_of = [](const RankDevice& rank) {
+    return std::make_pair(rank.host,
+                          rank.gpu.empty() ? "cuda:" + std::to_string(rank.device) : rank.gpu);
+  };
+  std::map<std::pair<std::string, std::string>, std::vector<int>> users;
+  for (const RankDevice& rank : ranks) users[gpu_of(rank)].push_back(rank.global_rank);
   for (const RankDevice& rank : ranks) {
-    const std::vector<int>& sharing = users[{rank.host, rank.device}];
+    const std::vector<int>& sharing = users[gpu_of(rank)];
     if (sharing.size() < 2) continue;
     std::string names;
     for (size_t i = 0; i < sharing.size(); ++i) {

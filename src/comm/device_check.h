@@ -11,15 +11,17 @@
 namespace dtrain::detail {
 
 // One rank's announcement: the machine it runs on (dtrain's host identity: hostname, then '/' and
-// the boot id) and the CUDA device index its tensors live on.
+// the boot id; or NCCL_HOSTID, as NCCL takes it), the CUDA device index its tensors live on, and
+// that GPU's PCI address (what NCCL compares; empty: the index is compared).
 struct RankDevice {
   int global_rank = 0;
   std::string host;
   int device = 0;
+  std::string gpu;
 };
 
-// Empty when every (host, device) pair is used by one rank; else a message naming the first pair
-// used by several ranks ("ranks 0 and 1 share cuda:0 on host gpu7 ...") and what to do about it.
+// Empty when every (host, GPU) pair is used by one rank; else a message naming the first pair used
+// by several ranks ("ranks 0 and 1 share cuda:0 on host gpu7 ...") and what to do about it.
 std::string describe_shared_device(const std::vector<RankDevice>& ranks);
 
 // One rank's process and the GPU it trains on, gathered before DDP or ZeRO starts (the parameter

@@ -77,9 +77,9 @@ struct GroupState {
   std::atomic<uint64_t> stat_ops{0};
   std::atomic<uint64_t> stat_bytes{0};
   std::atomic<int64_t> stat_busy_ns{0};  // operations not on the shared-memory transport's thread
-  // Asked by a wait on a collective of this group (Gloo's or the shared-memory transport's) every
-  // kAbandonSlice while the collective is not done (point to point, and every operation of a group
-  // that uses NCCL, is waited in one call: see wait_for()): a non-empty answer abandons the wait
+  // Asked by a wait on a collective of this group (Gloo's, NCCL's or the shared-memory
+  // transport's) every kAbandonSlice while the collective is not done (point to point is waited in
+  // one call: see wait_for()): a non-empty answer abandons the wait
   // with PeerLostError giving it as the cause (the operation is left to run, and the group is never
   // used again). In-place recovery sets it to its heartbeats' verdict (src/recovery/membership.h),
   // so that a lost host or a cut link, which resets no connection, ends the wait in seconds instead
@@ -147,7 +147,9 @@ class InFlight {
   virtual bool timed_by_transport() const { return false; }
 };
 
-std::unique_ptr<InFlight> c10d_in_flight(c10::intrusive_ptr<c10d::Work> work);
+// `nccl`: the work is NCCL's, whose wait(t) cannot be cut into slices (see work.cpp); a wait that
+// asks `abandon` polls it instead.
+std::unique_ptr<InFlight> c10d_in_flight(c10::intrusive_ptr<c10d::Work> work, bool nccl = false);
 std::unique_ptr<InFlight> shm_collective_in_flight(std::shared_future<void> done);
 std::unique_ptr<InFlight> shm_message_in_flight(ShmPointToPoint& transport,
                                                 std::shared_ptr<ShmMessage> message);

@@ -30,6 +30,7 @@ using detail::GroupState;
 using detail::shm_collective_in_flight;
 using detail::shm_message_in_flight;
 using detail::start_work;
+using detail::uses_nccl;
 using detail::WorkState;
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -194,7 +195,8 @@ Work ProcessGroup::all_reduce_async(at::Tensor& tensor, ReduceOp op,
         c10d::AllreduceOptions opts;
         opts.reduceOp = to_c10d(op);
         opts.timeout = w.timeout;
-        w.in_flight = c10d_in_flight(backend_for(group, tensor).allreduce(tensors, opts));
+        w.in_flight = c10d_in_flight(backend_for(group, tensor).allreduce(tensors, opts),
+                                     uses_nccl(group, tensor));
       });
   if (op == ReduceOp::kAvg) {
     at::Tensor result = tensor;  // shares storage with the caller's tensor
@@ -218,7 +220,8 @@ Work ProcessGroup::broadcast_async(at::Tensor& tensor, int root, const Collectiv
         c10d::BroadcastOptions opts;
         opts.rootRank = root;
         opts.timeout = w.timeout;
-        w.in_flight = c10d_in_flight(backend_for(group, tensor).broadcast(tensors, opts));
+        w.in_flight = c10d_in_flight(backend_for(group, tensor).broadcast(tensors, opts),
+                                     uses_nccl(group, tensor));
       }));
 }
 
@@ -253,7 +256,8 @@ Work ProcessGroup::all_gather_async(std::vector<at::Tensor>& outputs, const at::
         std::vector<at::Tensor> in{input};
         c10d::AllgatherOptions opts;
         opts.timeout = w.timeout;
-        w.in_flight = c10d_in_flight(backend_for(group, input).allgather(out, in, opts));
+        w.in_flight = c10d_in_flight(backend_for(group, input).allgather(out, in, opts),
+                                     uses_nccl(group, input));
       }));
 }
 
@@ -292,7 +296,8 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const std::vector<at
           c10d::ReduceScatterOptions opts;
           opts.reduceOp = to_c10d(op);
           opts.timeout = w.timeout;
-          w.in_flight = c10d_in_flight(backend_for(group, output).reduce_scatter(out, in, opts));
+          w.in_flight = c10d_in_flight(backend_for(group, output).reduce_scatter(out, in, opts),
+                                       uses_nccl(group, output));
           return;
         }
         // Note [Reduce-scatter over Gloo]: an all-to-all hands piece r of every rank to rank r,
@@ -369,7 +374,8 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int dst, int tag,
           return;
         }
         std::vector<at::Tensor> tensors{payload};
-        w.in_flight = c10d_in_flight(backend_for(group, payload).send(tensors, dst, tag));
+        w.in_flight = c10d_in_flight(backend_for(group, payload).send(tensors, dst, tag),
+                                     uses_nccl(group, payload));
       }));
 }
 
@@ -395,7 +401,8 @@ Work ProcessGroup::irecv(at::Tensor& tensor, int src, int tag, const CollectiveO
           return;
         }
         std::vector<at::Tensor> tensors{landing};
-        w.in_flight = c10d_in_flight(backend_for(group, landing).recv(tensors, src, tag));
+        w.in_flight = c10d_in_flight(backend_for(group, landing).recv(tensors, src, tag),
+                                     uses_nccl(group, landing));
       }));
 }
 

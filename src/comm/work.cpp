@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "comm/group_state.h"
@@ -56,13 +57,18 @@ TransportFailure from_c10d(const std::string& what, Clock::time_point started,
 
 class C10dInFlight : public InFlight {
  public:
-  explicit C10dInFlight(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  C10dInFlight(c10::intrusive_ptr<c10d::Work> work, bool nccl)
+      : work_(std::move(work)), nccl_(nccl) {}
 
   void wait(Clock::time_point started, std::chrono::milliseconds timeout,
             const std::function<std::string()>& abandon) override {
     try {
       if (!abandon) {
         work_->wait(timeout);
+        return;
+      }
+      if (nccl_) {
+        poll(timeout, abandon);
         return;
       }
       // In slices, asking `abandon` between them. c10d's wait(t) throws when t passes with the
@@ -96,7 +102,40 @@ class C10dInFlight : public InFlight {
   bool finished() const override { return work_->isCompleted(); }
 
  private:
+  // Note [Waiting for NCCL]
+  // NCCL's wait(t) cannot be cut into slices as Gloo's is: when t passes it aborts the whole
+  // communicator (c10d's blocking wait), so a slice that ended would end the group. Its
+  // isCompleted() asks the work's CUDA event (and NCCL's asynchronous error) without waiting, so
+  // the wait polls that, asking `abandon` every kAbandonSlice: a lost host or a cut link, which
+  // NCCL may never report (its kernels spin on the device), ends the wait in seconds, and in-place
+  // recovery then aborts the communicator (RecoveryCore::release_group). Once done, wait() with
+  // no timeout joins the caller's stream to NCCL's, and throws the work's own failure if it had
+  // one. The pause between polls starts short, so that a collective that ends soon is not
+  // waited for much longer than c10d's own blocking wait would (it sleeps 1 ms between looks).
+  void poll(std::chrono::milliseconds timeout, const std::function<std::string()>& abandon) {
+    const auto begun = Clock::now();
+    const auto deadline = begun + timeout;
+    auto next_ask = begun + kAbandonSlice;
+    auto pause = std::chrono::microseconds(20);
+    while (!work_->isCompleted()) {
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw TransportFailure{TransportFailure::Kind::kTimeout,
+                               "NCCL's operation did not complete"};
+      }
+      if (now >= next_ask) {
+        std::string reason = abandon();
+        if (!reason.empty()) throw TransportFailure{TransportFailure::Kind::kAbandoned, reason};
+        next_ask = now + kAbandonSlice;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(2 * pause, std::chrono::microseconds(1000));
+    }
+    work_->wait();
+  }
+
   c10::intrusive_ptr<c10d::Work> work_;
+  bool nccl_;
 };
 
 class ShmCollectiveInFlight : public InFlight {
@@ -232,6 +271,21 @@ GroupState::GroupState() = default;
 
 GroupState::~GroupState() {
   progress.reset();
+#ifdef DTRAIN_WITH_CUDA
+  // ProcessGroupNCCL's destructor aborts its communicators itself, but first warns, on every
+  // program's exit, that destroy_process_group() was not called. Every operation of a healthy
+  // group was waited for to its end on the device (wait_for), so aborting it here loses nothing;
+  // PyTorch's graceful shutdown() would flush operations still queued instead, and hang on one
+  // whose peer never comes. A failed group is left to the OS below (in-place recovery aborted it
+  // already).
+  if (nccl && failure.empty()) {
+    try {
+      nccl->abort();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kWarn, "aborting NCCL of " << group_label() << ": " << e.what());
+    }
+  }
+#endif
   if (!failure.empty()) {
     // After a timeout a Gloo worker thread may still be blocked inside the transport, and the
     // backend's destructor would join it, stalling exit for another full timeout. The process is
@@ -260,8 +314,8 @@ void GroupState::check_usable() {
   }
 }
 
-std::unique_ptr<InFlight> c10d_in_flight(c10::intrusive_ptr<c10d::Work> work) {
-  return std::make_unique<C10dInFlight>(std::move(work));
+std::unique_ptr<InFlight> c10d_in_flight(c10::intrusive_ptr<c10d::Work> work, bool nccl) {
+  return std::make_unique<C10dInFlight>(std::move(work), nccl);
 }
 
 std::unique_ptr<InFlight> shm_collective_in_flight(std::shared_future<void> done) {
@@ -305,13 +359,10 @@ std::shared_ptr<WorkState> start_work(const std::shared_ptr<GroupState>& group_p
 void wait_for(WorkState& work) {
   if (work.done) return;
   try {
-    // Gloo's collectives only: its send and recv (SendWork, RecvWork) treat a wait that times out
-    // as the end of the whole context, and NCCL's wait(t) may abort the communicator; their waits
-    // are never cut into slices.
-    bool sliceable = work.seq != 0 && work.group->abandon_check;
-#ifdef DTRAIN_WITH_CUDA
-    if (work.group->nccl) sliceable = false;
-#endif
+    // Collectives only: Gloo's send and recv (SendWork, RecvWork) treat a wait that times out as
+    // the end of the whole context, so their waits are never cut into slices. (NCCL's collectives
+    // are polled instead: Note [Waiting for NCCL].)
+    const bool sliceable = work.seq != 0 && work.group->abandon_check;
     std::function<std::string()> abandon;
     if (sliceable) abandon = [&work] { return work.group->abandon_check(work.started); };
     work.in_flight->wait(work.started, work.timeout, abandon);

@@ -424,7 +424,12 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
   return std::stoll(read(name));
 }
 
-void Membership::mark_finished() { write("finished", "1"); }
+void Membership::mark_finished() {
+  // Its own mark first: a launcher that sees "finished" looks for it (end_stragglers() in
+  // src/launcher/cli/in_place_recovery.cpp) and kills a worker without one.
+  write("done/" + self_.id(), "1");
+  write("finished", "1");
+}
 
 void Membership::mark_failed(int64_t generation) {
   write("g" + std::to_string(generation) + "/failed", "1");

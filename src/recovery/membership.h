@@ -13,6 +13,10 @@
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
 //   finished            written when training is over: a newcomer still waiting has nothing to join
+//   done/<host>/<pid>/<pid namespace>
+//                       written by each member that took part in the end of training, before
+//                       finished: its launcher kills a worker still running after the end without
+//                       it (src/launcher/cli/in_place_recovery.cpp, end_stragglers())
 //   beat/<host>/<pid>/<pid namespace>
 //                       a process's heartbeat counter (Heartbeats below), created when it registers
 //   exited/<host>/<pid>/<pid namespace>
@@ -293,7 +297,9 @@ class Membership {
   Readiness wait_until_members_answer(const std::function<bool()>& stop_requested);
   std::optional<int64_t> wait_for_admission(int64_t number);
   // Member side, at the end of training: tells newcomers still waiting that there is nothing left,
-  // and members whose end-of-training barrier failed that another member's completed.
+  // members whose end-of-training barrier failed that another member's completed, and the
+  // launchers that this process took part in the end ("done/<id>": one without it, still running
+  // after the end, was left out while it stalled, and is killed).
   void mark_finished();
   // Whether a member marked the job finished. Throws when the store does not answer.
   bool finished() { return exists("finished"); }

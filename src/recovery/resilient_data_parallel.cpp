@@ -364,13 +364,15 @@ void RecoveryCore::release_group(bool failed) {
 #ifdef DTRAIN_WITH_CUDA
   // NCCL, unlike Gloo, can abort: after a failure the old generation's communicator is aborted
   // here, on this thread, so that none of its kernels still waits on the device for a peer that is
-  // gone when the next generation's kernels queue behind it. Not after an admission or a departure:
-  // the last step's all-reduce may still be running on the device, and it must finish. (Compiled
-  // in every CUDA build; not yet run on a GPU, where the example trainer still restarts instead:
-  // Note [In-place recovery].)
+  // gone when the next generation's kernels queue behind it (on an H100, 0.5 s with the all-reduce
+  // of a dead peer in flight: tests/cuda/cuda_recovery_test.cpp). Marked failed first, so that the
+  // group's destructor leaves it be (GroupState::~GroupState).
   if (failed && group_) {
     const auto& state = GroupInternals::state(*group_);
-    if (state->nccl) state->nccl->abort();
+    if (state->nccl) {
+      state->record_failure("its generation was left after a failure");
+      state->nccl->abort();
+    }
   }
 #endif
   if (group_) releases_.emplace_back([old = std::move(group_)]() mutable { old.reset(); });
@@ -392,6 +394,23 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
                       ". This process stops rather than go on as a second job; under `dtrain run "
                       "--recovery in-place` its launcher restarts it as a newcomer, admitted once "
                       "the store answers again. The failure: " +
+                      why);
+    }
+    // A process left out while it did not answer (stopped, stalled, cut off) that comes back
+    // after the others finished training: there is nothing left to re-form. Its launcher reads the
+    // same mark and does not restart it (src/launcher/cli/in_place_recovery.cpp).
+    bool job_over = false;
+    try {
+      job_over = membership_->finished();
+    } catch (const std::exception&) {
+      // The store did not answer: forming the next generation says what is wrong.
+    }
+    if (job_over) {
+      throw CommError(who() +
+                      ": in-place recovery: the job ended without this process: it was left "
+                      "out of the group while it did not answer (stopped, stalled or cut off), "
+                      "and the others finished (training done, or stopped together on SIGTERM). "
+                      "It exits and is not restarted. The failure: " +
                       why);
     }
     const int old_size = static_cast<int>(members_.size());
@@ -791,13 +810,17 @@ void RecoveryCore::finish() {
     }
   };
   bool agreed = false;
+  bool ended_by_another = false;
   for (;;) {
     try {
       group_->barrier();
       agreed = true;
       break;
     } catch (const CommError& e) {
-      if (marked_finished()) break;  // another member completed the barrier and left
+      if (marked_finished()) {  // another member completed the barrier and left
+        ended_by_another = true;
+        break;
+      }
       try {
         reform(Reason::kFailure, 0, e.what());
       } catch (const std::exception& failure) {
@@ -808,7 +831,7 @@ void RecoveryCore::finish() {
       }
     }
   }
-  if (agreed) {
+  if (agreed || ended_by_another) {
     try {
       membership_->mark_finished();
     } catch (const std::exception& e) {

@@ -99,6 +99,33 @@ TEST(TrainerFaults, WorkerKilledMidEpochCountsEverySampleOnceAndEndsWithinAPoint
   fs::remove_all(dir);
 }
 
+// In place, a worker that stops (SIGSTOP: a process frozen, hung in the kernel) is left out by
+// its heartbeat and the survivor finishes alone. The stopped worker never wakes: the launcher
+// kills it once the others completed training (end_stragglers() in
+// src/launcher/cli/in_place_recovery.cpp) and restarts nothing, instead of waiting for it for
+// good (before, the launcher hung; woken, the worker made it train the whole job again).
+TEST(TrainerFaults, AStoppedWorkerIsLeftOutAndKilledOnceTheOthersFinishInPlace) {
+  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  auto run = run_command("env DTRAIN_TEST_KILL_AT_STEP=1:300:19 " + bin("dtrain") +
+                             " run --nproc-per-node 2 --max-restarts 1" + kTrainer,
+                         120);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("sent no heartbeat"), std::string::npos) << run.output;
+  EXPECT_EQ(json_int(run.output, "recoveries"), 1) << run.output;
+  EXPECT_EQ(json_int(run.output, "world_size"), 1) << run.output;
+  EXPECT_EQ(json_list(run.output, "epoch_samples"), "[60000]") << run.output;
+  EXPECT_NE(run.output.find("took no part in the end of the job and still runs 10 s after the "
+                            "others ended it"),
+            std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("killed by signal 9 (SIGKILL) after the others finished the job "
+                            "without it: not restarted"),
+            std::string::npos)
+      << run.output;
+  EXPECT_EQ(run.output.find("restarting it alone"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("restarting the whole group"), std::string::npos) << run.output;
+}
+
 TEST(TrainerFaults, OneRankSigtermedStopsEveryRankAtTheSameStepAndTheRestartResumes) {
   if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
   // Only rank 1 receives SIGTERM, right after step 300. Rank 0 never does: it must learn it from

@@ -37,6 +37,18 @@ TEST(DeviceCheck, SameHostnameOnAnotherMachineIsNotASharedGpu) {
   EXPECT_EQ(describe_shared_device({{0, "node/boot-a", 0}, {1, "node/boot-b", 0}}), "");
 }
 
+// Slurm's --gpus-per-task and torchrun users give each process one GPU through
+// CUDA_VISIBLE_DEVICES: every rank trains on cuda:0, of different GPUs. NCCL compares the GPUs' PCI
+// addresses, and so does the check; the same GPU under two indices is still one GPU.
+TEST(DeviceCheck, TheGpuIsItsPciAddressNotItsIndex) {
+  EXPECT_EQ(describe_shared_device(
+                {{0, "gpu1/boot-a", 0, "0000:1a:00"}, {1, "gpu1/boot-a", 0, "0000:1b:00"}}),
+            "");
+  const std::string message = describe_shared_device(
+      {{0, "gpu1/boot-a", 1, "0000:1a:00"}, {1, "gpu1/boot-a", 0, "0000:1a:00"}});
+  EXPECT_NE(message.find("ranks 0 and 1 share cuda:1 on host gpu1,"), std::string::npos) << message;
+}
+
 // Before DDP or ZeRO starts: two thread ranks of one process training on one GPU would deadlock in
 // backward (autograd's one thread per device), so they are one line; processes sharing a GPU,
 // threads on GPUs of their own and threads on the CPU are fine.

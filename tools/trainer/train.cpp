@@ -86,12 +86,10 @@ void read_counters(const at::Tensor& counters, int64_t& steps,
 }
 
 // Under DTRAIN_RECOVERY=in-place: why this job cannot recover in place ("" when it can).
-std::string in_place_unsupported_reason(const Flags& flags, const c10::Device& device) {
+std::string in_place_unsupported_reason(const Flags& flags) {
   if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (in place: ddp only)";
-  if (device.is_cuda()) {
-    return "a CUDA device (in place is proven on Gloo groups only: NCCL's communicators are not "
-           "aborted between generations, and its waits do not ask the heartbeats)";
-  }
+  // (A CUDA device recovers in place: NCCL's waits ask the heartbeats and a failed generation's
+  // communicator is aborted, Note [Waiting for NCCL] in src/comm/work.cpp.)
   if (!flags.amp.empty()) {
     return "--amp (its loss scaler agrees on skipped steps over one fixed group, which in-place "
            "recovery replaces with every generation)";
@@ -108,7 +106,6 @@ std::string cuda_graph_unsupported_reason(const Flags& flags, const c10::Device&
                                           bool in_place, int world) {
   if (!device.is_cuda()) return "the CPU as its device (pass --device cuda on a GPU)";
   if (flags.strategy != "ddp") return "--strategy " + flags.strategy + " (ddp only)";
-  // (In place is CPU-only for now: in_place_unsupported_reason. The rule stands for later.)
   if (in_place) return "in-place recovery (its steps are redone at a new size)";
   if (world != 1) return std::to_string(world) + " ranks (one only: DDP's all-reduce waits)";
   if (!flags.amp.empty()) return "--amp " + flags.amp;
@@ -130,7 +127,7 @@ int train(const Flags& flags) {
   const c10::Device device = placement.device;
   bool in_place = false;
   if (recovery == "in-place") {
-    const std::string reason = in_place_unsupported_reason(flags, device);
+    const std::string reason = in_place_unsupported_reason(flags);
     in_place = reason.empty();
     if (!in_place && launch.rank == 0) {
       std::cout << "in-place recovery: not for " << reason

@@ -102,7 +102,13 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
     rendezvous = std::move(fixed);
   }
   elastic::WorkerGroup group(worker_group_options(options, plan));
-  Waker waker(signals.fd(), rendezvous->monitor_interval());
+  // In place, node 0 also looks for workers left behind by the end of training
+  // (InPlaceRecovery::end_stragglers), at least every kLookInterval.
+  std::chrono::milliseconds look = rendezvous->monitor_interval();
+  if (in_place && (look.count() == 0 || look > InPlaceRecovery::kLookInterval)) {
+    look = InPlaceRecovery::kLookInterval;
+  }
+  Waker waker(signals.fd(), look);
 
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: passed on to the workers (SIGTERM, SIGKILL after the grace
   // period; a trainer checkpoints meanwhile, or leaves a job that recovers in place), and this node
@@ -164,6 +170,7 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       }
 
       if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
+        if (in_place) in_place->end_stragglers(group, *round);
         if (in_place && !told_in_place && in_place->group_formed()) {
           told_in_place = rendezvous->workers_recover_in_place();
           if (told_in_place) {

@@ -31,6 +31,10 @@ bool readable(int fd) {
 // its presence says the program recovers in place (dtrain::ResilientDataParallel). As the store
 // holds it: c10d's client puts "/" before every key.
 constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
+// Written by the members that completed training (ResilientDataParallel::finish()), each also
+// under kDonePrefix + its id ("<host>/<pid>/<pid namespace>", as MemberRecord::id() names it).
+constexpr const char* kJobFinished = "/dtrain/recovery/finished";
+constexpr const char* kDonePrefix = "/dtrain/recovery/done/";
 
 // A call into node 0's store (a worker's exit notice, the question whether the workers recover in
 // place) costs at most this much when that store is out of reach (the link to node 0 is cut): the
@@ -52,6 +56,7 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   // again for the new one, and its keys belong to the last round's generations).
   store_.reset();
   formed_answer_.reset();
+  finished_seen_.reset();
   if (round.group_rank != 0) return;
   // A job of one node for good: the address the workers are given (loopback on a static node);
   // else every interface, as rank 0's TCPStore listens, also while an elastic round has one node
@@ -143,6 +148,30 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                   [](const WorkerExit& failure) { return failure.usage_error(); })) {
     return false;  // the static rendezvous says why it does not restart
   }
+  // A worker left out of the group while it did not answer (stopped, stalled), that ended after
+  // the others finished the job without it: the job's result stands, and nothing is restarted
+  // (restarting the whole group would train the job again). Told by the members' marks: the job
+  // ended, and this worker took no part in the end. (Workers that stopped together on SIGTERM took
+  // part: the whole group restarts from their checkpoint below.)
+  auto in_store = [&](const std::string& key) {
+    return store_ != nullptr
+               ? store_->contains(key)
+               : elastic::check_in_worker_store(round.master_addr, round.master_port, key,
+                                                kStoreCallTimeout) == elastic::KeyCheck::kPresent;
+  };
+  if (in_store(kJobFinished) &&
+      std::none_of(failures.begin(), failures.end(), [&](const WorkerExit& failure) {
+        return in_store(kDonePrefix + detail::own_hostname() + "/" + std::to_string(failure.pid) +
+                        "/" + std::to_string(detail::own_pid_namespace()));
+      })) {
+    for (const WorkerExit& failure : failures) {
+      say("rank " + std::to_string(failure.global_rank) + "/" + std::to_string(round.world_size) +
+          " (local rank " + std::to_string(failure.local_rank) + ", pid " +
+          std::to_string(failure.pid) + ") " + failure.describe() +
+          " after the others finished the job without it: not restarted");
+    }
+    return true;
+  }
   const int left = restarts_.left();
   bool in_place_group = false;
   bool known = true;
@@ -204,6 +233,26 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                          std::max(restarts_.spent(), failure.restart_count + 1));
   }
   return true;
+}
+
+void InPlaceRecovery::end_stragglers(elastic::WorkerGroup& group,
+                                     const elastic::WorkerGroupRound& round) {
+  if (store_ == nullptr || !store_->contains(kJobFinished)) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (!finished_seen_) finished_seen_ = now;
+  if (now - *finished_seen_ < kStragglerGrace) return;
+  for (const elastic::WorkerGroup::RunningWorker& worker : group.running_workers()) {
+    const std::string id = detail::own_hostname() + "/" + std::to_string(worker.pid) + "/" +
+                           std::to_string(detail::own_pid_namespace());
+    if (store_->contains(kDonePrefix + id)) continue;  // a member finishing its own way
+    say("rank " + std::to_string(worker.global_rank) + "/" + std::to_string(round.world_size) +
+        " (local rank " + std::to_string(worker.local_rank) + ", pid " +
+        std::to_string(worker.pid) + ") took no part in the end of the job and still runs " +
+        std::to_string(kStragglerGrace.count()) +
+        " s after the others ended it (it was left out of the group while it did not answer: "
+        "stopped or hung): killing it");
+    group.kill_worker(worker.local_rank);
+  }
 }
 
 }  // namespace dtrain::cli

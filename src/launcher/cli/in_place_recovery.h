@@ -8,6 +8,7 @@
 // on other hosts do not wait for them.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 
@@ -45,10 +46,20 @@ class InPlaceRecovery {
   void announce_exits(const elastic::WorkerGroupRound& round, const elastic::WaitResult& ended);
 
   // Restarts each worker of `failed` alone, as a newcomer the survivors admit into their group, and
-  // returns true; the other workers keep running. Returns false, restarting nothing, where the
-  // whole group must stop instead (see in_place_recovery.cpp), `signal_fd` readable among them.
+  // returns true; the other workers keep running. Also true, restarting nothing, where the workers
+  // had finished the job without it (a worker left out while it stalled, ending afterwards).
+  // Returns false, restarting nothing, where the whole group must stop instead (see
+  // in_place_recovery.cpp), `signal_fd` readable among them.
   bool restart_alone(elastic::WorkerGroup& group, const elastic::WorkerGroupRound& round,
                      const elastic::WaitResult& failed, int signal_fd);
+
+  // Node 0, at each of the loop's looks (kLookInterval): once the workers completed training, a
+  // worker of this node that took no part in the end (left out of the group while it did not
+  // answer: stopped, hung) and still runs kStragglerGrace later is killed, with one line, so that
+  // the launcher ends instead of waiting for it for good. restart_alone() then restarts nothing.
+  void end_stragglers(elastic::WorkerGroup& group, const elastic::WorkerGroupRound& round);
+  static constexpr std::chrono::milliseconds kLookInterval{1000};
+  static constexpr std::chrono::seconds kStragglerGrace{10};
 
  private:
   elastic::KeyCheck ask_whether_group_formed(const elastic::WorkerGroupRound& round,
@@ -62,6 +73,8 @@ class InPlaceRecovery {
   // Elsewhere: node 0's store's answer, asked with the last exit notice, until restart_alone()
   // takes it.
   std::optional<elastic::KeyCheck> formed_answer_;
+  // Node 0's: when end_stragglers() first saw the job finished.
+  std::optional<std::chrono::steady_clock::time_point> finished_seen_;
 };
 
 }  // namespace dtrain::cli

@@ -316,6 +316,21 @@ int WorkerGroup::running() const {
       std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return !w.reaped; }));
 }
 
+std::vector<WorkerGroup::RunningWorker> WorkerGroup::running_workers() const {
+  std::vector<RunningWorker> result;
+  for (const Worker& w : workers_) {
+    if (!w.reaped) result.push_back({w.local_rank, w.global_rank, w.pid});
+  }
+  return result;
+}
+
+void WorkerGroup::kill_worker(int local_rank) {
+  for (Worker& w : workers_) {
+    if (w.local_rank != local_rank || w.reaped) continue;
+    if (kill(-w.pid, SIGKILL) != 0) kill(w.pid, SIGKILL);
+  }
+}
+
 void WorkerGroup::start(const WorkerGroupRound& round) {
   if (running() != 0) {
     throw InternalError(options_.name + ": WorkerGroup::start called while " +

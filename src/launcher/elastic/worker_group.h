@@ -204,6 +204,17 @@ class WorkerGroup {
 
   // Workers of the current round not yet reaped.
   int running() const;
+  // The same, each with its ranks and pid.
+  struct RunningWorker {
+    int local_rank = 0;
+    int global_rank = 0;
+    pid_t pid = -1;
+  };
+  std::vector<RunningWorker> running_workers() const;
+  // SIGKILL to a running worker's process group (it, and what it started), the others untouched;
+  // the next wait() reaps it and reports it killed by signal 9. For a worker that cannot be asked
+  // to stop (a stopped or hung process: in_place_recovery.cpp, end_stragglers()).
+  void kill_worker(int local_rank);
   const WorkerGroupOptions& options() const { return options_; }
 
  private:
