@@ -466,8 +466,12 @@ c10d::Backend& backend_for(GroupState& group, const at::Tensor& tensor) {
       // collective: c10d's watchdog, by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), takes the
       // whole process down when NCCL reports an error, such as a peer's closed connection. 2
       // aborts the communicator and leaves the error to the waiting thread, which re-forms the
-      // group. Read by ProcessGroupNCCL's constructor; a value the user set is kept.
-      if (group.abandon_check) c10::utils::set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", false);
+      // group. Read by ProcessGroupNCCL's constructor, for the process: a value the user set
+      // (under either name c10d reads) is kept.
+      if (group.abandon_check && !c10::utils::has_env("TORCH_NCCL_ASYNC_ERROR_HANDLING") &&
+          !c10::utils::has_env("NCCL_ASYNC_ERROR_HANDLING")) {
+        c10::utils::set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2");
+      }
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = group.timeout;
       auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl", group.store);

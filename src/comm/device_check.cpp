@@ -28,8 +28,8 @@ std::string describe_shared_device(const std::vector<RankDevice>& ranks) {
                std::to_string(sharing[i]);
     }
     const std::string hostname = rank.host.substr(0, rank.host.find('/'));
-    return "ranks " + names + " share cuda:" + std::to_string(rank.device) + " on host " +
-           hostname +
+    return "ranks " + names + " share cuda:" + std::to_string(rank.device) +
+           (rank.gpu.empty() ? "" : " (PCI " + rank.gpu + ")") + " on host " + hostname +
            ", but NCCL needs a GPU of its own for each process. Give each rank its own device "
            "(cuda:LOCAL_RANK; "
            "start at most as many processes per node as it has GPUs), or set "

@@ -65,6 +65,7 @@ struct GroupState {
 #ifdef DTRAIN_WITH_CUDA
   std::once_flag nccl_once;
   c10::intrusive_ptr<c10d::Backend> nccl;
+  bool nccl_aborted = false;  // abort_nccl() ran: the destructor lets it go, undestroyed
 #endif
   std::unique_ptr<ProgressTracker> progress;
   bool shared_memory_allowed = true;  // InitOptions::shared_memory and DTRAIN_SHM
@@ -107,6 +108,9 @@ struct GroupState {
   void record_failure(const std::string& message);
   // Throws CommError if an earlier operation failed: the transport may be half-broken.
   void check_usable();
+  // Aborts NCCL's communicator, if the group has one (in-place recovery, after a failure: its
+  // kernels may wait on the device for a peer that is gone). The group is not used again.
+  void abort_nccl();
 };
 
 // How a transport's operation ended badly, sorted once where the transport's own error is caught,

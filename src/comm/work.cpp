@@ -273,11 +273,14 @@ GroupState::~GroupState() {
   progress.reset();
 #ifdef DTRAIN_WITH_CUDA
   // ProcessGroupNCCL's destructor aborts its communicators itself, but first warns, on every
-  // program's exit, that destroy_process_group() was not called. Every operation of a healthy
-  // group was waited for to its end on the device (wait_for), so aborting it here loses nothing;
-  // PyTorch's graceful shutdown() would flush operations still queued instead, and hang on one
-  // whose peer never comes. A failed group is left to the OS below (in-place recovery aborted it
-  // already).
+  // program's exit, that destroy_process_group() was not called. Aborting it here does what the
+  // destructor would, without the warning; PyTorch's graceful shutdown() would flush operations
+  // still queued instead, and hang on one whose peer never comes. A failed group is left to the OS
+  // below, and so is one that abort_nccl() aborted after a failure: destroying it joins c10d's
+  // watchdog threads, which may still be handling that failure (not run on a GPU), and the
+  // release threads that destroy old generations are joined at exit. The cost: one backend and
+  // its threads per recovery, bounded by max_recoveries.
+  if (nccl_aborted) (void)nccl.release();
   if (nccl && failure.empty()) {
     try {
       nccl->abort();
@@ -304,6 +307,14 @@ std::string GroupState::group_label() const { return "group '" + name + "'"; }
 void GroupState::record_failure(const std::string& message) {
   std::lock_guard<std::mutex> lock(failure_mutex);
   if (failure.empty()) failure = message;
+}
+
+void GroupState::abort_nccl() {
+#ifdef DTRAIN_WITH_CUDA
+  if (!nccl) return;
+  nccl_aborted = true;
+  nccl->abort();
+#endif
 }
 
 void GroupState::check_usable() {

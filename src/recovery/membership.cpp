@@ -424,10 +424,14 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
   return std::stoll(read(name));
 }
 
-void Membership::mark_finished() {
-  // Its own mark first: a launcher that sees "finished" looks for it (end_stragglers() in
-  // src/launcher/cli/in_place_recovery.cpp) and kills a worker without one.
-  write("done/" + self_.id(), "1");
+void Membership::mark_finished(bool completed) {
+  // Its own mark first: a launcher that sees "completed" looks for it (end_stragglers() in
+  // src/launcher/cli/in_place_recovery.cpp) and kills a worker without one. Named by the process
+  // group, which under `dtrain run` is the worker the launcher started (a wrapper script's too).
+  write("done/" + self_.host + "/" + std::to_string(getpgrp()) + "/" +
+            std::to_string(self_.pid_namespace),
+        "1");
+  if (completed) write("completed", "1");
   write("finished", "1");
 }
 

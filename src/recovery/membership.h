@@ -12,11 +12,13 @@
 //                       Note [A link cut between members])
 //   newcomers           counter of the newcomers that asked to be admitted
 //   admit/<k>           the generation newcomer k joins, written by the members that admit it
-//   finished            written when training is over: a newcomer still waiting has nothing to join
-//   done/<host>/<pid>/<pid namespace>
-//                       written by each member that took part in the end of training, before
-//                       finished: its launcher kills a worker still running after the end without
-//                       it (src/launcher/cli/in_place_recovery.cpp, end_stragglers())
+//   finished            written when training is over (or every member stops on SIGTERM): a
+//                       newcomer still waiting has nothing to join
+//   completed           written with finished when training is over (not when the job stops)
+//   done/<host>/<process group>/<pid namespace>
+//                       written by each member that took part in the end, before finished: once
+//                       the job completed, its launcher kills a worker still running without it and
+//                       restarts none (src/launcher/cli/in_place_recovery.cpp)
 //   beat/<host>/<pid>/<pid namespace>
 //                       a process's heartbeat counter (Heartbeats below), created when it registers
 //   exited/<host>/<pid>/<pid namespace>
@@ -131,8 +133,8 @@ struct MemberRecord {
 // ranks. The one left out is told why, exits, and its launcher restarts it as a newcomer; a
 // newcomer knocks at the members of the last generation ("latest") before it asks to be admitted,
 // and waits while one does not answer: it rejoins when the link is back. The knocks test Gloo's
-// network only: a group whose collectives run on NCCL waits for them in one call (no asks, so no
-// knocks during training), and NCCL's network may not be Gloo's. A newcomer's gate knocks from it
+// network only (the members' Gloo addresses): NCCL's network may be another (InfiniBand), and a
+// cut of it alone waits for the collective's timeout. A newcomer's gate knocks from it
 // to the members only: a new node that the members cannot reach (a firewall that drops what comes
 // in) is found by the knock before its first generation connects, and left out again.
 class Heartbeats {
@@ -296,11 +298,11 @@ class Membership {
   enum class Readiness { kReady, kJobFinished, kStopRequested };
   Readiness wait_until_members_answer(const std::function<bool()>& stop_requested);
   std::optional<int64_t> wait_for_admission(int64_t number);
-  // Member side, at the end of training: tells newcomers still waiting that there is nothing left,
-  // members whose end-of-training barrier failed that another member's completed, and the
-  // launchers that this process took part in the end ("done/<id>": one without it, still running
-  // after the end, was left out while it stalled, and is killed).
-  void mark_finished();
+  // Member side, at the end of training (`completed`) or of a stop that every member agreed to:
+  // tells newcomers still waiting that there is nothing left, members whose end-of-training
+  // barrier failed that another member's completed, and the launchers that this process took part
+  // in the end ("done/...": once the job completed, one without it was left out while it stalled).
+  void mark_finished(bool completed);
   // Whether a member marked the job finished. Throws when the store does not answer.
   bool finished() { return exists("finished"); }
 

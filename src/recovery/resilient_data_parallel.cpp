@@ -121,6 +121,7 @@ class RecoveryCore {
   bool departed_ = false;              // left on SIGTERM (agree_to_stop): no longer a member
   bool admitted_as_newcomer_ = false;  // joined a running job and received its state
   bool finished_ = false;              // finish() was called: training is over
+  bool stopping_all_ = false;          // agree_to_stop() said kStopAll: the job stops, not ends
   int64_t newcomers_admitted_ = 0;     // newcomer numbers 1..this are admitted (or gone)
   // The step count at the members' last agreement on the newcomers (admit_newcomers), or at the
   // formation of this generation: the same on every member.
@@ -365,15 +366,8 @@ void RecoveryCore::release_group(bool failed) {
   // NCCL, unlike Gloo, can abort: after a failure the old generation's communicator is aborted
   // here, on this thread, so that none of its kernels still waits on the device for a peer that is
   // gone when the next generation's kernels queue behind it (on an H100, 0.5 s with the all-reduce
-  // of a dead peer in flight: tests/cuda/cuda_recovery_test.cpp). Marked failed first, so that the
-  // group's destructor leaves it be (GroupState::~GroupState).
-  if (failed && group_) {
-    const auto& state = GroupInternals::state(*group_);
-    if (state->nccl) {
-      state->record_failure("its generation was left after a failure");
-      state->nccl->abort();
-    }
-  }
+  // of a dead peer in flight: tests/cuda/cuda_recovery_test.cpp).
+  if (failed && group_) GroupInternals::state(*group_)->abort_nccl();
 #endif
   if (group_) releases_.emplace_back([old = std::move(group_)]() mutable { old.reset(); });
   group_.reset();
@@ -401,7 +395,8 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
     // same mark and does not restart it (src/launcher/cli/in_place_recovery.cpp).
     bool job_over = false;
     try {
-      job_over = membership_->finished();
+      // (finish() re-forms too, as a member of the end: it looks for the mark itself.)
+      job_over = !finished_ && membership_->finished();
     } catch (const std::exception&) {
       // The store did not answer: forming the next generation says what is wrong.
     }
@@ -662,7 +657,10 @@ StopAgreement RecoveryCore::agree_to_stop() {
     group_->all_reduce(votes, ReduceOp::kSum);
     const int64_t leaving = votes.item<int64_t>();
     if (leaving == 0) return StopAgreement::kGoOn;
-    if (size - leaving < options_.min_size) return StopAgreement::kStopAll;
+    if (size - leaving < options_.min_size) {
+      stopping_all_ = true;  // finish() then marks the job stopped, not completed
+      return StopAgreement::kStopAll;
+    }
     if (mine) {
       depart();
       return StopAgreement::kLeave;
@@ -824,6 +822,10 @@ void RecoveryCore::finish() {
       try {
         reform(Reason::kFailure, 0, e.what());
       } catch (const std::exception& failure) {
+        if (marked_finished()) {  // the others ended it meanwhile
+          ended_by_another = true;
+          break;
+        }
         DTRAIN_LOG(kWarn, who() << ": in-place recovery: training is over here (every step "
                                    "committed), but the end could not be agreed with the others: "
                                 << failure.what());
@@ -833,7 +835,7 @@ void RecoveryCore::finish() {
   }
   if (agreed || ended_by_another) {
     try {
-      membership_->mark_finished();
+      membership_->mark_finished(/*completed=*/!stopping_all_);
     } catch (const std::exception& e) {
       DTRAIN_LOG(kWarn, "in-place recovery: could not mark the job finished: " << e.what());
     }

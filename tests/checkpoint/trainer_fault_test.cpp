@@ -118,7 +118,7 @@ TEST(TrainerFaults, AStoppedWorkerIsLeftOutAndKilledOnceTheOthersFinishInPlace) 
                             "others ended it"),
             std::string::npos)
       << run.output;
-  EXPECT_NE(run.output.find("killed by signal 9 (SIGKILL) after the others finished the job "
+  EXPECT_NE(run.output.find("killed by signal 9 (SIGKILL) after the others completed the job "
                             "without it: not restarted"),
             std::string::npos)
       << run.output;

@@ -46,7 +46,9 @@ TEST(DeviceCheck, TheGpuIsItsPciAddressNotItsIndex) {
             "");
   const std::string message = describe_shared_device(
       {{0, "gpu1/boot-a", 1, "0000:1a:00"}, {1, "gpu1/boot-a", 0, "0000:1a:00"}});
-  EXPECT_NE(message.find("ranks 0 and 1 share cuda:1 on host gpu1,"), std::string::npos) << message;
+  EXPECT_NE(message.find("ranks 0 and 1 share cuda:1 (PCI 0000:1a:00) on host gpu1,"),
+            std::string::npos)
+      << message;
 }
 
 // Before DDP or ZeRO starts: two thread ranks of one process training on one GPU would deadlock in

@@ -162,7 +162,7 @@ TEST(Membership, ANewcomerJoinsTheGenerationItIsAdmittedToAndALateOneFindsTheJob
   // Members first by job rank, then the newcomer; every one sees the same list.
   for (auto* f : {&newcomer, &m0, &m1}) EXPECT_EQ(ranks_of(f->get()), (std::vector<int>{0, 1, 2}));
 
-  member0.mark_finished();
+  member0.mark_finished(/*completed=*/true);
   Membership late(store, record(3, /*newcomer=*/true), 10s);
   EXPECT_EQ(late.wait_for_admission(late.request_admission()), std::nullopt);
 }

@@ -536,6 +536,28 @@ TEST(InPlaceRecoveryEnd, AMemberThatDiesAfterTheLastStepIsNotWaitedFor) {
   fs::remove_all(dir);
 }
 
+TEST(InPlaceRecoveryEnd, AWorkerFailingAfterTheEndIsNotRestartedAndGivesTheExitCode) {
+  // Rank 1 took part in the end (finish()) and then fails in its own code (exit 3), with a restart
+  // left: nothing is left to join, so it is not restarted as a newcomer; the training stands and
+  // the launcher exits with its code. Before, it was restarted, found the job finished and exited
+  // 0, and the launcher reported success.
+  const std::string dir = testing::temp_dir("recovery");
+  fs::create_directories(dir);
+  auto result = run_command("env DTRAIN_TIMEOUT_S=60 " + bin("dtrain") +
+                                " run --nproc-per-node 3 --recovery in-place --max-restarts 1 -- " +
+                                bin("recovery_worker") + " " + dir + " --exit-after-finish 1 3",
+                            120);
+  SCOPED_TRACE(result.output);
+  EXPECT_EQ(result.exit_code, 3);
+  EXPECT_NE(result.output.find("exited with code 3 after training completed: not restarted"),
+            std::string::npos);
+  EXPECT_EQ(result.output.find("restarting it alone"), std::string::npos);
+  EXPECT_EQ(json_int(result.output, "world_size"), 3);
+  auto steps = read_steps(dir);
+  expect_sound_job(dir, steps, 3);
+  fs::remove_all(dir);
+}
+
 TEST(InPlaceRecoveryTwice, TwoFailuresInARowUnderDtrainRun) {
   // Four workers; rank 3 dies after step 5 and rank 1 after step 9, with no restarts allowed: the
   // job goes on at 3, then at 2 ranks, each failed step redone, and still equals one process.

@@ -99,6 +99,8 @@ int run(int argc, char** argv) {
   int term_rank = -1;
   int64_t term_after = -1;
   bool leave_on_sigterm = false;
+  int exit_rank = -1;  // --exit-after-finish R CODE: rank R exits with CODE after finish()
+  int exit_code_after_finish = 0;
   dtrain::RecoveryOptions options;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
@@ -122,6 +124,10 @@ int run(int argc, char** argv) {
     if (arg == "--term-launcher-rank" && i + 1 < argc) term_rank = std::atoi(argv[++i]);
     if (arg == "--term-after" && i + 1 < argc) term_after = std::atoll(argv[++i]);
     if (arg == "--leave-on-sigterm") leave_on_sigterm = true;
+    if (arg == "--exit-after-finish" && i + 2 < argc) {
+      exit_rank = std::atoi(argv[++i]);
+      exit_code_after_finish = std::atoi(argv[++i]);
+    }
   }
   const bool vote = term_rank >= 0 || leave_on_sigterm;
   if (vote) dtrain::install_stop_handler();
@@ -229,6 +235,7 @@ int run(int argc, char** argv) {
   const auto stats = rdp.stats();
   std::ofstream(out + "/counted-" + std::to_string(::getpid()) + ".txt")
       << counted.item<int64_t>() << " " << stats.steps << std::endl;
+  if (job_rank == exit_rank) return exit_code_after_finish;  // its own code failing after the end
   if (group->rank() == 0) {
     std::vector<torch::Tensor> params;
     for (auto& p : net->parameters()) params.push_back(p.detach().clone());

@@ -102,13 +102,13 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
     rendezvous = std::move(fixed);
   }
   elastic::WorkerGroup group(worker_group_options(options, plan));
-  // In place, node 0 also looks for workers left behind by the end of training
-  // (InPlaceRecovery::end_stragglers), at least every kLookInterval.
-  std::chrono::milliseconds look = rendezvous->monitor_interval();
-  if (in_place && (look.count() == 0 || look > InPlaceRecovery::kLookInterval)) {
-    look = InPlaceRecovery::kLookInterval;
-  }
-  Waker waker(signals.fd(), look);
+  // In place, node 0 also looks for workers left behind by the end of the job
+  // (InPlaceRecovery::end_stragglers): at the rendezvous's looks, or every kLookInterval where the
+  // rendezvous has none (the static one).
+  const bool rendezvous_looks = rendezvous->monitor_interval().count() > 0;
+  Waker waker(signals.fd(), rendezvous_looks ? rendezvous->monitor_interval()
+                            : in_place       ? InPlaceRecovery::kLookInterval
+                                             : std::chrono::milliseconds(0));
 
   // SIGTERM/SIGINT/SIGHUP/SIGQUIT: passed on to the workers (SIGTERM, SIGKILL after the grace
   // period; a trainer checkpoints meanwhile, or leaves a job that recovers in place), and this node
@@ -166,11 +166,12 @@ int run_agent(const RunOptions& options, const LaunchPlan& plan) {
       if (result.state == WaitResult::State::kSucceeded) {
         group.stop();  // ends whatever the workers left running in their process groups
         rendezvous->finish(signals.fd());
-        return 0;
+        return in_place ? in_place->exit_code_after_completion() : 0;
       }
 
       if (result.state == WaitResult::State::kInterrupted) {  // the monitor timer
         if (in_place) in_place->end_stragglers(group, *round);
+        if (!rendezvous_looks) continue;
         if (in_place && !told_in_place && in_place->group_formed()) {
           told_in_place = rendezvous->workers_recover_in_place();
           if (told_in_place) {

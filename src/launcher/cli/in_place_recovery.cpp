@@ -31,10 +31,16 @@ bool readable(int fd) {
 // its presence says the program recovers in place (dtrain::ResilientDataParallel). As the store
 // holds it: c10d's client puts "/" before every key.
 constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
-// Written by the members that completed training (ResilientDataParallel::finish()), each also
-// under kDonePrefix + its id ("<host>/<pid>/<pid namespace>", as MemberRecord::id() names it).
-constexpr const char* kJobFinished = "/dtrain/recovery/finished";
+// Written by the members once training is over (ResilientDataParallel::finish(); not when they
+// stop together on SIGTERM), each also under kDonePrefix + "<host>/<process group>/<pid
+// namespace>": the worker this launcher started, whose pid is its process group's.
+constexpr const char* kJobCompleted = "/dtrain/recovery/completed";
 constexpr const char* kDonePrefix = "/dtrain/recovery/done/";
+
+std::string done_key(pid_t worker) {
+  return kDonePrefix + detail::own_hostname() + "/" + std::to_string(worker) + "/" +
+         std::to_string(detail::own_pid_namespace());
+}
 
 // A call into node 0's store (a worker's exit notice, the question whether the workers recover in
 // place) costs at most this much when that store is out of reach (the link to node 0 is cut): the
@@ -57,6 +63,7 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   store_.reset();
   formed_answer_.reset();
   finished_seen_.reset();
+  killed_stragglers_.clear();
   if (round.group_rank != 0) return;
   // A job of one node for good: the address the workers are given (loopback on a static node);
   // else every interface, as rank 0's TCPStore listens, also while an elastic round has one node
@@ -148,27 +155,31 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
                   [](const WorkerExit& failure) { return failure.usage_error(); })) {
     return false;  // the static rendezvous says why it does not restart
   }
-  // A worker left out of the group while it did not answer (stopped, stalled), that ended after
-  // the others finished the job without it: the job's result stands, and nothing is restarted
-  // (restarting the whole group would train the job again). Told by the members' marks: the job
-  // ended, and this worker took no part in the end. (Workers that stopped together on SIGTERM took
-  // part: the whole group restarts from their checkpoint below.)
-  auto in_store = [&](const std::string& key) {
+  // Once training is over (the members marked the job completed) nothing is restarted: a worker
+  // left out of the group while it did not answer (stopped, stalled) that ended afterwards took no
+  // part in the end (no done key), and the job's result stands; one that took part and then failed
+  // (in its own code after finish()) is the launcher's exit code, not a newcomer with nothing to
+  // join. Before, the first restarted the whole group, which trained the job again.
+  auto ask = [&](const std::string& key) {
     return store_ != nullptr
-               ? store_->contains(key)
+               ? (store_->contains(key) ? elastic::KeyCheck::kPresent : elastic::KeyCheck::kAbsent)
                : elastic::check_in_worker_store(round.master_addr, round.master_port, key,
-                                                kStoreCallTimeout) == elastic::KeyCheck::kPresent;
+                                                kStoreCallTimeout);
   };
-  if (in_store(kJobFinished) &&
-      std::none_of(failures.begin(), failures.end(), [&](const WorkerExit& failure) {
-        return in_store(kDonePrefix + detail::own_hostname() + "/" + std::to_string(failure.pid) +
-                        "/" + std::to_string(detail::own_pid_namespace()));
-      })) {
+  if (ask(kJobCompleted) == elastic::KeyCheck::kPresent) {
     for (const WorkerExit& failure : failures) {
-      say("rank " + std::to_string(failure.global_rank) + "/" + std::to_string(round.world_size) +
-          " (local rank " + std::to_string(failure.local_rank) + ", pid " +
-          std::to_string(failure.pid) + ") " + failure.describe() +
-          " after the others finished the job without it: not restarted");
+      const std::string who = "rank " + std::to_string(failure.global_rank) + "/" +
+                              std::to_string(round.world_size) + " (local rank " +
+                              std::to_string(failure.local_rank) + ", pid " +
+                              std::to_string(failure.pid) + ") " + failure.describe();
+      if (ask(done_key(failure.pid)) == elastic::KeyCheck::kAbsent) {
+        say(who + " after the others completed the job without it: not restarted");
+        continue;
+      }
+      say(who + " after training completed: not restarted; dtrain run exits with its code");
+      if (exit_code_after_completion_ == 0) {
+        exit_code_after_completion_ = failure.launcher_exit_code();
+      }
     }
     return true;
   }
@@ -237,14 +248,14 @@ bool InPlaceRecovery::restart_alone(elastic::WorkerGroup& group,
 
 void InPlaceRecovery::end_stragglers(elastic::WorkerGroup& group,
                                      const elastic::WorkerGroupRound& round) {
-  if (store_ == nullptr || !store_->contains(kJobFinished)) return;
+  if (store_ == nullptr || !store_->contains(kJobCompleted)) return;
   const auto now = std::chrono::steady_clock::now();
   if (!finished_seen_) finished_seen_ = now;
   if (now - *finished_seen_ < kStragglerGrace) return;
   for (const elastic::WorkerGroup::RunningWorker& worker : group.running_workers()) {
-    const std::string id = detail::own_hostname() + "/" + std::to_string(worker.pid) + "/" +
-                           std::to_string(detail::own_pid_namespace());
-    if (store_->contains(kDonePrefix + id)) continue;  // a member finishing its own way
+    if (store_->contains(done_key(worker.pid))) continue;  // a member finishing its own way
+    // Killed once: one in uninterruptible sleep dies when it wakes, and is reaped then.
+    if (!killed_stragglers_.insert(worker.pid).second) continue;
     say("rank " + std::to_string(worker.global_rank) + "/" + std::to_string(round.world_size) +
         " (local rank " + std::to_string(worker.local_rank) + ", pid " +
         std::to_string(worker.pid) + ") took no part in the end of the job and still runs " +

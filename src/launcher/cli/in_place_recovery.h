@@ -11,6 +11,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include "launcher/cli/run_options.h"
 #include "launcher/cli/static_rendezvous.h"
@@ -46,18 +47,23 @@ class InPlaceRecovery {
   void announce_exits(const elastic::WorkerGroupRound& round, const elastic::WaitResult& ended);
 
   // Restarts each worker of `failed` alone, as a newcomer the survivors admit into their group, and
-  // returns true; the other workers keep running. Also true, restarting nothing, where the workers
-  // had finished the job without it (a worker left out while it stalled, ending afterwards).
+  // returns true; the other workers keep running. Also true, restarting nothing, once training is
+  // over (a worker left out while it stalled, ending afterwards; or one failing after the end).
   // Returns false, restarting nothing, where the whole group must stop instead (see
   // in_place_recovery.cpp), `signal_fd` readable among them.
   bool restart_alone(elastic::WorkerGroup& group, const elastic::WorkerGroupRound& round,
                      const elastic::WaitResult& failed, int signal_fd);
 
-  // Node 0, at each of the loop's looks (kLookInterval): once the workers completed training, a
-  // worker of this node that took no part in the end (left out of the group while it did not
-  // answer: stopped, hung) and still runs kStragglerGrace later is killed, with one line, so that
-  // the launcher ends instead of waiting for it for good. restart_alone() then restarts nothing.
+  // Node 0, at each of the loop's looks (the rendezvous's, or kLookInterval): once the workers
+  // ended the job, a worker of this node that took no part in the end (left out of the group while
+  // it did not answer: stopped, hung) and still runs kStragglerGrace later is killed, with one
+  // line, so that the launcher ends instead of waiting for it for good. restart_alone() then
+  // restarts nothing.
   void end_stragglers(elastic::WorkerGroup& group, const elastic::WorkerGroupRound& round);
+
+  // The launcher's exit code once the workers are all gone: 0, or that of the first worker that
+  // took part in the end of training and failed afterwards (restart_alone() restarted nothing).
+  int exit_code_after_completion() const { return exit_code_after_completion_; }
   static constexpr std::chrono::milliseconds kLookInterval{1000};
   static constexpr std::chrono::seconds kStragglerGrace{10};
 
@@ -73,8 +79,10 @@ class InPlaceRecovery {
   // Elsewhere: node 0's store's answer, asked with the last exit notice, until restart_alone()
   // takes it.
   std::optional<elastic::KeyCheck> formed_answer_;
-  // Node 0's: when end_stragglers() first saw the job finished.
+  // Node 0's: when end_stragglers() first saw the job completed, and whom it killed since.
   std::optional<std::chrono::steady_clock::time_point> finished_seen_;
+  std::set<pid_t> killed_stragglers_;
+  int exit_code_after_completion_ = 0;
 };
 
 }  // namespace dtrain::cli
