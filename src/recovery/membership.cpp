@@ -424,13 +424,15 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
   return std::stoll(read(name));
 }
 
-void Membership::mark_finished(bool completed) {
-  // Its own mark first: a launcher that sees "completed" looks for it (end_stragglers() in
-  // src/launcher/cli/in_place_recovery.cpp) and kills a worker without one. Named by the process
-  // group, which under `dtrain run` is the worker the launcher started (a wrapper script's too).
+void Membership::mark_done() {
+  // Named by the process group, which under `dtrain run` is the worker the launcher started (a
+  // wrapper script's too).
   write("done/" + self_.host + "/" + std::to_string(getpgrp()) + "/" +
             std::to_string(self_.pid_namespace),
         "1");
+}
+
+void Membership::mark_finished(bool completed) {
   if (completed) write("completed", "1");
   write("finished", "1");
 }

@@ -16,8 +16,8 @@
 //                       newcomer still waiting has nothing to join
 //   completed           written with finished when training is over (not when the job stops)
 //   done/<host>/<process group>/<pid namespace>
-//                       written by each member that took part in the end, before finished: once
-//                       the job completed, its launcher kills a worker still running without it and
+//                       written by each member as it enters the end (finish()): once the job
+//                       completed, its launcher kills a worker still running without it and
 //                       restarts none (src/launcher/cli/in_place_recovery.cpp)
 //   beat/<host>/<pid>/<pid namespace>
 //                       a process's heartbeat counter (Heartbeats below), created when it registers
@@ -298,13 +298,18 @@ class Membership {
   enum class Readiness { kReady, kJobFinished, kStopRequested };
   Readiness wait_until_members_answer(const std::function<bool()>& stop_requested);
   std::optional<int64_t> wait_for_admission(int64_t number);
+  // Member side, on entering the end (finish()): this process takes part in it ("done/...": once
+  // the job completed, a launcher kills a worker still running without it, left out while it
+  // stalled).
+  void mark_done();
   // Member side, at the end of training (`completed`) or of a stop that every member agreed to:
   // tells newcomers still waiting that there is nothing left, members whose end-of-training
-  // barrier failed that another member's completed, and the launchers that this process took part
-  // in the end ("done/...": once the job completed, one without it was left out while it stalled).
+  // barrier failed that another member's completed, and the launchers that training is over.
   void mark_finished(bool completed);
   // Whether a member marked the job finished. Throws when the store does not answer.
   bool finished() { return exists("finished"); }
+  // Whether training completed (not a stop that every member agreed to). Throws likewise.
+  bool completed() { return exists("completed"); }
 
   // Member side, before registering for `generation` after a failure: marks it failed, so that the
   // members still waiting on the last generation's collectives stop (Note [Heartbeats]).

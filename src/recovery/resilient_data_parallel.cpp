@@ -401,12 +401,18 @@ void RecoveryCore::reform(Reason reason, int newcomers, const std::string& cause
       // The store did not answer: forming the next generation says what is wrong.
     }
     if (job_over) {
+      bool completed = true;
+      try {
+        completed = membership_->completed();
+      } catch (const std::exception&) {
+      }
       throw CommError(who() +
                       ": in-place recovery: the job ended without this process: it was left "
                       "out of the group while it did not answer (stopped, stalled or cut off), "
-                      "and the others finished (training done, or stopped together on SIGTERM). "
-                      "It exits and is not restarted. The failure: " +
-                      why);
+                      "and the others " +
+                      (completed ? "completed training; it exits and is not restarted"
+                                 : "stopped together on SIGTERM; it exits") +
+                      ". The failure: " + why);
     }
     const int old_size = static_cast<int>(members_.size());
     // Where the time goes, for the log line: release, membership, connection, state, DDP.
@@ -581,7 +587,11 @@ void RecoveryCore::transfer_state() {
     std::istringstream in(std::string(static_cast<const char*>(bytes.data_ptr()),
                                       static_cast<size_t>(bytes.numel())));
     torch::serialize::InputArchive archive;
-    archive.load_from(in);
+    // Onto this process's device: the sender's momentum buffers name its GPU (cuda:1 there may
+    // be this process's cuda:0, or absent).
+    std::optional<c10::Device> device;
+    if (!module_->parameters().empty()) device = module_->parameters().front().device();
+    archive.load_from(in, device);
     optimizer_.load(archive);
     auto c = counters.accessor<int64_t, 1>();
     // Note [Where the sampler stands] (step()): a newcomer begins where the sender's step began;
@@ -798,6 +808,13 @@ void RecoveryCore::finish() {
     stop_watching();
     if (heartbeats_) heartbeats_->retire();
     return;
+  }
+  // Taking part in the end, said before anything can fail or take long (a re-formation below):
+  // once training completed, a launcher kills a worker still running without it.
+  try {
+    membership_->mark_done();
+  } catch (const std::exception& e) {
+    DTRAIN_LOG(kWarn, "in-place recovery: could not mark this process done: " << e.what());
   }
   step_start_ = sampler_.state();
   auto marked_finished = [this] {

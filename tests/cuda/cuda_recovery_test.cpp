@@ -17,7 +17,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 
 #include "support/subprocess.h"
 #include "support/system.h"
@@ -29,15 +28,9 @@ namespace {
 namespace fs = std::filesystem;
 using testing::bin;
 using testing::json_int;
+using testing::json_list;
 using testing::json_number;
 using testing::run_command;
-
-std::string json_list(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(\\[[0-9, ]*\\])")))
-    return "";
-  return match[1];
-}
 
 // The worker `dtrain run` starts: the trainer on cuda:LOCAL_RANK (or cuda:0 for both, with a host
 // id each, on a machine with one GPU). `exec`: the launcher's pid is the trainer's.

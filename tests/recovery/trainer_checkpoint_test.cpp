@@ -25,15 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 using testing::bin;
 using testing::json_int;
+using testing::json_list;
 using testing::json_number;
 using testing::run_command;
-
-std::string json_list(const std::string& output, const std::string& key) {
-  std::smatch match;
-  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(\\[[0-9, ]*\\])")))
-    return "";
-  return match[1];
-}
 
 const std::string kTrainer = " -- " + bin("train_fashion_mnist") + " --batch-size 500 ";
 

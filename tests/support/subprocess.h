@@ -115,4 +115,13 @@ inline double json_number(const std::string& output, const std::string& key) {
   return std::stod(match[1]);
 }
 
+// The first `"key": [integers]` in a program's output as written ("[60000,60000]"), or "" when
+// there is none (which matches no expected list).
+inline std::string json_list(const std::string& output, const std::string& key) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex("\"" + key + "\": *(\\[[0-9, ]*\\])")))
+    return "";
+  return match[1];
+}
+
 }  // namespace dtrain::testing

@@ -64,6 +64,7 @@ void InPlaceRecovery::prepare(elastic::WorkerGroupRound& round) {
   formed_answer_.reset();
   finished_seen_.reset();
   killed_stragglers_.clear();
+  exit_code_after_completion_ = 0;
   if (round.group_rank != 0) return;
   // A job of one node for good: the address the workers are given (loopback on a static node);
   // else every interface, as rank 0's TCPStore listens, also while an elastic round has one node
