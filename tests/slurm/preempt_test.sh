@@ -57,8 +57,18 @@ export CKPT=$work/ckpt
 job=$(sbatch --parsable -p low --requeue -n2 --open-mode=append --output="$out" "$work/job.sh") ||
   fail "sbatch refused the job: $job"
 wait_line "$out" "^step 100 "
+# The training pauses (SIGSTOP) until slurmd has sent the preemption's SIGTERM, and goes on (SIGCONT) to
+# take it: Slurm's part of the preemption takes its time, which a loaded CI machine once spent training the
+# rest of the epoch (7 s, twice in a day) before the SIGTERM came.
+tasks=$(pgrep -f "^$trainer .*--checkpoint-dir $CKPT") || fail "no trainer tasks of job $job found"
+kill -STOP $tasks
 high=$(sbatch --parsable -p high --exclusive --output="$work/high.out" --wrap 'echo "high ran at $(date +%s.%N)"') ||
   fail "sbatch refused the high-priority job: $high"
+for ((i = 0; i < 600; ++i)); do
+  grep -q "Sent signal 15 to StepId=$job.0$" "$cluster/slurmd.log" && break
+  sleep 0.05
+done
+kill -CONT $tasks 2>/dev/null
 state=$(wait_job_end "$job" 150)
 [[ $state == "JobState=COMPLETED Restarts=1 ExitCode=0:0 " ]] ||
   fail "job $job ended as '$state' (expected COMPLETED, Restarts=1): $(tail -n 8 "$out")"
