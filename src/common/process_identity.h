@@ -25,4 +25,11 @@ inline std::string own_hostname() {
   return name;
 }
 
+// A process of this host among every host's: "<hostname>/<pid>/<pid namespace>", as in-place
+// recovery's store names it (a member's id, a launcher's notice that a worker exited, a member's
+// mark that it took part in the end).
+inline std::string process_key(pid_t pid) {
+  return own_hostname() + "/" + std::to_string(pid) + "/" + std::to_string(own_pid_namespace());
+}
+
 }  // namespace dtrain::detail

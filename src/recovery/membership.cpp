@@ -427,9 +427,7 @@ std::optional<int64_t> Membership::wait_for_admission(int64_t number) {
 void Membership::mark_done() {
   // Named by the process group, which under `dtrain run` is the worker the launcher started (a
   // wrapper script's too).
-  write("done/" + self_.host + "/" + std::to_string(getpgrp()) + "/" +
-            std::to_string(self_.pid_namespace),
-        "1");
+  write("done/" + process_key(getpgrp()), "1");
 }
 
 void Membership::mark_finished(bool completed) {

@@ -362,13 +362,11 @@ void RecoveryCore::release_group(bool failed) {
   // backward makes new ones.
   for (auto& p : module_->parameters()) p.mutable_grad() = at::Tensor();
   owner_.unwrap();
-#ifdef DTRAIN_WITH_CUDA
   // NCCL, unlike Gloo, can abort: after a failure the old generation's communicator is aborted
   // here, on this thread, so that none of its kernels still waits on the device for a peer that is
   // gone when the next generation's kernels queue behind it (on an H100, 0.5 s with the all-reduce
   // of a dead peer in flight: tests/cuda/cuda_recovery_test.cpp).
   if (failed && group_) GroupInternals::state(*group_)->abort_nccl();
-#endif
   if (group_) releases_.emplace_back([old = std::move(group_)]() mutable { old.reset(); });
   group_.reset();
 }

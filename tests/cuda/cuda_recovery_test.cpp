@@ -32,6 +32,13 @@ using testing::json_list;
 using testing::json_number;
 using testing::run_command;
 
+// Why these tests cannot run here ("" when they can).
+std::string cannot_train_on_a_gpu() {
+  if (!torch::cuda::is_available()) return "no CUDA device here (or a LibTorch without CUDA)";
+  if (!testing::have_fashion_mnist()) return testing::kNoFashionMnist;
+  return "";
+}
+
 // The worker `dtrain run` starts: the trainer on cuda:LOCAL_RANK (or cuda:0 for both, with a host
 // id each, on a machine with one GPU). `exec`: the launcher's pid is the trainer's.
 std::string write_worker(const std::string& dir) {
@@ -49,9 +56,7 @@ std::string write_worker(const std::string& dir) {
 }
 
 TEST(CudaInPlace, AWorkerKilledOrStoppedMidEpochIsRecoveredInPlaceOverNccl) {
-  if (!torch::cuda::is_available())
-    GTEST_SKIP() << "no CUDA device here (or a LibTorch without CUDA)";
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (const std::string why = cannot_train_on_a_gpu(); !why.empty()) GTEST_SKIP() << why;
   const std::string dir = testing::temp_dir("dtrain-cuda-in-place");
   fs::create_directories(dir);
   const std::string worker = write_worker(dir);
@@ -122,9 +127,7 @@ TEST(CudaInPlace, AWorkerKilledOrStoppedMidEpochIsRecoveredInPlaceOverNccl) {
 // sent through Gloo. Every sample once, and an accuracy no broken transfer reaches (the MLP is at
 // 0.85-0.86 after two epochs; a model left half-copied or a step applied twice lands far below).
 TEST(CudaInPlace, RanksSharingAGpuThroughGlooRecoverInPlaceToo) {
-  if (!torch::cuda::is_available())
-    GTEST_SKIP() << "no CUDA device here (or a LibTorch without CUDA)";
-  if (!testing::have_fashion_mnist()) GTEST_SKIP() << testing::kNoFashionMnist;
+  if (const std::string why = cannot_train_on_a_gpu(); !why.empty()) GTEST_SKIP() << why;
   auto killed = run_command("env DTRAIN_CUDA_BACKEND=gloo DTRAIN_TEST_KILL_AT_STEP=1:300 " +
                                 bin("dtrain") + " run --nproc-per-node 2 --max-restarts 1 -- " +
                                 bin("train_fashion_mnist") + " --device cuda --epochs 2",

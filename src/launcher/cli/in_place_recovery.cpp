@@ -37,10 +37,7 @@ constexpr const char* kInPlaceGroupFormed = "/dtrain/recovery/g0/closed";
 constexpr const char* kJobCompleted = "/dtrain/recovery/completed";
 constexpr const char* kDonePrefix = "/dtrain/recovery/done/";
 
-std::string done_key(pid_t worker) {
-  return kDonePrefix + detail::own_hostname() + "/" + std::to_string(worker) + "/" +
-         std::to_string(detail::own_pid_namespace());
-}
+std::string done_key(pid_t worker) { return kDonePrefix + detail::process_key(worker); }
 
 // A call into node 0's store (a worker's exit notice, the question whether the workers recover in
 // place) costs at most this much when that store is out of reach (the link to node 0 is cut): the
@@ -97,9 +94,7 @@ void InPlaceRecovery::announce_exits(const elastic::WorkerGroupRound& round,
     // One that left the job (Note [Leaving in place]) wrote its own notice, which says so: the
     // others count it as departed, not failed (Membership::departed).
     if (failure.signal == 0 && failure.exit_code == kLeftExitCode) continue;
-    notices.emplace_back("/dtrain/recovery/exited/" + detail::own_hostname() + "/" +
-                             std::to_string(failure.pid) + "/" +
-                             std::to_string(detail::own_pid_namespace()),
+    notices.emplace_back("/dtrain/recovery/exited/" + detail::process_key(failure.pid),
                          failure.describe());
     ranks += (ranks.empty() ? "rank " : ", rank ") + std::to_string(failure.global_rank) + " " +
              failure.describe();
